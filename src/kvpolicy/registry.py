@@ -1,0 +1,155 @@
+"""The plugin manager and the registry of stages and named policies.
+
+Built-ins are registered first (through ``kvpolicy.builtin``, with the same hooks as plugins),
+then every ``kvpolicy`` entry point unless ``KVPOLICY_DISABLE_PLUGIN_AUTOLOAD`` is set. A plugin
+that fails to import or to answer a hook is skipped with a warning that names it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from . import builtin, hookspecs
+from .stages.base import Stage, StageKind
+
+ENTRY_POINT_GROUP = "kvpolicy"
+AUTOLOAD_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
+_KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector")
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin could not be loaded or registered; the others still are."""
+
+
+class UnknownStageError(ValueError):
+    """A policy names a stage type that no plugin registered."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A registered stage class or policy source and the plugin it came from."""
+
+    name: str
+    plugin: str
+    obj: Any
+
+
+class Registry:
+    """Stages by kind and ``type_name``, and named policies, with their plugins."""
+
+    def __init__(self, autoload: bool | None = None) -> None:
+        self.pm = pluggy.PluginManager("kvpolicy")
+        self.pm.add_hookspecs(hookspecs)
+        self.stages: dict[StageKind, dict[str, Registered]] = {k: {} for k in _KINDS}
+        self.policies: dict[str, Registered] = {}
+        self.pm.register(builtin, name="kvpolicy")
+        if autoload is None:
+            autoload = os.environ.get(AUTOLOAD_ENV, "").strip().lower() in ("", "0", "false", "no")
+        if autoload:
+            self._load_entry_points()
+        for plugin in self.pm.get_plugins():
+            self._collect(plugin)
+
+    def register_plugin(self, plugin: Any, name: str | None = None) -> None:
+        """Register a plugin object at run time (tests, notebooks) and collect its hooks."""
+        name = self.pm.register(plugin, name=name)
+        self._collect(self.pm.get_plugin(name))
+
+    def _load_entry_points(self) -> None:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name):
+                continue
+            try:
+                self.pm.register(ep.load(), name=ep.name)
+            except Exception as exc:  # a broken plugin must not take the others down
+                warnings.warn(
+                    f"kvpolicy plugin {ep.name!r} ({ep.value}) failed to load and is skipped: "
+                    f"{type(exc).__name__}: {exc}",
+                    PluginLoadWarning,
+                    stacklevel=3,
+                )
+
+    def _collect(self, plugin: Any) -> None:
+        name = self.pm.get_name(plugin)
+        for hook, sink in (("kvpolicy_stages", self._add_stages), ("kvpolicy_policies", self._add_policies)):
+            impls = [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin is plugin]
+            try:
+                for impl in impls:
+                    sink(name, impl.function())
+            except Exception as exc:
+                warnings.warn(
+                    f"kvpolicy plugin {name!r} failed in {hook} and is partly skipped: "
+                    f"{type(exc).__name__}: {exc}",
+                    PluginLoadWarning,
+                    stacklevel=3,
+                )
+
+    def _add_stages(self, plugin: str, classes: Any) -> None:
+        for cls in classes or ():
+            if not (isinstance(cls, type) and issubclass(cls, Stage)) or cls.__dict__.get("type_name") is None:
+                raise TypeError(f"{cls!r} is not a Scorer, Reservation or Selector with a type_name")
+            table = self.stages[cls.kind]
+            if cls.type_name in table:
+                warnings.warn(
+                    f"kvpolicy plugin {plugin!r}: {cls.kind} type {cls.type_name!r} is already "
+                    f"registered by {table[cls.type_name].plugin!r}; the later one is ignored",
+                    PluginLoadWarning,
+                    stacklevel=4,
+                )
+                continue
+            table[cls.type_name] = Registered(cls.type_name, plugin, cls)
+
+    def _add_policies(self, plugin: str, policies: Mapping[str, Any]) -> None:
+        for pname, source in (policies or {}).items():
+            if pname in self.policies:
+                warnings.warn(
+                    f"kvpolicy plugin {plugin!r}: policy {pname!r} is already registered by "
+                    f"{self.policies[pname].plugin!r}; the later one is ignored",
+                    PluginLoadWarning,
+                    stacklevel=4,
+                )
+                continue
+            self.policies[pname] = Registered(pname, plugin, source)
+
+    def stage_class(self, kind: StageKind, type_name: str) -> type[Stage]:
+        table = self.stages[kind]
+        if type_name not in table:
+            known = ", ".join(sorted(table)) or "none"
+            raise UnknownStageError(f"unknown {kind} type {type_name!r}; registered {kind}s: {known}")
+        return table[type_name].obj
+
+    def build_stage(self, kind: StageKind, spec: Any) -> Stage:
+        """Build a stage from ``{type: NAME, ...params}`` (or a bare ``NAME`` string)."""
+        if isinstance(spec, str):
+            spec = {"type": spec}
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"a {kind} is written as a mapping with a 'type' key, got {spec!r}")
+        if "type" not in spec:
+            known = ", ".join(sorted(self.stages[kind]))
+            raise ValueError(f"a {kind} needs a 'type' key; registered {kind}s: {known}")
+        params = {k: v for k, v in spec.items() if k != "type"}
+        return self.stage_class(kind, str(spec["type"])).model_validate(params)
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = Registry()
+    return _REGISTRY
+
+
+def reset_registry() -> None:
+    """Forget the registry so that the next use rediscovers plugins (tests, after installs)."""
+    global _REGISTRY
+    _REGISTRY = None

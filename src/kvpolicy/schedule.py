@@ -1,0 +1,75 @@
+"""When eviction fires and how many slots it keeps: the numbers every policy file starts with."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
+
+
+class Schedule(BaseModel):
+    """The decode-phase schedule of a policy.
+
+    After each decoded token is appended, eviction fires when a layer holds ``L > budget`` slots
+    and ``L % interval == 0`` (``count="slots"``; ``count="tokens"`` tests the padded sequence
+    length instead, as R-KV does). It keeps ``budget`` slots: the ``recent`` newest slots are
+    never candidates and always kept; the ``L - recent`` older slots compete for the other
+    ``budget - recent``. Attention scorers see the last ``window`` post-RoPE queries.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget: int = Field(..., gt=0, description="Slots kept after an eviction, recent ones included.")
+    recent: int = Field(
+        64, ge=0, description='Newest slots always kept; an int or "budget - N" (StreamingLLM).'
+    )
+    interval: int = Field(64, ge=1, description="Eviction fires when the count is a multiple of it.")
+    window: int = Field(64, ge=0, description="Recent queries kept for attention scorers.")
+    count: Literal["slots", "tokens"] = "slots"
+    compress_prompt: bool = Field(False, description="Compress a prompt longer than the budget once it is in.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_relative_recent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("recent"), str):
+            m = _RELATIVE.match(data["recent"])
+            if m is None:
+                raise ValueError(f'recent must be an int or "budget - N", got {data["recent"]!r}')
+            budget = data.get("budget")
+            if isinstance(budget, int):
+                data = {**data, "recent": budget - int(m.group(1))}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Schedule:
+        if self.recent >= self.budget:
+            raise ValueError(
+                f"budget ({self.budget}) must be above the recent buffer ({self.recent}): "
+                "otherwise no slot is ever a candidate"
+            )
+        if self.window > max(self.recent, 1) and self.window > self.interval:
+            raise ValueError(
+                f"window ({self.window}) is larger than the buffer (recent {self.recent}, interval "
+                f"{self.interval}): the window's queries would belong to slots already evicted"
+            )
+        return self
+
+    @property
+    def capacity(self) -> int:
+        """Slots a layer needs in steady state: eviction brings it back to ``budget``."""
+        return self.capacity_for(0)
+
+    def capacity_for(self, prompt_len: int) -> int:
+        """Slots a layer needs when decoding after a prompt of ``prompt_len`` slots."""
+        top = max(self.budget, prompt_len)
+        if self.count == "slots":
+            return (top // self.interval + 1) * self.interval
+        return top + self.interval
+
+    def fires(self, slots: int, tokens: int) -> bool:
+        """Whether eviction fires with ``slots`` held after ``tokens`` (padded) positions."""
+        counted = slots if self.count == "slots" else tokens
+        return slots > self.budget and counted % self.interval == 0

@@ -1,0 +1,56 @@
+"""Built-in stages, one per module. Import from here or from ``kvpolicy``."""
+
+from .attention import AttentionScorer
+from .base import EvictionInput, Reservation, Scorer, Selector, Stage
+from .combination import CombinationScorer, WeightedTerm
+from .greedy import GreedySelector
+from .keep_protected import KeepProtectedSelector
+from .key_norm import KeyNormScorer
+from .leverage import LeverageScorer
+from .random_score import RandomScorer
+from .redundancy import RedundancyScorer
+from .sinks import SinksReservation
+from .spec import ReservationSpec, ScorerSpec, SelectorSpec
+from .stochastic import StochasticSelector
+from .top_scores import TopScoresReservation
+from .value_magnitude import ValueMagnitudeScorer
+
+BUILTIN_STAGES = (
+    AttentionScorer,
+    RedundancyScorer,
+    LeverageScorer,
+    ValueMagnitudeScorer,
+    KeyNormScorer,
+    RandomScorer,
+    CombinationScorer,
+    SinksReservation,
+    TopScoresReservation,
+    GreedySelector,
+    StochasticSelector,
+    KeepProtectedSelector,
+)
+
+__all__ = [
+    "BUILTIN_STAGES",
+    "AttentionScorer",
+    "CombinationScorer",
+    "EvictionInput",
+    "GreedySelector",
+    "KeepProtectedSelector",
+    "KeyNormScorer",
+    "LeverageScorer",
+    "RandomScorer",
+    "RedundancyScorer",
+    "Reservation",
+    "Scorer",
+    "ReservationSpec",
+    "ScorerSpec",
+    "SelectorSpec",
+    "Selector",
+    "SinksReservation",
+    "Stage",
+    "StochasticSelector",
+    "TopScoresReservation",
+    "ValueMagnitudeScorer",
+    "WeightedTerm",
+]

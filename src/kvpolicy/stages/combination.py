@@ -1,0 +1,56 @@
+"""A weighted sum of scorers, e.g. R-KV's ``lambda * attention - (1 - lambda) * redundancy``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .base import EvictionInput, Scorer
+from .spec import ScorerSpec
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+class WeightedTerm(BaseModel):
+    """One term of a combination: ``weight * scorer``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight: float
+    scorer: ScorerSpec
+
+
+class CombinationScorer(Scorer):
+    """``sum_i weight_i * score_i`` over its terms."""
+
+    type_name: ClassVar[str] = "combination"
+
+    terms: Annotated[list[WeightedTerm], Field(min_length=1)]
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return any(t.scorer.stochastic for t in self.terms)
+
+    @property
+    def may_be_negative(self) -> bool:
+        return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        for t in self.terms:
+            t.scorer.validate_schedule(schedule)
+
+    def score(self, inp: EvictionInput) -> torch.Tensor:
+        total = None
+        for term in self.terms:
+            s = term.scorer.score(inp) * term.weight
+            total = s if total is None else total.add_(s)
+        return total
+
+    def describe(self):
+        return {
+            "type": self.type_name,
+            "terms": [{"weight": t.weight, "scorer": t.scorer.describe()} for t in self.terms],
+        }

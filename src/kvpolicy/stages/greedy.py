@@ -1,0 +1,18 @@
+"""Greedy top-k selection."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .base import EvictionInput, Selector
+
+
+class GreedySelector(Selector):
+    """Keeps the unprotected candidates with the largest scores."""
+
+    type_name: ClassVar[str] = "greedy"
+
+    def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
+        return scores

@@ -1,0 +1,40 @@
+"""Stochastic sampling without replacement in proportion to the score (VaSE-AttnV)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import Field
+
+from .base import EvictionInput, Selector
+
+
+class StochasticSelector(Selector):
+    """Samples the free slots without replacement, with probability proportional to the score.
+
+    Implemented as Gumbel-top-k: the top ``k`` of ``log(score) / temperature + Gumbel`` is
+    distributed exactly like ``k`` successive multinomial draws without replacement from
+    ``score ** (1 / temperature)`` (``temperature=1``, VaSE's setting, is proportional to the
+    score; ``temperature -> 0`` tends to greedy). Zero-score slots are only taken, uniformly at
+    random, once every positive-score slot is kept. Scores must be non-negative.
+    """
+
+    type_name: ClassVar[str] = "stochastic"
+    stochastic: ClassVar[bool] = True
+
+    temperature: float = Field(1.0, gt=0.0)
+
+    def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
+        cand = inp.candidate_mask.expand_as(scores)
+        if bool((scores < 0).logical_and_(cand).any()):
+            raise ValueError(
+                "the stochastic selector samples in proportion to the score and needs non-negative "
+                f"scores; got a minimum of {float(scores[cand].min()):.4g}"
+            )
+        device = inp.generator.device if inp.generator is not None else torch.device("cpu")
+        u = torch.rand(scores.shape, generator=inp.generator, device=device).to(scores.device)
+        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+        # Zero weight: far below any positive weight, random order among themselves.
+        logw = torch.where(scores > 0, scores.clamp_min(1e-38).log() / self.temperature, -1e4)
+        return logw + gumbel
