@@ -91,9 +91,9 @@ class Policy:
             values: ``[B, Hkv, N, Dv]``.
             queries: ``[B, Hq, W, D]`` the window of recent post-RoPE queries, ``Hq % Hkv == 0``.
             generator: randomness for stochastic stages (default: the policy's seeded generator).
-            slot_valid: ``[B, N]`` bool, False for padding (default: all True).
+            slot_valid: ``[B, N]`` or ``[B, Hkv, N]`` bool, False for padding (default: all True).
             query_valid: ``[B, W]`` bool, False for window entries without a real query.
-            positions: ``[B, N]`` long token index of each slot among its row's real tokens
+            positions: ``[B, N]`` or ``[B, Hkv, N]`` long token index of each slot among its row's real tokens
                 (default: ``0 .. N-1``; ``-1`` for padding).
             layer_seed, rows_per_layer: used by the executor when layers are stacked on the batch
                 axis (one fixed seed per layer, ``rows_per_layer`` rows each).
@@ -109,11 +109,15 @@ class Policy:
         if n <= self.budget:
             return torch.arange(n, device=device).expand(b, hkv, n).clone()
         if slot_valid is None:
-            slot_valid = torch.ones(b, n, dtype=torch.bool, device=device)
+            slot_valid = torch.ones(b, hkv, n, dtype=torch.bool, device=device)
+        elif slot_valid.dim() == 2:
+            slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
         if query_valid is None:
             query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool, device=device)
         if positions is None:
             positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
+        elif positions.dim() == 2:
+            positions = positions[:, None, :].expand(b, hkv, n)
         if generator is None and self.stochastic:
             generator = self.default_generator(device)
         if layer_seed is None:
@@ -208,12 +212,16 @@ def _check_inputs(keys, values, queries, slot_valid, query_valid, positions) -> 
             f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
         )
     devices = {t.device for t in (keys, values, queries)}
-    for label, t, shape in (("slot_valid", slot_valid, (b, n)), ("query_valid", query_valid, (b, queries.shape[2])),
-                            ("positions", positions, (b, n))):
+    checks = (
+        ("slot_valid", slot_valid, [(b, n), (b, hkv, n)]),
+        ("query_valid", query_valid, [(b, queries.shape[2])]),
+        ("positions", positions, [(b, n), (b, hkv, n)]),
+    )
+    for label, t, shapes in checks:
         if t is None:
             continue
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{label} must have shape {shape}, got {tuple(t.shape)}")
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"{label} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
         devices.add(t.device)
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")

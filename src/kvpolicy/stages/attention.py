@@ -51,8 +51,8 @@ class AttentionScorer(Scorer):
         logits = torch.matmul(q, inp.keys[:, :, :c].transpose(-1, -2)).float()
         logits.mul_(1.0 / math.sqrt(d))
         logits = logits.view(b, hkv, g, w, c)
-        if not bool(inp.slot_valid[:, :c].all()):
-            logits.masked_fill_(~inp.slot_valid[:, None, None, None, :c], float("-inf"))
+        if not bool(inp.slot_valid[..., :c].all()):
+            logits.masked_fill_(~inp.slot_valid[:, :, None, None, :c], float("-inf"))
         if self.group_reduce_at == "before_softmax":
             logits = logits.amax(2, keepdim=True) if self.group_reduce == "max" else logits.mean(2, keepdim=True)
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of only padding has no mass

@@ -35,10 +35,11 @@ class EvictionInput:
         budget: ``K = min(N, budget)``, the number of slots kept, protected ones included.
         num_candidates: ``C``; slots ``[0, C)`` are eviction candidates, slots ``[C, N)`` are the
             recent buffer, always kept and never scored.
-        slot_valid: ``[B, N]`` bool, False for padding slots (never kept while a valid one is not).
+        slot_valid: ``[B, Hkv, N]`` bool, False for padding slots (never kept while a valid one
+            is not). Per head, since heads keep different slots after an eviction.
         query_valid: ``[B, W]`` bool, False for window entries that hold no real query yet.
-        positions: ``[B, N]`` long, the index of each slot's token among its row's real tokens
-            (``-1`` for padding). Sinks are the slots at positions ``0 .. n-1``.
+        positions: ``[B, Hkv, N]`` long, the index of each slot's token among its row's real
+            tokens (``-1`` for padding). Sinks are the slots at positions ``0 .. n-1``.
         generator: the seeded source of randomness for stochastic stages.
         layer_seed: ``[L]`` long, one fixed seed per stacked layer (``L = B // rows_per_layer``
             layers stacked on the batch axis) for stages that draw once per layer and reuse it.
@@ -79,9 +80,9 @@ class EvictionInput:
 
     @property
     def candidate_mask(self) -> torch.Tensor:
-        """``[B, 1, N]`` bool: valid slots that are eviction candidates."""
+        """``[B, Hkv, N]`` bool: valid slots that are eviction candidates."""
         idx = torch.arange(self.num_slots, device=self.keys.device)
-        return (self.slot_valid & (idx < self.num_candidates)).unsqueeze(1)
+        return self.slot_valid & (idx < self.num_candidates)
 
 
 class Stage(BaseModel, ABC):

@@ -51,7 +51,7 @@ class LeverageScorer(Scorer):
     def score(self, inp: EvictionInput) -> torch.Tensor:
         c = inp.num_candidates
         p = self.projections(inp)[:, None]  # [B, 1, D, r]
-        valid = inp.slot_valid[:, None, :c].float()
+        valid = inp.slot_valid[..., :c].float()
         k2 = v2 = None
         if self.mode != "value":
             k2 = torch.matmul(inp.keys[:, :, :c].float(), p).square().sum(-1) * valid

@@ -37,7 +37,7 @@ class RedundancyScorer(Scorer):
         m = n if self.over == "all" else inp.num_candidates
         k = inp.keys[:, :, :m].float()
         kn = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-        valid = inp.slot_valid[:, None, :m]  # [B, 1, M]
+        valid = inp.slot_valid[..., :m]  # [B, Hkv, M]
         kn = kn * valid[..., None]  # padding rows and columns contribute zero similarity
         col_sum = kn.new_zeros(b, h, m)
         cols = torch.arange(m, device=k.device)

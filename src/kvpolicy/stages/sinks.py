@@ -18,8 +18,7 @@ class SinksReservation(Reservation):
     n: int = Field(4, ge=0)
 
     def reserve(self, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
-        sinks = (inp.positions >= 0) & (inp.positions < self.n) & inp.slot_valid
-        return sinks[:, None, :].expand_as(protected)
+        return (inp.positions >= 0) & (inp.positions < self.n) & inp.slot_valid
 
     def reserved_count(self, budget: int) -> int:
         return self.n

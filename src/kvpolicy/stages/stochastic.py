@@ -26,7 +26,7 @@ class StochasticSelector(Selector):
     temperature: float = Field(1.0, gt=0.0)
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
-        cand = inp.candidate_mask.expand_as(scores)
+        cand = inp.candidate_mask
         if bool((scores < 0).logical_and_(cand).any()):
             raise ValueError(
                 "the stochastic selector samples in proportion to the score and needs non-negative "

@@ -51,7 +51,7 @@ class TopScoresReservation(Reservation):
 
     def reserve(self, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
         n = self.count(inp.budget)
-        cand = inp.candidate_mask.expand_as(protected)
+        cand = inp.candidate_mask
         need = torch.full(protected.shape[:2], n, device=protected.device)
         if self.include_prior:
             need = (need - (protected & cand).sum(-1)).clamp_min(0)

@@ -1,0 +1,21 @@
+"""The module named by the ``kvpolicy`` entry point: two hook implementations, nothing else."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import kvpolicy
+
+from .scorer import KeyDiffScorer
+
+
+@kvpolicy.hookimpl
+def kvpolicy_stages():
+    """The stages this plugin adds: usable as ``{type: keydiff}`` in any policy file."""
+    return [KeyDiffScorer]
+
+
+@kvpolicy.hookimpl
+def kvpolicy_policies():
+    """The named policies this plugin adds: ``kvpolicy.load_policy("keydiff")``."""
+    return {"keydiff": files("kvpolicy_keydiff") / "policies" / "keydiff.yaml"}

@@ -1,0 +1,331 @@
+"""A deliberately naive reference of the eviction formulas in ``shared/spec/algorithms.md``.
+
+Written from the spec, not from the library: plain Python loops over batch rows, KV heads, query
+heads and window queries, float64 throughout, nothing vectorised across rows or heads. It is slow
+on purpose and only meant for small test inputs.
+
+Conventions: ``K, V`` are ``[B, Hkv, N, D]``, ``Q`` is ``[B, Hq, W, D]``; query head ``h*G + g``
+belongs to KV head ``h``. Candidates are slots ``0 .. C-1``; slots ``C .. N-1`` are the recent
+buffer. Scores come back as ``[B, Hkv, N]`` float64 with zeros outside the valid candidates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _valid(slot_valid, b, n):
+    return [True] * n if slot_valid is None else [bool(x) for x in slot_valid[b].tolist()]
+
+
+def _qvalid(query_valid, b, w):
+    return [True] * w if query_valid is None else [bool(x) for x in query_valid[b].tolist()]
+
+
+def softmax(xs: list[float]) -> list[float]:
+    """Softmax of a list; entries equal to -inf get probability 0."""
+    finite = [x for x in xs if x != -math.inf]
+    if not finite:
+        return [0.0] * len(xs)
+    m = max(finite)
+    ex = [0.0 if x == -math.inf else math.exp(x - m) for x in xs]
+    s = sum(ex)
+    return [e / s for e in ex]
+
+
+def pool1d(xs: list[float], kind: str, kernel: int) -> list[float]:
+    """Stride 1, zero padding ``kernel // 2`` on both sides; avg divides by ``kernel``."""
+    if kind == "none":
+        return list(xs)
+    pad = kernel // 2
+    out = []
+    for j in range(len(xs)):
+        win = [xs[j + o] if 0 <= j + o < len(xs) else 0.0 for o in range(-pad, pad + 1)]
+        out.append(sum(win) / kernel if kind == "avg" else max(win))
+    return out
+
+
+def attention(
+    K,
+    Q,
+    C: int,
+    *,
+    group_reduce: str = "mean",
+    group_reduce_at: str = "after_softmax",
+    window_reduce: str = "mean",
+    pooling: str = "avg",
+    kernel: int = 5,
+    slot_valid=None,
+    query_valid=None,
+) -> torch.Tensor:
+    """SnapKV-family attention importance.
+
+    after_softmax (VaSE / SnapKV): per query head softmax over candidates, window mean (or sum),
+    pooling, then reduce the G heads of the group. before_softmax (R-KV): reduce the G heads on the
+    raw logits, softmax, window reduce, pooling.
+    """
+    K = K.double()
+    Q = Q.double()
+    B, Hkv, N, D = K.shape
+    Hq, W = Q.shape[1], Q.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        sv = _valid(slot_valid, b, N)
+        qv = _qvalid(query_valid, b, W)
+        n_real_q = sum(qv)
+        for h in range(Hkv):
+            # logits[g][w][j]
+            logits = []
+            for g in range(G):
+                per_w = []
+                for w in range(W):
+                    q = Q[b, h * G + g, w]
+                    row = []
+                    for j in range(C):
+                        if sv[j]:
+                            row.append(float(torch.dot(q, K[b, h, j])) / math.sqrt(D))
+                        else:
+                            row.append(-math.inf)
+                    per_w.append(row)
+                logits.append(per_w)
+            if group_reduce_at == "before_softmax":
+                red = []
+                for w in range(W):
+                    row = []
+                    for j in range(C):
+                        vals = [logits[g][w][j] for g in range(G)]
+                        if group_reduce == "max":
+                            row.append(max(vals))
+                        else:
+                            row.append(sum(vals) / G if vals[0] != -math.inf else -math.inf)
+                    red.append(row)
+                heads = [red]
+            else:
+                heads = logits
+            per_head_scores = []
+            for per_w in heads:
+                acc = [0.0] * C
+                for w in range(W):
+                    if not qv[w]:
+                        continue
+                    p = softmax(per_w[w])
+                    for j in range(C):
+                        acc[j] += p[j]
+                if window_reduce == "mean":
+                    acc = [a / max(n_real_q, 1) for a in acc]
+                per_head_scores.append(pool1d(acc, pooling, kernel))
+            if group_reduce_at == "before_softmax":
+                final = per_head_scores[0]
+            elif group_reduce == "max":
+                final = [max(s[j] for s in per_head_scores) for j in range(C)]
+            else:
+                final = [sum(s[j] for s in per_head_scores) / G for j in range(C)]
+            for j in range(C):
+                out[b, h, j] = final[j]
+    return out
+
+
+def redundancy(K, C: int, *, threshold: float | None = 0.5, over: str = "all", slot_valid=None) -> torch.Tensor:
+    """R-KV key redundancy.
+
+    ``over="all"``: rows and columns are every cached slot; ``"candidates"``: the first C only.
+    Cosine similarity with a zero diagonal; for each row, the most recent column above
+    ``threshold`` (column 0 when none) is zeroed; mean over rows; softmax over columns; the
+    candidate columns are returned. Padding slots are neither rows nor columns.
+    """
+    K = K.double()
+    B, H, N, _ = K.shape
+    M = N if over == "all" else C
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        sv = _valid(slot_valid, b, N)
+        for h in range(H):
+            kn = []
+            for i in range(M):
+                k = K[b, h, i]
+                kn.append(k / (math.sqrt(float(torch.dot(k, k))) + 1e-8))
+            sim = [[0.0] * M for _ in range(M)]
+            for i in range(M):
+                for j in range(M):
+                    if i != j and sv[i] and sv[j]:
+                        sim[i][j] = float(torch.dot(kn[i], kn[j]))
+            if threshold is not None:
+                for i in range(M):
+                    if not sv[i]:
+                        continue
+                    last = 0
+                    for j in range(M):
+                        if sim[i][j] > threshold:
+                            last = j
+                    sim[i][last] = 0.0
+            rows = [i for i in range(M) if sv[i]]
+            mean = []
+            for j in range(M):
+                if sv[j]:
+                    mean.append(sum(sim[i][j] for i in rows) / max(len(rows), 1))
+                else:
+                    mean.append(-math.inf)
+            red = softmax(mean)
+            for j in range(C):
+                out[b, h, j] = red[j]
+    return out
+
+
+def gaussian_projection(d: int, rank: int, generator: torch.Generator) -> torch.Tensor:
+    """``P`` with entries ``N(0, 1) / sqrt(rank)``."""
+    return torch.randn(d, rank, generator=generator, dtype=torch.float64) / math.sqrt(rank)
+
+
+def leverage(
+    K, V, C: int, P, *, mode: str = "kv_product", local_window: int | None = None, slot_valid=None
+) -> torch.Tensor:
+    """Gaussian-projection leverage with an explicit projection.
+
+    ``P`` is ``[D, r]`` (shared by every row) or ``[B, D, r]`` (one per batch row).
+    """
+    K = K.double()
+    V = V.double()
+    P = torch.as_tensor(P).double()
+    B, H, N, _ = K.shape
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+
+    def normalise(xs):
+        s = sum(xs)
+        return [x / s if s > 0 else 0.0 for x in xs]
+
+    def local(xs):
+        if local_window is None:
+            return xs
+        res = []
+        for start in range(0, len(xs), local_window):
+            res.extend(normalise(xs[start : start + local_window]))
+        return res
+
+    for b in range(B):
+        sv = _valid(slot_valid, b, N)
+        p = P[b] if P.dim() == 3 else P
+        for h in range(H):
+            k2, v2 = [], []
+            for j in range(C):
+                if not sv[j]:
+                    k2.append(0.0)
+                    v2.append(0.0)
+                    continue
+                k2.append(float((K[b, h, j] @ p).pow(2).sum()))
+                v2.append(float((V[b, h, j] @ p).pow(2).sum()))
+            k2, v2 = local(k2), local(v2)
+            if mode == "kv_product":
+                s = [a * c for a, c in zip(k2, v2)]
+            elif mode == "key":
+                s = k2
+            elif mode == "value":
+                s = v2
+            else:
+                s = [0.5 * (a + c) for a, c in zip(normalise(k2), normalise(v2))]
+            s = normalise(s)
+            for j in range(C):
+                out[b, h, j] = s[j]
+    return out
+
+
+def value_magnitude(V, metric: str = "range") -> torch.Tensor:
+    """Range (max - min over d), population variance over d, or L2 norm, per slot."""
+    V = V.double()
+    B, H, N, D = V.shape
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for j in range(N):
+                xs = V[b, h, j].tolist()
+                if metric == "range":
+                    out[b, h, j] = max(xs) - min(xs)
+                elif metric == "variance":
+                    mu = sum(xs) / D
+                    out[b, h, j] = sum((x - mu) ** 2 for x in xs) / D
+                else:
+                    out[b, h, j] = math.sqrt(sum(x * x for x in xs))
+    return out
+
+
+def top_reservation(scores_bh, candidates: list[int], protected: set[int], n: int, include_prior: bool) -> set[int]:
+    """The ``n`` open candidates with the largest scores (minus protected ones if ``include_prior``)."""
+    need = n - (len(protected & set(candidates)) if include_prior else 0)
+    open_ = [j for j in candidates if j not in protected]
+    open_.sort(key=lambda j: -float(scores_bh[j]))
+    return set(open_[: max(0, need)])
+
+
+def select(
+    scores,
+    *,
+    budget: int,
+    recent: int,
+    sinks: int = 0,
+    reserve_scores=None,
+    reserve_n: int = 0,
+    include_prior: bool = True,
+    slot_valid=None,
+    positions=None,
+) -> list[list[list[int]]]:
+    """Greedy selection for one eviction: protected slots, then the best-scored candidates.
+
+    Protected: the recent buffer (last ``recent`` slots), the slots of the first ``sinks`` real
+    tokens, and ``reserve_n`` open candidates with the largest ``reserve_scores``. Returns the
+    kept slots, ascending, per ``[b][h]``.
+    """
+    B, H, N = scores.shape
+    C = N - recent
+    K = min(N, budget)
+    out = []
+    for b in range(B):
+        sv = _valid(slot_valid, b, N)
+        pos = list(range(N)) if positions is None else positions[b].tolist()
+        row = []
+        for h in range(H):
+            if N <= budget:
+                row.append(list(range(N)))
+                continue
+            protected = set(range(C, N))
+            protected |= {j for j in range(N) if sv[j] and 0 <= pos[j] < sinks}
+            cands = [j for j in range(C) if sv[j]]
+            if reserve_n:
+                protected |= top_reservation(reserve_scores[b, h], cands, protected, reserve_n, include_prior)
+            free = [j for j in cands if j not in protected]
+            free.sort(key=lambda j: -float(scores[b, h, j]))
+            kept = sorted(protected | set(free[: K - len(protected)]))
+            row.append(kept)
+        out.append(row)
+    return out
+
+
+def policy_scores(cfg: dict, K, V, Q, *, slot_valid=None, query_valid=None, projection=None):
+    """Reference scores for a resolved policy dict (``PolicyConfig.to_dict()``) of known stages."""
+    C = K.shape[2] - cfg["schedule"]["recent"]
+    return _stage_scores(cfg["scorer"], K, V, Q, C, slot_valid, query_valid, projection)
+
+
+def _stage_scores(spec, K, V, Q, C, slot_valid, query_valid, projection):
+    t = spec["type"]
+    if t == "attention":
+        return attention(
+            K, Q, C, group_reduce=spec["group_reduce"], group_reduce_at=spec["group_reduce_at"],
+            window_reduce=spec["window_reduce"], pooling=spec["pooling"], kernel=spec["kernel"],
+            slot_valid=slot_valid, query_valid=query_valid,
+        )
+    if t == "redundancy":
+        return redundancy(K, C, threshold=spec["threshold"], over=spec["over"], slot_valid=slot_valid)
+    if t == "leverage":
+        return leverage(K, V, C, projection, mode=spec["mode"], local_window=spec["local_window"],
+                        slot_valid=slot_valid)
+    if t == "value_magnitude":
+        return value_magnitude(V, spec["metric"])
+    if t == "combination":
+        total = None
+        for term in spec["terms"]:
+            s = term["weight"] * _stage_scores(term["scorer"], K, V, Q, C, slot_valid, query_valid, projection)
+            total = s if total is None else total + s
+        return total
+    raise NotImplementedError(t)
