@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -30,15 +31,22 @@ import kvpolicy
 # -- timing -------------------------------------------------------------------------------------
 
 
-def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds of each function, timed in turn within every repeat.
+
+    Interleaving keeps the comparison fair on a shared machine: a burst of load from elsewhere
+    slows every contender of that repeat, not just one of them.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
 # -- the compute floor --------------------------------------------------------------------------
@@ -201,10 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
     ap.add_argument("--no-loop", action="store_true", help="skip the loop implementation")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 7)
-    names = args.policies or kvpolicy.available_policies()
+    registry = kvpolicy.get_registry()
+    names = args.policies or sorted(n for n, r in registry.policies.items() if r.plugin == "kvpolicy")
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, "
           f"Hkv={args.kv_heads} Hq={args.q_heads} D={args.head_dim} W={args.window} "
@@ -228,12 +241,14 @@ def main(argv: list[str] | None = None) -> None:
                     if rkv:
                         kk_floor(keys)
 
-                sel_ms = median_ms(lambda: policy.select(keys, values, queries, generator=gen), repeats)
-                floor_ms = median_ms(floor, repeats)
-                if args.no_loop:
-                    loop_ms = float("nan")
-                else:
-                    loop_ms = median_ms(lambda: loop.select(keys, values, queries, gen), max(1, repeats // 2))
+                fns = {
+                    "select": functools.partial(policy.select, keys, values, queries, generator=gen),
+                    "floor": floor,
+                }
+                if not args.no_loop:
+                    fns["loop"] = functools.partial(loop.select, keys, values, queries, gen)
+                ms = interleaved_ms(fns, repeats)
+                sel_ms, floor_ms, loop_ms = ms["select"], ms["floor"], ms.get("loop", float("nan"))
                 print(f"{name:<18} {b:>2} {n:>5} {sel_ms:>10.1f} {floor_ms:>9.1f} {sel_ms / floor_ms:>6.2f} "
                       f"{loop_ms:>9.1f} {loop_ms / sel_ms:>7.1f}x", flush=True)
 

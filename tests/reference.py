@@ -16,8 +16,12 @@ import math
 import torch
 
 
-def _valid(slot_valid, b, n):
-    return [True] * n if slot_valid is None else [bool(x) for x in slot_valid[b].tolist()]
+def _valid(slot_valid, b, h, n):
+    """Validity of the slots of row ``b``, head ``h``; ``slot_valid`` is ``[B, N]`` or ``[B, Hkv, N]``."""
+    if slot_valid is None:
+        return [True] * n
+    row = slot_valid[b] if slot_valid.dim() == 2 else slot_valid[b, h]
+    return [bool(x) for x in row.tolist()]
 
 
 def _qvalid(query_valid, b, w):
@@ -73,10 +77,10 @@ def attention(
     G = Hq // Hkv
     out = torch.zeros(B, Hkv, N, dtype=torch.float64)
     for b in range(B):
-        sv = _valid(slot_valid, b, N)
         qv = _qvalid(query_valid, b, W)
         n_real_q = sum(qv)
         for h in range(Hkv):
+            sv = _valid(slot_valid, b, h, N)
             # logits[g][w][j]
             logits = []
             for g in range(G):
@@ -141,8 +145,8 @@ def redundancy(K, C: int, *, threshold: float | None = 0.5, over: str = "all", s
     M = N if over == "all" else C
     out = torch.zeros(B, H, N, dtype=torch.float64)
     for b in range(B):
-        sv = _valid(slot_valid, b, N)
         for h in range(H):
+            sv = _valid(slot_valid, b, h, N)
             kn = []
             for i in range(M):
                 k = K[b, h, i]
@@ -205,9 +209,9 @@ def leverage(
         return res
 
     for b in range(B):
-        sv = _valid(slot_valid, b, N)
         p = P[b] if P.dim() == 3 else P
         for h in range(H):
+            sv = _valid(slot_valid, b, h, N)
             k2, v2 = [], []
             for j in range(C):
                 if not sv[j]:
@@ -218,13 +222,13 @@ def leverage(
                 v2.append(float((V[b, h, j] @ p).pow(2).sum()))
             k2, v2 = local(k2), local(v2)
             if mode == "kv_product":
-                s = [a * c for a, c in zip(k2, v2)]
+                s = [a * c for a, c in zip(k2, v2, strict=True)]
             elif mode == "key":
                 s = k2
             elif mode == "value":
                 s = v2
             else:
-                s = [0.5 * (a + c) for a, c in zip(normalise(k2), normalise(v2))]
+                s = [0.5 * (a + c) for a, c in zip(normalise(k2), normalise(v2), strict=True)]
             s = normalise(s)
             for j in range(C):
                 out[b, h, j] = s[j]
@@ -281,10 +285,16 @@ def select(
     K = min(N, budget)
     out = []
     for b in range(B):
-        sv = _valid(slot_valid, b, N)
-        pos = list(range(N)) if positions is None else positions[b].tolist()
         row = []
         for h in range(H):
+            sv = _valid(slot_valid, b, h, N)
+            if positions is None:
+                pos, seen = [], 0
+                for j in range(N):
+                    pos.append(seen if sv[j] else -1)
+                    seen += sv[j]
+            else:
+                pos = (positions[b] if positions.dim() == 2 else positions[b, h]).tolist()
             if N <= budget:
                 row.append(list(range(N)))
                 continue

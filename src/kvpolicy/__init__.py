@@ -1,6 +1,9 @@
 """kvpolicy: composable KV-cache eviction policies for LLM decoding."""
 
+from typing import TYPE_CHECKING, Any
+
 from .config import PolicyConfig, PolicyError
+from .evicting import EvictingCache
 from .hookspecs import hookimpl
 from .policy import Policy, load_policy
 from .registry import get_registry
@@ -9,8 +12,13 @@ from .stages import EvictionInput, Reservation, Scorer, Selector
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .hf import KVPolicyCache
+
 __all__ = [
+    "EvictingCache",
     "EvictionInput",
+    "KVPolicyCache",
     "Policy",
     "PolicyConfig",
     "PolicyError",
@@ -28,3 +36,12 @@ __all__ = [
 def available_policies() -> list[str]:
     """Names of every registered policy (built-in and from plugins)."""
     return sorted(get_registry().policies)
+
+
+def __getattr__(name: str) -> Any:
+    # KVPolicyCache lives in kvpolicy.hf, which imports transformers: load it on first use only.
+    if name == "KVPolicyCache":
+        from .hf import KVPolicyCache
+
+        return KVPolicyCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

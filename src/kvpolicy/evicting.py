@@ -91,6 +91,19 @@ class EvictingCache:
         """Run every pending eviction now (they otherwise run at the next append)."""
         return self.executor.evict(self.layers)
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index [B']`` of every layer, in that order (beam reordering,
+        ``repeat_interleave`` for several samples per prompt, dropping finished rows)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        if index.dim() != 1:
+            raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+        done: set[int] = set()
+        for s in self.layers:
+            if s.buffers is not None and id(s.buffers) not in done:
+                done.add(id(s.buffers))
+                s.buffers.select_rows(index)
+            s.select_rows(index)
+
     # -- reporting ---------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         """Bytes held by all static buffers and query windows."""

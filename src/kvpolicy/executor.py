@@ -97,5 +97,5 @@ class Executor:
                 state.stats.evictions += 1
                 state.eviction_due = False
         else:
-            for state, rows in zip(group, kept):
+            for state, rows in zip(group, kept, strict=True):
                 state.compact(rows)

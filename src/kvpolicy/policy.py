@@ -24,8 +24,11 @@ class Policy:
     ``generator=`` to control randomness yourself).
     """
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicyConfig, source: Mapping[str, Any] | None = None) -> None:
         self.config = config
+        # The mapping the config was validated from: overrides re-apply to it, so that relative
+        # fields (StreamingLLM's ``recent: budget - 4``) follow an overridden budget.
+        self._source = dict(source) if isinstance(source, Mapping) else None
         self._generators: dict[torch.device, torch.Generator] = {}
 
     # -- descriptive ------------------------------------------------------------------------
@@ -55,7 +58,8 @@ class Policy:
 
     def with_overrides(self, **overrides: Any) -> Policy:
         """A new policy with schedule or top-level fields replaced (``budget=512``)."""
-        return Policy(parse_policy(apply_overrides(self.config.to_dict(), overrides), self.name))
+        data = apply_overrides(self._source if self._source is not None else self.config.to_dict(), overrides)
+        return Policy(parse_policy(data, self.name), data)
 
     def default_generator(self, device: torch.device | str) -> torch.Generator:
         """The policy's own generator on ``device``, seeded from ``config.seed`` on first use."""
@@ -153,8 +157,14 @@ class Policy:
         priority = cfg.selector.priority(scores, inp).float()
         eligible = inp.candidate_mask & ~protected
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
-        kept = priority.topk(k_keep, dim=-1, sorted=False).indices
-        return kept.sort(dim=-1).values
+        if 2 * k_keep <= n:
+            kept = priority.topk(k_keep, dim=-1, sorted=False).indices
+            return kept.sort(dim=-1).values
+        # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
+        # read the kept ones off a mask, which comes out ascending without a sort.
+        drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
+        keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
+        return keep.nonzero()[:, -1].view(b, hkv, k_keep)
 
 
 def load_policy(source: str | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any) -> Policy:
@@ -188,9 +198,9 @@ def load_policy(source: str | Path | Mapping[str, Any] | PolicyConfig | Policy, 
         data, lines = read_policy_text(text, name)
     if overrides:
         if not isinstance(data, Mapping):
-            return Policy(parse_policy(data, name, lines))
+            return Policy(parse_policy(data, name, lines), data)
         data = apply_overrides(data, overrides)
-    return Policy(parse_policy(data, name, lines))
+    return Policy(parse_policy(data, name, lines), data if isinstance(data, Mapping) else None)
 
 
 def _check_inputs(keys, values, queries, slot_valid, query_valid, positions) -> None:

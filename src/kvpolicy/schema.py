@@ -73,7 +73,6 @@ def policy_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     top["properties"]["schedule"] = {"$ref": "#/$defs/Schedule"}
     schema = {
         "$schema": JSON_SCHEMA_DIALECT,
-        "$id": "https://kvpolicy.dev/schema/policy.json",
         "title": "kvpolicy policy file",
         **{k: v for k, v in top.items() if k != "title"},
         "$defs": dict(sorted(defs.items())),
@@ -93,7 +92,7 @@ def schedule_json_schema() -> dict[str, Any]:
 
 def _stage_schema(cls: type[BaseModel], type_name: str, plugin: str, def_name: str, defs: dict) -> dict:
     """One stage class as an object schema whose ``type`` is the constant ``type_name``."""
-    summary = _first_line(cls.__doc__)
+    summary = first_sentence(cls.__doc__)
     try:
         body, nested = _generate(cls)
     except (PydanticInvalidForJsonSchema, PydanticUserError):
@@ -177,10 +176,8 @@ def _rewrite_refs(node: Any, renames: dict[str, str]) -> Any:
     return node
 
 
-def _first_line(doc: str | None) -> str:
-    text = inspect.cleandoc(doc or "").strip()
-    if not text:
-        return ""
-    paragraph = text.split("\n\n", 1)[0].replace("\n", " ")
+def first_sentence(text: str | None) -> str:
+    """The first sentence of a description or docstring, on one line."""
+    paragraph = " ".join(inspect.cleandoc(text or "").split("\n\n", 1)[0].split())
     end = paragraph.find(". ")
     return paragraph if end < 0 else paragraph[: end + 1]

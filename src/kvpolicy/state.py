@@ -51,6 +51,19 @@ class SlotBuffers:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid, self.positions))
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Gather batch rows ``index [B']`` (reorder, repeat or drop rows: beam search, sampling).
+
+        In place (same storage) when the batch size is unchanged; reallocated otherwise.
+        """
+        for name in ("keys", "values", "valid", "positions"):
+            old = getattr(self, name)
+            new = old.index_select(1, index.to(old.device))
+            if new.shape == old.shape:
+                old.copy_(new)
+            else:
+                setattr(self, name, new)
+
 
 @dataclass
 class EvictionStats:
@@ -205,6 +218,15 @@ class LayerState:
         self.stats.slots_held = self.length
         self.stats.evictions += 1
         self.eviction_due = False
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Gather the per-row state that is not in the shared buffers (``SlotBuffers.select_rows``
+        handles those): real-token counts and the query window."""
+        if self.real_tokens is not None:
+            self.real_tokens = self.real_tokens.index_select(0, index.to(self.real_tokens.device))
+        if self.queries is not None:
+            self.queries = self.queries.index_select(0, index.to(self.queries.device))
+            self.query_valid = self.query_valid.index_select(0, index.to(self.query_valid.device))
 
     def reset(self) -> None:
         """Forget every token (buffers stay allocated)."""

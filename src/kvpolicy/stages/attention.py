@@ -32,6 +32,9 @@ class AttentionScorer(Scorer):
     group_reduce: Literal["mean", "max"] = "mean"
     group_reduce_at: Literal["after_softmax", "before_softmax"] = "after_softmax"
     window_reduce: Literal["mean", "sum"] = "mean"
+    tile_elements: int = Field(
+        1 << 18, ge=1, description="Logits computed per tile (performance only; results do not depend on it)."
+    )
 
     @model_validator(mode="after")
     def _odd_kernel(self) -> AttentionScorer:
@@ -46,31 +49,66 @@ class AttentionScorer(Scorer):
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape
         c, g, w = inp.num_candidates, inp.group_size, inp.queries.shape[2]
-        # [B, Hkv, G*W, D] @ [B, Hkv, D, C]: grouped queries share their KV head's keys, no repeat.
-        q = inp.queries.reshape(b, hkv, g * w, d)
-        logits = torch.matmul(q, inp.keys[:, :, :c].transpose(-1, -2)).float()
-        logits.mul_(1.0 / math.sqrt(d))
-        logits = logits.view(b, hkv, g, w, c)
-        if not bool(inp.slot_valid[..., :c].all()):
-            logits.masked_fill_(~inp.slot_valid[:, :, None, None, :c], float("-inf"))
-        if self.group_reduce_at == "before_softmax":
-            logits = logits.amax(2, keepdim=True) if self.group_reduce == "max" else logits.mean(2, keepdim=True)
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of only padding has no mass
-        # Reduce the window as a batched mat-vec that reads the probabilities once; window entries
-        # without a real query yet weigh nothing and the mean divides by the real ones.
-        weights = inp.query_valid.to(probs.dtype)  # [B, W]
+        bh = b * hkv
+        # Rows of the flattened [B * Hkv] axis; grouped queries share their KV head's keys.
+        # The 1/sqrt(D) scale is folded into the (small) queries, not applied to the logits.
+        q = (inp.queries * (1.0 / math.sqrt(d))).reshape(bh, g, w, d)
+        keys = inp.keys[:, :, :c].flatten(0, 1)  # [BH, C, D], a view
+        valid = inp.slot_valid[..., :c].flatten(0, 1)  # [BH, C]
+        masked = not bool(valid.all())
+        weights = inp.query_valid.float()  # [B, W]; window entries without a query weigh nothing
         if self.window_reduce == "mean":
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
-        scores = torch.matmul(weights[:, None, None, None, :], probs).squeeze(3)  # [B, Hkv, G', C]
+        weights = weights.repeat_interleave(hkv, dim=0)  # [BH, W]
+        reduce_first = self.group_reduce_at == "before_softmax"
+        g_out = 1 if reduce_first else g
+        scores = torch.empty(bh, g_out, c, dtype=torch.float32, device=inp.keys.device)
+        # Cache-sized tiles of (KV head, query head) blocks: the full [BH, G*W, C] probability
+        # tensor is never materialised, which is what keeps this close to the bare Q K^T matmul.
+        g_tile = g if reduce_first else max(1, min(g, self.tile_elements // max(1, w * c)))
+        bh_tile = max(1, self.tile_elements // max(1, g * w * c)) if g_tile == g else 1
+        for b0 in range(0, bh, bh_tile):
+            b1 = min(bh, b0 + bh_tile)
+            for g0 in range(0, g, g_tile):
+                g1 = min(g, g0 + g_tile)
+                logits = torch.bmm(q[b0:b1, g0:g1].reshape(b1 - b0, -1, d), keys[b0:b1].transpose(1, 2))
+                if logits.dtype != torch.float32:
+                    logits = logits.float()  # softmax in float32 whatever the cache dtype
+                logits = logits.view(b1 - b0, g1 - g0, w, c)
+                if masked:
+                    logits.masked_fill_(~valid[b0:b1, None, None, :], float("-inf"))
+                if reduce_first:
+                    reduce = torch.amax if self.group_reduce == "max" else torch.mean
+                    logits = reduce(logits, dim=1, keepdim=True)
+                scores[b0:b1, g0 if not reduce_first else 0 : g1 if not reduce_first else 1] = (
+                    _window_softmax_sum(logits, weights[b0:b1])
+                )
+        scores = scores.view(b, hkv, g_out, c)
         if self.pooling != "none":
             scores = _pool(scores, self.pooling, self.kernel)
-        if self.group_reduce_at == "after_softmax":
-            scores = scores.amax(2) if self.group_reduce == "max" else scores.mean(2)
-        else:
+        if reduce_first:
             scores = scores.squeeze(2)
+        else:
+            scores = scores.amax(2) if self.group_reduce == "max" else scores.mean(2)
+        if c == n:
+            return scores
         out = scores.new_zeros(b, hkv, n)
         out[..., :c] = scores
         return out
+
+
+def _window_softmax_sum(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_w weights[w] * softmax(logits[..., w, :])`` for logits ``[T, G, W, C]``, weights ``[T, W]``.
+
+    The softmax runs in place and unnormalised (``exp(l - max)``); each row's ``1 / sum`` is folded
+    into the window weights, and the window is reduced by a mat-vec that reads the tile once.
+    """
+    row_max = logits.amax(-1, keepdim=True)
+    row_max.masked_fill_(row_max == float("-inf"), 0.0)  # a row of only padding has no mass
+    probs = logits.sub_(row_max).exp_()
+    denom = probs.sum(-1)  # [T, G, W]
+    row_weights = weights[:, None, :] / denom.clamp_min(torch.finfo(denom.dtype).tiny)
+    return torch.matmul(row_weights.unsqueeze(-2), probs).squeeze(-2)  # [T, G, C]
 
 
 def _pool(scores: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:

@@ -39,24 +39,49 @@ class RedundancyScorer(Scorer):
         kn = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
         valid = inp.slot_valid[..., :m]  # [B, Hkv, M]
         kn = kn * valid[..., None]  # padding rows and columns contribute zero similarity
-        col_sum = kn.new_zeros(b, h, m)
-        cols = torch.arange(m, device=k.device)
-        rows_per_chunk = max(1, self.chunk_elements // max(1, b * h * m))
-        for start in range(0, m, rows_per_chunk):
-            stop = min(m, start + rows_per_chunk)
-            sim = torch.matmul(kn[:, :, start:stop], kn.transpose(-1, -2))  # [B, H, r, M]
-            rows = torch.arange(start, stop, device=k.device)
-            sim[:, :, rows - start, rows] = 0.0
-            if self.threshold is not None:
-                # Most recent column above the threshold per row (argmax of index-weighted mask;
-                # 0 when none, as in the official code).
-                last = ((sim > self.threshold) * cols).argmax(-1, keepdim=True)
-                sim.scatter_(-1, last, 0.0)
-            col_sum += sim.sum(2)
+        # Column sums of C = Kn Kn^T without the matrix: sum_i C[i, j] = (sum_i Kn_i) . Kn_j, minus
+        # the zeroed diagonal Kn_j . Kn_j. O(M D) instead of O(M^2 D).
+        col_sum = torch.matmul(kn, kn.sum(2, keepdim=True).transpose(-1, -2)).squeeze(-1)
+        col_sum -= kn.square().sum(-1)
+        if self.threshold is not None:
+            col_sum -= self._threshold_correction(kn)
         n_rows = valid.sum(-1, keepdim=True).clamp_min(1).to(col_sum.dtype)
         mean_sim = (col_sum / n_rows).masked_fill(~valid, float("-inf"))
         red = torch.softmax(mean_sim, dim=-1).nan_to_num_(0.0)
-        out = red.new_zeros(b, h, n)
         c = inp.num_candidates
+        if c == m:
+            return red if m == n else torch.nn.functional.pad(red, (0, n - m))
+        out = red.new_zeros(b, h, n)
         out[..., :c] = red[..., :c]
         return out
+
+    def _threshold_correction(self, kn: torch.Tensor) -> torch.Tensor:
+        """``[B, H, M]``: per column, the sum of the entries the threshold step zeroes.
+
+        Row ``i`` zeroes its most recent column ``j`` with ``C[i, j] > threshold`` (column 0 when
+        there is none). The similarity rows are computed in chunks against the keys in *reversed*
+        order, so that the most recent match is the first one: a bool mask and an ``argmax`` over
+        it, without index-weighted temporaries.
+        """
+        b, h, m, _ = kn.shape
+        kn_rev_t = kn.flip(2).transpose(-1, -2)  # [B, H, D, M], column m-1-j holds slot j
+        correction = kn.new_zeros(b, h, m)
+        rows_per_chunk = max(1, self.chunk_elements // max(1, b * h * m))
+        buf = mask = None  # reused across chunks: fresh large tensors cost page faults every time
+        for start in range(0, m, rows_per_chunk):
+            stop = min(m, start + rows_per_chunk)
+            shape = (b, h, stop - start, m)
+            if buf is None or buf.shape != shape:
+                buf = kn.new_empty(shape)
+                mask = torch.empty(shape, dtype=torch.bool, device=kn.device)
+            sim = torch.matmul(kn[:, :, start:stop], kn_rev_t, out=buf)  # [B, H, r, M] reversed
+            rows = torch.arange(start, stop, device=kn.device)
+            sim[:, :, rows - start, m - 1 - rows] = 0.0  # zero diagonal
+            torch.gt(sim, self.threshold, out=mask)
+            first = mask.view(torch.uint8).argmax(-1, keepdim=True)  # [B, H, r, 1]
+            hit = sim.gather(-1, first)
+            found = hit > self.threshold
+            col = torch.where(found, m - 1 - first, 0)
+            val = torch.where(found, hit, sim[..., m - 1 :])  # no match: column 0 (last reversed)
+            correction.scatter_add_(-1, col.squeeze(-1), val.squeeze(-1))
+        return correction

@@ -35,6 +35,10 @@ class StochasticSelector(Selector):
         device = inp.generator.device if inp.generator is not None else torch.device("cpu")
         u = torch.rand(scores.shape, generator=inp.generator, device=device).to(scores.device)
         gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
-        # Zero weight: far below any positive weight, random order among themselves.
-        logw = torch.where(scores > 0, scores.clamp_min(1e-38).log() / self.temperature, -1e4)
-        return logw + gumbel
+        # Positive weights: log(w) / T + Gumbel, kept above -1e38 however small T is. Zero weights:
+        # uniformly random order in [-3.4e38, -1.7e38], below every positive weight (a fixed
+        # floor such as -1e4 is not: log(1e-30) / 0.001 is far below it) and above -inf, which
+        # marks slots that are not eligible at all.
+        positive = (scores.clamp_min(1e-38).log() / self.temperature + gumbel).clamp_min_(-1e38)
+        zero = u.add(1.0).mul_(torch.finfo(torch.float32).min / 2)
+        return torch.where(scores > 0, positive, zero)

