@@ -69,24 +69,52 @@ def test_eviction_keeps_exactly_the_selected_slots(name):
     assert all(s.slots_held == cache.layers[0].length for s in stats)
 
 
-def test_padding_rows_are_never_kept_over_real_tokens():
+def test_padding_is_never_stored_and_rows_are_packed():
     policy = _policy("snapkv")
     cache = EvictingCache(policy, num_layers=1)
     g = torch.Generator().manual_seed(1)
     k, v, q = _step_tensors(g, t=12)
     token_valid = torch.ones(B, 12, dtype=torch.bool)
     token_valid[1, :5] = False  # left padding on row 1
-    _, _, valid = cache.step(0, k, v, q, token_valid)
-    assert valid.shape == (B, HKV, 12) and not bool(valid[1, :, :5].any())
-    assert cache.layers[0].positions[1, 0].tolist()[:6] == [-1] * 5 + [0]
+    keys, _, valid = cache.step(0, k, v, q, token_valid)
+    state = cache.layers[0]
+    assert state.counts == [12, 7]
+    assert valid.shape == (B, HKV, 12)
+    assert valid[1, 0].tolist() == [True] * 7 + [False] * 5
+    assert state.positions[1, 0].tolist() == list(range(7)) + [-1] * 5
+    assert torch.equal(keys[1, :, :7], k[1, :, 5:])  # row 1's real tokens, moved to the front
     for _ in range(30):
         keys, values, valid = cache.step(0, *_step_tensors(g))
-    state = cache.layers[0]
     assert state.stats.evictions > 0
-    # Row 1 has plenty of real tokens: after evictions no padding slot survives.
-    assert bool(valid.all())
-    assert state.real_tokens.tolist() == [42, 37]
+    assert state.real_tokens == [42, 37]
     assert int(state.positions[1].max()) == 36
+    # Each row holds exactly its count of valid slots.
+    for row, count in enumerate(state.counts):
+        assert valid[row].sum(-1).tolist() == [count] * HKV
+
+
+@pytest.mark.parametrize("name", ["snapkv", "vase-dkv", "streamingllm", "rkv"])
+@pytest.mark.parametrize("pad", [3, 5])
+def test_a_padded_row_evicts_exactly_as_it_would_alone(name, pad):
+    """Padding never counts: a left-padded row follows the schedule on its own real tokens."""
+    policy = _policy(name)
+    g = torch.Generator().manual_seed(7)
+    prompt = _step_tensors(g, t=12)
+    steps = [_step_tensors(g) for _ in range(40)]
+    batch, alone = EvictingCache(policy, num_layers=1), EvictingCache(policy, num_layers=1)
+    token_valid = torch.ones(B, 12, dtype=torch.bool)
+    token_valid[1, :pad] = False
+    batch.step(0, *prompt, token_valid)
+    alone.step(0, *(t[1:, :, pad:] for t in prompt))
+    for k, v, q in steps:
+        kb, _, vb = batch.step(0, k, v, q)
+        ka, _, _ = alone.step(0, k[1:], v[1:], q[1:])
+        count = batch.layers[0].counts[1]
+        assert count == alone.layers[0].counts[0]
+        if not policy.stochastic:
+            assert torch.equal(kb[1, :, :count], ka[0]), "row 1 holds the same slots as alone"
+        assert bool(vb[1, :, :count].all()) and not bool(vb[1, :, count:].any())
+    assert batch.layers[0].stats.evictions > alone.layers[0].stats.evictions  # row 0 evicts at other steps
 
 
 def test_select_rows_reorders_every_layer():
@@ -103,7 +131,7 @@ def test_select_rows_reorders_every_layer():
         assert torch.equal(s.queries, q.flip(0))
     assert cache.layers[0].buffers.keys.data_ptr() == ptr  # same batch size: in place
     cache.select_rows(torch.tensor([0, 0, 1, 1]))
-    assert cache.layers[1].keys.shape[0] == 4 and cache.layers[1].real_tokens.shape == (4,)
+    assert cache.layers[1].keys.shape[0] == 4 and len(cache.layers[1].real_tokens) == 4
     cache.step(0, *_step_tensors(g, b=4))
 
 

@@ -74,6 +74,11 @@ class EvictingCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append one step (or prompt chunk) and return ``(keys, values, valid)`` to attend over.
 
+        Rows are packed: row ``r``'s real tokens sit in slots ``[0, counts[r])`` and padding is
+        never stored, so ``valid`` is ``slot < counts[r]``. Inside a multi-token chunk, causality
+        is by token position: a query at position ``p`` (``layers[i].last_query_positions``)
+        attends the slots whose ``layers[i].positions`` are ``<= p``.
+
         Args:
             keys, values: ``[B, Hkv, T, D]`` new post-RoPE keys and values.
             queries: ``[B, Hq, T, D]`` the chunk's post-RoPE queries (needed when the policy's

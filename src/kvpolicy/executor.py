@@ -43,59 +43,74 @@ class Executor:
         return self._generators[device]
 
     def evict(self, states: Sequence[LayerState]) -> int:
-        """Evict every due layer in ``states``; return how many layers were evicted."""
-        groups: dict[tuple[int, int], list[LayerState]] = {}
+        """Evict every due row of every due layer in ``states``; return how many layers evicted."""
+        groups: dict[tuple, list[LayerState]] = {}
         for state in states:
             if state.eviction_due:
-                groups.setdefault((id(state.buffers), state.length), []).append(state)
+                # Layers sharing buffers saw the same tokens, so they agree on rows and counts.
+                key = (id(state.buffers), tuple(state.due_rows), tuple(state.counts))
+                groups.setdefault(key, []).append(state)
         for group in groups.values():
-            self._evict_group(sorted(group, key=lambda s: s.index))
+            group.sort(key=lambda s: s.index)
+            rows_by_count: dict[int, list[int]] = {}
+            for row, (due, count) in enumerate(zip(group[0].due_rows, group[0].counts, strict=True)):
+                if due:
+                    rows_by_count.setdefault(count, []).append(row)
+            for count, rows in rows_by_count.items():
+                kept = self._evict_rows(group, rows, count)
+                for state in group:
+                    state.evicted(rows, kept)
         return sum(len(g) for g in groups.values())
 
-    def _evict_group(self, group: list[LayerState]) -> None:
-        buffers, length = group[0].buffers, group[0].length
+    def _evict_rows(self, group: list[LayerState], rows: list[int], count: int) -> int:
+        """Run the policy on ``rows`` (all holding ``count`` slots) of the layers in ``group`` at
+        once and compact them; return the slots kept per row."""
+        buffers = group[0].buffers
         first, n_layers = group[0].index, len(group)
-        contiguous = [s.index for s in group] == list(range(first, first + n_layers))
-        layers = slice(first, first + n_layers) if contiguous else torch.tensor([s.index for s in group])
+        batch = buffers.keys.shape[1]
+        if [s.index for s in group] == list(range(first, first + n_layers)):
+            layers: slice | torch.Tensor = slice(first, first + n_layers)
+        else:
+            layers = torch.tensor([s.index for s in group])
+        # The usual case (every row due, equal counts) reads views; rows out of phase with the
+        # rest of the batch are gathered.
+        row_sel: slice | torch.Tensor = slice(None) if rows == list(range(batch)) else torch.tensor(rows)
+        device = buffers.keys.device
 
         def stacked(t: torch.Tensor) -> torch.Tensor:
-            part = t[layers]  # a view when the due layers are contiguous on the layer axis
-            return part.flatten(0, 1)[:, :, :length]
+            if isinstance(layers, slice) and isinstance(row_sel, slice):
+                part = t[layers, :, :, :count]
+            else:
+                lyr = (layers if isinstance(layers, torch.Tensor) else torch.arange(first, first + n_layers))
+                rsel = row_sel if isinstance(row_sel, torch.Tensor) else torch.arange(batch)
+                part = t[lyr.to(device)[:, None], rsel.to(device)[None, :], :, :count]
+            return part.flatten(0, 1)
 
+        n_rows = len(rows)
         if self.policy.config.scorer is not None and self.policy.schedule.window > 0:
             windows = [s.window() for s in group]
-            queries = torch.cat([w[0] for w in windows])
-            query_valid = torch.cat([w[1] for w in windows])
+            idx = torch.tensor(rows, device=windows[0][0].device)
+            queries = torch.cat([w[0].index_select(0, idx) for w in windows])
+            query_valid = torch.cat([w[1].index_select(0, idx) for w in windows])
         else:  # policies that read no query still get a well-formed, empty window
-            b = buffers.keys.shape[1]
             d = buffers.keys.shape[-1]
-            queries = buffers.keys.new_zeros(b * n_layers, buffers.keys.shape[2], 1, d)
-            query_valid = torch.zeros(b * n_layers, 1, dtype=torch.bool, device=queries.device)
+            queries = buffers.keys.new_zeros(n_rows * n_layers, buffers.keys.shape[2], 1, d)
+            query_valid = torch.zeros(n_rows * n_layers, 1, dtype=torch.bool, device=device)
         keys = stacked(buffers.keys)
         schedule = self.policy.schedule
         inp = EvictionInput(
             keys=keys,
             values=stacked(buffers.values),
             queries=queries,
-            budget=min(length, schedule.budget),
-            num_candidates=max(0, length - schedule.recent),
+            budget=min(count, schedule.budget),
+            num_candidates=max(0, count - schedule.recent),
             slot_valid=stacked(buffers.valid),
             query_valid=query_valid,
             positions=stacked(buffers.positions),
-            generator=self.generator(keys.device),
+            generator=self.generator(device),
             layer_seed=torch.tensor([s.seed for s in group], dtype=torch.long),
-            rows_per_layer=buffers.keys.shape[1],
+            rows_per_layer=n_rows,
         )
-        kept = self.policy.select_from(inp)
-        kept = kept.unflatten(0, (n_layers, -1))
-        if contiguous:
-            compact_rows(buffers, layers, kept, length)
-            for state in group:
-                state.stats.slots_evicted += length - kept.shape[-1]
-                state.length = kept.shape[-1]
-                state.stats.slots_held = state.length
-                state.stats.evictions += 1
-                state.eviction_due = False
-        else:
-            for state, rows in zip(group, kept, strict=True):
-                state.compact(rows)
+        kept = self.policy.select_from(inp).unflatten(0, (n_layers, n_rows))
+        compact_rows(buffers, layers, row_sel, kept, count)
+        return kept.shape[-1]

@@ -69,35 +69,41 @@ class SlotBuffers:
 class EvictionStats:
     """Public counters of one layer."""
 
-    evictions: int = 0
+    evictions: int = 0  # eviction steps (one step may evict several rows)
     tokens_seen: int = 0  # padded positions appended (the same for every row)
-    slots_held: int = 0
-    slots_evicted: int = 0
+    slots_held: int = 0  # the slot extent: slots held by the longest row
+    slots_evicted: int = 0  # summed over rows and heads' rows
 
 
 @dataclass
 class LayerState:
     """One attention layer's cache: a view of layer ``index`` in shared ``SlotBuffers``.
 
+    Rows are **packed**: row ``r`` holds its ``counts[r]`` real tokens in slots ``[0, counts[r])``,
+    in position order, and padding is never stored. Each row follows the schedule on its own
+    counts, exactly as if it were decoded alone; rows of a batch whose counts differ (different
+    prompt lengths) simply evict at different steps.
+
     The public flow for a decoding step is ``append`` (new keys/values, with padding flags),
     ``record_queries`` (the step's post-RoPE queries), then attention over ``keys``, ``values``
-    and ``valid``. When the schedule fires after an append, ``eviction_due`` turns True; the
-    executor evicts before the next append, so the kept set is chosen with the query of the token
-    that triggered it in the window.
+    and ``valid``. When the schedule fires for a row after an append, the row is due; the
+    executor evicts due rows before the next append, so the kept set is chosen with the query of
+    the token that triggered it in the window.
     """
 
     schedule: Schedule
     layer_idx: int = 0
     buffers: SlotBuffers | None = None
     index: int = 0  # this layer's position on the buffers' layer axis
-    length: int = 0
     seed: int = 0
     stats: EvictionStats = field(default_factory=EvictionStats)
-    real_tokens: torch.Tensor | None = None  # [B] real (non-padding) tokens seen per row
+    counts: list[int] = field(default_factory=list)  # slots held per row (host side)
+    real_tokens: list[int] = field(default_factory=list)  # real tokens seen per row
+    due_rows: list[bool] = field(default_factory=list)
+    last_query_positions: torch.Tensor | None = None  # [B, T] of the last chunk (-1: padding)
     queries: torch.Tensor | None = None  # [B, Hq, W, D] ring of recent queries
     query_valid: torch.Tensor | None = None  # [B, W]
     query_next: int = 0
-    eviction_due: bool = False
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -105,8 +111,22 @@ class LayerState:
         return self.buffers is not None
 
     @property
+    def length(self) -> int:
+        """The slot extent: slots held by the longest row."""
+        return max(self.counts, default=0)
+
+    @property
+    def ragged(self) -> bool:
+        """True when rows hold different numbers of slots (the shorter ones are masked)."""
+        return len(set(self.counts)) > 1
+
+    @property
+    def eviction_due(self) -> bool:
+        return any(self.due_rows)
+
+    @property
     def keys(self) -> torch.Tensor:
-        """``[B, Hkv, L, D]`` view of the held slots."""
+        """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count)."""
         return self.buffers.keys[self.index, :, :, : self.length]
 
     @property
@@ -115,12 +135,12 @@ class LayerState:
 
     @property
     def valid(self) -> torch.Tensor:
-        """``[B, Hkv, L]`` bool: which held slots are real tokens."""
+        """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` is valid iff ``s < counts[r]``."""
         return self.buffers.valid[self.index, :, :, : self.length]
 
     @property
     def positions(self) -> torch.Tensor:
-        """``[B, Hkv, L]`` long: index of each slot's token among its row's real tokens."""
+        """``[B, Hkv, L]`` long: index of each slot's token among its row's real tokens (-1: empty)."""
         return self.buffers.positions[self.index, :, :, : self.length]
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +171,10 @@ class LayerState:
         return self.buffers
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor | None = None) -> None:
-        """Write a chunk of ``T`` new tokens: keys/values ``[B, Hkv, T, D]``, ``token_valid [B, T]``."""
+        """Write a chunk of ``T`` new tokens: keys/values ``[B, Hkv, T, D]``, ``token_valid [B, T]``.
+
+        Each row's real tokens go right after its held slots; padding tokens are dropped.
+        """
         if self.eviction_due:
             raise RuntimeError(
                 f"layer {self.layer_idx}: an eviction is due; run the executor before appending more tokens"
@@ -159,38 +182,62 @@ class LayerState:
         if self.buffers is None:
             self.allocate(keys, values)
         b, h, t, _ = keys.shape
-        is_prompt = self.stats.tokens_seen == 0
         buf = self.buffers
         if (b, h) != tuple(buf.keys.shape[1:3]) or keys.shape[-1] != buf.keys.shape[-1]:
             raise ValueError(
                 f"layer {self.layer_idx}: keys {tuple(keys.shape)} do not match the cache's "
                 f"[B={buf.keys.shape[1]}, Hkv={buf.keys.shape[2]}, T, D={buf.keys.shape[4]}]"
             )
-        if self.length + t > buf.capacity:
-            buf.grow(self.schedule.capacity_for(self.length + t))
-        if token_valid is None:
-            token_valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
-        token_valid = token_valid.to(device=keys.device, dtype=torch.bool)
-        if self.real_tokens is None:
-            self.real_tokens = torch.zeros(b, dtype=torch.long, device=keys.device)
-        sl = slice(self.length, self.length + t)
-        buf.keys[self.index, :, :, sl] = keys
-        buf.values[self.index, :, :, sl] = values
-        buf.valid[self.index, :, :, sl] = token_valid[:, None, :]
-        pos = self.real_tokens[:, None] + token_valid.long().cumsum(-1) - 1
-        buf.positions[self.index, :, :, sl] = torch.where(token_valid, pos, -1)[:, None, :]
-        self.real_tokens += token_valid.long().sum(-1)
-        self.length += t
+        if not self.counts:
+            self.counts, self.real_tokens, self.due_rows = [0] * b, [0] * b, [False] * b
+        is_prompt = self.stats.tokens_seen == 0
+        if token_valid is not None:
+            token_valid = token_valid.to(device=keys.device, dtype=torch.bool)
+            added = token_valid.sum(-1).tolist()  # one sync per padded chunk (prefill), none when decoding
+            if all(a == t for a in added):
+                token_valid = None
+        else:
+            added = [t] * b
+        start = self.counts[0]
+        needed = max(c + a for c, a in zip(self.counts, added, strict=True))
+        if needed > buf.capacity:
+            buf.grow(self.schedule.capacity_for(needed))
+        i = self.index
+        seen = torch.tensor(self.real_tokens, device=keys.device)
+        if token_valid is None and not self.ragged:
+            # Every row appends the same T real tokens at the same slots: plain slice writes.
+            sl = slice(start, start + t)
+            buf.keys[i, :, :, sl] = keys
+            buf.values[i, :, :, sl] = values
+            buf.valid[i, :, :, sl] = True
+            qpos = seen[:, None] + torch.arange(t, device=keys.device)
+            buf.positions[i, :, :, sl] = qpos[:, None, :]
+        else:
+            if token_valid is None:
+                token_valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
+            rank = token_valid.long().cumsum(-1) - 1  # index of each real token in its row's chunk
+            qpos = torch.where(token_valid, seen[:, None] + rank, -1)
+            rows, cols = token_valid.nonzero(as_tuple=True)
+            slots = torch.tensor(self.counts, device=keys.device)[rows] + rank[rows, cols]
+            # [nnz, Hkv, D] rows of the chunk scattered to each row's next free slots.
+            buf.keys[i][rows, :, slots] = keys[rows, :, cols]
+            buf.values[i][rows, :, slots] = values[rows, :, cols]
+            buf.valid[i][rows, :, slots] = True
+            buf.positions[i][rows, :, slots] = qpos[rows, cols][:, None]
+        self.last_query_positions = qpos
+        self.counts = [c + a for c, a in zip(self.counts, added, strict=True)]
+        self.real_tokens = [r + a for r, a in zip(self.real_tokens, added, strict=True)]
         self.stats.tokens_seen += t
         self.stats.slots_held = self.length
+        sched = self.schedule
         if is_prompt:
             # Prefill never evicts by default; with compress_prompt a long prompt is compressed
             # once it is in, before the first decoded token is appended.
-            self.eviction_due = self.schedule.compress_prompt and self.length > self.schedule.budget
+            self.due_rows = [sched.compress_prompt and c > sched.budget for c in self.counts]
         else:
             # Decode steps, and later chunks that end exactly where token-by-token decoding would
             # evict (what lets the harness feed long texts interval by interval, exactly).
-            self.eviction_due = self.schedule.fires(self.length, self.stats.tokens_seen)
+            self.due_rows = [sched.fires(c, r) for c, r in zip(self.counts, self.real_tokens, strict=True)]
 
     def record_queries(self, queries: torch.Tensor, query_valid: torch.Tensor | None = None) -> None:
         """Push a chunk's post-RoPE queries ``[B, Hq, T, D]`` into the ring (last ``window`` kept)."""
@@ -209,52 +256,72 @@ class LayerState:
         self.query_valid[:, slots] = query_valid[:, t - take :].to(self.query_valid.device)
         self.query_next = (self.query_next + take) % w
 
-    def compact(self, kept: torch.Tensor) -> None:
-        """Keep the slots ``kept [B, Hkv, K]`` (ascending), moved to the front, in place."""
-        buffers, i = self.buffers, self.index
-        compact_rows(buffers, slice(i, i + 1), kept.unsqueeze(0), self.length)
-        self.stats.slots_evicted += self.length - kept.shape[-1]
-        self.length = kept.shape[-1]
+    def evicted(self, rows: list[int], kept: int) -> None:
+        """Book-keeping after the executor compacted ``rows`` to ``kept`` slots each."""
+        for r in rows:
+            self.stats.slots_evicted += self.counts[r] - kept
+            self.counts[r] = kept
+            self.due_rows[r] = False
         self.stats.slots_held = self.length
         self.stats.evictions += 1
-        self.eviction_due = False
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Gather the per-row state that is not in the shared buffers (``SlotBuffers.select_rows``
-        handles those): real-token counts and the query window."""
-        if self.real_tokens is not None:
-            self.real_tokens = self.real_tokens.index_select(0, index.to(self.real_tokens.device))
+        handles those): counts, real-token counts and the query window."""
+        host = index.tolist()
+        if self.counts:
+            self.counts = [self.counts[r] for r in host]
+            self.real_tokens = [self.real_tokens[r] for r in host]
+            self.due_rows = [self.due_rows[r] for r in host]
         if self.queries is not None:
             self.queries = self.queries.index_select(0, index.to(self.queries.device))
             self.query_valid = self.query_valid.index_select(0, index.to(self.query_valid.device))
 
     def reset(self) -> None:
         """Forget every token (buffers stay allocated)."""
-        self.length = 0
-        self.real_tokens = None
-        self.queries = self.query_valid = None
+        self.counts, self.real_tokens, self.due_rows = [], [], []
+        self.queries = self.query_valid = self.last_query_positions = None
         self.query_next = 0
-        self.eviction_due = False
         self.stats = EvictionStats()
         if self.buffers is not None:
             self.buffers.valid[self.index] = False
+            self.buffers.positions[self.index] = -1
 
 
-def compact_rows(buffers: SlotBuffers, layers: slice, kept: torch.Tensor, length: int) -> None:
-    """Gather slots ``kept [Lyr, B, Hkv, K]`` of layers ``layers`` to the buffer front, in place.
+def compact_rows(
+    buffers: SlotBuffers, layers: slice | torch.Tensor, rows: slice | torch.Tensor, kept: torch.Tensor, count: int
+) -> None:
+    """Gather slots ``kept [Lyr, R, Hkv, K]`` of the given layers and rows to the front, in place.
 
-    ``kept`` is ascending per row, so slot ``kept[j] >= j``; the gather reads every kept slot
-    into a ``K``-slot temporary before the write, so the source is never overwritten early.
+    The rows all hold ``count`` slots. ``kept`` is ascending, so slot ``kept[j] >= j``; each
+    gather reads every kept slot into a ``K``-slot temporary before the write, so the source is
+    never overwritten early. With slices the reads are views; with index tensors (rows out of
+    phase with the rest of the batch) only those rows are copied.
     """
     k = kept.shape[-1]
+    by_index = isinstance(layers, torch.Tensor) or isinstance(rows, torch.Tensor)
+    if by_index:
+        lyr = _as_index(layers, buffers.keys.shape[0], kept.device)[:, None]
+        row = _as_index(rows, buffers.keys.shape[1], kept.device)[None, :]
     for name in ("keys", "values", "valid", "positions"):
-        buf = getattr(buffers, name)[layers]
-        src = buf[:, :, :, :length]
-        if src.dim() == 5:
-            idx = kept[..., None].expand(*kept.shape, src.shape[-1])
+        buf = getattr(buffers, name)
+        src = buf[lyr, row, :, :count] if by_index else buf[layers, rows, :, :count]
+        idx = kept[..., None].expand(*kept.shape, src.shape[-1]) if src.dim() == 5 else kept
+        gathered = torch.gather(src, 3, idx)
+        if by_index:
+            buf[lyr, row, :, :k] = gathered
         else:
-            idx = kept
-        buf[:, :, :, :k] = torch.gather(src, 3, idx)
+            buf[layers, rows, :, :k] = gathered
     # Freed slots only need to stop counting as tokens; their keys/values are overwritten later.
-    buffers.valid[layers, :, :, k:length] = False
-    buffers.positions[layers, :, :, k:length] = -1
+    for name, empty in (("valid", False), ("positions", -1)):
+        buf = getattr(buffers, name)
+        if by_index:
+            buf[lyr, row, :, k:count] = empty
+        else:
+            buf[layers, rows, :, k:count] = empty
+
+
+def _as_index(sel: slice | torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
+    if isinstance(sel, torch.Tensor):
+        return sel.to(device)
+    return torch.arange(size, device=device)[sel]

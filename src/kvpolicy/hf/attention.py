@@ -196,8 +196,10 @@ def attend(
     values: torch.Tensor,
     valid: torch.Tensor | None,
     scaling: float,
+    slot_positions: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``T`` new queries over ``L`` slots whose last ``T`` are the new tokens.
+    """Causal attention of ``T`` new queries over ``L`` slots.
 
     Args:
         query: ``[B, Hq, T, D]``.
@@ -205,9 +207,13 @@ def attend(
         valid: ``[B, H, L]`` bool slot validity with ``H`` in ``{1, Hkv}`` (1: shared by every head),
             or ``None`` when every slot is a real token.
         scaling: the softmax scale.
+        slot_positions, query_positions: ``[B, H, L]`` and ``[B, T]`` token positions (``-1`` for a
+            padding query). When given (a multi-token chunk over packed rows of different
+            lengths), causality is ``slot position <= query position``; otherwise the new tokens
+            are the last ``T`` slots of every row.
 
     Returns:
-        ``[B, Hq, T, D]``. A padding query attends to its own slot only (finite, never read).
+        ``[B, Hq, T, D]``. A padding query's output is finite and never read.
     """
     b, hq, t, d = query.shape
     hkv, length = keys.shape[1], keys.shape[2]
@@ -233,12 +239,20 @@ def attend(
             )
     q_idx = torch.arange(t, device=keys.device)
     k_idx = torch.arange(length, device=keys.device)
-    causal = k_idx[None, :] <= (length - t) + q_idx[:, None]  # [T, L]
-    if valid is None:
-        mask = causal[None, None]  # [1, 1, T, L]
+    if query_positions is not None:
+        mask = slot_positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, T, L]
+        if valid is not None:
+            mask &= valid[:, :, None, :]
+        # A padding query (position -1) sees nothing; give it slot 0 so its output stays finite.
+        mask |= (query_positions < 0)[:, None, :, None] & (k_idx == 0)
     else:
-        own = k_idx[None, :] == (length - t) + q_idx[:, None]
-        mask = (valid[:, :, None, :] & causal) | own  # [B, H, T, L]
+        causal = k_idx[None, :] <= (length - t) + q_idx[:, None]  # [T, L]
+        if valid is None:
+            mask = causal[None, None]  # [1, 1, T, L]
+        else:
+            mask = valid[:, :, None, :] & causal  # [B, H, T, L]
+            # A row holding no slot at all (only padding so far) attends to slot 0: finite, unread.
+            mask |= ~mask.any(-1, keepdim=True) & (k_idx == 0)
     if mask.shape[1] == 1 and g > 1 and t > 1:
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True

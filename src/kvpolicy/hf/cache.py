@@ -167,11 +167,20 @@ class KVPolicyCache(Cache):
         state = self.evicting.update(layer_idx, keys, values, token_valid)
         if self.policy.schedule.window > 0:
             state.record_queries(query, token_valid)
-        valid = None
-        if self._any_padding:
-            # Before a layer's first eviction every head holds the same slots: share the mask.
-            valid = state.valid if state.stats.evictions else state.valid[:, :1]
-        return _attn.attend(query, state.keys, state.values, valid, scaling)
+        if not (self._any_padding or state.ragged):
+            return _attn.attend(query, state.keys, state.values, None, scaling)
+        # Rows are packed (padding is never stored), so after padding they can hold different
+        # numbers of slots: mask the empty ones, and inside a multi-token chunk order by position.
+        # Before a layer's first eviction every head holds the same slots: share the mask.
+        shared = state.stats.evictions == 0
+        valid = state.valid[:, :1] if shared else state.valid
+        if query.shape[2] == 1:
+            return _attn.attend(query, state.keys, state.values, valid, scaling)
+        positions = state.positions[:, :1] if shared else state.positions
+        return _attn.attend(
+            query, state.keys, state.values, valid, scaling,
+            slot_positions=positions, query_positions=state.last_query_positions,
+        )
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_bytes(self) -> int:
