@@ -100,7 +100,8 @@ class LayerState:
     counts: list[int] = field(default_factory=list)  # slots held per row (host side)
     real_tokens: list[int] = field(default_factory=list)  # real tokens seen per row
     due_rows: list[bool] = field(default_factory=list)
-    last_query_positions: torch.Tensor | None = None  # [B, T] of the last chunk (-1: padding)
+    # [B, T] positions of the last chunk's tokens (-1: padding); None after a plain decode step.
+    last_query_positions: torch.Tensor | None = None
     queries: torch.Tensor | None = None  # [B, Hq, W, D] ring of recent queries
     query_valid: torch.Tensor | None = None  # [B, W]
     query_next: int = 0
@@ -203,16 +204,26 @@ class LayerState:
         if needed > buf.capacity:
             buf.grow(self.schedule.capacity_for(needed))
         i = self.index
-        seen = torch.tensor(self.real_tokens, device=keys.device)
         if token_valid is None and not self.ragged:
             # Every row appends the same T real tokens at the same slots: plain slice writes.
             sl = slice(start, start + t)
             buf.keys[i, :, :, sl] = keys
             buf.values[i, :, :, sl] = values
             buf.valid[i, :, :, sl] = True
-            qpos = seen[:, None] + torch.arange(t, device=keys.device)
-            buf.positions[i, :, :, sl] = qpos[:, None, :]
+            if len(set(self.real_tokens)) == 1:  # the decoding hot path: no host-to-device tensor
+                first = self.real_tokens[0]
+                if t == 1:
+                    buf.positions[i, :, :, start] = first
+                    qpos = None
+                else:
+                    qpos = torch.arange(first, first + t, device=keys.device).expand(b, t)
+                    buf.positions[i, :, :, sl] = qpos[:, None, :]
+            else:
+                seen = torch.tensor(self.real_tokens, device=keys.device)
+                qpos = seen[:, None] + torch.arange(t, device=keys.device)
+                buf.positions[i, :, :, sl] = qpos[:, None, :]
         else:
+            seen = torch.tensor(self.real_tokens, device=keys.device)
             if token_valid is None:
                 token_valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
             rank = token_valid.long().cumsum(-1) - 1  # index of each real token in its row's chunk
@@ -248,12 +259,16 @@ class LayerState:
         if self.queries is None:
             self.queries = queries.new_zeros(b, hq, w, d)
             self.query_valid = torch.zeros(b, w, dtype=torch.bool, device=queries.device)
-        if query_valid is None:
-            query_valid = torch.ones(b, t, dtype=torch.bool, device=queries.device)
         take = min(t, w)
-        slots = (torch.arange(take, device=queries.device) + self.query_next) % w
-        self.queries[:, :, slots] = queries[:, :, t - take :].to(self.queries.dtype)
-        self.query_valid[:, slots] = query_valid[:, t - take :].to(self.query_valid.device)
+        if take == 1:  # the decoding hot path: one ring slot, plain indexing
+            self.queries[:, :, self.query_next] = queries[:, :, -1]
+            self.query_valid[:, self.query_next] = True if query_valid is None else query_valid[:, -1]
+        else:
+            if query_valid is None:
+                query_valid = torch.ones(b, t, dtype=torch.bool, device=queries.device)
+            slots = (torch.arange(take, device=queries.device) + self.query_next) % w
+            self.queries[:, :, slots] = queries[:, :, t - take :].to(self.queries.dtype)
+            self.query_valid[:, slots] = query_valid[:, t - take :].to(self.query_valid.device)
         self.query_next = (self.query_next + take) % w
 
     def evicted(self, rows: list[int], kept: int) -> None:
