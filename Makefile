@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test docs demo bench lint clean-setup
+.PHONY: setup test test-oldest docs demo bench lint clean-setup
 
 setup: $(SETUP_STAMP)
 
@@ -32,6 +32,18 @@ $(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyp
 
 test: setup
 	$(PY) -m pytest -q tests plugins
+
+# The transformers integration against the oldest transformers that pyproject.toml admits.
+OLDEST_TRANSFORMERS := 5.17.0
+OLD_VENV := .venv-oldest
+$(OLD_VENV)/.kvpolicy-setup: pyproject.toml requirements/cpu.txt
+	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -r requirements/cpu.txt
+	$(OLD_VENV)/bin/python -m pip install -e . "transformers==$(OLDEST_TRANSFORMERS)" pytest hypothesis
+	touch $@
+
+test-oldest: $(OLD_VENV)/.kvpolicy-setup
+	$(OLD_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hf_cache.py tests/test_evicting.py tests/test_examples.py -m "not slow"
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

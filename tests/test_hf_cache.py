@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
     AttentionInterface,
     DynamicCache,
@@ -26,6 +26,10 @@ from kvpolicy import KVPolicyCache, load_policy  # noqa: E402
 from kvpolicy.hf import register  # noqa: E402
 
 VOCAB = 4096
+# generate() names the cache argument `cache` from transformers 5.24 on; `past_key_values`
+# before (and, deprecated, after). Test with the name the installed version prefers.
+_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
 SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}  # eviction within ~100 tokens
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
@@ -92,7 +96,7 @@ def _generate(model, cache, ids, mask, n, **kw):
     with torch.no_grad():
         return model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, cache=cache, **kw,
+            pad_token_id=0, **{CACHE_ARG: cache}, **kw,
         )
 
 
@@ -151,7 +155,7 @@ def test_eviction_logits_match_masked_full_reference(qwen3, name):
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, cache=cache, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=0, **{CACHE_ARG: cache}, output_logits=True, return_dict_in_generate=True,
             logits_processor=LogitsProcessorList([snap]),
         )
     assert min(s.evictions for s in cache.stats()) >= 5
@@ -221,7 +225,7 @@ def test_stochastic_policies_reproduce(qwen3, name):
         with torch.no_grad():
             runs.append(model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64,
-                do_sample=True, top_k=50, pad_token_id=0, cache=cache,
+                do_sample=True, top_k=50, pad_token_id=0, **{CACHE_ARG: cache},
             ))
         assert min(s.evictions for s in cache.stats()) > 0
         kept.append([s.positions.clone() for s in cache.evicting.layers])
@@ -260,7 +264,7 @@ def test_memory_static_over_2000_tokens():
     with torch.no_grad():
         model.generate(
             input_ids=ids, max_new_tokens=2000, min_new_tokens=2000, do_sample=False, pad_token_id=0,
-            cache=cache, logits_processor=LogitsProcessorList([probe]),
+            **{CACHE_ARG: cache}, logits_processor=LogitsProcessorList([probe]),
         )
     first = next(i for i, r in enumerate(probe.records) if r[4] > 0)
     steady = probe.records[first:]
@@ -333,7 +337,7 @@ def test_beam_search_and_multiple_samples(qwen3):
     torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=50, do_sample=True,
-                             num_return_sequences=3, pad_token_id=0, cache=cache)
+                             num_return_sequences=3, pad_token_id=0, **{CACHE_ARG: cache})
     assert out.shape[0] == 6 and cache.batch_size == 6
 
 
@@ -403,7 +407,7 @@ def test_smollm2_generation_under_budget():
             "budget": 32, "recent": 16, "interval": 16, "window": 16}
         cache = KVPolicyCache(load_policy(name, **over), model)
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=64, min_new_tokens=64, do_sample=False, cache=cache)
+            out = model.generate(**inputs, max_new_tokens=64, min_new_tokens=64, do_sample=False, **{CACHE_ARG: cache})
         text = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         assert all(s.slots_held <= 32 + 16 for s in cache.stats())
         assert all(s.evictions > 0 for s in cache.stats())

@@ -35,7 +35,7 @@ def main() -> None:
         for _ in range(300):
             # Positions count real tokens only; padding positions are masked anyway.
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, cache.get_seq_length() :]
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)  # feed only the new token next
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)  # 2-D mask over all tokens
             generated.append(ids)

@@ -23,7 +23,7 @@ prompt = torch.randint(0, 512, (1, 40))
 out = model.generate(
     input_ids=prompt,
     attention_mask=torch.ones_like(prompt),
-    past_key_values=cache,
+    past_key_values=cache,  # named `cache` from transformers 5.24 on; both work
     max_new_tokens=300,
     do_sample=False,
 )
