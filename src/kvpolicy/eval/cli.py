@@ -1,0 +1,134 @@
+"""``kvpolicy eval``: compare policies and budgets on one model (also ``python -m kvpolicy.eval``).
+
+Building the parser imports nothing heavy; torch and transformers load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+EPILOG = """\
+examples:
+  kvpolicy eval                                   # all built-in policies at budgets 96 and 128
+  kvpolicy eval --policies snapkv vase-attnv --budgets 128 256 512 --metrics perplexity passkey
+  kvpolicy eval --model path/to/model_or.gguf --set fidelity.new_tokens=128
+  kvpolicy eval --config runs/20261101-120000/config.yaml   # repeat a saved run
+  kvpolicy eval --resume runs/20261101-120000               # finish an interrupted run
+metrics: perplexity, fidelity, passkey, accuracy, reconstruction, speed
+"""
+
+
+def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand to a ``kvpolicy`` parser; its handler is ``args.func``."""
+    p = subparsers.add_parser(
+        "eval",
+        help="compare policies and budgets on one model (perplexity, fidelity, passkey, ...)",
+        description="Compare eviction policies and budgets on one model against the full cache.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(p)
+    p.set_defaults(func=run_command)
+    return p
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="a saved run configuration (config.yaml) to start from")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in RUN_DIR")
+    p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder or a .gguf file")
+    p.add_argument("--policies", nargs="+", metavar="POLICY", help="policy names or YAML files (default: all built-in)")
+    p.add_argument("--budgets", nargs="+", type=int, metavar="N", help="budgets in slots (default: 96 128)")
+    p.add_argument("--metrics", nargs="+", metavar="METRIC", help="metrics to compute (default: all but accuracy)")
+    p.add_argument("--tasks", nargs="+", metavar="TASK", help="reasoning-gym tasks for the accuracy metric")
+    p.add_argument("--text", metavar="FILE", help="long text for perplexity, reconstruction and speed")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any configuration field, e.g. perplexity.tokens=1024 or passkey.context=[512,1024]",
+    )
+    p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<timestamp>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_config(args: argparse.Namespace):
+    from .config import EvalConfig, apply_sets
+
+    data = EvalConfig.load(args.config).model_dump() if args.config else {}
+    flags = {
+        "model": args.model,
+        "policies": _split(args.policies),
+        "budgets": args.budgets,
+        "metrics": _split(args.metrics),
+        "text": args.text,
+        "seed": args.seed,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if args.tasks:
+        data.setdefault("accuracy", {})
+        data["accuracy"] = {**dict(data["accuracy"]), "tasks": _split(args.tasks)}
+    return EvalConfig.build(apply_sets(data, args.sets), "options")
+
+
+def _split(items: Sequence[str] | None) -> list[str] | None:
+    """Accept both ``a b`` and ``a,b``."""
+    if items is None:
+        return None
+    return [x for item in items for x in item.split(",") if x]
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .config import EvalError
+    from .report import build_table, markdown_table
+    from .runner import RunInterrupted, run_eval
+
+    err = Console(stderr=True)
+    try:
+        if args.resume:
+            given = [k for k in ("config", "model", "policies", "budgets", "metrics", "text", "seed") if getattr(args, k)]
+            if given or args.sets:
+                raise EvalError(f"--resume continues a run as configured; drop {', '.join('--' + g for g in given) or '--set'}")
+            config = None
+        else:
+            config = build_config(args)
+        result = run_eval(config, args.out, resume=args.resume, console=err, progress=not args.no_progress)
+    except EvalError as exc:
+        err.print(f"[red]kvpolicy eval: error:[/red] {exc}", highlight=False)
+        return EXIT_USAGE
+    except RunInterrupted as exc:
+        err.print(f"[yellow]interrupted[/yellow]: finished pairs are saved; continue with "
+                  f"kvpolicy eval --resume {exc.folder}")
+        return EXIT_INTERRUPTED
+    table_md = markdown_table(result.plan, result.rows)
+    (result.folder / "table.md").write_text(table_md, encoding="utf-8")
+    out = Console() if sys.stdout.isatty() else Console(width=200)
+    out.print(build_table(result.plan, result.rows, title=f"kvpolicy eval: {result.plan.source.name}"))
+    err.print(f"figures: {result.folder / 'metrics.json'}  (table: {result.folder / 'table.md'}, "
+              f"examples: {result.folder / 'predictions.jsonl'}, config: {result.folder / 'config.yaml'})")
+    err.print(f"plots:   {result.folder / 'plots'}/ ({', '.join(p.name for p in result.plots)})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.eval", description=EPILOG.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    add_eval_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "eval":
+        argv = ["eval", *argv]
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

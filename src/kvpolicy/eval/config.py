@@ -1,0 +1,158 @@
+"""The configuration of an evaluation run: what to compare, on what, with which metrics.
+
+A run's ``config.yaml`` is this model dumped with every policy resolved to a mapping, so
+``kvpolicy eval --config runs/X/config.yaml`` repeats the run even if policy files change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+#: The built-in policies, compared by default (plugins' policies can be named explicitly).
+DEFAULT_POLICIES = [
+    "snapkv",
+    "rkv",
+    "curdkv",
+    "vase-dkv",
+    "vase-attnv",
+    "streamingllm",
+    "evict-large-range",
+    "random",
+]
+DEFAULT_METRICS = ["perplexity", "fidelity", "passkey", "reconstruction", "speed"]
+
+
+class EvalError(ValueError):
+    """Bad input to the harness, reported before any model work."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PerplexitySettings(_Section):
+    tokens: int = Field(512, gt=1, description="Tokens of the text fed through the cache.")
+    prefill: int = Field(64, gt=0, description="Tokens fed as the prompt (never evicted by default).")
+
+
+class FidelitySettings(_Section):
+    task: str = "gsm_symbolic"
+    prompts: int = Field(2, gt=0)
+    shots: int = Field(0, ge=0, description="Solved examples before the question (a longer prompt).")
+    new_tokens: int = Field(64, gt=0, description="64 guarantees an eviction during generation.")
+
+
+class PasskeySettings(_Section):
+    samples: int = Field(3, gt=0, description="Passkeys per context length.")
+    context: list[int] = Field(default_factory=lambda: [256], description="Total prompt tokens.")
+    new_tokens: int = Field(8, gt=0)
+
+
+class AccuracySettings(_Section):
+    tasks: list[str] = Field(default_factory=lambda: ["gsm_symbolic", "chain_sum"])
+    questions: int = Field(4, gt=0)
+    samples: int = Field(2, gt=0, description="Samples per question (pass@1 is their mean).")
+    max_new_tokens: int = Field(160, gt=0)
+    temperature: float = Field(0.6, ge=0.0, description="0 means greedy.")
+
+
+class ReconstructionSettings(_Section):
+    tokens: int = Field(384, gt=1, description="Tokens of the text whose keys/values are captured.")
+    queries: int = Field(64, gt=0, description="Most recent queries whose attention output is compared.")
+
+
+class SpeedSettings(_Section):
+    context: int = Field(256, gt=1, description="Tokens fed (chunked, evicting) before the timed decode.")
+    new_tokens: int = Field(16, gt=0)
+
+
+class EvalConfig(BaseModel):
+    """Everything a run depends on; seeds make it reproducible."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("bundled", description='"bundled" (SmolLM2-135M GGUF), a model folder or a .gguf file.')
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    budgets: list[int] = Field(default_factory=lambda: [96, 128])
+    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
+    metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
+    text: str | None = Field(None, description="Long text file (default: reasoning-gym's in_the_year_2889.txt).")
+    perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
+    fidelity: FidelitySettings = Field(default_factory=FidelitySettings)
+    passkey: PasskeySettings = Field(default_factory=PasskeySettings)
+    accuracy: AccuracySettings = Field(default_factory=AccuracySettings)
+    reconstruction: ReconstructionSettings = Field(default_factory=ReconstructionSettings)
+    speed: SpeedSettings = Field(default_factory=SpeedSettings)
+
+    @field_validator("budgets")
+    @classmethod
+    def _positive_budgets(cls, v: list[int]) -> list[int]:
+        if not v or any(b <= 0 for b in v):
+            raise ValueError("budgets must be a non-empty list of positive integers")
+        return sorted(set(v))
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {v!r}")
+        return v
+
+    # -- files -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> EvalConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise EvalError(f"no such configuration file: {path}")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            raise EvalError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise EvalError(f"{path}: a configuration is a mapping, got {type(data).__name__}")
+        data.pop("versions", None)  # written for the record, not inputs
+        data.pop("resolved_policies", None)
+        return cls.build(data, source=str(path))
+
+    @classmethod
+    def build(cls, data: dict[str, Any], source: str = "configuration") -> EvalConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+            )
+            raise EvalError(f"invalid {source}: {problems}") from None
+
+    def to_yaml(self, versions: dict[str, str] | None = None) -> str:
+        data = self.model_dump(mode="json")
+        if versions:
+            data["versions"] = versions
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def apply_sets(data: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (value read as YAML) to a configuration mapping."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise EvalError(f"--set expects SECTION.KEY=VALUE or KEY=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        target = out
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise EvalError(f"--set {item!r}: {part!r} is not a section")
+        target[parts[-1]] = value
+    return out

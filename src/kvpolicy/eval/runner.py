@@ -1,0 +1,299 @@
+"""Running an evaluation: validate everything, then the full cache, then each (policy, budget).
+
+Results are appended to the run folder as each pair finishes (``results.jsonl``,
+``predictions.jsonl``, ``metrics.json`` rewritten), so an interrupted run keeps every finished
+pair and ``resume`` picks up the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..config import PolicyError
+from ..policy import Policy, load_policy
+from .config import EvalConfig, EvalError
+from .models import ModelSource, load_model, load_tokenizer, resolve_device, resolve_model
+from .suites import Metric, RunContext, get_metrics
+
+FULL = "full"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: every finished pair is saved in ``folder``; resume it from there."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(str(folder))
+        self.folder = folder
+
+
+@dataclass
+class Pair:
+    """One row of the comparison: a policy at a budget, or the full cache (``policy`` None)."""
+
+    name: str
+    budget: int | None
+    policy: Policy | None
+
+    @property
+    def key(self) -> str:
+        return FULL if self.policy is None else f"{self.name}@{self.budget}"
+
+
+@dataclass
+class Plan:
+    """A validated run: everything checked and tokenized, nothing loaded but the tokenizer."""
+
+    config: EvalConfig
+    source: ModelSource
+    device: str
+    tokenizer: Any
+    metrics: list[Metric]
+    pairs: list[Pair]
+    text_name: str
+    resolved: dict[str, dict] = field(default_factory=dict)
+
+
+def resolve_policies(config: EvalConfig) -> list[Pair]:
+    """Every (policy, budget) pair, loaded and validated (too small a budget is an error here)."""
+    pairs = []
+    for budget in config.budgets:
+        for spec in config.policies:
+            label = spec if isinstance(spec, str) else spec.get("name", "<mapping>")
+            try:
+                policy = load_policy(spec, budget=budget)
+            except PolicyError as exc:
+                raise EvalError(f"policy {label!r} at budget {budget}: {exc}") from None
+            except Exception as exc:  # unknown stage types from plugins, unreadable files
+                raise EvalError(f"policy {label!r}: {exc}") from None
+            pairs.append(Pair(policy.name, budget, policy))
+    keys = [p.key for p in pairs]
+    dupes = sorted({k for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise EvalError(f"two policies share a name: {', '.join(dupes)} (set a distinct 'name' in each file)")
+    return pairs
+
+
+def plan_run(config: EvalConfig) -> Plan:
+    """Check every input (model, policies, budgets, metrics, tasks, text lengths) before model work."""
+    from .data import read_text, text_ids
+
+    metrics = get_metrics(config.metrics, config)
+    pairs = resolve_policies(config)
+    source = resolve_model(config.model)
+    device = resolve_device(config.device)
+    tokenizer = load_tokenizer(source)
+    text, text_name = read_text(config.text)
+    ids = text_ids(tokenizer, text)
+    policies = [p.policy for p in pairs]
+    if policies and len(ids) <= max(p.budget for p in policies):
+        raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
+    for metric in metrics:
+        metric.prepare(tokenizer, ids, policies)
+    resolved = {p.key: p.policy.config.to_dict() for p in pairs}
+    return Plan(config, source, device, tokenizer, metrics, [Pair(FULL, None, None), *pairs], text_name, resolved)
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from .. import __version__
+
+    out = {"kvpolicy": str(__version__), "torch": str(torch.__version__),
+           "transformers": str(transformers.__version__), "python": platform.python_version()}
+    try:
+        from importlib.metadata import version
+
+        out["reasoning_gym"] = version("reasoning-gym")
+    except Exception:
+        pass
+    return out
+
+
+class RunFolder:
+    """The files of one run; every write leaves the folder consistent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.results_file = path / "results.jsonl"
+        self.predictions_file = path / "predictions.jsonl"
+        self.reference_file = path / "reference.json"
+
+    @staticmethod
+    def new(root: str | Path | None) -> RunFolder:
+        if root is None:
+            root = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path(root)
+        if path.exists() and any(path.iterdir()):
+            raise EvalError(f"run folder {path} is not empty (use --resume {path} to continue it)")
+        path.mkdir(parents=True, exist_ok=True)
+        return RunFolder(path)
+
+    def write_config(self, plan: Plan) -> None:
+        import yaml
+
+        text = plan.config.to_yaml(versions())
+        resolved = json.loads(json.dumps(plan.resolved, default=str))  # plain YAML types only
+        text += yaml.safe_dump({"resolved_policies": resolved}, sort_keys=False)
+        (self.path / "config.yaml").write_text(text, encoding="utf-8")
+
+    def finished(self) -> dict[str, dict]:
+        rows = {}
+        if self.results_file.is_file():
+            for line in self.results_file.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    rows[row["key"]] = row
+        return rows
+
+    def drop_unfinished_predictions(self, done: set[str]) -> None:
+        if not self.predictions_file.is_file():
+            return
+        lines = self.predictions_file.read_text(encoding="utf-8").splitlines()
+        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("key") in done]
+        self.predictions_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+
+    def references(self) -> dict[str, dict]:
+        if self.reference_file.is_file():
+            return json.loads(self.reference_file.read_text(encoding="utf-8"))
+        return {}
+
+    def save_references(self, refs: dict[str, dict]) -> None:
+        self.reference_file.write_text(json.dumps(refs), encoding="utf-8")
+
+    def append(self, row: dict, predictions: list[dict]) -> None:
+        with self.predictions_file.open("a", encoding="utf-8") as f:
+            for p in predictions:
+                f.write(json.dumps(p, default=str) + "\n")
+        with self.results_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=_json_default) + "\n")
+
+    def write_summary(self, plan: Plan, rows: list[dict]) -> Path:
+        summary = {
+            "model": plan.source.name,
+            "text": plan.text_name,
+            "device": plan.device,
+            "budgets": plan.config.budgets,
+            "metrics": plan.config.metrics,
+            "seed": plan.config.seed,
+            "versions": versions(),
+            "columns": [
+                {"key": c.key, "label": c.label, "better": c.better, "metric": metric.name}
+                for metric in plan.metrics
+                for c in metric.columns
+            ],
+            "rows": rows,
+        }
+        out = self.path / "metrics.json"
+        out.write_text(json.dumps(summary, indent=2, default=_json_default), encoding="utf-8")
+        return out
+
+
+def _json_default(x: Any) -> Any:
+    return str(x)
+
+
+@dataclass
+class RunResult:
+    folder: Path
+    rows: list[dict]
+    plan: Plan
+    plots: list[Path] = field(default_factory=list)
+
+
+def run_eval(
+    config: EvalConfig,
+    out: str | Path | None = None,
+    *,
+    resume: str | Path | None = None,
+    console=None,
+    progress: bool = True,
+) -> RunResult:
+    """Run (or resume) an evaluation; return the run folder and its rows."""
+    import torch
+    from rich.console import Console
+
+    from .report import progress_bar, write_plots
+
+    console = console or Console(stderr=True)
+    if resume is not None:
+        folder = RunFolder(Path(resume))
+        config = EvalConfig.load(folder.path / "config.yaml")
+    plan = plan_run(config)  # every input checked before the model is loaded
+    if resume is None:
+        folder = RunFolder.new(out)
+        folder.write_config(plan)
+    done = folder.finished()
+    folder.drop_unfinished_predictions(set(done))
+    refs = folder.references()
+    todo = [p for p in plan.pairs if p.key not in done or (p.policy is None and not _has_refs(plan, refs))]
+    console.print(f"[bold]kvpolicy eval[/bold]: {plan.source.name} on {plan.device}, "
+                  f"{len(plan.pairs) - 1} policy x budget pairs + full cache, metrics {', '.join(plan.config.metrics)}")
+    console.print(f"run folder: {folder.path}" + (f" (resuming: {len(done)} pair(s) done)" if done else ""))
+
+    rows = {k: v for k, v in done.items()}
+    if todo:
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        model = load_model(plan.source, config.dtype, plan.device)
+        console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+        from .decoding import stop_token_ids
+
+        ctx = RunContext(config, model, plan.tokenizer, plan.device, stop_token_ids(plan.tokenizer, model),
+                         base_attn=model.config._attn_implementation)
+        try:
+            with progress_bar(console, enabled=progress) as bar:
+                task = bar.add_task("pairs", total=len(todo))
+                for pair in todo:
+                    bar.update(task, description=f"{pair.key}")
+                    row, preds = _run_pair(ctx, plan, pair, refs, bar)
+                    if pair.policy is None:
+                        folder.save_references(refs)
+                    if pair.key not in done:
+                        folder.append(row, preds)
+                        rows[pair.key] = row
+                        folder.write_summary(plan, _ordered(plan, rows))
+                    bar.advance(task)
+        except KeyboardInterrupt:
+            raise RunInterrupted(folder.path) from None
+    ordered = _ordered(plan, rows)
+    folder.write_summary(plan, ordered)
+    plots = write_plots(folder.path / "plots", plan, ordered)
+    return RunResult(folder.path, ordered, plan, plots)
+
+
+def _has_refs(plan: Plan, refs: dict) -> bool:
+    from .suites import Fidelity, Perplexity
+
+    needed = [m.name for m in plan.metrics if isinstance(m, Fidelity | Perplexity)]
+    return all(n in refs for n in needed)
+
+
+def _run_pair(ctx: RunContext, plan: Plan, pair: Pair, refs: dict, bar) -> tuple[dict, list[dict]]:
+    start = time.perf_counter()
+    values: dict[str, Any] = {}
+    predictions = []
+    sub = bar.add_task(f"  {pair.key}", total=len(plan.metrics))
+    for metric in plan.metrics:
+        bar.update(sub, description=f"  {metric.name}")
+        result = metric.run(ctx, pair.policy, None if pair.policy is None else refs.get(metric.name))
+        if pair.policy is None and result.reference is not None:
+            refs[metric.name] = result.reference
+        values.update(result.values)
+        for p in result.predictions:
+            predictions.append({"key": pair.key, "policy": pair.name, "budget": pair.budget, "metric": metric.name, **p})
+        bar.advance(sub)
+    bar.remove_task(sub)
+    row = {"key": pair.key, "policy": pair.name, "budget": pair.budget, "values": values,
+           "seconds": round(time.perf_counter() - start, 2)}
+    return row, predictions
+
+
+def _ordered(plan: Plan, rows: dict[str, dict]) -> list[dict]:
+    return [rows[p.key] for p in plan.pairs if p.key in rows]
