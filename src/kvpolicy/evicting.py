@@ -80,7 +80,9 @@ class EvictingCache:
         attends the slots whose ``layers[i].positions`` are ``<= p``.
 
         Args:
-            keys, values: ``[B, Hkv, T, D]`` new post-RoPE keys and values.
+            layer_idx: the layer, ``0 <= layer_idx < num_layers``.
+            keys: ``[B, Hkv, T, D]`` new post-RoPE keys.
+            values: ``[B, Hkv, T, Dv]`` new values.
             queries: ``[B, Hq, T, D]`` the chunk's post-RoPE queries (needed when the policy's
                 window is non-zero).
             token_valid: ``[B, T]`` bool, False for padding tokens.

@@ -99,8 +99,9 @@ class Policy:
             query_valid: ``[B, W]`` bool, False for window entries without a real query.
             positions: ``[B, N]`` or ``[B, Hkv, N]`` long token index of each slot among its row's real tokens
                 (default: ``0 .. N-1``; ``-1`` for padding).
-            layer_seed, rows_per_layer: used by the executor when layers are stacked on the batch
-                axis (one fixed seed per layer, ``rows_per_layer`` rows each).
+            layer_seed: ``[L]`` long, one fixed seed per layer when the executor stacks ``L``
+                layers on the batch axis (default: the policy's seed).
+            rows_per_layer: batch rows per stacked layer (default: ``B``).
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,

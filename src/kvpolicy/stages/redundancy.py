@@ -30,19 +30,23 @@ class RedundancyScorer(Scorer):
 
     threshold: float | None = Field(0.5, ge=-1.0, le=1.0)
     over: Literal["all", "candidates"] = "all"
-    chunk_elements: int = Field(1 << 25, ge=1 << 10, description="Similarity entries per row chunk.")
+    chunk_elements: int = Field(
+        1 << 21, ge=1 << 10, description="Similarity entries per tile (performance only; results do not depend on it)."
+    )
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, h, n, _ = inp.keys.shape
         m = n if self.over == "all" else inp.num_candidates
         k = inp.keys[:, :, :m].float()
-        kn = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
         valid = inp.slot_valid[..., :m]  # [B, Hkv, M]
-        kn = kn * valid[..., None]  # padding rows and columns contribute zero similarity
+        norm = torch.linalg.vector_norm(k, dim=-1, keepdim=True)
+        # One scale per key: unit length, and zero for empty slots (no similarity to anything).
+        scale = valid[..., None] / (norm + 1e-8)
+        kn = k * scale
         # Column sums of C = Kn Kn^T without the matrix: sum_i C[i, j] = (sum_i Kn_i) . Kn_j, minus
-        # the zeroed diagonal Kn_j . Kn_j. O(M D) instead of O(M^2 D).
+        # the zeroed diagonal Kn_j . Kn_j = (||K_j|| * scale_j)^2. O(M D) instead of O(M^2 D).
         col_sum = torch.matmul(kn, kn.sum(2, keepdim=True).transpose(-1, -2)).squeeze(-1)
-        col_sum -= kn.square().sum(-1)
+        col_sum -= (norm * scale).squeeze(-1).square()
         if self.threshold is not None:
             col_sum -= self._threshold_correction(kn)
         n_rows = valid.sum(-1, keepdim=True).clamp_min(1).to(col_sum.dtype)
@@ -63,25 +67,31 @@ class RedundancyScorer(Scorer):
         order, so that the most recent match is the first one: a bool mask and an ``argmax`` over
         it, without index-weighted temporaries.
         """
-        b, h, m, _ = kn.shape
-        kn_rev_t = kn.flip(2).transpose(-1, -2)  # [B, H, D, M], column m-1-j holds slot j
-        correction = kn.new_zeros(b, h, m)
-        rows_per_chunk = max(1, self.chunk_elements // max(1, b * h * m))
-        buf = mask = None  # reused across chunks: fresh large tensors cost page faults every time
-        for start in range(0, m, rows_per_chunk):
-            stop = min(m, start + rows_per_chunk)
-            shape = (b, h, stop - start, m)
-            if buf is None or buf.shape != shape:
-                buf = kn.new_empty(shape)
-                mask = torch.empty(shape, dtype=torch.bool, device=kn.device)
-            sim = torch.matmul(kn[:, :, start:stop], kn_rev_t, out=buf)  # [B, H, r, M] reversed
-            rows = torch.arange(start, stop, device=kn.device)
-            sim[:, :, rows - start, m - 1 - rows] = 0.0  # zero diagonal
-            torch.gt(sim, self.threshold, out=mask)
-            first = mask.view(torch.uint8).argmax(-1, keepdim=True)  # [B, H, r, 1]
-            hit = sim.gather(-1, first)
-            found = hit > self.threshold
-            col = torch.where(found, m - 1 - first, 0)
-            val = torch.where(found, hit, sim[..., m - 1 :])  # no match: column 0 (last reversed)
-            correction.scatter_add_(-1, col.squeeze(-1), val.squeeze(-1))
-        return correction
+        b, h, m, d = kn.shape
+        kn = kn.flatten(0, 1)  # [BH, M, D]
+        kn_rev_t = kn.flip(1).transpose(1, 2)  # [BH, D, M], column m-1-j holds slot j
+        correction = kn.new_zeros(b * h, m)
+        # Tiles of (rows of the flattened batch*head axis) x (similarity rows), sized so that a
+        # tile's similarities stay in cache across the matmul, the threshold and the argmax.
+        rows_per_tile = max(1, min(m, self.chunk_elements // m))
+        bh_per_tile = max(1, self.chunk_elements // (rows_per_tile * m))
+        buf = mask = None  # reused across tiles: fresh large tensors cost page faults every time
+        for b0 in range(0, b * h, bh_per_tile):
+            b1 = min(b * h, b0 + bh_per_tile)
+            for start in range(0, m, rows_per_tile):
+                stop = min(m, start + rows_per_tile)
+                shape = (b1 - b0, stop - start, m)
+                if buf is None or buf.shape != shape:
+                    buf = kn.new_empty(shape)
+                    mask = torch.empty(shape, dtype=torch.bool, device=kn.device)
+                sim = torch.bmm(kn[b0:b1, start:stop], kn_rev_t[b0:b1], out=buf)  # reversed columns
+                rows = torch.arange(start, stop, device=kn.device)
+                sim[:, rows - start, m - 1 - rows] = 0.0  # zero diagonal
+                torch.gt(sim, self.threshold, out=mask)
+                first = mask.view(torch.uint8).argmax(-1, keepdim=True)  # [T, r, 1]
+                hit = sim.gather(-1, first)
+                found = hit > self.threshold
+                col = torch.where(found, m - 1 - first, 0)
+                val = torch.where(found, hit, sim[..., m - 1 :])  # no match: column 0 (last reversed)
+                correction[b0:b1].scatter_add_(-1, col.squeeze(-1), val.squeeze(-1))
+        return correction.view(b, h, m)
