@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for a tiny model)")
     ap.add_argument("--policies", nargs="*", default=None, help="default: every built-in policy")
+    ap.add_argument("--plot", default=None, help="also write a PNG: tokens/s and KV bytes vs generated length")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     max_new = args.max_new or (1024 if args.quick else 4096)
@@ -155,6 +156,33 @@ def main() -> None:
         row = [n, str(r["interval"]), f"{r['total_s']:.2f}", f"{r['evict_s']:.2f}", f"{share:.1f}%",
                str(r["evict_calls"]), vs_stream, speed]
         print("".join(c.rjust(16) if i else c.ljust(width) for i, c in enumerate(row)))
+    if args.plot:
+        plot(results, names, checkpoints, args)
+
+
+def plot(results: dict, names: list[str], checkpoints: list[int], args) -> None:
+    """Tokens/s and KV bytes against generated length, one line per cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    for n in names:
+        style = {"color": "black", "linewidth": 2.5} if n == "full" else {}
+        ax_rate.plot(checkpoints, [results[n]["rate"][c] for c in checkpoints], marker="o", label=n, **style)
+        ax_mem.plot(checkpoints, [results[n]["bytes"][c] / 1024 for c in checkpoints], marker="o", label=n, **style)
+    for ax, title in ((ax_rate, "decode tokens/s (segment)"), (ax_mem, "KV cache KiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("generated tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_mem.set_yscale("log", base=2)
+    ax_rate.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"tiny Qwen3, CPU, budget {args.budget}: full cache vs kvpolicy policies")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
