@@ -72,7 +72,7 @@ class EvictionStats:
     evictions: int = 0  # eviction steps (one step may evict several rows)
     tokens_seen: int = 0  # padded positions appended (the same for every row)
     slots_held: int = 0  # the slot extent: slots held by the longest row
-    slots_evicted: int = 0  # summed over rows and heads' rows
+    slots_evicted: int = 0  # slots dropped, summed over batch rows
 
 
 @dataclass
