@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .policy import Policy
+from .policy import Policy, generator_for
 from .stages.base import EvictionInput
 from .state import LayerState, compact_rows
 
@@ -30,17 +30,11 @@ class Executor:
             self._generators[torch.device(generator.device)] = generator
 
     def generator(self, device: torch.device) -> torch.Generator | None:
+        """This executor's generator on ``device`` (its own stream, not the policy's: two caches
+        sharing a policy stay independent and reproducible); None for deterministic policies."""
         if not self.policy.stochastic:
             return None
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._generators:
-            g = torch.Generator(device=device)
-            seed = self.policy.config.seed
-            g.manual_seed(seed) if seed is not None else g.seed()
-            self._generators[device] = g
-        return self._generators[device]
+        return generator_for(self._generators, device, self.policy.config.seed)
 
     def evict(self, states: Sequence[LayerState]) -> int:
         """Evict every due row of every due layer in ``states``; return how many layers evicted."""

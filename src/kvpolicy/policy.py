@@ -63,15 +63,7 @@ class Policy:
 
     def default_generator(self, device: torch.device | str) -> torch.Generator:
         """The policy's own generator on ``device``, seeded from ``config.seed`` on first use."""
-        device = torch.device(device)
-        if device not in self._generators:
-            g = torch.Generator(device=device)
-            if self.config.seed is None:
-                g.seed()
-            else:
-                g.manual_seed(self.config.seed)
-            self._generators[device] = g
-        return self._generators[device]
+        return generator_for(self._generators, device, self.config.seed)
 
     # -- the algorithm ----------------------------------------------------------------------
     def select(
@@ -166,6 +158,24 @@ class Policy:
         drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
         keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
         return keep.nonzero()[:, -1].view(b, hkv, k_keep)
+
+
+def generator_for(
+    generators: dict[torch.device, torch.Generator], device: torch.device | str, seed: int | None
+) -> torch.Generator:
+    """The generator for ``device`` in ``generators``, created and seeded on first use (``seed``
+    None: fresh OS randomness). One stream per device, so runs reproduce from the seed alone."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in generators:
+        g = torch.Generator(device=device)
+        if seed is None:
+            g.seed()
+        else:
+            g.manual_seed(seed)
+        generators[device] = g
+    return generators[device]
 
 
 def load_policy(source: str | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any) -> Policy:
