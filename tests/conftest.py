@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from kvpolicy.policy import eviction_input
 from kvpolicy.stages.base import EvictionInput
 
 settings.register_profile(
@@ -41,30 +42,11 @@ def make_input(
     layer_seed=None,
     rows_per_layer=None,
 ) -> EvictionInput:
-    """An ``EvictionInput`` as ``Policy.select`` would assemble it."""
-    b, hkv, n, _ = keys.shape
-    if slot_valid is None:
-        slot_valid = torch.ones(b, hkv, n, dtype=torch.bool)
-    elif slot_valid.dim() == 2:
-        slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
-    if query_valid is None:
-        query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool)
-    if positions is None:
-        positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
-    elif positions.dim() == 2:
-        positions = positions[:, None, :].expand(b, hkv, n)
-    return EvictionInput(
-        keys=keys,
-        values=values,
-        queries=queries,
-        budget=n if budget is None else min(n, budget),
-        num_candidates=n - recent,
-        slot_valid=slot_valid,
-        query_valid=query_valid,
-        positions=positions,
-        generator=generator,
-        layer_seed=layer_seed,
-        rows_per_layer=rows_per_layer,
+    """An ``EvictionInput`` as ``Policy.select`` would assemble it (``budget`` None: keep all)."""
+    return eviction_input(
+        keys, values, queries, budget=keys.shape[2] if budget is None else budget, recent=recent,
+        slot_valid=slot_valid, query_valid=query_valid, positions=positions, generator=generator,
+        layer_seed=layer_seed, rows_per_layer=rows_per_layer,
     )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .policy import Policy, generator_for
 from .stages.base import EvictionInput
-from .state import LayerState, compact_rows
+from .state import LayerState, block, compact_rows
 
 
 class Executor:
@@ -72,13 +72,7 @@ class Executor:
         device = buffers.keys.device
 
         def stacked(t: torch.Tensor) -> torch.Tensor:
-            if isinstance(layers, slice) and isinstance(row_sel, slice):
-                part = t[layers, :, :, :count]
-            else:
-                lyr = (layers if isinstance(layers, torch.Tensor) else torch.arange(first, first + n_layers))
-                rsel = row_sel if isinstance(row_sel, torch.Tensor) else torch.arange(batch)
-                part = t[lyr.to(device)[:, None], rsel.to(device)[None, :], :, :count]
-            return part.flatten(0, 1)
+            return block(t, layers, row_sel, count).flatten(0, 1)
 
         n_rows = len(rows)
         if self.policy.config.scorer is not None and self.policy.schedule.window > 0:

@@ -102,35 +102,16 @@ class Policy:
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
         device = keys.device
-        k_keep = min(n, self.budget)
         if n <= self.budget:
             return torch.arange(n, device=device).expand(b, hkv, n).clone()
-        if slot_valid is None:
-            slot_valid = torch.ones(b, hkv, n, dtype=torch.bool, device=device)
-        elif slot_valid.dim() == 2:
-            slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
-        if query_valid is None:
-            query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool, device=device)
-        if positions is None:
-            positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
-        elif positions.dim() == 2:
-            positions = positions[:, None, :].expand(b, hkv, n)
         if generator is None and self.stochastic:
             generator = self.default_generator(device)
         if layer_seed is None:
             layer_seed = torch.tensor([self.config.seed or 0], dtype=torch.long)
-        inp = EvictionInput(
-            keys=keys,
-            values=values,
-            queries=queries,
-            budget=k_keep,
-            num_candidates=n - self.schedule.recent,
-            slot_valid=slot_valid,
-            query_valid=query_valid,
-            positions=positions,
-            generator=generator,
-            layer_seed=layer_seed,
-            rows_per_layer=rows_per_layer or b,
+        inp = eviction_input(
+            keys, values, queries, budget=self.budget, recent=self.schedule.recent,
+            slot_valid=slot_valid, query_valid=query_valid, positions=positions, generator=generator,
+            layer_seed=layer_seed, rows_per_layer=rows_per_layer,
         )
         return self.select_from(inp)
 
@@ -158,6 +139,50 @@ class Policy:
         drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
         keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
         return keep.nonzero()[:, -1].view(b, hkv, k_keep)
+
+
+def eviction_input(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    *,
+    budget: int,
+    recent: int,
+    slot_valid: torch.Tensor | None = None,
+    query_valid: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    layer_seed: torch.Tensor | None = None,
+    rows_per_layer: int | None = None,
+) -> EvictionInput:
+    """Assemble the ``EvictionInput`` of one eviction, filling the defaults ``Policy.select``
+    documents (all slots and queries valid, positions ``0 .. N-1``, ``[B, N]`` masks broadcast
+    over heads). Inputs are not checked here: ``Policy.select`` checks them first."""
+    b, hkv, n, _ = keys.shape
+    device = keys.device
+    if slot_valid is None:
+        slot_valid = torch.ones(b, hkv, n, dtype=torch.bool, device=device)
+    elif slot_valid.dim() == 2:
+        slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
+    if query_valid is None:
+        query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool, device=device)
+    if positions is None:
+        positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
+    elif positions.dim() == 2:
+        positions = positions[:, None, :].expand(b, hkv, n)
+    return EvictionInput(
+        keys=keys,
+        values=values,
+        queries=queries,
+        budget=min(n, budget),
+        num_candidates=max(0, n - recent),
+        slot_valid=slot_valid,
+        query_valid=query_valid,
+        positions=positions,
+        generator=generator,
+        layer_seed=layer_seed,
+        rows_per_layer=rows_per_layer or b,
+    )
 
 
 def generator_for(

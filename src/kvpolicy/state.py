@@ -320,7 +320,7 @@ def compact_rows(
         row = _as_index(rows, buffers.keys.shape[1], kept.device)[None, :]
     for name in ("keys", "values", "valid", "positions"):
         buf = getattr(buffers, name)
-        src = buf[lyr, row, :, :count] if by_index else buf[layers, rows, :, :count]
+        src = block(buf, layers, rows, count)
         idx = kept[..., None].expand(*kept.shape, src.shape[-1]) if src.dim() == 5 else kept
         gathered = torch.gather(src, 3, idx)
         if by_index:
@@ -334,6 +334,16 @@ def compact_rows(
             buf[lyr, row, :, k:count] = empty
         else:
             buf[layers, rows, :, k:count] = empty
+
+
+def block(t: torch.Tensor, layers: slice | torch.Tensor, rows: slice | torch.Tensor, count: int) -> torch.Tensor:
+    """``t[layers, rows, :, :count]`` of a ``[Lyr, B, Hkv, cap, ...]`` buffer: a view when both
+    selections are slices, an indexed copy otherwise."""
+    if isinstance(layers, slice) and isinstance(rows, slice):
+        return t[layers, rows, :, :count]
+    lyr = _as_index(layers, t.shape[0], t.device)[:, None]
+    row = _as_index(rows, t.shape[1], t.device)[None, :]
+    return t[lyr, row, :, :count]
 
 
 def _as_index(sel: slice | torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
