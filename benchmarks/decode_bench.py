@@ -7,7 +7,10 @@ and with ``KVPolicyCache`` for each built-in policy at the same budget. Reported
 - tokens/s over each segment of generated length (so the cost at long lengths is visible),
 - KV bytes held at each checkpoint (full: every key/value; policy: static buffers + query windows),
 - eviction cost: the share of decode time spent in ``Executor.evict`` (timed by wrapping it),
-- the slowdown of each policy against ``streamingllm`` (no scoring) at the same budget.
+- the slowdown of each policy against ``streamingllm`` (no scoring) at the same budget,
+- the decode step's own overhead: the median time of a step with no eviction due, against the
+  same step with transformers' ``StaticCache`` of the policy's capacity (``budget + interval``
+  slots), measured in alternating trials (``--overhead-only`` prints just this table).
 
 Usage::
 
@@ -21,6 +24,7 @@ are the model plus the cache.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import warnings
 
@@ -28,7 +32,7 @@ import torch
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache  # noqa: E402
 
 import kvpolicy  # noqa: E402
 from kvpolicy.executor import Executor  # noqa: E402
@@ -39,10 +43,10 @@ _EVICT_CALLS = [0]
 
 
 def _timed_evict(orig):
-    def evict(self, states):
+    def evict(self, group):
         t0 = time.perf_counter()
         try:
-            return orig(self, states)
+            return orig(self, group)
         finally:
             _EVICT_SECONDS[0] += time.perf_counter() - t0
             _EVICT_CALLS[0] += 1
@@ -95,6 +99,45 @@ def run(model, cache, prompt: torch.Tensor, checkpoints: list[int]) -> dict:
     }
 
 
+def step_overhead(model, policies: list[str], budget: int, trials: int, batch: int) -> dict[str, tuple]:
+    """Median seconds of a decode step with no eviction due, per policy, and of the same step with
+    a ``StaticCache`` of the policy's capacity; trials alternate between the two so that machine
+    noise hits both alike. Returns ``{policy: (policy_s, static_s)}``."""
+    out = {}
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name in policies:
+            policy = kvpolicy.load_policy(name, budget=budget)
+            interval = policy.schedule.interval
+            prompt = torch.randint(3, 4096, (batch, budget), generator=gen)
+            times: dict[str, list[float]] = {"policy": [], "static": []}
+            for _ in range(trials):
+                for kind in ("static", "policy"):
+                    if kind == "static":
+                        model.set_attn_implementation("sdpa")
+                        cache = StaticCache(config=model.config, max_cache_len=policy.schedule.capacity)
+                    else:
+                        cache = KVPolicyCache(policy, model)
+                    model(input_ids=prompt, cache=cache, use_cache=True)
+                    token = prompt[:, -1:]
+                    # budget + 1 .. budget + interval - 1 slots: no eviction is due at any of these.
+                    for _ in range(interval - 1):
+                        t0 = time.perf_counter()
+                        model(input_ids=token, cache=cache, use_cache=True)
+                        times[kind].append(time.perf_counter() - t0)
+                    if kind == "policy":
+                        assert all(s.evictions == 0 for s in cache.stats())
+            out[name] = (statistics.median(times["policy"]), statistics.median(times["static"]))
+    return out
+
+
+def print_overhead(results: dict[str, tuple], budget: int, batch: int) -> None:
+    print(f"\ndecode step with no eviction due vs StaticCache(budget + interval), budget {budget}, batch {batch}")
+    print("policy".ljust(20) + "policy ms".rjust(12) + "static ms".rjust(12) + "overhead".rjust(12))
+    for name, (pol, stat) in results.items():
+        print(name.ljust(20) + f"{pol * 1e3:12.3f}{stat * 1e3:12.3f}{100 * (pol / stat - 1):+11.1f}%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="up to 1024 generated tokens")
@@ -105,6 +148,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for a tiny model)")
     ap.add_argument("--policies", nargs="*", default=None, help="default: every built-in policy")
     ap.add_argument("--plot", default=None, help="also write a PNG: tokens/s and KV bytes vs generated length")
+    ap.add_argument("--overhead-only", action="store_true", help="only the step-overhead table")
+    ap.add_argument("--trials", type=int, default=5, help="alternating trials of the step-overhead table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     max_new = args.max_new or (1024 if args.quick else 4096)
@@ -115,6 +160,9 @@ def main() -> None:
     Executor.evict = _timed_evict(Executor.evict)
 
     model = build_model()
+    if args.overhead_only:
+        print_overhead(step_overhead(model, policies, args.budget, args.trials, args.batch), args.budget, args.batch)
+        return
     prompt = torch.randint(3, 4096, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     # Warm-up (allocator, kernels).
     model.set_attn_implementation("sdpa")
@@ -156,6 +204,7 @@ def main() -> None:
         row = [n, str(r["interval"]), f"{r['total_s']:.2f}", f"{r['evict_s']:.2f}", f"{share:.1f}%",
                str(r["evict_calls"]), vs_stream, speed]
         print("".join(c.rjust(16) if i else c.ljust(width) for i, c in enumerate(row)))
+    print_overhead(step_overhead(model, policies, args.budget, args.trials, args.batch), args.budget, args.batch)
     if args.plot:
         plot(results, names, checkpoints, args)
 

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                         kk_floor(keys)
 
                 fns = {
-                    "select": functools.partial(policy.select, keys, values, queries, generator=gen),
+                    "select": functools.partial(policy.select, keys, values, queries),
                     "floor": floor,
                 }
                 if not args.no_loop:

@@ -38,15 +38,16 @@ def make_input(
     slot_valid=None,
     query_valid=None,
     positions=None,
-    generator=None,
-    layer_seed=None,
-    rows_per_layer=None,
+    seed: int = 0,
+    layer_idx=0,
+    evictions=0,
+    streams=0,
 ) -> EvictionInput:
     """An ``EvictionInput`` as ``Policy.select`` would assemble it (``budget`` None: keep all)."""
     return eviction_input(
         keys, values, queries, budget=keys.shape[2] if budget is None else budget, recent=recent,
-        slot_valid=slot_valid, query_valid=query_valid, positions=positions, generator=generator,
-        layer_seed=layer_seed, rows_per_layer=rows_per_layer,
+        slot_valid=slot_valid, query_valid=query_valid, positions=positions, seed=seed,
+        layer_idx=layer_idx, evictions=evictions, streams=streams,
     )
 
 

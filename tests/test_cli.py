@@ -394,3 +394,93 @@ def test_module_entry_point_exits_cleanly():
     assert result.returncode == 2
     assert "unknown policy" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- every bad policy document: exit 2 (show) or 1 (validate), one line on stderr ----------------
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvpolicy: error: ")
+    return lines[0]
+
+
+GOOD_FILE = """\
+name: mine
+schedule: {budget: 64, recent: 8, interval: 8, window: 8}
+scorer: {type: attention}
+selector: {type: greedy}
+"""
+
+BAD_DOCUMENTS = {
+    "non-utf8": GOOD_FILE.replace("name: mine", "name: caf\xe9").encode("latin-1"),
+    "recursive-alias": b"a: &a [*a]\n",
+    "deep": (GOOD_FILE + "description: " + "[" * 3000 + "]" * 3000 + "\n").encode(),
+    "huge-int": ("seed: " + "9" * 5000 + "\n" + GOOD_FILE).encode(),
+    "seed-2**64": (f"seed: {2**64}\n" + GOOD_FILE).encode(),
+    "kernel": GOOD_FILE.replace("{type: attention}", "{type: attention, kernel: 2147483649}").encode(),
+    "duplicate-key": (GOOD_FILE + "name: again\n").encode(),
+    "many-problems": b"name: x\nschedule: {budget: -1, recent: -1}\nselector: nope\nextra: 1\n",
+    "nul-byte": GOOD_FILE.replace("mine", "mi\x00ne").encode(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_DOCUMENTS))
+def test_show_bad_document_is_one_line_exit_2(capsys, tmp_path, kind):
+    path = tmp_path / f"{kind}.yaml"
+    path.write_bytes(BAD_DOCUMENTS[kind])
+    code, out, err = run(capsys, "show", str(path))
+    assert code == 2
+    assert out == ""
+    assert str(path) in _one_error_line(err)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_DOCUMENTS))
+def test_validate_bad_document_exit_1(capsys, tmp_path, kind):
+    path = tmp_path / f"{kind}.yaml"
+    path.write_bytes(BAD_DOCUMENTS[kind])
+    code, out, err = run(capsys, "validate", str(path))
+    assert code == 1
+    assert "Traceback" not in err and err.strip() == "1 of 1 policy file(s) invalid"
+    assert out.strip() and all(line.startswith(f"{path}") for line in out.splitlines())
+
+
+def test_show_several_problems_on_one_line(capsys, tmp_path):
+    path = tmp_path / "multi.yaml"
+    path.write_bytes(BAD_DOCUMENTS["many-problems"])
+    code, _, err = run(capsys, "show", str(path))
+    line = _one_error_line(err)
+    assert code == 2
+    assert f"{path}:2: schedule.budget:" in line and "; " in line and "extra" in line
+
+
+@pytest.mark.parametrize(
+    "value,pattern",
+    [
+        (str(2**64), "seed"),
+        ("-1", "seed"),
+        ("9" * 5000, "seed"),
+        ("&a [*a]", "seed"),
+        ("[" * 3000, "seed"),
+        (".nan", "seed"),
+    ],
+)
+def test_show_bad_seed_override_is_one_line_exit_2(capsys, value, pattern):
+    code, out, err = run(capsys, "show", "snapkv", "--set", f"seed={value}")
+    assert code == 2
+    assert out == ""
+    assert pattern in _one_error_line(err)
+
+
+def test_show_override_on_a_schedule_that_is_not_a_mapping(capsys, tmp_path):
+    path = tmp_path / "sched.yaml"
+    path.write_text("name: x\nschedule: 5\nselector: greedy\n")
+    code, _, err = run(capsys, "show", str(path), "--budget", "64")
+    assert code == 2
+    assert "schedule is not a mapping" in _one_error_line(err)
+
+
+def test_show_seed_override_within_int64(capsys):
+    code, out, _ = run(capsys, "show", "snapkv", "--set", f"seed={2**63 - 1}")
+    assert code == 0
+    assert yaml.safe_load(out)["seed"] == 2**63 - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from conftest import make_tensors
 
 import kvpolicy
@@ -179,3 +180,205 @@ def test_mismatched_devices(policy):
     k, v, q = make_tensors(n=40)
     with pytest.raises(ValueError, match="one device.*meta"):
         policy.select(k, v, q.to("meta"))
+
+
+# -- documents that used to escape as other exceptions, or to load when they should not ----------
+TRIVIAL = """\
+name: t
+schedule: {budget: 32, recent: 8, interval: 8, window: 8}
+scorer: {type: attention}
+selector: {type: greedy}
+"""
+
+
+def test_non_utf8_file_names_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(GOOD.replace("name: t", "name: caf\xe9").encode("latin-1"))
+    with pytest.raises(PolicyError) as err:
+        kvpolicy.load_policy(path)
+    assert err.value.source == str(path)
+    assert "latin1.yaml" in str(err.value) and "UTF-8" in str(err.value) and "line 1" in str(err.value)
+
+
+def test_recursive_alias_is_refused(tmp_path):
+    with pytest.raises(PolicyError, match=r"line 1, column 4: .*anchors and aliases are not allowed"):
+        load_text(tmp_path, "a: &a [*a]\n")
+
+
+def test_anchors_and_aliases_are_refused_with_their_line(tmp_path):
+    text = GOOD.replace("  recent: 8", "  recent: &r 8").replace("  window: 8", "  window: *r")
+    with pytest.raises(PolicyError, match=r"line 4, column 11: .*anchor &r"):
+        load_text(tmp_path, text)
+
+
+def test_deep_nesting_is_refused(tmp_path):
+    with pytest.raises(PolicyError, match="nested more than 64 levels"):
+        load_text(tmp_path, GOOD + "description: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(PolicyError, match="nested more than 64 levels"):
+        load_text(tmp_path, GOOD + "description: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n")
+
+
+def test_deeply_nested_mapping_is_a_policy_error():
+    deep: object = "random"
+    for _ in range(2000):
+        deep = {"type": "combination", "terms": [{"weight": 1.0, "scorer": deep}]}
+    with pytest.raises(PolicyError):
+        kvpolicy.load_policy({"name": "t", "schedule": {"budget": 32, "recent": 8}, "scorer": deep, "selector": "greedy"})
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+def test_alias_bomb_is_refused_at_its_first_anchor(tmp_path):
+    for text in (BOMB, "".join(BOMB.splitlines(keepends=True)[:5])):  # the small one ends on old code too
+        with pytest.raises(PolicyError, match=r"line 1, column 4: .*anchor &a: anchors and aliases"):
+            load_text(tmp_path, text)
+
+
+def test_line_index_visits_shared_nodes_once():
+    # The line index of an alias bomb (9**9 leaves once expanded) takes one pass over its nodes.
+    from kvpolicy.config import _index_lines
+
+    node = yaml.compose(BOMB, Loader=yaml.SafeLoader)
+    lines: dict[tuple, int] = {}
+    _index_lines(node, lines)
+    assert len(lines) < 200
+    assert lines[("i",)] == 9 and lines[("a", 0)] == 1
+
+
+def test_integer_over_the_digit_limit(tmp_path):
+    with pytest.raises(PolicyError, match=r"line 1, column 7: .*integer of more than 4300 digits"):
+        load_text(tmp_path, "seed: " + "9" * 5000 + "\n" + GOOD)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -1])
+def test_seed_out_of_int64_range(tmp_path, seed):
+    with pytest.raises(PolicyError, match=r"line 1: seed: Input should be"):
+        load_text(tmp_path, f"seed: {seed}\n" + GOOD)
+    with pytest.raises(PolicyError, match="seed"):
+        kvpolicy.load_policy("snapkv", seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, None])
+def test_seed_bounds_are_inclusive(tmp_path, seed):
+    assert kvpolicy.load_policy("snapkv", seed=seed).config.seed == seed
+
+
+@pytest.mark.parametrize(
+    "stage,pattern",
+    [
+        ("{type: attention, kernel: 2147483649}", r"line 3: scorer.kernel: .*less than or equal to 1023"),
+        ("{type: attention, tile_elements: 17179869184}", r"line 3: scorer.tile_elements: .*less than or equal"),
+        ("{type: redundancy, chunk_elements: 17179869184}", r"scorer.chunk_elements: .*less than or equal"),
+        ("{type: leverage, rank: 100000}", r"scorer.rank: .*less than or equal to 4096"),
+        ("{type: leverage, local_window: 17179869184}", r"scorer.local_window: .*less than or equal"),
+    ],
+)
+def test_stage_integers_are_bounded(tmp_path, stage, pattern):
+    with pytest.raises(PolicyError, match=pattern):
+        load_text(tmp_path, TRIVIAL.replace("{type: attention}", stage))
+
+
+@pytest.mark.parametrize("field", ["budget", "recent", "interval", "window"])
+def test_schedule_integers_are_bounded(field):
+    with pytest.raises(PolicyError, match=rf"schedule.{field}: .*less than or equal to 16777216"):
+        kvpolicy.load_policy("snapkv", **{field: 2**40})
+
+
+def test_reservation_counts_are_bounded():
+    cfg = {"name": "t", "schedule": {"budget": 32, "recent": 8}, "scorer": "random", "selector": "greedy"}
+    with pytest.raises(PolicyError, match=r"reservations.0.n: .*less than or equal"):
+        kvpolicy.load_policy({**cfg, "reservations": [{"type": "sinks", "n": 2**40}]})
+    top = {"type": "top_scores", "scorer": "random", "n": 2**40}
+    with pytest.raises(PolicyError, match=r"reservations.0.n"):
+        kvpolicy.load_policy({**cfg, "reservations": [top]})
+
+
+def test_overrides_on_a_schedule_that_is_not_a_mapping():
+    with pytest.raises(PolicyError, match="schedule is not a mapping"):
+        kvpolicy.load_policy({"name": "t", "schedule": 5, "selector": "greedy"}, budget=64)
+    with pytest.raises(PolicyError, match="schedule"):  # no schedule override: pydantic reports it
+        kvpolicy.load_policy({"name": "t", "schedule": 5, "selector": "greedy"}, seed=1)
+
+
+@pytest.mark.parametrize("source", [3, None, 1.5, ["snapkv"], object()])
+def test_load_policy_of_a_wrong_kind_is_a_type_error(source):
+    with pytest.raises(TypeError, match="registered policy name, a path, YAML text"):
+        kvpolicy.load_policy(source)
+
+
+def test_load_policy_reads_bytes_as_utf8_yaml():
+    assert kvpolicy.load_policy(GOOD.encode()).budget == 32
+    with pytest.raises(PolicyError, match="UTF-8"):
+        kvpolicy.load_policy(GOOD.replace("name: t", "name: caf\xe9").encode("latin-1"))
+
+
+def test_string_sources_follow_documented_rules(tmp_path, monkeypatch):
+    # YAML text without a newline (or a dot) is YAML text, not a policy name.
+    one_line = "{name: t, schedule: {budget: 32, recent: 8}, scorer: attention, selector: greedy}"
+    assert kvpolicy.load_policy(one_line).budget == 32
+    with pytest.raises(PolicyError, match="schedule: Field required"):
+        kvpolicy.load_policy("budget: 3")
+    with pytest.raises(PolicyError, match="no such policy file: missing.yaml"):
+        kvpolicy.load_policy("missing.yaml")
+    with pytest.raises(PolicyError, match="no such policy file"):
+        kvpolicy.load_policy("some/dir/policy")
+    with pytest.raises(PolicyError, match="unknown policy 'nope'; registered policies: .*snapkv"):
+        kvpolicy.load_policy("nope")
+    # An existing file wins over the other readings, whatever its name.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").write_text(GOOD)
+    assert kvpolicy.load_policy("mine").budget == 32
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("-inf"), float("nan")])
+def test_combination_weights_must_be_finite(weight):
+    cfg = {
+        "name": "t", "schedule": {"budget": 32, "recent": 8},
+        "scorer": {"type": "combination", "terms": [{"weight": weight, "scorer": "random"}]},
+        "selector": "greedy",
+    }
+    with pytest.raises(PolicyError, match=r"scorer.terms.0.weight: Input should be a finite number"):
+        kvpolicy.load_policy(cfg)
+
+
+def test_weights_written_inf_or_nan_in_yaml(tmp_path):
+    text = TRIVIAL.replace(
+        "scorer: {type: attention}", "scorer:\n  type: combination\n  terms:\n    - {weight: .nan, scorer: random}"
+    )
+    with pytest.raises(PolicyError, match=r"line 6: scorer.terms.0.weight"):
+        load_text(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    "selector,reservation",
+    [
+        ({"type": "stochastic", "temperature": float("inf")}, None),
+        ({"type": "stochastic", "temperature": float("nan")}, None),
+        ("greedy", {"type": "top_scores", "scorer": "random", "n": float("nan")}),
+        ("greedy", {"type": "top_scores", "scorer": "random", "n": float("inf")}),
+    ],
+)
+def test_no_inf_or_nan_in_other_float_fields(selector, reservation):
+    cfg = {"name": "t", "schedule": {"budget": 32, "recent": 8}, "scorer": "random", "selector": selector}
+    if reservation is not None:
+        cfg["reservations"] = [reservation]
+    with pytest.raises(PolicyError):
+        kvpolicy.load_policy(cfg)
+
+
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf")])
+def test_redundancy_threshold_must_be_finite(threshold):
+    cfg = {"name": "t", "schedule": {"budget": 32, "recent": 8}, "selector": "greedy"}
+    cfg["scorer"] = {"type": "redundancy", "threshold": threshold}
+    with pytest.raises(PolicyError, match="scorer.threshold"):
+        kvpolicy.load_policy(cfg)
+
+
+def test_duplicate_keys_are_refused_with_key_and_line(tmp_path):
+    with pytest.raises(PolicyError, match=r"line 4, column 3: .*duplicate key 'budget' \(first at line 3\)"):
+        load_text(tmp_path, GOOD.replace("  recent: 8", "  budget: 64"))
+    with pytest.raises(PolicyError, match=r"duplicate key 'name'"):
+        load_text(tmp_path, GOOD + "name: again\n")

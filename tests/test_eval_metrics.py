@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvpolicy import load_policy
+from kvpolicy import Schedule, load_policy
 from kvpolicy.eval import metrics as m
 from kvpolicy.eval.config import EvalConfig, EvalError, apply_sets
-from kvpolicy.eval.decoding import chunk_sizes
 from kvpolicy.eval.suites import METRICS, Reconstruction, _select, get_metrics
 
 
@@ -129,21 +130,19 @@ def _token_by_token(schedule, held, seen, n):
     return ends
 
 
-@pytest.mark.parametrize(("name", "budget", "held"), [("snapkv", 128, 100), ("snapkv", 96, 150), ("rkv", 96, 96)])
-def test_chunks_end_exactly_where_token_by_token_decoding_evicts(name, budget, held):
-    schedule = load_policy(name, budget=budget).schedule
-    sizes = chunk_sizes(schedule, held, held, 300)
-    assert sum(sizes) == 300
-    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
-    fire_points = _token_by_token(schedule, held, held, 300)
-    assert set(fire_points) <= set(ends)  # every eviction point ends a chunk
-    assert set(ends) - set(fire_points) <= {300} | {e for e in ends if e % 256 == 0}
-
-
-def test_chunk_plan_for_snapkv_is_interval_sized_in_steady_state():
-    schedule = load_policy("snapkv", budget=128).schedule
-    assert chunk_sizes(schedule, 100, 100, 220) == [92, 64, 64]
-    assert chunk_sizes(None, 0, 0, 600) == [256, 256, 88]
+@given(
+    count=st.sampled_from(["slots", "tokens"]),
+    budget=st.integers(2, 80),
+    interval=st.integers(1, 40),
+    held=st.integers(0, 200),
+    padding=st.integers(0, 50),
+)
+def test_tokens_to_eviction_is_the_next_token_by_token_eviction(count, budget, interval, held, padding):
+    """The harness ends a chunk where the cache says the next eviction falls: that is exactly
+    where token-by-token decoding would evict next."""
+    schedule = Schedule(budget=budget, recent=1, interval=interval, window=1, count=count)
+    assert _token_by_token(schedule, held, held + padding, 4 * (budget + interval))[0] == \
+        schedule.tokens_to_eviction(held, held + padding)
 
 
 # -- configuration and registry -----------------------------------------------------------------------

@@ -25,29 +25,29 @@ def _policy(name="snapkv", **kw):
     return load_policy(name, **over)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "vase-dkv", "rkv"])
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "vase-dkv", "vase-attnv", "rkv", "curdkv", "random"])
 def test_eviction_keeps_exactly_the_selected_slots(name):
+    """What the cache keeps at every eviction of every layer is ``Policy.select`` on the cache's own
+    state, given the layer and the row's eviction count: stochastic policies included."""
     policy = _policy(name)
     cache = EvictingCache(policy, num_layers=2)
     g = torch.Generator().manual_seed(0)
     history = {i: ([], []) for i in range(2)}  # every key / value ever appended, per layer
     for step in range(40):
+        expected = {}
+        if cache.layers[0].eviction_due:
+            for layer, state in enumerate(cache.layers):
+                window, wvalid = state.window()
+                expected[layer] = (
+                    policy.select(
+                        state.keys.clone(), state.values.clone(), window, slot_valid=state.valid,
+                        query_valid=wvalid, positions=state.positions, layer_idx=layer, evictions=state.evictions,
+                    ),
+                    state.positions.clone(),
+                )
         for layer in range(2):
             k, v, q = _step_tensors(g, t=10 if step == 0 else 1)
             state = cache.layers[layer]
-            due = state.eviction_due
-            if due:
-                # What the executor will keep: the policy's choice on the current slots.
-                if policy.schedule.window:
-                    window, wvalid = state.window()
-                else:
-                    window, wvalid = torch.zeros(B, HQ, 1, D), torch.zeros(B, 1, dtype=torch.bool)
-                expected = policy.select(
-                    state.keys.clone(), state.values.clone(), window, slot_valid=state.valid,
-                    query_valid=wvalid, positions=state.positions,
-                    generator=torch.Generator().manual_seed(0) if policy.stochastic else None,
-                )
-                before_pos = state.positions.clone()
             keys, values, valid = cache.step(layer, k, v, q)
             history[layer][0].append(k)
             history[layer][1].append(v)
@@ -60,9 +60,9 @@ def test_eviction_keeps_exactly_the_selected_slots(name):
             assert torch.equal(keys, torch.gather(all_k, 2, idx))
             assert torch.equal(values, torch.gather(all_v, 2, idx))
             assert bool((pos[..., 1:] > pos[..., :-1]).all()), "slots stay in position order"
-            if due and not policy.stochastic:
-                kept_pos = torch.gather(before_pos, 2, expected)
-                assert torch.equal(pos[..., :-1], kept_pos)
+            if layer in expected:
+                kept, before_pos = expected[layer]
+                assert torch.equal(pos[..., :-1], torch.gather(before_pos, 2, kept))
             assert state.length <= policy.schedule.capacity
     stats = cache.stats()
     assert all(s.evictions > 0 and s.tokens_seen == 49 for s in stats)
@@ -86,7 +86,7 @@ def test_padding_is_never_stored_and_rows_are_packed():
     for _ in range(30):
         keys, values, valid = cache.step(0, *_step_tensors(g))
     assert state.stats.evictions > 0
-    assert state.real_tokens == [42, 37]
+    assert state.group.tokens.tolist() == [42, 37]
     assert int(state.positions[1].max()) == 36
     # Each row holds exactly its count of valid slots.
     for row, count in enumerate(state.counts):
@@ -123,15 +123,15 @@ def test_select_rows_reorders_every_layer():
     for _ in range(20):
         for layer in range(2):
             cache.step(layer, *_step_tensors(g))
-    before = [(s.keys.clone(), s.positions.clone(), s.queries.clone()) for s in cache.layers]
-    ptr = cache.layers[0].buffers.keys.data_ptr()
+    before = [(s.keys.clone(), s.positions.clone(), s.window()[0].clone()) for s in cache.layers]
+    ptr = cache.layers[0].group.buffers.keys.data_ptr()
     cache.select_rows(torch.tensor([1, 0]))
     for s, (k, p, q) in zip(cache.layers, before, strict=True):
         assert torch.equal(s.keys, k.flip(0)) and torch.equal(s.positions, p.flip(0))
-        assert torch.equal(s.queries, q.flip(0))
-    assert cache.layers[0].buffers.keys.data_ptr() == ptr  # same batch size: in place
+        assert torch.equal(s.window()[0], q.flip(0))
+    assert cache.layers[0].group.buffers.keys.data_ptr() == ptr  # same batch size: in place
     cache.select_rows(torch.tensor([0, 0, 1, 1]))
-    assert cache.layers[1].keys.shape[0] == 4 and len(cache.layers[1].real_tokens) == 4
+    assert cache.layers[1].keys.shape[0] == 4 and len(cache.layers[1].counts) == 4
     cache.step(0, *_step_tensors(g, b=4))
 
 
@@ -141,12 +141,12 @@ def test_memory_is_static_while_decoding():
     g = torch.Generator().manual_seed(3)
     for layer in range(3):
         cache.step(layer, *_step_tensors(g, t=8))
-    ptr, mem = cache.layers[0].buffers.keys.data_ptr(), cache.memory_bytes()
+    ptr, mem = cache.layers[0].group.buffers.keys.data_ptr(), cache.memory_bytes()
     for _ in range(300):
         for layer in range(3):
             cache.step(layer, *_step_tensors(g))
-        assert cache.layers[0].buffers.keys.data_ptr() == ptr and cache.memory_bytes() == mem
-    assert len({id(s.buffers) for s in cache.layers}) == 1, "layers of one shape share buffers"
+        assert cache.layers[0].group.buffers.keys.data_ptr() == ptr and cache.memory_bytes() == mem
+    assert len({id(s.group) for s in cache.layers}) == 1, "layers of one shape share buffers"
     assert all(s.stats.evictions == (308 - 32) // 8 for s in cache.layers)
 
 

@@ -64,10 +64,10 @@ def test_selection_properties(case):
     budget, recent, sinks, n_large, n, b, hkv, g, selector, seed = case
     policy = build(budget, recent, sinks, n_large, selector)
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hkv * g, n=n, d=4, w=3, seed=seed)
-    kept = policy.select(k, v, q, generator=torch.Generator().manual_seed(seed))
+    kept = policy.select(k, v, q, seed=seed)
     assert kept.shape == (b, hkv, min(n, budget))
     assert_valid_selection(kept, n, min(n, budget), expected_protected(v, n, budget, recent, sinks, n_large))
-    again = policy.select(k, v, q, generator=torch.Generator().manual_seed(seed))
+    again = policy.select(k, v, q, seed=seed)
     assert torch.equal(kept, again)
 
 
@@ -78,7 +78,7 @@ def test_padding_is_never_kept_over_a_valid_slot(case, pads):
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hkv * g, n=n, d=4, w=3, seed=seed)
     c = n - recent
     slot_valid = torch.stack([torch.arange(n) >= min(p, max(c, 0)) for p in pads[:b]])
-    kept = policy.select(k, v, q, generator=torch.Generator().manual_seed(seed), slot_valid=slot_valid)
+    kept = policy.select(k, v, q, seed=seed, slot_valid=slot_valid)
     k_keep = min(n, budget)
     assert_valid_selection(kept, n, k_keep)
     for bb in range(b):
@@ -86,26 +86,41 @@ def test_padding_is_never_kept_over_a_valid_slot(case, pads):
         assert bool((valid_kept == min(k_keep, int(slot_valid[bb].sum()))).all())
 
 
-def test_different_seeds_differ_and_default_generator_is_seeded():
+def test_different_seeds_differ_and_select_is_a_pure_function():
     policy = build(40, 8, 4, 10, "stochastic")
     k, v, q = make_tensors(b=2, hkv=2, hq=4, n=120, d=8, w=4, seed=1)
-    a = policy.select(k, v, q, generator=torch.Generator().manual_seed(1))
-    b = policy.select(k, v, q, generator=torch.Generator().manual_seed(2))
+    a = policy.select(k, v, q, seed=1)
+    b = policy.select(k, v, q, seed=2)
     assert not torch.equal(a, b)
-    # the policy's own generator: reproducible from config.seed, advancing between calls
+    # the policy's seed: the same call gives the same slots; another eviction or layer other ones
     p1, p2 = build(40, 8, 4, 10, "stochastic", seed=3), build(40, 8, 4, 10, "stochastic", seed=3)
     first = p1.select(k, v, q)
-    assert torch.equal(first, p2.select(k, v, q))
-    assert not torch.equal(first, p1.select(k, v, q))
+    assert torch.equal(first, p2.select(k, v, q)) and torch.equal(first, p1.select(k, v, q))
+    assert not torch.equal(first, p1.select(k, v, q, evictions=1))
+    assert not torch.equal(first, p1.select(k, v, q, layer_idx=1))
+    assert not torch.equal(first, p1.select(k, v, q, seed=4))
+
+
+def test_each_row_draws_from_its_own_stream():
+    """A row's draws depend on that row alone: the same row in another batch, at another index,
+    keeps the same slots (what makes padded batches equal rows alone for stochastic policies)."""
+    policy = build(40, 8, 4, 10, "stochastic")
+    k, v, q = make_tensors(b=3, hkv=2, hq=4, n=120, d=8, w=4, seed=5)
+    batch = policy.select(k, v, q, evictions=torch.tensor([0, 2, 5]))
+    for row, ev in enumerate((0, 2, 5)):
+        alone = policy.select(k[row:row + 1], v[row:row + 1], q[row:row + 1], evictions=ev)
+        assert torch.equal(batch[row], alone[0])
+    swapped = policy.select(k.flip(0), v.flip(0), q.flip(0), evictions=torch.tensor([5, 2, 0]))
+    assert torch.equal(swapped.flip(0), batch)
 
 
 def _stochastic_draws(weights: list[float], draws: int, k: int, seed: int = 0) -> torch.Tensor:
-    """``[draws, k]`` slots picked by the stochastic selector's priority (one draw per batch row)."""
+    """``[draws, k]`` slots picked by the stochastic selector's priority: one draw per batch row,
+    each row at another eviction count (identical rows at one count draw identically)."""
     c = len(weights)
     scores = torch.tensor(weights).expand(draws, 1, c).contiguous()
     keys = torch.zeros(draws, 1, c, 1)
-    inp = make_input(keys, keys, torch.zeros(draws, 1, 1, 1), recent=0,
-                     generator=torch.Generator().manual_seed(seed))
+    inp = make_input(keys, keys, torch.zeros(draws, 1, 1, 1), recent=0, seed=seed, evictions=torch.arange(draws))
     prio = StochasticSelector().priority(scores, inp)
     return prio.topk(k, dim=-1).indices[:, 0]
 
@@ -161,8 +176,7 @@ def test_stochastic_low_temperature_tends_to_greedy():
     w = torch.tensor([1e-30, 0.2, 0.3, 0.5, 0.0])
     scores = w.expand(500, 1, 5).contiguous()
     keys = torch.zeros(500, 1, 5, 1)
-    inp = make_input(keys, keys, torch.zeros(500, 1, 1, 1), recent=0,
-                     generator=torch.Generator().manual_seed(0))
+    inp = make_input(keys, keys, torch.zeros(500, 1, 1, 1), recent=0, seed=0, evictions=torch.arange(500))
     prio = StochasticSelector(temperature=1e-3).priority(scores, inp)
     top = prio.topk(4, dim=-1).indices[:, 0]
     assert bool((top[:, 0] == 3).all()) and bool((top[:, 1] == 2).all())
@@ -181,7 +195,7 @@ def test_stochastic_policy_sampling_frequencies_end_to_end():
     keys[:, 0, :4, 0] = torch.log(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # softmax = [.1,.2,.3,.4]
     q = torch.zeros(rows, 1, 1, 2)
     q[..., 0] = 2**0.5  # cancels the 1/sqrt(D) scale
-    kept = policy.select(keys, keys, q, generator=torch.Generator().manual_seed(0))
+    kept = policy.select(keys, keys, q, seed=0, evictions=torch.arange(rows))
     assert bool((kept[..., 1:] == torch.tensor([4, 5])).all())
     freq = torch.bincount(kept[:, 0, 0], minlength=4).double() / rows
     torch.testing.assert_close(freq, torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64), atol=0.03, rtol=0)
@@ -191,13 +205,16 @@ def test_leverage_resample_policy_differs_between_calls_fixed_does_not():
     k, v, q = make_tensors(b=2, hkv=2, hq=2, n=100, d=16, seed=3)
     dkv = kvpolicy.load_policy("vase-dkv", budget=40, recent=8, window=8, interval=8)
     cur = kvpolicy.load_policy("curdkv", budget=40, recent=8, window=8, interval=8)
-    g = torch.Generator().manual_seed(0)
-    assert not torch.equal(dkv.select(k, v, q, generator=g), dkv.select(k, v, q, generator=g))
-    assert torch.equal(cur.select(k, v, q, generator=g), cur.select(k, v, q, generator=g))
-    # identical rows get different projections (so, generally, different kept slots) under resample
+    assert not torch.equal(dkv.select(k, v, q), dkv.select(k, v, q, evictions=1))
+    assert torch.equal(cur.select(k, v, q), cur.select(k, v, q, evictions=1))
+    assert dkv.stochastic and not cur.stochastic
+    # identical rows at different evictions get different projections under resample, and at the
+    # same eviction the same ones (a row's draws depend on that row alone)
     k2, v2 = k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1)
-    scores = LeverageScorer(projection="resample").score(
-        make_input(k2, v2, q, recent=8, generator=torch.Generator().manual_seed(0)))
+    resample = LeverageScorer(projection="resample")
+    scores = resample.score(make_input(k2, v2, q, recent=8, evictions=torch.tensor([0, 1])))
     assert not torch.allclose(scores[0], scores[1])
+    scores = resample.score(make_input(k2, v2, q, recent=8, evictions=torch.tensor([1, 1])))
+    torch.testing.assert_close(scores[0], scores[1])
     fixed = LeverageScorer(projection="fixed").score(make_input(k2, v2, q, recent=8))
     torch.testing.assert_close(fixed[0], fixed[1])

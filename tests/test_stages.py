@@ -235,10 +235,10 @@ def test_redundancy_padding():
 def test_leverage_matches_reference_given_projection(mode, local_window, projection):
     k, v, q = make_tensors(b=3, hkv=2, hq=2, n=21, d=8, seed=4)
     stage = LeverageScorer(rank=5, mode=mode, local_window=local_window, projection=projection)
-    inp = make_input(k, v, q, recent=3, generator=torch.Generator().manual_seed(0))
+    inp = make_input(k, v, q, recent=3, seed=0)
     p = stage.projections(inp)
     assert p.shape == (3, 8, 5)
-    inp = make_input(k, v, q, recent=3, generator=torch.Generator().manual_seed(0))
+    inp = make_input(k, v, q, recent=3, seed=0)
     got = stage.score(inp)
     want = ref.leverage(k, v, 18, p, mode=mode, local_window=local_window)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
@@ -248,7 +248,7 @@ def test_leverage_matches_reference_given_projection(mode, local_window, project
 def test_leverage_projection_distribution():
     k, v, q = make_tensors(b=64, hkv=1, hq=1, n=4, d=32)
     stage = LeverageScorer(rank=20, projection="resample")
-    p = stage.projections(make_input(k, v, q, generator=torch.Generator().manual_seed(0)))
+    p = stage.projections(make_input(k, v, q, seed=0, streams=torch.arange(64)))
     # entries N(0, 1) / sqrt(r): variance 1 / 20
     assert abs(p.var().item() * 20 - 1) < 0.05
     assert abs(p.mean().item()) < 0.01
@@ -257,28 +257,31 @@ def test_leverage_projection_distribution():
 def test_leverage_resample_differs_per_row_and_call():
     k, v, q = make_tensors(b=3, n=10)
     stage = LeverageScorer(projection="resample")
-    g = torch.Generator().manual_seed(0)
-    p1 = stage.projections(make_input(k, v, q, generator=g))
-    p2 = stage.projections(make_input(k, v, q, generator=g))
+    rows = torch.arange(3)
+    p1 = stage.projections(make_input(k, v, q, evictions=0, streams=rows))
+    p2 = stage.projections(make_input(k, v, q, evictions=1, streams=rows))
     assert not torch.allclose(p1[0], p1[1]) and not torch.allclose(p1[1], p1[2])
     assert not torch.allclose(p1, p2)
-    # ...but a fresh generator with the same seed reproduces them.
-    p3 = stage.projections(make_input(k, v, q, generator=torch.Generator().manual_seed(0)))
+    # ...but the same seed, layer, stream and eviction count reproduce them...
+    p3 = stage.projections(make_input(k, v, q, evictions=0, streams=rows))
     torch.testing.assert_close(p1, p3)
+    # ...and rows of one stream (the default) draw alike: a row's draws depend on that row alone.
+    shared = stage.projections(make_input(k, v, q, evictions=0))
+    assert all(torch.equal(shared[0], shared[i]) for i in range(3))
 
 
 def test_leverage_fixed_same_per_layer_seed():
     k, v, q = make_tensors(b=4, n=10)
     stage = LeverageScorer(projection="fixed")
-    seed7 = torch.tensor([7])
-    p1 = stage.projections(make_input(k, v, q, layer_seed=seed7, generator=torch.Generator().manual_seed(1)))
-    p2 = stage.projections(make_input(k, v, q, layer_seed=seed7, generator=torch.Generator().manual_seed(2)))
-    torch.testing.assert_close(p1, p2)  # independent of the eviction generator: reused every eviction
+    assert not stage.stochastic  # deterministic given the seed
+    p1 = stage.projections(make_input(k, v, q, layer_idx=7, evictions=1))
+    p2 = stage.projections(make_input(k, v, q, layer_idx=7, evictions=torch.tensor([2, 3, 4, 5])))
+    torch.testing.assert_close(p1, p2)  # independent of the eviction: reused every eviction
     assert all(torch.equal(p1[0], p1[i]) for i in range(4))  # one P for all rows of the layer
-    p3 = stage.projections(make_input(k, v, q, layer_seed=torch.tensor([8])))
+    p3 = stage.projections(make_input(k, v, q, layer_idx=8))
     assert not torch.allclose(p1, p3)
     # two stacked layers of two rows each: rows follow their layer's projection
-    stacked = stage.projections(make_input(k, v, q, layer_seed=torch.tensor([7, 8]), rows_per_layer=2))
+    stacked = stage.projections(make_input(k, v, q, layer_idx=torch.tensor([7, 7, 8, 8])))
     torch.testing.assert_close(stacked[:2], p1[:2])
     torch.testing.assert_close(stacked[2:], p3[:2])
 
@@ -287,7 +290,7 @@ def test_leverage_padding():
     k, v, q = make_tensors(b=2, hkv=2, n=12, d=6, seed=8)
     slot_valid = left_padding(2, 12, [0, 4])
     stage = LeverageScorer(rank=4)
-    inp = make_input(k, v, q, recent=2, slot_valid=slot_valid, layer_seed=torch.tensor([3]))
+    inp = make_input(k, v, q, recent=2, slot_valid=slot_valid, layer_idx=3)
     got = stage.score(inp)
     want = ref.leverage(k, v, 10, stage.projections(inp), slot_valid=slot_valid)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)

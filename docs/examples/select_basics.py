@@ -12,7 +12,7 @@ keys = torch.randn(B, Hkv, N, D)
 values = torch.randn(B, Hkv, N, D)
 queries = torch.randn(B, Hq, W, D)  # the window of recent post-RoPE queries
 
-kept = policy.select(keys, values, queries, generator=torch.Generator().manual_seed(0))
+kept = policy.select(keys, values, queries)  # a pure function: the same slots every call
 print(kept.shape)  # torch.Size([2, 4, 256]): ascending slot indices per row and KV head
 
 # The recent buffer (last 64 slots) and the 4 attention sinks are always kept.

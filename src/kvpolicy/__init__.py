@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import PolicyConfig, PolicyError
 from .evicting import EvictingCache
+from .guards import SelectionError
 from .hookspecs import hookimpl
 from .policy import Policy, load_policy
 from .registry import get_registry
@@ -25,6 +26,7 @@ __all__ = [
     "Reservation",
     "Schedule",
     "Scorer",
+    "SelectionError",
     "Selector",
     "__version__",
     "get_registry",

@@ -1,7 +1,8 @@
 """The ``kvpolicy`` command: list, show, validate policies, print the policy-file schema, evaluate.
 
 Exit codes: 0 on success, 1 when ``validate`` finds an invalid file, 2 for a usage error or a
-policy that cannot be loaded (printed to stderr, without a traceback).
+policy that cannot be loaded (printed to stderr on one line, ``kvpolicy: error: ...``, without a
+traceback).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import yaml
 
 from . import __version__
-from .config import PolicyError
+from .config import PolicyError, load_yaml
 from .policy import load_policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
@@ -43,7 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             return int(args.func(args) or 0)
-        except (PolicyError, UnknownStageError, CommandError, OSError) as exc:
+        except PolicyError as exc:
+            _error("; ".join(locate_problem(exc.source, p) for p in exc.problems) or str(exc))
+            return EXIT_USAGE
+        except (UnknownStageError, CommandError, OSError) as exc:
             _error(str(exc))
             return EXIT_USAGE
         except KeyboardInterrupt:
@@ -197,7 +201,8 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise CommandError(f"--set expects KEY=VALUE, got {item!r}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
+            # Policy-file rules (no aliases, bounded nesting); what is not YAML stays a string.
+            value = load_yaml(raw)[1] if raw.strip() else raw
         except yaml.YAMLError:
             value = raw
         out[key.strip()] = value
@@ -219,10 +224,18 @@ def _policy_source(name: str) -> str | Path:
     if name in registry.policies:
         return name
     path = Path(name)
-    if path.suffix or path.exists() or len(path.parts) > 1:
-        if not path.is_file():
+    try:
+        is_file = path.is_file()
+        looks_like_a_file = is_file or bool(path.suffix) or len(path.parts) > 1 or path.exists()
+    except (OSError, ValueError) as exc:  # a name too long for the OS, a NUL byte
+        raise CommandError(f"no such policy file: {name} ({exc})") from None
+    if looks_like_a_file:
+        if not is_file:
             raise CommandError(f"no such policy file: {name}")
         return path
+    if "\n" in name or ":" in name:  # load_policy would read it as YAML text: not on the command line
+        known = ", ".join(sorted(registry.policies))
+        raise CommandError(f"unknown policy {name!r}; registered policies: {known}")
     return name  # load_policy reports the unknown name with the registered ones
 
 
@@ -233,7 +246,7 @@ def _escape(text: str) -> str:
 
 
 def _error(message: str) -> None:
-    print(f"kvpolicy: error: {message}", file=sys.stderr)
+    print(f"kvpolicy: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

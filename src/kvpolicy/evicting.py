@@ -1,8 +1,8 @@
 """``EvictingCache``: a policy's KV cache for any decoding loop, with no transformers import.
 
-Per layer it takes the step's keys, values and queries and hands back the keys, values and
-validity mask to attend over, evicting on the policy's schedule. The Hugging Face integration
-(``kvpolicy.hf``) is a thin adapter over this class.
+Per layer and step it takes the new keys, values and queries, evicts on the policy's schedule,
+and attends (``attend``) or hands back the slots to attend over (``step``). The Hugging Face
+integration (``kvpolicy.hf``) is a thin adapter over ``attend``.
 """
 
 from __future__ import annotations
@@ -12,22 +12,33 @@ from typing import Any
 
 import torch
 
+from .attend import attend
 from .executor import Executor
 from .policy import Policy, load_policy
-from .state import EvictionStats, LayerState, SlotBuffers
+from .state import CacheStateError, EvictionStats, LayerGroup
 
 
 class EvictingCache:
     """Static, evicting KV storage for ``num_layers`` attention layers under one policy.
 
-    Layers of one shape, dtype and device share ``SlotBuffers`` (allocated at the first append of
-    the first of them), so the executor evicts them together. ``layer_devices`` (optional) says
-    where each layer lives, for models split across devices.
+    Layers of one shape, dtype and device form one ``LayerGroup`` (static buffers with a layer
+    axis, allocated at the first append of the first of them), evicted together.
+
+    Args:
+        policy: a ``Policy``, or anything ``load_policy`` takes.
+        num_layers: attention layers, indexed ``0 .. num_layers - 1``.
+        layer_devices: where each layer lives, for models split across devices (optional).
+        seed: overrides the policy's ``seed``. Fixed for the cache's life: ``reset()`` keeps it,
+            so a reset cache decodes exactly as a fresh one.
+        independent_rows: give batch row ``r`` random stream ``r`` (identical rows, e.g. several
+            samples of one prompt, then draw independently). The default, False, keeps every
+            row's draws a function of that row alone: a row evicts as it would alone.
 
     Typical use in a hand-written loop, per layer and step::
 
+        out = cache.attend(layer_idx, q_new, k_new, v_new)          # [B, Hq, T, D]
+        # or, to run your own attention over the slots:
         keys, values, valid = cache.step(layer_idx, k_new, v_new, q_new)
-        # attend over keys/values [B, Hkv, L, D] where valid [B, Hkv, L] is True
     """
 
     def __init__(
@@ -35,35 +46,26 @@ class EvictingCache:
         policy: Policy | str | Any,
         num_layers: int,
         *,
-        generator: torch.Generator | None = None,
         layer_devices: Sequence[torch.device | str | None] | None = None,
+        seed: int | None = None,
+        independent_rows: bool = False,
     ) -> None:
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
-        self.executor = Executor(self.policy, generator)
-        seed = self.policy.config.seed or 0
-        self.layers = [
-            LayerState(self.policy.schedule, layer_idx=i, seed=seed * 1_000_003 + i) for i in range(num_layers)
-        ]
+        self.seed = self.policy.resolve_seed(seed)
+        self.executor = Executor(self.policy, self.seed)
+        self.independent_rows = independent_rows
         if layer_devices is not None and len(layer_devices) != num_layers:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {num_layers} layers")
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
+        self._groups: list[LayerGroup | None] = [None] * num_layers
+        self.layers = [LayerView(self, i) for i in range(num_layers)]
+
+    def __repr__(self) -> str:
+        return f"EvictingCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.tokens_seen()})"
 
     # -- the step API ------------------------------------------------------------------------
-    def update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
-               token_valid: torch.Tensor | None = None) -> LayerState:
-        """Evict what is due, then append the chunk's keys/values ``[B, Hkv, T, D]``."""
-        state = self._layer(layer_idx)
-        if state.eviction_due:
-            self.executor.evict([s for s in self.layers if s.buffers is state.buffers])
-        if state.buffers is not None and state.length == 0 and not _fits(state.buffers, keys, values):
-            state.buffers = None  # pre-claimed by a peer of another shape: use buffers of its own
-        if state.buffers is None:
-            self._allocate(state, keys, values)
-        state.append(keys, values, token_valid)
-        return state
-
     def step(
         self,
         layer_idx: int,
@@ -75,95 +77,267 @@ class EvictingCache:
         """Append one step (or prompt chunk) and return ``(keys, values, valid)`` to attend over.
 
         Rows are packed: row ``r``'s real tokens sit in slots ``[0, counts[r])`` and padding is
-        never stored, so ``valid`` is ``slot < counts[r]``. Inside a multi-token chunk, causality
-        is by token position: a query at position ``p`` (``layers[i].last_query_positions``)
-        attends the slots whose ``layers[i].positions`` are ``<= p``.
+        never stored, so ``valid [B, Hkv, L]`` is ``slot < counts[r]``. Inside a multi-token
+        chunk, causality is by token order (``attend`` applies it for you).
 
         Args:
             layer_idx: the layer, ``0 <= layer_idx < num_layers``.
             keys: ``[B, Hkv, T, D]`` new post-RoPE keys.
             values: ``[B, Hkv, T, Dv]`` new values.
-            queries: ``[B, Hq, T, D]`` the chunk's post-RoPE queries (needed when the policy's
-                window is non-zero).
+            queries: ``[B, Hq, T, D]`` the chunk's post-RoPE queries (required when the policy
+                keeps a query window, ``schedule.window > 0``).
             token_valid: ``[B, T]`` bool, False for padding tokens.
         """
-        state = self.update(layer_idx, keys, values, token_valid)
-        if queries is not None:
-            state.record_queries(queries, token_valid)
-        elif self.policy.schedule.window > 0 and self.policy.config.scorer is not None:
-            raise ValueError(f"policy {self.policy.name!r} reads a query window: pass the step's queries")
-        return state.keys, state.values, state.valid
+        group = self._append(layer_idx, keys, values, queries, token_valid)
+        view = self.layers[layer_idx]
+        return view.keys, view.values, group.valid(layer_idx).expand(-1, keys.shape[1], -1)
+
+    def attend(
+        self,
+        layer_idx: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        token_valid: torch.Tensor | None = None,
+        *,
+        scaling: float | None = None,
+    ) -> torch.Tensor:
+        """``step``, then attention of the chunk's queries over the layer's slots: ``[B, Hq, T, D]``.
+
+        Shapes as in ``step``; ``scaling`` defaults to ``D ** -0.5``. Exact for padded batches
+        (a padding query's output is finite and meaningless) and for chunks of any length.
+        """
+        group = self._append(layer_idx, keys, values, queries, token_valid)
+        held_keys, held_values = group.slots(layer_idx)
+        return attend(queries, held_keys, held_values, scaling=scaling, mask=group.plan.mask)
 
     def evict_due(self) -> int:
-        """Run every pending eviction now (they otherwise run at the next append)."""
-        return self.executor.evict(self.layers)
+        """Run every pending eviction now (they otherwise run when the next step begins);
+        return how many rows were evicted, summed over layer groups."""
+        return sum(self.executor.evict(g) for g in self._unique_groups())
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def tokens_to_next_eviction(self) -> int | None:
+        """Real tokens per row, appended one step at a time from now, until the next eviction
+        fires for some row (0 if one is due now); None before the first append."""
+        groups = self._unique_groups()
+        if not groups:
+            return None
+        group, schedule = groups[0], self.policy.schedule
+        if group.any_due:
+            return 0
+        return min(
+            schedule.tokens_to_eviction(int(c), int(t))
+            for c, t in zip(group.counts.tolist(), group.tokens.tolist(), strict=True)
+        )
+
+    def select_rows(self, index: torch.Tensor | Sequence[int]) -> None:
         """Keep batch rows ``index [B']`` of every layer, in that order (beam reordering,
         ``repeat_interleave`` for several samples per prompt, dropping finished rows)."""
         index = torch.as_tensor(index, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
-        done: set[int] = set()
-        for s in self.layers:
-            if s.buffers is not None and id(s.buffers) not in done:
-                done.add(id(s.buffers))
-                s.buffers.select_rows(index)
-            s.select_rows(index)
+        for group in self._unique_groups():
+            if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < group.batch:
+                raise IndexError(f"row index out of range for a batch of {group.batch}: {index.tolist()}")
+            group.select_rows(index)
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         """Bytes held by all static buffers and query windows."""
-        seen: set[int] = set()
-        total = 0
-        for s in self.layers:
-            if s.buffers is not None and id(s.buffers) not in seen:
-                seen.add(id(s.buffers))
-                total += s.buffers.nbytes()
-            if s.queries is not None:
-                total += s.queries.numel() * s.queries.element_size() + s.query_valid.numel()
-        return total
+        return sum(g.memory_bytes() for g in self._unique_groups())
 
     def stats(self) -> list[EvictionStats]:
         """Per-layer counters (evictions, tokens seen, slots held, slots evicted)."""
-        return [s.stats for s in self.layers]
+        return [view.stats for view in self.layers]
 
     def tokens_seen(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].stats.tokens_seen
+        """Padded positions appended to ``layer_idx`` (RoPE positions grow with it)."""
+        return self.layers[self._check_index(layer_idx)].stats.tokens_seen
 
     def reset(self) -> None:
-        for s in self.layers:
-            s.reset()
+        """Forget every token and free the buffers: the cache is then exactly a fresh one."""
+        self._groups = [None] * len(self.layers)
 
     # -- internals ---------------------------------------------------------------------------
-    def _layer(self, layer_idx: int) -> LayerState:
-        if not 0 <= layer_idx < len(self.layers):
-            raise IndexError(f"layer {layer_idx} out of range for a cache of {len(self.layers)} layers")
-        return self.layers[layer_idx]
+    def _unique_groups(self) -> list[LayerGroup]:
+        seen: dict[int, LayerGroup] = {}
+        for g in self._groups:
+            if g is not None:
+                seen.setdefault(id(g), g)
+        return list(seen.values())
 
-    def _allocate(self, state: LayerState, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Allocate shared buffers for every not-yet-allocated layer expected to match this one."""
+    def _check_index(self, layer_idx: int) -> int:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(
+                f"layer {layer_idx!r} out of range: this cache was built for {len(self.layers)} layers "
+                "(was it built for another model?)"
+            )
+        return layer_idx
+
+    def _append(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+        queries: torch.Tensor | None, token_valid: torch.Tensor | None,
+    ) -> LayerGroup:
+        self._check_index(layer_idx)
+        _check_step(keys, values, queries, token_valid)
+        if queries is None and self.policy.schedule.window > 0:
+            raise ValueError(
+                f"policy {self.policy.name!r} keeps a window of {self.policy.schedule.window} queries: "
+                "pass the step's post-RoPE queries"
+            )
+        group = self._groups[layer_idx]
+        if group is not None and not group.fits(keys, values):
+            if group.steps != 1 or group.layer_steps[group.member[layer_idx]] != 0:
+                raise ValueError(
+                    f"layer {layer_idx}: keys {tuple(keys.shape)} {keys.dtype} on {keys.device} do not match the "
+                    f"cache's [B={group.batch}, Hkv={group.buffers.keys.shape[2]}, T, D={group.buffers.keys.shape[4]}] "
+                    f"{group.buffers.keys.dtype} on {group.device}"
+                )
+            # Claimed by a peer of another shape at its first step: this layer gets a group of its own.
+            del group.member[layer_idx]
+            group = self._groups[layer_idx] = None
+        if group is None:
+            group = self._new_group(layer_idx, keys, values, queries, token_valid)
+        elif group.written(layer_idx):  # this layer opens the next step for the whole group
+            self.executor.evict(group)
+            group.begin_step(keys.shape[2], token_valid)
+        group.write(layer_idx, keys, values, queries)
+        return group
+
+    def _new_group(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+        queries: torch.Tensor | None, token_valid: torch.Tensor | None,
+    ) -> LayerGroup:
+        """A group for this layer and every layer not yet placed that may share its buffers (a
+        layer whose first chunk then differs in shape leaves it: see ``_append``)."""
+        started = [g for g in self._unique_groups() if g.steps > 1]
+        if started:
+            raise CacheStateError(
+                f"layer {layer_idx} appends for the first time after other layers finished a step: the cache "
+                "serves a model with another layer layout, or a forward was interrupted. Call reset()."
+            )
         device = keys.device
         peers = [
-            s for s in self.layers
-            if s.buffers is None and self._layer_devices[s.layer_idx] in (None, device)
+            i for i in range(len(self.layers))
+            if self._groups[i] is None and self._layer_devices[i] in (None, device)
         ]
-        b, h, t, d = keys.shape
-        buffers = SlotBuffers(
-            len(peers), b, h, self.policy.schedule.capacity_for(t), d, values.shape[-1], keys.dtype, device
-        )
-        # Peers claim their slot on the layer axis now; a layer whose first chunk then turns out
-        # to differ in shape gets buffers of its own (see LayerState.append's shape check).
-        for i, s in enumerate(peers):
-            s.buffers, s.index = buffers, i
+        if layer_idx not in peers:
+            peers.insert(0, layer_idx)
+        query_heads = keys.shape[1] if queries is None else queries.shape[1]
+        group = LayerGroup(self.policy.schedule, peers, keys, values, query_heads, token_valid)
+        if self.independent_rows:
+            group.streams = torch.arange(group.batch)
+        for i in peers:
+            self._groups[i] = group
+        return group
 
 
-def _fits(buffers: SlotBuffers, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    k, v = buffers.keys, buffers.values
-    return (
-        keys.shape[:2] == k.shape[1:3]
-        and keys.shape[-1] == k.shape[-1]
-        and values.shape[-1] == v.shape[-1]
-        and keys.dtype == k.dtype
-        and keys.device == k.device
-    )
+class LayerView:
+    """One layer of an ``EvictingCache``: read-only views of its slots and counters."""
+
+    def __init__(self, cache: EvictingCache, layer_idx: int) -> None:
+        self._cache = cache
+        self.layer_idx = layer_idx
+
+    def __repr__(self) -> str:
+        return f"LayerView(layer={self.layer_idx}, slots={self.length}, tokens_seen={self.stats.tokens_seen})"
+
+    @property
+    def group(self) -> LayerGroup | None:
+        """The layer's group (None before its first append)."""
+        return self._cache._groups[self.layer_idx]
+
+    def _group(self) -> LayerGroup:
+        group = self.group
+        if group is None:
+            raise CacheStateError(f"layer {self.layer_idx} holds nothing yet")
+        return group
+
+    @property
+    def is_allocated(self) -> bool:
+        return self.group is not None
+
+    @property
+    def length(self) -> int:
+        """The slot extent: slots held by the longest row."""
+        group = self.group
+        return 0 if group is None else group.extent(self.layer_idx)
+
+    @property
+    def counts(self) -> list[int]:
+        """Slots held per row."""
+        group = self.group
+        return [] if group is None else group.counts_of(self.layer_idx).tolist()
+
+    @property
+    def evictions(self) -> torch.Tensor:
+        """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes)."""
+        return self._group().evictions.clone()
+
+    @property
+    def streams(self) -> torch.Tensor:
+        """``[B]`` long: each row's random stream (what ``Policy.select(streams=...)`` takes)."""
+        return self._group().streams.clone()
+
+    @property
+    def eviction_due(self) -> bool:
+        group = self.group
+        return group is not None and group.written(self.layer_idx) and group.any_due
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count)."""
+        return self._group().slots(self.layer_idx)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._group().slots(self.layer_idx)[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``."""
+        group = self._group()
+        return group.valid(self.layer_idx).expand(-1, group.buffers.keys.shape[2], -1)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B, Hkv, L]`` long: each slot's token index among its row's real tokens (-1: empty)."""
+        group = self._group()
+        group.materialise_positions()
+        return group.buffers.positions[group.member[self.layer_idx], :, :, : group.extent(self.layer_idx)]
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""
+        return self._group().window(self.layer_idx)
+
+    @property
+    def stats(self) -> EvictionStats:
+        group = self.group
+        return EvictionStats() if group is None else group.stats(self.layer_idx)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Padded positions appended (what RoPE positions count)."""
+        group = self.group
+        if group is None:
+            return 0
+        return group.tokens_seen if group.written(self.layer_idx) else group.tokens_seen_before
+
+
+def _check_step(
+    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, token_valid: torch.Tensor | None
+) -> None:
+    """Shapes of one step, refused with the shapes named."""
+    for label, t in (("keys", keys), ("values", values), ("queries", queries)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
+            raise ValueError(f"{label} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    b, h, t, d = keys.shape
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, T]")
+    if t < 1:
+        raise ValueError(f"a step appends at least one token, got keys {tuple(keys.shape)}")
+    if queries is not None and (queries.shape[0] != b or queries.shape[2] != t or queries.shape[3] != d
+                                or queries.shape[1] % h):
+        raise ValueError(f"queries {tuple(queries.shape)} must be [B={b}, Hq (a multiple of {h}), T={t}, D={d}]")
+    if token_valid is not None and (tuple(token_valid.shape) != (b, t) or token_valid.dtype != torch.bool):
+        raise ValueError(f"token_valid must be [B={b}, T={t}] bool, got {tuple(token_valid.shape)} {token_valid.dtype}")

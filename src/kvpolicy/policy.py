@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import seeds
 from .config import PolicyConfig, PolicyError, apply_overrides, parse_policy, read_policy_text, read_source
 from .registry import get_registry
 from .schedule import Schedule
@@ -19,9 +21,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 class Policy:
     """Runs a policy's stages: scorer -> reservations -> selector, all rows and heads at once.
 
-    A ``Policy`` is immutable apart from the state of its default random generator, which is
-    seeded from ``config.seed`` on first use and advances with every stochastic eviction (pass
-    ``generator=`` to control randomness yourself).
+    A ``Policy`` is immutable, and ``select`` is a pure function of its arguments: stochastic
+    stages draw from counter-based streams keyed by the policy's seed, the layer index and the
+    row's eviction count (see ``kvpolicy.seeds``), never from a shared generator.
     """
 
     def __init__(self, config: PolicyConfig, source: Mapping[str, Any] | None = None) -> None:
@@ -29,7 +31,6 @@ class Policy:
         # The mapping the config was validated from: overrides re-apply to it, so that relative
         # fields (StreamingLLM's ``recent: budget - 4``) follow an overridden budget.
         self._source = dict(source) if isinstance(source, Mapping) else None
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     # -- descriptive ------------------------------------------------------------------------
     @property
@@ -61,9 +62,16 @@ class Policy:
         data = apply_overrides(self._source if self._source is not None else self.config.to_dict(), overrides)
         return Policy(parse_policy(data, self.name), data)
 
-    def default_generator(self, device: torch.device | str) -> torch.Generator:
-        """The policy's own generator on ``device``, seeded from ``config.seed`` on first use."""
-        return generator_for(self._generators, device, self.config.seed)
+    def resolve_seed(self, seed: int | None = None) -> int:
+        """``seed``, else the policy file's ``seed``, else a fresh one from the OS (``seed: null``
+        in a policy file asks for unreproducible runs)."""
+        if seed is None:
+            seed = self.config.seed
+        if seed is None:
+            return secrets.randbits(63)
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
+        return seed
 
     # -- the algorithm ----------------------------------------------------------------------
     def select(
@@ -72,12 +80,13 @@ class Policy:
         values: torch.Tensor,
         queries: torch.Tensor,
         *,
-        generator: torch.Generator | None = None,
         slot_valid: torch.Tensor | None = None,
         query_valid: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        layer_seed: torch.Tensor | None = None,
-        rows_per_layer: int | None = None,
+        layer_idx: int | torch.Tensor = 0,
+        evictions: int | torch.Tensor = 0,
+        streams: int | torch.Tensor = 0,
+        seed: int | None = None,
     ) -> torch.LongTensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
@@ -86,14 +95,17 @@ class Policy:
                 recent buffer.
             values: ``[B, Hkv, N, Dv]``.
             queries: ``[B, Hq, W, D]`` the window of recent post-RoPE queries, ``Hq % Hkv == 0``.
-            generator: randomness for stochastic stages (default: the policy's seeded generator).
             slot_valid: ``[B, N]`` or ``[B, Hkv, N]`` bool, False for padding (default: all True).
             query_valid: ``[B, W]`` bool, False for window entries without a real query.
-            positions: ``[B, N]`` or ``[B, Hkv, N]`` long token index of each slot among its row's real tokens
-                (default: ``0 .. N-1``; ``-1`` for padding).
-            layer_seed: ``[L]`` long, one fixed seed per layer when the executor stacks ``L``
-                layers on the batch axis (default: the policy's seed).
-            rows_per_layer: batch rows per stacked layer (default: ``B``).
+            positions: ``[B, N]`` or ``[B, Hkv, N]`` long token index of each slot among its row's
+                real tokens (default: ``0 .. N-1``; ``-1`` for padding).
+            layer_idx: the layer (an int, or ``[B]`` per row): keys the fixed per-layer draws.
+            evictions: evictions each row has had before this one (an int or ``[B]``): keys the
+                fresh per-eviction draws. ``EvictingCache`` passes the same three numbers, so
+                ``select`` on a cache's state keeps exactly what the cache keeps.
+            streams: each row's random stream (an int or ``[B]``; default 0: a row's draws depend
+                on its own layer and evictions only, so identical rows draw identically).
+            seed: overrides the policy's ``seed``.
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
@@ -101,35 +113,46 @@ class Policy:
         """
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
-        device = keys.device
         if n <= self.budget:
-            return torch.arange(n, device=device).expand(b, hkv, n).clone()
-        if generator is None and self.stochastic:
-            generator = self.default_generator(device)
-        if layer_seed is None:
-            layer_seed = torch.tensor([self.config.seed or 0], dtype=torch.long)
+            return torch.arange(n, device=keys.device).expand(b, hkv, n).clone()
         inp = eviction_input(
             keys, values, queries, budget=self.budget, recent=self.schedule.recent,
-            slot_valid=slot_valid, query_valid=query_valid, positions=positions, generator=generator,
-            layer_seed=layer_seed, rows_per_layer=rows_per_layer,
+            slot_valid=slot_valid, query_valid=query_valid, positions=positions,
+            seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
         )
         return self.select_from(inp)
 
     def select_from(self, inp: EvictionInput) -> torch.LongTensor:
-        """``select`` on an already assembled (and checked) ``EvictionInput``."""
+        """``select`` on an already assembled (and shape-checked) ``EvictionInput``.
+
+        Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
+        ``select`` or a ``SelectionError`` (a ``ValueError``) names what is at fault:
+
+        - inputs: keys, values or queries holding NaN or inf (padding included), or float64
+          entries beyond float32's range (scores are float32: such inputs are refused, not
+          rescaled); a recent buffer larger than the budget;
+        - a stage's result that is not ``[B, Hkv, N]`` (never broadcast), of the wrong dtype or
+          device; scores that are NaN or inf on a valid candidate (an overflow: float16 inputs
+          are scored in float32, but float32 itself overflows near 3.4e38); NaN priorities;
+        - a reservation that protects more slots than the budget keeps, or more candidate slots
+          than its ``reserved_count`` declares.
+
+        Protected slots are kept by construction: they rank at +inf, every eligible candidate at
+        its priority clamped to float32's finite range, everything else at -inf.
+        """
+        from . import guards
+
         cfg = self.config
         b, hkv, n, k_keep = inp.batch, inp.num_kv_heads, inp.num_slots, inp.budget
+        guards.check_inputs(inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
         for reservation in cfg.reservations:
-            protected |= reservation.reserve(inp, protected)
-        scores = None
-        if cfg.selector.needs_scores:
-            scores = cfg.scorer.score(inp).float()
-            if bool(torch.isnan(scores).any()):
-                raise ValueError(f"scorer {cfg.scorer.type_name!r} produced NaN scores (check the inputs for NaN/inf)")
-        priority = cfg.selector.priority(scores, inp).float()
+            protected = guards.run_reservation(reservation, inp, protected)
+        scores = guards.run_scorer(cfg.scorer, inp) if cfg.selector.needs_scores else None
         eligible = inp.candidate_mask & ~protected
+        priority = guards.run_selector(cfg.selector, scores, inp, eligible)
+        priority = priority.clamp(-guards.F32_MAX, guards.F32_MAX)  # never ties with protection
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
         if 2 * k_keep <= n:
             kept = priority.topk(k_keep, dim=-1, sorted=False).indices
@@ -148,16 +171,22 @@ def eviction_input(
     *,
     budget: int,
     recent: int,
+    seed: int,
     slot_valid: torch.Tensor | None = None,
     query_valid: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    layer_seed: torch.Tensor | None = None,
-    rows_per_layer: int | None = None,
+    layer_idx: int | torch.Tensor = 0,
+    evictions: int | torch.Tensor = 0,
+    streams: int | torch.Tensor = 0,
 ) -> EvictionInput:
-    """Assemble the ``EvictionInput`` of one eviction, filling the defaults ``Policy.select``
-    documents (all slots and queries valid, positions ``0 .. N-1``, ``[B, N]`` masks broadcast
-    over heads). Inputs are not checked here: ``Policy.select`` checks them first."""
+    """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
+    ``Policy.select`` and the executor alike.
+
+    Fills the defaults ``Policy.select`` documents (all slots and queries valid, positions
+    ``0 .. N-1``, ``[B, N]`` masks broadcast over heads) and derives each row's seeds from
+    ``seed``, ``layer_idx``, ``evictions`` and ``streams`` (ints, or ``[B]`` tensors). Inputs are not checked
+    here: ``Policy.select`` checks them first.
+    """
     b, hkv, n, _ = keys.shape
     device = keys.device
     if slot_valid is None:
@@ -170,6 +199,7 @@ def eviction_input(
         positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
     elif positions.dim() == 2:
         positions = positions[:, None, :].expand(b, hkv, n)
+    layer_seed = seeds.layer_seeds(seed, _per_row(layer_idx, b, "layer_idx"))
     return EvictionInput(
         keys=keys,
         values=values,
@@ -179,62 +209,98 @@ def eviction_input(
         slot_valid=slot_valid,
         query_valid=query_valid,
         positions=positions,
-        generator=generator,
-        layer_seed=layer_seed,
-        rows_per_layer=rows_per_layer or b,
+        layer_seed=layer_seed.to(device),
+        row_seed=seeds.row_seeds(
+            layer_seed, _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
+        ).to(device),
     )
 
 
-def generator_for(
-    generators: dict[torch.device, torch.Generator], device: torch.device | str, seed: int | None
-) -> torch.Generator:
-    """The generator for ``device`` in ``generators``, created and seeded on first use (``seed``
-    None: fresh OS randomness). One stream per device, so runs reproduce from the seed alone."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in generators:
-        g = torch.Generator(device=device)
-        if seed is None:
-            g.seed()
-        else:
-            g.manual_seed(seed)
-        generators[device] = g
-    return generators[device]
+def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:
+    """``[rows]`` int64 on the CPU from an int or a ``[rows]`` tensor (seeds are derived there)."""
+    t = torch.as_tensor(value, dtype=torch.long).cpu()
+    if t.dim() == 0:
+        return t.expand(rows).clone()
+    if tuple(t.shape) != (rows,):
+        raise ValueError(f"{label} must be an int or a [B={rows}] tensor, got shape {tuple(t.shape)}")
+    return t
 
 
-def load_policy(source: str | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any) -> Policy:
-    """Load a policy: a registered name (``"vase-attnv"``), a YAML path, a mapping or a config.
+def load_policy(source: str | bytes | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any) -> Policy:
+    """Load a policy: a registered name (``"vase-attnv"``), a YAML file, YAML text, a mapping or a config.
+
+    What ``source`` is taken for:
+
+    * a ``str``: a registered policy name if it is one; else the path of an existing file; else
+      YAML text if it holds a newline or a ``:`` (``"{name: p, schedule: {budget: 64}, ...}"``);
+      else a missing file if it looks like a path (a suffix such as ``.yaml``, or a directory
+      part); else an unknown policy name (the error lists the registered ones);
+    * ``bytes``: YAML text, UTF-8 encoded;
+    * a ``pathlib.Path`` (any ``os.PathLike``): a policy file, read as UTF-8;
+    * a ``Mapping``: the policy as data, as a parsed policy file holds it;
+    * a ``PolicyConfig`` or a ``Policy``: used as is (with ``overrides`` applied).
 
     ``overrides`` replace schedule fields (``budget``, ``recent``, ``interval``, ``window``,
-    ``count``, ``compress_prompt``) or top-level ones (``seed``, ``name``); everything is
-    validated before any tensor work, with errors naming file, line and field.
+    ``count``, ``compress_prompt``) or top-level ones (``seed``, ``name``, ``description``);
+    everything is validated before any tensor work, with errors naming file, line and field.
+
+    Raises:
+        PolicyError: (a ``ValueError``) for anything wrong with the document, the file or an
+            override: an unknown name, a missing or unreadable file, text that is not UTF-8,
+            invalid YAML (policy files also refuse anchors and aliases, duplicate keys and
+            nesting deeper than 64 levels), an unknown or invalid field, a value out of its
+            bounds (``seed`` in ``[0, 2**63 - 1]``, finite floats only, stage sizes capped) or
+            an inconsistent composition. Nothing else escapes for a bad document.
+        TypeError: only when ``source`` is a Python object of none of the kinds above (an
+            ``int``, ``None``, a list...): a programming error, not a bad document.
     """
+    import os  # only this function needs it
+
+    def is_file(path: str) -> bool:
+        try:
+            return Path(path).is_file()
+        except (OSError, ValueError):  # a name too long for the OS, a NUL byte
+            return False
+
     if isinstance(source, Policy):
         return source.with_overrides(**overrides) if overrides else source
     if isinstance(source, PolicyConfig):
         source = source.to_dict()
+    text: str | bytes | None = None
     lines: dict[tuple, int] = {}
     if isinstance(source, Mapping):
         data, name = dict(source), "<mapping>"
-    else:
+    elif isinstance(source, (bytes, bytearray)):
+        text, name = bytes(source), "<bytes>"
+    elif isinstance(source, os.PathLike):
+        text, name = read_source(Path(source))
+    elif isinstance(source, str):
         registry = get_registry()
-        text_src = source
-        if isinstance(source, str) and source in registry.policies:
-            text_src = registry.policies[source].obj
-            if isinstance(text_src, Mapping):
-                return load_policy(text_src, **overrides)
-        elif isinstance(source, str) and not Path(source).suffix and not Path(source).exists():
+        if source in registry.policies:
+            registered = registry.policies[source].obj  # a plugin's: a file, YAML text or data
+            if isinstance(registered, (Mapping, PolicyConfig, Policy, bytes, bytearray)):
+                return load_policy(registered, **overrides)
+            if isinstance(registered, str) and not is_file(registered):
+                text, name = registered, f"<{source}>"
+            else:
+                text, name = read_source(Path(registered) if isinstance(registered, os.PathLike) else registered)
+        elif is_file(source):
+            text, name = read_source(source)
+        elif "\n" in source or ":" in source:
+            text, name = source, "<text>"
+        elif Path(source).suffix or len(Path(source).parts) > 1:
+            raise PolicyError([f"no such policy file: {source}"], source)
+        else:
             known = ", ".join(sorted(registry.policies))
             raise PolicyError([f"unknown policy {source!r}; registered policies: {known}"], source)
-        if isinstance(text_src, str) and "\n" in text_src:
-            text, name = text_src, f"<{source}>"
-        else:
-            text, name = read_source(text_src)
+    else:
+        raise TypeError(
+            "load_policy takes a registered policy name, a path, YAML text (str or bytes), a mapping, "
+            f"a PolicyConfig or a Policy; got {type(source).__name__}"
+        )
+    if text is not None:
         data, lines = read_policy_text(text, name)
-    if overrides:
-        if not isinstance(data, Mapping):
-            return Policy(parse_policy(data, name, lines), data)
+    if overrides and isinstance(data, Mapping):
         data = apply_overrides(data, overrides)
     return Policy(parse_policy(data, name, lines), data if isinstance(data, Mapping) else None)
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
+#: Upper bound of every slot count of a schedule (16,777,216): far beyond any model's context,
+#: and small enough that capacities and indices stay exact in float32 and int32 arithmetic.
+MAX_SLOTS = 1 << 24
 
 
 class Schedule(BaseModel):
@@ -22,12 +26,19 @@ class Schedule(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    budget: int = Field(..., gt=0, description="Slots kept after an eviction, recent ones included.")
-    recent: int = Field(
-        64, ge=0, description='Newest slots always kept; an int or "budget - N" (StreamingLLM).'
+    budget: int = Field(
+        ..., gt=0, le=MAX_SLOTS, description="Slots kept after an eviction, recent ones included (at most 2**24)."
     )
-    interval: int = Field(64, ge=1, description="Eviction fires when the count is a multiple of it.")
-    window: int = Field(64, ge=0, description="Recent queries kept for attention scorers.")
+    recent: int = Field(
+        64,
+        ge=0,
+        le=MAX_SLOTS,
+        description='Newest slots always kept; an int or "budget - N" (StreamingLLM); at most 2**24.',
+    )
+    interval: int = Field(
+        64, ge=1, le=MAX_SLOTS, description="Eviction fires when the count is a multiple of it (at most 2**24)."
+    )
+    window: int = Field(64, ge=0, le=MAX_SLOTS, description="Recent queries kept for attention scorers (at most 2**24).")
     count: Literal["slots", "tokens"] = "slots"
     compress_prompt: bool = Field(False, description="Compress a prompt longer than the budget once it is in.")
 
@@ -73,3 +84,18 @@ class Schedule(BaseModel):
         """Whether eviction fires with ``slots`` held after ``tokens`` (padded) positions."""
         counted = slots if self.count == "slots" else tokens
         return slots > self.budget and counted % self.interval == 0
+
+    def fires_rows(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``fires`` for every row at once: ``slots`` and ``tokens`` are ``[B]`` long tensors."""
+        counted = slots if self.count == "slots" else tokens
+        return (slots > self.budget) & (counted % self.interval == 0)
+
+    def tokens_to_eviction(self, slots: int, tokens: int) -> int:
+        """How many real tokens, appended one at a time after ``slots`` held and ``tokens`` seen,
+        make eviction fire (at least 1): the end of the next exact chunk when feeding a text."""
+        if self.count == "slots":
+            target = -(-(max(slots, self.budget) + 1) // self.interval) * self.interval
+            return target - slots
+        first = self.interval - tokens % self.interval
+        short = max(0, self.budget + 1 - slots - first)
+        return first + -(-short // self.interval) * self.interval

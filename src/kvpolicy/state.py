@@ -1,68 +1,102 @@
-"""Static per-layer cache buffers: keys, values, slot validity and the window of recent queries.
+"""The cache's state: static slot buffers and the per-row bookkeeping of a group of layers.
 
-Nothing here imports transformers. Buffers for several layers of one shape live in one
-``SlotBuffers`` with a leading layer axis, so the executor can score and compact every layer that
-is due in a single batched call without stacking copies. Capacity is fixed at the first append
-(``schedule.capacity_for(prompt_len)``: ``budget + interval`` in steady state) and never changes
-while decoding; only a later multi-token chunk that does not fit grows it, once.
+Nothing here imports transformers, and nothing here chooses what to evict (the executor does).
+
+A ``LayerGroup`` is every layer that shares one ``SlotBuffers`` (same shape, dtype and device).
+Layers of one model see the same tokens, so everything per row is stored **once per group**:
+slots held, real tokens seen, evictions had, whether an eviction is due, the validity of the
+query window. A layer is an index on the buffers' layer axis and a count of the steps it has
+written. One decoding step is:
+
+1. ``begin_step`` (the first layer's append): plans where the step's tokens go and which slots
+   each query may attend, once for every layer;
+2. ``write`` for each layer: its keys, values and queries, into the planned slots;
+3. after the last layer, the rows that the schedule says are due are evicted by the executor
+   before the next step begins.
+
+Rows are **packed**: row ``r`` holds its ``counts[r]`` real tokens in slots ``[0, counts[r])``
+in position order, on every layer and head, and padding is never stored. So slot validity is
+``slot < counts[r]`` and needs no buffer. Positions are stored lazily: a slot appended since the
+row's last eviction holds the token at ``slot + (tokens[r] - counts[r])``, so the decode step
+writes no position; ``materialise_positions`` writes them out when an eviction or a reader
+needs them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .schedule import Schedule
 
 
+class CacheStateError(RuntimeError):
+    """The cache was used out of order: layers out of step (an interrupted forward, or a cache
+    built for another model), or an operation that needs a finished step. ``reset()`` recovers."""
+
+
 class SlotBuffers:
-    """Keys ``[Lyr, B, Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap, Dv]`` and per-slot metadata."""
+    """Keys ``[Lyr, B, Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap, Dv]`` and positions
+    ``[Lyr, B, Hkv, cap]`` of the layers of one group."""
 
     def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        kv_heads: int,
-        capacity: int,
-        head_dim: int,
-        value_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int,
+        dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (num_layers, batch, kv_heads, capacity)
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
-        self.valid = torch.zeros(shape, dtype=torch.bool, device=device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=device)
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    def tensors(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        return (("keys", self.keys), ("values", self.values), ("positions", self.positions))
+
     def grow(self, capacity: int) -> None:
         """Reallocate to ``capacity`` slots (only for a chunk that cannot fit; never per token)."""
-        for name in ("keys", "values", "valid", "positions"):
-            old = getattr(self, name)
+        for name, old in self.tensors():
             new = old.new_full((*old.shape[:3], capacity, *old.shape[4:]), -1 if name == "positions" else 0)
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.valid, self.positions))
+        return sum(t.numel() * t.element_size() for _, t in self.tensors())
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Gather batch rows ``index [B']`` (reorder, repeat or drop rows: beam search, sampling).
-
-        In place (same storage) when the batch size is unchanged; reallocated otherwise.
-        """
-        for name in ("keys", "values", "valid", "positions"):
-            old = getattr(self, name)
+        """Gather batch rows ``index [B']``: in place when the batch size is unchanged."""
+        for name, old in self.tensors():
             new = old.index_select(1, index.to(old.device))
             if new.shape == old.shape:
                 old.copy_(new)
             else:
                 setattr(self, name, new)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where one step's ``T`` tokens go, and what its queries may attend (the same on every layer).
+
+    Either ``start`` (every row appends ``T`` real tokens at slots ``[start, start + T)``: the
+    decoding hot path) or the scatter ``rows, cols, slots`` (real token ``cols[i]`` of row
+    ``rows[i]`` goes to slot ``slots[i]``) is set. ``mask`` is ``[B, 1, T, L]`` bool over the
+    slots after the step, or None when every row holds the same slots and the new tokens are
+    the last ``T`` of them (plain causal attention).
+    """
+
+    tokens: int
+    batch: int
+    start: int | None
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None
+    ring_slots: slice | torch.Tensor
+    ring_take: int
 
 
 @dataclass
@@ -75,278 +109,374 @@ class EvictionStats:
     slots_evicted: int = 0  # slots dropped, summed over batch rows
 
 
-@dataclass
-class LayerState:
-    """One attention layer's cache: a view of layer ``index`` in shared ``SlotBuffers``.
+class LayerGroup:
+    """The layers sharing one ``SlotBuffers``, and their per-row state, stored once.
 
-    Rows are **packed**: row ``r`` holds its ``counts[r]`` real tokens in slots ``[0, counts[r])``,
-    in position order, and padding is never stored. Each row follows the schedule on its own
-    counts, exactly as if it were decoded alone; rows of a batch whose counts differ (different
-    prompt lengths) simply evict at different steps.
-
-    The public flow for a decoding step is ``append`` (new keys/values, with padding flags),
-    ``record_queries`` (the step's post-RoPE queries), then attention over ``keys``, ``values``
-    and ``valid``. When the schedule fires for a row after an append, the row is due; the
-    executor evicts due rows before the next append, so the kept set is chosen with the query of
-    the token that triggered it in the window.
+    Built by the first append of its first layer (``keys [B, Hkv, T, D]``, ``values``,
+    ``query_heads`` of the window, ``token_valid [B, T]`` or None), which begins the first step.
+    Per-row state lives on the host as ``[B]`` long tensors: the schedule is host control flow,
+    and decoding then needs no device-to-host sync.
     """
 
-    schedule: Schedule
-    layer_idx: int = 0
-    buffers: SlotBuffers | None = None
-    index: int = 0  # this layer's position on the buffers' layer axis
-    seed: int = 0
-    stats: EvictionStats = field(default_factory=EvictionStats)
-    counts: list[int] = field(default_factory=list)  # slots held per row (host side)
-    real_tokens: list[int] = field(default_factory=list)  # real tokens seen per row
-    due_rows: list[bool] = field(default_factory=list)
-    # [B, T] positions of the last chunk's tokens (-1: padding); None after a plain decode step.
-    last_query_positions: torch.Tensor | None = None
-    queries: torch.Tensor | None = None  # [B, Hq, W, D] ring of recent queries
-    query_valid: torch.Tensor | None = None  # [B, W]
-    query_next: int = 0
+    def __init__(
+        self,
+        schedule: Schedule,
+        layer_ids: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_heads: int,
+        token_valid: torch.Tensor | None,
+    ) -> None:
+        b, h, t, d = keys.shape
+        self.schedule = schedule
+        self.member = {layer: i for i, layer in enumerate(layer_ids)}  # global index -> buffer index
+        self.layer_ids = torch.tensor(list(layer_ids), dtype=torch.long)
+        added = _added(token_valid, b, t)
+        self.buffers = SlotBuffers(
+            len(layer_ids), b, h, schedule.capacity_for(int(added.max())), d, values.shape[-1], keys.dtype, keys.device
+        )
+        w = schedule.window
+        self.ring = keys.new_zeros(len(layer_ids), b, query_heads, w, d)
+        self.ring_valid = torch.zeros(b, w, dtype=torch.bool, device=keys.device)
+        self.ring_next = 0
+        zeros = torch.zeros(b, dtype=torch.long)
+        # Per-row counters, [B] host tensors. While every row holds the same slots after the same
+        # tokens (no padding: the decoding hot path), ``_alike`` keeps them as two ints instead and
+        # the tensors are filled in only when read (``_rows``).
+        self._counts = zeros.clone()  # slots held per row, after the current step
+        self._counts_before = zeros.clone()  # ... before it (what layers that did not write it yet hold)
+        self._tokens = zeros.clone()  # real tokens seen per row
+        self._due = torch.zeros(b, dtype=torch.bool)  # the schedule fired: evict before the next step
+        self._alike: tuple[int, int, int, bool] | None = (0, 0, 0, False)  # count, before, tokens, due
+        self.stored = zeros.clone()  # slots [0, stored) have their positions written out
+        self.evictions = zeros.clone()  # evictions each row has had (keys its random draws)
+        self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
+        self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
+        self.tokens_seen = 0  # padded positions, after the current step
+        self.tokens_seen_before = 0
+        self.steps = 0  # steps begun
+        self.layer_steps = [0] * len(layer_ids)  # steps each layer has written
+        self.eviction_steps = 0
+        self.slots_evicted = 0
+        self.plan = self._plan(t, token_valid, added)
 
-    # -- views ----------------------------------------------------------------------------
+    # -- per-row counters ---------------------------------------------------------------------
+    def _rows(self) -> None:
+        """Fill the per-row tensors from the ints of the alike fast path, and leave it."""
+        if self._alike is not None:
+            count, before, tokens, due = self._alike
+            self._counts.fill_(count)
+            self._counts_before.fill_(before)
+            self._tokens.fill_(tokens)
+            self._due.fill_(due)
+            self._alike = None
+
+    def _check_alike(self) -> None:
+        """Back to the fast path when every row holds the same slots after the same tokens."""
+        c, t = self._counts, self._tokens
+        if bool((c == c[0]).all() and (t == t[0]).all() and (self._counts_before == self._counts_before[0]).all()
+                and (self._due == self._due[0]).all()):
+            self._alike = (int(c[0]), int(self._counts_before[0]), int(t[0]), bool(self._due[0]))
+
     @property
-    def is_allocated(self) -> bool:
-        return self.buffers is not None
+    def counts(self) -> torch.Tensor:
+        """``[B]`` slots held per row (after the current step)."""
+        self._rows()
+        return self._counts
 
     @property
-    def length(self) -> int:
-        """The slot extent: slots held by the longest row."""
-        return max(self.counts, default=0)
+    def counts_before(self) -> torch.Tensor:
+        self._rows()
+        return self._counts_before
 
     @property
-    def ragged(self) -> bool:
-        """True when rows hold different numbers of slots (the shorter ones are masked)."""
-        return len(set(self.counts)) > 1
+    def tokens(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per row."""
+        self._rows()
+        return self._tokens
 
     @property
-    def eviction_due(self) -> bool:
-        return any(self.due_rows)
+    def due(self) -> torch.Tensor:
+        """``[B]`` bool: rows the schedule says must be evicted before the next step."""
+        self._rows()
+        return self._due
 
     @property
-    def keys(self) -> torch.Tensor:
-        """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count)."""
-        return self.buffers.keys[self.index, :, :, : self.length]
+    def any_due(self) -> bool:
+        return self._alike[3] if self._alike is not None else bool(self._due.any())
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.buffers.keys.shape[1]
 
     @property
-    def values(self) -> torch.Tensor:
-        return self.buffers.values[self.index, :, :, : self.length]
+    def device(self) -> torch.device:
+        return self.buffers.keys.device
 
     @property
-    def valid(self) -> torch.Tensor:
-        """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` is valid iff ``s < counts[r]``."""
-        return self.buffers.valid[self.index, :, :, : self.length]
+    def complete(self) -> bool:
+        """Whether every layer of the group has written the current step."""
+        return all(self.layer_steps[i] == self.steps for i in self.member.values())
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """``[B, Hkv, L]`` long: index of each slot's token among its row's real tokens (-1: empty)."""
-        return self.buffers.positions[self.index, :, :, : self.length]
+    def fits(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        k, v = self.buffers.keys, self.buffers.values
+        return (
+            tuple(keys.shape[:2]) == tuple(k.shape[1:3]) and keys.shape[-1] == k.shape[-1]
+            and values.shape[-1] == v.shape[-1] and keys.dtype == k.dtype and keys.device == k.device
+        )
 
-    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""
-        if self.queries is None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: no queries were recorded, but the policy's scorer needs a window"
-            )
-        order = (torch.arange(self.queries.shape[2], device=self.queries.device) + self.query_next) % self.queries.shape[2]
-        return self.queries.index_select(2, order), self.query_valid.index_select(1, order)
+    def written(self, layer: int) -> bool:
+        """Whether ``layer`` has written the current step."""
+        return self.layer_steps[self.member[layer]] == self.steps
+
+    def counts_of(self, layer: int) -> torch.Tensor:
+        return self.counts if self.written(layer) else self.counts_before
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s held keys and values, ``[B, Hkv, L, D]`` views (``L`` its extent)."""
+        i, length = self.member[layer], self.extent(layer)
+        return self.buffers.keys[i, :, :, :length], self.buffers.values[i, :, :, :length]
+
+    def extent(self, layer: int) -> int:
+        """The slot extent of ``layer``: slots held by its longest row."""
+        return self.extent_now if self.written(layer) else self.extent_before
 
     def memory_bytes(self) -> int:
-        """Bytes of this layer's static buffers (its share of the shared ones) and query ring."""
-        total = 0
-        if self.buffers is not None:
-            total += self.buffers.nbytes() // self.buffers.keys.shape[0]
-        if self.queries is not None:
-            total += self.queries.numel() * self.queries.element_size() + self.query_valid.numel()
-        return total
+        return self.buffers.nbytes() + self.ring.numel() * self.ring.element_size() + self.ring_valid.numel()
 
-    # -- writes ---------------------------------------------------------------------------
-    def allocate(self, keys: torch.Tensor, values: torch.Tensor, num_layers: int = 1) -> SlotBuffers:
-        """Allocate buffers sized for this first chunk (for ``num_layers`` layers sharing them)."""
-        b, h, t, d = keys.shape
-        self.buffers = SlotBuffers(
-            num_layers, b, h, self.schedule.capacity_for(t), d, values.shape[-1], keys.dtype, keys.device
-        )
-        return self.buffers
+    # -- a step -------------------------------------------------------------------------------
+    def begin_step(self, t: int, token_valid: torch.Tensor | None) -> None:
+        """Plan the next step of ``T`` tokens (validity ``[B, T]`` or None) for every layer."""
+        self.require_complete("begin a step")
+        if self.any_due:
+            raise CacheStateError("an eviction is due: the executor must run before the next step")
+        self.plan = self._plan(t, token_valid, None if token_valid is None else _added(token_valid, self.batch, t))
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, token_valid: torch.Tensor | None = None) -> None:
-        """Write a chunk of ``T`` new tokens: keys/values ``[B, Hkv, T, D]``, ``token_valid [B, T]``.
-
-        Each row's real tokens go right after its held slots; padding tokens are dropped.
-        """
-        if self.eviction_due:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: an eviction is due; run the executor before appending more tokens"
-            )
-        if self.buffers is None:
-            self.allocate(keys, values)
-        b, h, t, _ = keys.shape
-        buf = self.buffers
-        if (b, h) != tuple(buf.keys.shape[1:3]) or keys.shape[-1] != buf.keys.shape[-1]:
-            raise ValueError(
-                f"layer {self.layer_idx}: keys {tuple(keys.shape)} do not match the cache's "
-                f"[B={buf.keys.shape[1]}, Hkv={buf.keys.shape[2]}, T, D={buf.keys.shape[4]}]"
-            )
-        if not self.counts:
-            self.counts, self.real_tokens, self.due_rows = [0] * b, [0] * b, [False] * b
-        is_prompt = self.stats.tokens_seen == 0
-        if token_valid is not None:
-            token_valid = token_valid.to(device=keys.device, dtype=torch.bool)
-            added = token_valid.sum(-1).tolist()  # one sync per padded chunk (prefill), none when decoding
-            if all(a == t for a in added):
-                token_valid = None
+    def _plan(self, t: int, token_valid: torch.Tensor | None, added: torch.Tensor | None) -> StepPlan:
+        b, device = self.batch, self.device
+        if token_valid is not None and bool((added == t).all()):
+            token_valid = None  # every token real: the plain path
+        if token_valid is None and self._alike is not None:
+            return self._plan_alike(t)
+        if added is None:
+            added = torch.full((b,), t, dtype=torch.long)
+        before = self.counts
+        after = before + added
+        needed = int(after.max())
+        if needed > self.buffers.capacity:
+            self.buffers.grow(self.schedule.capacity_for(needed))
+        uniform = token_valid is None and bool((before == before[0]).all())
+        start = rows = cols = slots = mask = None
+        if uniform:
+            start = int(before[0])
         else:
-            added = [t] * b
-        start = self.counts[0]
-        needed = max(c + a for c, a in zip(self.counts, added, strict=True))
-        if needed > buf.capacity:
-            buf.grow(self.schedule.capacity_for(needed))
-        i = self.index
-        if token_valid is None and not self.ragged:
-            # Every row appends the same T real tokens at the same slots: plain slice writes.
-            sl = slice(start, start + t)
-            buf.keys[i, :, :, sl] = keys
-            buf.values[i, :, :, sl] = values
-            buf.valid[i, :, :, sl] = True
-            if len(set(self.real_tokens)) == 1:  # the decoding hot path: no host-to-device tensor
-                first = self.real_tokens[0]
-                if t == 1:
-                    buf.positions[i, :, :, start] = first
-                    qpos = None
-                else:
-                    qpos = torch.arange(first, first + t, device=keys.device).expand(b, t)
-                    buf.positions[i, :, :, sl] = qpos[:, None, :]
+            before_dev = before.to(device)
+            if token_valid is None:  # every token real, rows holding different counts
+                rank = torch.arange(t, device=device).expand(b, t)
+                rows = torch.arange(b, device=device).repeat_interleave(t)
+                cols = torch.arange(t, device=device).repeat(b)
+                real = torch.ones(b, t, dtype=torch.bool, device=device)
             else:
-                seen = torch.tensor(self.real_tokens, device=keys.device)
-                qpos = seen[:, None] + torch.arange(t, device=keys.device)
-                buf.positions[i, :, :, sl] = qpos[:, None, :]
-        else:
-            seen = torch.tensor(self.real_tokens, device=keys.device)
-            if token_valid is None:
-                token_valid = torch.ones(b, t, dtype=torch.bool, device=keys.device)
-            rank = token_valid.long().cumsum(-1) - 1  # index of each real token in its row's chunk
-            qpos = torch.where(token_valid, seen[:, None] + rank, -1)
-            rows, cols = token_valid.nonzero(as_tuple=True)
-            slots = torch.tensor(self.counts, device=keys.device)[rows] + rank[rows, cols]
-            # [nnz, Hkv, D] rows of the chunk scattered to each row's next free slots.
-            buf.keys[i][rows, :, slots] = keys[rows, :, cols]
-            buf.values[i][rows, :, slots] = values[rows, :, cols]
-            buf.valid[i][rows, :, slots] = True
-            buf.positions[i][rows, :, slots] = qpos[rows, cols][:, None]
-        self.last_query_positions = qpos
-        self.counts = [c + a for c, a in zip(self.counts, added, strict=True)]
-        self.real_tokens = [r + a for r, a in zip(self.real_tokens, added, strict=True)]
-        self.stats.tokens_seen += t
-        self.stats.slots_held = self.length
+                real = token_valid.to(device)
+                rank = real.long().cumsum(-1) - 1  # index of each real token among its row's new ones
+                rows, cols = real.nonzero(as_tuple=True)
+            slots = before_dev[rows] + rank[rows, cols]
+            slot = torch.arange(needed, device=device)
+            # A real query of rank p sees its row's held slots and the first p + 1 new ones.
+            sees = torch.where(real, before_dev[:, None] + rank + 1, 0)  # [B, T]
+            mask = slot[None, None, :] < sees[:, :, None]  # [B, T, L]
+            # A padding query, or a row holding no slot yet, attends slot 0: finite, never read.
+            mask |= ~mask.any(-1, keepdim=True) & (slot == 0)
+            mask = mask[:, None]
+        ring_slots, take = self._advance_ring(t, token_valid)
+        is_prompt = self.tokens_seen == 0
+        self._counts_before, self._counts = before, after
+        self._tokens = self._tokens + added
+        self.extent_before, self.extent_now = self.extent_now, needed
+        self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
+        self.steps += 1
         sched = self.schedule
         if is_prompt:
-            # Prefill never evicts by default; with compress_prompt a long prompt is compressed
-            # once it is in, before the first decoded token is appended.
-            self.due_rows = [sched.compress_prompt and c > sched.budget for c in self.counts]
+            # Prefill never evicts, unless the policy compresses a long prompt once it is in.
+            self._due = (after > sched.budget) & sched.compress_prompt
         else:
             # Decode steps, and later chunks that end exactly where token-by-token decoding would
             # evict (what lets the harness feed long texts interval by interval, exactly).
-            self.due_rows = [sched.fires(c, r) for c, r in zip(self.counts, self.real_tokens, strict=True)]
+            self._due = sched.fires_rows(after, self._tokens)
+        self._check_alike()
+        return StepPlan(t, b, start, rows, cols, slots, mask, ring_slots, take)
 
-    def record_queries(self, queries: torch.Tensor, query_valid: torch.Tensor | None = None) -> None:
-        """Push a chunk's post-RoPE queries ``[B, Hq, T, D]`` into the ring (last ``window`` kept)."""
-        w = self.schedule.window
-        if w == 0:
-            return
-        b, hq, t, d = queries.shape
-        if self.queries is None:
-            self.queries = queries.new_zeros(b, hq, w, d)
-            self.query_valid = torch.zeros(b, w, dtype=torch.bool, device=queries.device)
-        take = min(t, w)
-        if take == 1:  # the decoding hot path: one ring slot, plain indexing
-            self.queries[:, :, self.query_next] = queries[:, :, -1]
-            self.query_valid[:, self.query_next] = True if query_valid is None else query_valid[:, -1]
+    def _plan_alike(self, t: int) -> StepPlan:
+        """``_plan`` when every row holds the same slots and every new token is real: ints only."""
+        count, _, tokens, _ = self._alike  # type: ignore[misc]
+        after = count + t
+        if after > self.buffers.capacity:
+            self.buffers.grow(self.schedule.capacity_for(after))
+        ring_slots, take = self._advance_ring(t, None)
+        sched = self.schedule
+        if self.tokens_seen == 0:
+            due = sched.compress_prompt and after > sched.budget
         else:
-            if query_valid is None:
-                query_valid = torch.ones(b, t, dtype=torch.bool, device=queries.device)
-            slots = (torch.arange(take, device=queries.device) + self.query_next) % w
-            self.queries[:, :, slots] = queries[:, :, t - take :].to(self.queries.dtype)
-            self.query_valid[:, slots] = query_valid[:, t - take :].to(self.query_valid.device)
-        self.query_next = (self.query_next + take) % w
+            due = sched.fires(after, tokens + t)
+        self._alike = (after, count, tokens + t, due)
+        self.extent_before, self.extent_now = count, after
+        self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
+        self.steps += 1
+        return StepPlan(t, self.batch, count, None, None, None, None, ring_slots, take)
 
-    def evicted(self, rows: list[int], kept: int) -> None:
-        """Book-keeping after the executor compacted ``rows`` to ``kept`` slots each."""
-        for r in rows:
-            self.stats.slots_evicted += self.counts[r] - kept
-            self.counts[r] = kept
-            self.due_rows[r] = False
-        self.stats.slots_held = self.length
-        self.stats.evictions += 1
+    def _advance_ring(self, t: int, token_valid: torch.Tensor | None) -> tuple[slice | torch.Tensor, int]:
+        """Claim the query ring's slots for the step's last ``min(T, W)`` queries."""
+        w = self.schedule.window
+        take = min(t, w)
+        if take == 1:
+            ring_slots: slice | torch.Tensor = slice(self.ring_next, self.ring_next + 1)
+        else:
+            ring_slots = (torch.arange(take, device=self.device) + self.ring_next) % w
+        if take:
+            self.ring_valid[:, ring_slots] = True if token_valid is None else token_valid[:, t - take:].to(self.device)
+            self.ring_next = (self.ring_next + take) % w
+        return ring_slots, take
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
+        """Write ``layer``'s part of the current step (shapes as planned)."""
+        i = self.member[layer]
+        if self.layer_steps[i] != self.steps - 1:
+            raise CacheStateError(
+                f"layer {layer} is out of step with its group (it wrote {self.layer_steps[i]} steps, the group "
+                f"began {self.steps}): a forward was interrupted, or the cache serves a model with another layer "
+                "layout. Call reset() before reusing the cache."
+            )
+        plan = self.plan
+        if keys.shape[0] != plan.batch or keys.shape[2] != plan.tokens:
+            raise CacheStateError(
+                f"layer {layer} appends keys {tuple(keys.shape)} but this step was begun with "
+                f"{plan.batch} rows of {plan.tokens} tokens"
+            )
+        buf = self.buffers
+        if plan.start is not None:
+            sl = slice(plan.start, plan.start + plan.tokens)
+            buf.keys[i, :, :, sl] = keys
+            buf.values[i, :, :, sl] = values
+        else:
+            # [nnz, Hkv, D] real tokens scattered to each row's next free slots.
+            buf.keys[i][plan.rows, :, plan.slots] = keys[plan.rows, :, plan.cols]
+            buf.values[i][plan.rows, :, plan.slots] = values[plan.rows, :, plan.cols]
+        if plan.ring_take:
+            if queries is None:
+                raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
+            self.ring[i, :, :, plan.ring_slots] = queries[:, :, plan.tokens - plan.ring_take:].to(self.ring.dtype)
+        self.layer_steps[i] = self.steps
+
+    def require_complete(self, action: str) -> None:
+        if not self.complete:
+            behind = [layer for layer, i in self.member.items() if self.layer_steps[i] != self.steps]
+            raise CacheStateError(
+                f"cannot {action}: layers {behind[:8]} did not write the last step. A forward was interrupted, "
+                "or the cache serves a model with another number of layers. Call reset() before reusing it."
+            )
+
+    # -- views --------------------------------------------------------------------------------
+    def valid(self, layer: int) -> torch.Tensor:
+        """``[B, 1, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``."""
+        counts = self.counts_of(layer)
+        slot = torch.arange(int(counts.max()), device=self.device)
+        return (slot < counts.to(self.device)[:, None])[:, None, :]
+
+    def materialise_positions(self) -> None:
+        """Write out the positions of slots appended since each row's last eviction (and ``-1``
+        past each row's count), on every layer: ``position = slot + tokens - counts``. Safe in
+        mid-step: a layer that has not written the step yet gets its new slots' positions early."""
+        if bool((self.stored == self.counts).all()) and self.stored.numel():
+            return
+        length = int(self.counts.max())
+        dev = self.device
+        slot = torch.arange(length, device=dev)
+        stored, counts = self.stored.to(dev)[:, None], self.counts.to(dev)[:, None]
+        derived = torch.where(slot < counts, slot + (self.tokens.to(dev)[:, None] - counts), -1)  # [B, L]
+        pos = self.buffers.positions[:, :, :, :length]
+        pos.copy_(torch.where((slot >= stored)[None, :, None, :], derived[None, :, None, :], pos))
+        self.stored = self.counts.clone()
+
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""
+        return self.windows(slice(self.member[layer], self.member[layer] + 1), slice(None))
+
+    def windows(self, layers: slice, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows of buffer layers ``layers`` and ``rows``, stacked layer-major on the batch
+        axis, in time order: ``[Lyr * R, Hq, W, D]`` and ``[Lyr * R, W]``."""
+        w = self.ring.shape[3]
+        order = (torch.arange(w, device=self.device) + self.ring_next) % w
+        ring = self.ring[layers][:, rows].index_select(3, order)
+        valid = self.ring_valid[rows].index_select(1, order)
+        return ring.flatten(0, 1), valid.repeat(ring.shape[0], 1)
+
+    # -- row operations -------------------------------------------------------------------------
+    def evicted(self, rows: torch.Tensor, kept: int) -> None:
+        """Book-keeping after the executor compacted ``rows`` (host ``[R]``) to ``kept`` slots."""
+        self._rows()
+        self.slots_evicted += int((self._counts[rows] - kept).sum())
+        for t in (self._counts, self._counts_before, self.stored):
+            t[rows] = kept
+        self.evictions[rows] += 1
+        self._due[rows] = False
+        self.extent_now = self.extent_before = int(self._counts.max())
+        self._check_alike()
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Gather the per-row state that is not in the shared buffers (``SlotBuffers.select_rows``
-        handles those): counts, real-token counts and the query window."""
-        host = index.tolist()
-        if self.counts:
-            self.counts = [self.counts[r] for r in host]
-            self.real_tokens = [self.real_tokens[r] for r in host]
-            self.due_rows = [self.due_rows[r] for r in host]
-        if self.queries is not None:
-            self.queries = self.queries.index_select(0, index.to(self.queries.device))
-            self.query_valid = self.query_valid.index_select(0, index.to(self.query_valid.device))
+        """Keep rows ``index [B']`` in that order (beam reordering, repeats, dropping rows)."""
+        self.require_complete("reorder rows")
+        host = index.cpu()
+        self.buffers.select_rows(index)
+        self._rows()
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due"):
+            setattr(self, name, getattr(self, name)[host])
+        self.extent_now = self.extent_before = int(self._counts.max()) if host.numel() else 0
+        if host.numel():
+            self._check_alike()
+        dev = index.to(self.device)
+        self.ring = self.ring.index_select(1, dev)
+        self.ring_valid = self.ring_valid.index_select(0, dev)
 
-    def reset(self) -> None:
-        """Forget every token (buffers stay allocated)."""
-        self.counts, self.real_tokens, self.due_rows = [], [], []
-        self.queries = self.query_valid = self.last_query_positions = None
-        self.query_next = 0
-        self.stats = EvictionStats()
-        if self.buffers is not None:
-            self.buffers.valid[self.index] = False
-            self.buffers.positions[self.index] = -1
+    def stats(self, layer: int) -> EvictionStats:
+        written = self.written(layer)
+        return EvictionStats(
+            evictions=self.eviction_steps,
+            tokens_seen=self.tokens_seen if written else self.tokens_seen_before,
+            slots_held=self.extent(layer),
+            slots_evicted=self.slots_evicted,
+        )
 
 
-def compact_rows(
-    buffers: SlotBuffers, layers: slice | torch.Tensor, rows: slice | torch.Tensor, kept: torch.Tensor, count: int
-) -> None:
-    """Gather slots ``kept [Lyr, R, Hkv, K]`` of the given layers and rows to the front, in place.
+def _added(token_valid: torch.Tensor | None, batch: int, t: int) -> torch.Tensor:
+    """``[B]`` host long: real tokens per row in a chunk (one sync for a padded chunk)."""
+    if token_valid is None:
+        return torch.full((batch,), t, dtype=torch.long)
+    return token_valid.sum(-1).cpu()
 
-    The rows all hold ``count`` slots. ``kept`` is ascending, so slot ``kept[j] >= j``; each
-    gather reads every kept slot into a ``K``-slot temporary before the write, so the source is
-    never overwritten early. With slices the reads are views; with index tensors (rows out of
-    phase with the rest of the batch) only those rows are copied.
+
+def compact_rows(buffers: SlotBuffers, rows: slice | torch.Tensor, kept: torch.Tensor, count: int) -> None:
+    """Gather slots ``kept [Lyr, R, Hkv, K]`` of every layer of ``rows`` to the front, in place.
+
+    The rows all hold ``count`` slots, and their positions are written out. ``kept`` is
+    ascending, so slot ``kept[j] >= j``; each gather reads every kept slot into a ``K``-slot
+    temporary before the write, so the source is never overwritten early. With a slice of rows
+    the reads are views; with an index (rows out of phase with the batch) those rows are copied.
     """
     k = kept.shape[-1]
-    by_index = isinstance(layers, torch.Tensor) or isinstance(rows, torch.Tensor)
-    if by_index:
-        lyr = _as_index(layers, buffers.keys.shape[0], kept.device)[:, None]
-        row = _as_index(rows, buffers.keys.shape[1], kept.device)[None, :]
-    for name in ("keys", "values", "valid", "positions"):
-        buf = getattr(buffers, name)
-        src = block(buf, layers, rows, count)
+    for _, buf in buffers.tensors():
+        src = block(buf, rows, count)
         idx = kept[..., None].expand(*kept.shape, src.shape[-1]) if src.dim() == 5 else kept
         gathered = torch.gather(src, 3, idx)
-        if by_index:
-            buf[lyr, row, :, :k] = gathered
+        if isinstance(rows, slice):
+            buf[:, rows, :, :k] = gathered
         else:
-            buf[layers, rows, :, :k] = gathered
-    # Freed slots only need to stop counting as tokens; their keys/values are overwritten later.
-    for name, empty in (("valid", False), ("positions", -1)):
-        buf = getattr(buffers, name)
-        if by_index:
-            buf[lyr, row, :, k:count] = empty
-        else:
-            buf[layers, rows, :, k:count] = empty
+            buf[:, rows.to(buf.device), :, :k] = gathered
 
 
-def block(t: torch.Tensor, layers: slice | torch.Tensor, rows: slice | torch.Tensor, count: int) -> torch.Tensor:
-    """``t[layers, rows, :, :count]`` of a ``[Lyr, B, Hkv, cap, ...]`` buffer: a view when both
-    selections are slices, an indexed copy otherwise."""
-    if isinstance(layers, slice) and isinstance(rows, slice):
-        return t[layers, rows, :, :count]
-    lyr = _as_index(layers, t.shape[0], t.device)[:, None]
-    row = _as_index(rows, t.shape[1], t.device)[None, :]
-    return t[lyr, row, :, :count]
-
-
-def _as_index(sel: slice | torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
-    if isinstance(sel, torch.Tensor):
-        return sel.to(device)
-    return torch.arange(size, device=device)[sel]
+def block(t: torch.Tensor, rows: slice | torch.Tensor, count: int) -> torch.Tensor:
+    """``t[:, rows, :, :count]`` of a ``[Lyr, B, Hkv, cap, ...]`` buffer: a view for a slice of
+    rows, an indexed copy otherwise."""
+    if isinstance(rows, slice):
+        return t[:, rows, :, :count]
+    return t[:, rows.to(t.device), :, :count]

@@ -2,8 +2,9 @@
 
 Eviction fires after an append that leaves a layer with ``L > budget`` slots and the counted
 length a multiple of ``interval``; a multi-token chunk after the prompt evicts only if it *ends*
-on such a point. :func:`chunk_sizes` cuts a sequence into chunks that end exactly there, so
-feeding chunk by chunk evicts the same slots as feeding token by token (and is far faster).
+on such a point. ``Stream.feed`` asks the cache how many tokens remain to its next eviction
+(``EvictingCache.tokens_to_next_eviction``) and ends each chunk exactly there, so feeding chunk
+by chunk evicts the same slots as feeding token by token (and is far faster).
 """
 
 from __future__ import annotations
@@ -15,26 +16,8 @@ from collections.abc import Callable
 import torch
 
 from ..policy import Policy
-from ..schedule import Schedule
 
 MAX_CHUNK = 256
-
-
-def chunk_sizes(schedule: Schedule | None, held: int, seen: int, n: int, max_chunk: int = MAX_CHUNK) -> list[int]:
-    """Sizes of chunks for ``n`` more tokens after ``held`` slots / ``seen`` tokens: every eviction
-    point of ``schedule`` ends a chunk, and no chunk crosses one (``None``: the full cache)."""
-    sizes, cur = [], 0
-    for _ in range(n):
-        held, seen, cur = held + 1, seen + 1, cur + 1
-        fires = schedule is not None and schedule.fires(held, seen)
-        if fires:
-            held = schedule.budget
-        if fires or cur == max_chunk:
-            sizes.append(cur)
-            cur = 0
-    if cur:
-        sizes.append(cur)
-    return sizes
 
 
 def cache_argument(model) -> str:
@@ -55,13 +38,12 @@ class Stream:
     """One sequence decoded by ``model`` through a fresh cache: the policy's ``KVPolicyCache``, or a
     ``DynamicCache`` for the full-cache baseline (``policy=None``). Batch size 1.
 
-    Tracks slots held and tokens seen from the schedule, to plan exact chunks.
+    Chunks end where the cache says its next eviction falls.
     """
 
     def __init__(self, model, policy: Policy | None, base_attn: str = "sdpa") -> None:
         self.model = model
         self.policy = policy
-        self.schedule = policy.schedule if policy is not None else None
         if policy is None:
             from transformers import DynamicCache
 
@@ -73,21 +55,17 @@ class Stream:
 
             self.cache = KVPolicyCache(policy, model)
         self._cache_arg = cache_argument(model)
-        self.held = 0
         self.seen = 0
         self.device = next(model.parameters()).device
 
-    # -- bookkeeping -------------------------------------------------------------------------
-    def _advance(self, n: int) -> None:
-        if self.seen == 0:  # the prompt: no eviction, unless the policy compresses long prompts
-            self.held = self.seen = n
-            if self.schedule is not None and self.schedule.compress_prompt and n > self.schedule.budget:
-                self.held = self.schedule.budget
-            return
-        for _ in range(n):
-            self.held, self.seen = self.held + 1, self.seen + 1
-            if self.schedule is not None and self.schedule.fires(self.held, self.seen):
-                self.held = self.schedule.budget
+    def next_chunk(self, remaining: int, max_chunk: int = MAX_CHUNK) -> int:
+        """The next chunk's size: never past the cache's next eviction point, nor ``max_chunk``."""
+        size = min(remaining, max_chunk)
+        if self.policy is not None:
+            evicting = self.cache.evicting
+            evicting.evict_due()  # what the chunk's first append would do; then the count is exact
+            size = min(size, evicting.tokens_to_next_eviction() or size)
+        return size
 
     def memory_bytes(self) -> int:
         if self.policy is None:
@@ -105,7 +83,7 @@ class Stream:
         x = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(1, -1)
         kwargs = {self._cache_arg: self.cache, "logits_to_keep": 0 if all_logits else 1}
         out = self.model(input_ids=x, use_cache=True, **kwargs)
-        self._advance(x.shape[1])
+        self.seen += x.shape[1]
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -121,9 +99,9 @@ class Stream:
         """
         if not ids:
             raise ValueError("nothing to feed")
-        sizes = [len(ids)] if self.seen == 0 else chunk_sizes(self.schedule, self.held, self.seen, len(ids))
         offset, last = 0, None
-        for size in sizes:
+        while offset < len(ids):
+            size = len(ids) if self.seen == 0 else self.next_chunk(len(ids) - offset)
             logits = self._forward(ids[offset : offset + size], on_logits is not None)
             if on_logits is not None:
                 on_logits(offset, logits)

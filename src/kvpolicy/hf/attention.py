@@ -7,15 +7,12 @@ the 2-D padding mask (indexed by slot) would be wrong. Instead:
 - the **mask function** (``AttentionMaskInterface["kvpolicy"]``) turns the 2-D padding mask into
   the padding validity of the *new* tokens only, ``[B, T]`` bool (``None`` when every new token is
   real). That is what the model hands each layer as ``attention_mask``;
-- ``KVPolicyCache.update`` only stages the layer's new keys/values and returns them unchanged;
-- the **attention function** (``AttentionInterface["kvpolicy"]``) takes the staged step, runs
-  ``EvictingCache.step`` (evicts what is due, appends the keys/values with their padding validity,
-  records the post-RoPE queries in the layer's window) and attends over the layer's slots with the
-  per-slot validity mask ``[B, Hkv, L]`` (plus causality inside a multi-token chunk).
-
-The attention function finds the cache through a thread-local "staged step" that ``update`` sets
-and the attention function consumes for the same ``layer_idx``; if the model does not run this
-attention function, the next ``update`` finds the previous step unconsumed and raises.
+- ``KVPolicyCache.update`` appends nothing: it returns the new keys tagged with the cache
+  (``staged_cache(key)`` reads the tag), which is how the cache reaches the attention function
+  explicitly, through the very tensor the model passes on;
+- the **attention function** (``AttentionInterface["kvpolicy"]``) calls ``KVPolicyCache.attend``,
+  which runs ``EvictingCache.attend``: evict what is due, append the keys/values with their padding
+  validity, record the post-RoPE queries, attend over the layer's slots.
 
 Both functions are registered by ``register()`` (called when a ``KVPolicyCache`` is built), never
 at import.
@@ -23,60 +20,29 @@ at import.
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
+
+from ..attend import attend
 
 if TYPE_CHECKING:
     from .cache import KVPolicyCache
 
 ATTN_IMPLEMENTATION = "kvpolicy"
-
-_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-_local = threading.local()
+_CACHE_TAG = "_kvpolicy_cache"
 
 
-@dataclass
-class _Staged:
-    """A layer's step between ``KVPolicyCache.update`` and the attention function."""
-
-    cache: KVPolicyCache
-    layer_idx: int
-    keys: torch.Tensor
-    values: torch.Tensor
+def tag_keys(keys: torch.Tensor, cache: KVPolicyCache) -> torch.Tensor:
+    """A view of ``keys`` that carries ``cache`` to the attention function (``staged_cache``)."""
+    tagged = keys.view(keys.shape)
+    setattr(tagged, _CACHE_TAG, cache)
+    return tagged
 
 
-NOT_USING_KVPOLICY_ATTENTION = (
-    "KVPolicyCache.update ran for layer {prev} but the model never called the 'kvpolicy' attention "
-    "function for it: the model does not use kvpolicy attention, so its attention would ignore the "
-    "cache's slots and padding. Build the cache with the model (KVPolicyCache(policy, model) switches "
-    "it), or call kvpolicy.hf.register() and load/set the model with attn_implementation='kvpolicy'."
-)
-
-
-def stage(cache: KVPolicyCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Called by ``KVPolicyCache.update``: hand this layer's new keys/values to the attention."""
-    prev = getattr(_local, "staged", None)
-    if prev is not None:
-        _local.staged = None
-        raise RuntimeError(NOT_USING_KVPOLICY_ATTENTION.format(prev=prev.layer_idx))
-    _local.staged = _Staged(cache, layer_idx, keys, values)
-
-
-def discard_staged(cache: KVPolicyCache) -> None:
-    """Drop a staged step of ``cache`` (after an interrupted forward, or on reset)."""
-    prev = getattr(_local, "staged", None)
-    if prev is not None and prev.cache is cache:
-        _local.staged = None
-
-
-def has_staged(cache: KVPolicyCache) -> bool:
-    prev = getattr(_local, "staged", None)
-    return prev is not None and prev.cache is cache
+def staged_cache(keys: torch.Tensor) -> KVPolicyCache | None:
+    """The ``KVPolicyCache`` whose ``update`` returned ``keys``, or None (no kvpolicy cache)."""
+    return getattr(keys, _CACHE_TAG, None)
 
 
 # -- the mask function ------------------------------------------------------------------------
@@ -147,6 +113,11 @@ def kvpolicy_attention(
     Returns:
         ``(attn_output [B, T, Hq, D], None)``; attention weights are never materialised.
     """
+    cache = staged_cache(key)
+    layer_idx = getattr(module, "layer_idx", None)
+    if cache is not None:
+        # The model did reach kvpolicy attention, whatever is refused below.
+        cache.unstage(layer_idx)
     if dropout and module.training:
         raise NotImplementedError("kvpolicy attention is for inference: attention dropout is not supported")
     if sliding_window is not None:
@@ -164,107 +135,26 @@ def kvpolicy_attention(
             "kvpolicy attention expects the [B, T] bool validity made by its mask function, got "
             f"{tuple(attention_mask.shape)} {attention_mask.dtype}: was a 4-D mask passed to the model?"
         )
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    staged = getattr(_local, "staged", None)
-    _local.staged = None
-    t = query.shape[2]
-    if staged is None:
+    if cache is None:
         # No KVPolicyCache in this forward: a plain causal pass with no cache is still exact.
+        t = query.shape[2]
         if key.shape[2] != t:
             raise RuntimeError(
                 "this model is set to kvpolicy attention, which only serves a KVPolicyCache (or no cache): "
                 f"got {key.shape[2]} keys for {t} queries from another cache. Use a KVPolicyCache, or switch "
                 "the model back with model.set_attn_implementation('sdpa')"
             )
-        valid = None if attention_mask is None else attention_mask[:, None, :]
-        out = attend(query, key, value, valid, scaling)
+        mask = None
+        if attention_mask is not None:
+            causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+            mask = attention_mask[:, None, None, :] & causal
+            mask |= ~mask.any(-1, keepdim=True) & (torch.arange(t, device=query.device) == 0)
+        out = attend(query, key, value, scaling=scaling, mask=mask)
         return out.transpose(1, 2).contiguous(), None
-    layer_idx = getattr(module, "layer_idx", staged.layer_idx)
-    if layer_idx != staged.layer_idx or key is not staged.keys:
-        raise RuntimeError(
-            f"kvpolicy attention for layer {layer_idx} received keys that KVPolicyCache.update did not stage "
-            f"(staged layer {staged.layer_idx}): the model changes keys between the cache update and attention"
-        )
-    out = staged.cache._attend(layer_idx, query, key, value, attention_mask, scaling)
+    if not isinstance(layer_idx, int):
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx: kvpolicy attention cannot find its cache layer")
+    out = cache.attend(layer_idx, query, key, value, attention_mask, scaling=scaling)
     return out.transpose(1, 2).contiguous(), None
-
-
-def attend(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor | None,
-    scaling: float,
-    slot_positions: torch.Tensor | None = None,
-    query_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of ``T`` new queries over ``L`` slots.
-
-    Args:
-        query: ``[B, Hq, T, D]``.
-        keys, values: ``[B, Hkv, L, D]`` (``Hq % Hkv == 0``; query head ``h*G + g`` reads KV head ``h``).
-        valid: ``[B, H, L]`` bool slot validity with ``H`` in ``{1, Hkv}`` (1: shared by every head),
-            or ``None`` when every slot is a real token.
-        scaling: the softmax scale.
-        slot_positions, query_positions: ``[B, H, L]`` and ``[B, T]`` token positions (``-1`` for a
-            padding query). When given (a multi-token chunk over packed rows of different
-            lengths), causality is ``slot position <= query position``; otherwise the new tokens
-            are the last ``T`` slots of every row.
-
-    Returns:
-        ``[B, Hq, T, D]``. A padding query's output is finite and never read.
-    """
-    b, hq, t, d = query.shape
-    hkv, length = keys.shape[1], keys.shape[2]
-    g = hq // hkv
-    if valid is None:
-        if _HAS_FLASH_ATTN and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-            from flash_attn import flash_attn_func
-
-            # flash-attn's causal mask is bottom-right aligned (>= 2.1): exactly "new tokens last".
-            out = flash_attn_func(
-                query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                softmax_scale=scaling, causal=t > 1,
-            )
-            return out.transpose(1, 2)
-        if t == 1:
-            if g == 1:
-                return F.scaled_dot_product_attention(query, keys, values, scale=scaling)
-            q = query.reshape(b, hkv, g, d)  # the group's queries act as G query rows of KV head h
-            return F.scaled_dot_product_attention(q, keys, values, scale=scaling).reshape(b, hq, 1, d)
-        if t == length:
-            return F.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scaling, enable_gqa=g > 1
-            )
-    q_idx = torch.arange(t, device=keys.device)
-    k_idx = torch.arange(length, device=keys.device)
-    if query_positions is not None:
-        mask = slot_positions[:, :, None, :] <= query_positions[:, None, :, None]  # [B, H, T, L]
-        if valid is not None:
-            mask &= valid[:, :, None, :]
-        # A padding query (position -1) sees nothing; give it slot 0 so its output stays finite.
-        mask |= (query_positions < 0)[:, None, :, None] & (k_idx == 0)
-    else:
-        causal = k_idx[None, :] <= (length - t) + q_idx[:, None]  # [T, L]
-        if valid is None:
-            mask = causal[None, None]  # [1, 1, T, L]
-        else:
-            mask = valid[:, :, None, :] & causal  # [B, H, T, L]
-            # A row holding no slot at all (only padding so far) attends to slot 0: finite, unread.
-            mask |= ~mask.any(-1, keepdim=True) & (k_idx == 0)
-    if mask.shape[1] == 1 and g > 1 and t > 1:
-        return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-    if g == 1:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    # Per-KV-head mask: fold the G query heads of a group into the query axis (no K/V repeat).
-    q = query.reshape(b, hkv, g * t, d)
-    if t > 1:
-        mask = mask.repeat(1, 1, g, 1)  # row g*T + t reads the mask of query t
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-    return out.reshape(b, hq, t, d)
 
 
 def register() -> None:

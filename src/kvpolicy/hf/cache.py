@@ -1,9 +1,10 @@
 """``KVPolicyCache``: a transformers ``Cache`` that evicts with a kvpolicy policy while decoding.
 
-The cache is thin: its layers are ``CacheLayerMixin`` adapters over the ``LayerState``s of an
-internal ``EvictingCache``, which does all the work (static buffers, schedule, batched eviction).
-Attention runs in the ``"kvpolicy"`` attention function (see ``kvpolicy.hf.attention``), which
-``KVPolicyCache(policy, model)`` switches the model to.
+The cache is thin: its layers are ``CacheLayerMixin`` adapters over the layer views of an
+internal ``EvictingCache``, which does all the work (static buffers, schedule, batched eviction,
+attention). ``update`` returns the new keys tagged with the cache; the ``"kvpolicy"`` attention
+function (``kvpolicy.hf.attention``), which ``KVPolicyCache(policy, model)`` switches the model
+to, finds the cache on them and calls ``KVPolicyCache.attend``.
 
 Usage::
 
@@ -26,10 +27,10 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..evicting import EvictingCache
+from ..evicting import EvictingCache, LayerView
 from ..policy import Policy, load_policy
-from ..state import EvictionStats, LayerState
-from . import attention as _attn
+from ..state import EvictionStats
+from .attention import ATTN_IMPLEMENTATION, register, tag_keys
 
 
 class KVPolicyLayer(CacheLayerMixin):
@@ -50,7 +51,7 @@ class KVPolicyLayer(CacheLayerMixin):
         return f"KVPolicyLayer(layer={self.layer_idx}, slots={s.length}, tokens_seen={s.stats.tokens_seen})"
 
     @property
-    def state(self) -> LayerState:
+    def state(self) -> LayerView:
         return self._owner.evicting.layers[self.layer_idx]
 
     @property
@@ -67,20 +68,19 @@ class KVPolicyLayer(CacheLayerMixin):
 
     @property
     def device(self) -> torch.device | None:
-        return self.state.buffers.keys.device if self.state.is_allocated else None
+        group = self.state.group
+        return None if group is None else group.device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the ``EvictingCache`` allocates static buffers at the first append."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        """Stage ``[B, Hkv, T, D]`` new keys/values for the kvpolicy attention function, which
-        appends them (with the padding validity) and attends; returns them unchanged."""
-        _attn.stage(self._owner, self.layer_idx, key_states, value_states)
-        return key_states, value_states
+        """See ``KVPolicyCache.update``."""
+        return self._owner.update(key_states, value_states, self.layer_idx)
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (padded positions appended), never the slots held."""
-        return self.state.stats.tokens_seen
+        return self.state.tokens_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(tokens seen + query_length, 0)``: the 2-D padding mask covers every token seen."""
@@ -118,7 +118,11 @@ class KVPolicyCache(Cache):
             switch back with ``model.set_attn_implementation("sdpa")``) and records each layer's
             device. Given a config, load the model with ``attn_implementation="kvpolicy"`` after
             ``kvpolicy.hf.register()``; a model not using it makes the cache raise.
-        generator: randomness for stochastic policies (default: seeded from the policy's seed).
+        seed: overrides the policy's ``seed`` (kept by ``reset()``: a reset cache decodes exactly
+            as a fresh one).
+        independent_rows: row ``r`` draws from random stream ``r`` (for several samples of one
+            prompt, ``num_return_sequences``); by default a row's draws depend on that row alone,
+            so a padded row decodes exactly as it would alone.
 
     ``get_seq_length()`` reports tokens seen (RoPE positions keep growing with it);
     ``stats()`` and ``memory_bytes()`` report eviction counters and static memory.
@@ -129,9 +133,10 @@ class KVPolicyCache(Cache):
         policy: Policy | str | Any,
         model_or_config: Any,
         *,
-        generator: torch.Generator | None = None,
+        seed: int | None = None,
+        independent_rows: bool = False,
     ) -> None:
-        _attn.register()
+        register()
         model = None if isinstance(model_or_config, PreTrainedConfig) else model_or_config
         config = model_or_config if model is None else getattr(model, "config", None)
         if not isinstance(config, PreTrainedConfig):
@@ -142,8 +147,11 @@ class KVPolicyCache(Cache):
         num_layers = _check_layers(text_config)
         layer_devices = _layer_devices(model, num_layers) if model is not None else None
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
-        self.evicting = EvictingCache(self.policy, num_layers, generator=generator, layer_devices=layer_devices)
-        self._any_padding = False  # True once a chunk with padding tokens was appended
+        self.evicting = EvictingCache(
+            self.policy, num_layers, layer_devices=layer_devices, seed=seed, independent_rows=independent_rows
+        )
+        # The layer whose update returned keys that kvpolicy attention has not taken yet.
+        self._staged_layer: int | None = None
         super().__init__(layers=[KVPolicyLayer(self, i) for i in range(num_layers)])
         if model is not None:
             _use_kvpolicy_attention(model)
@@ -151,36 +159,38 @@ class KVPolicyCache(Cache):
     def __repr__(self) -> str:
         return f"KVPolicyCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.get_seq_length()})"
 
-    # -- called by the kvpolicy attention function -------------------------------------------
-    def _attend(
+    # -- the step: update, then the kvpolicy attention function calls attend --------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Called by the model's attention module with ``[B, Hkv, T, D]`` new keys/values: returns
+        them unchanged, the keys tagged with this cache for the kvpolicy attention function, which
+        appends them (with the padding validity) and attends."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(
+                f"the model updated layer {layer_idx!r}, but this KVPolicyCache was built for {len(self.layers)} "
+                "layers: build the cache with the model it serves"
+            )
+        if self._staged_layer is not None:
+            raise RuntimeError(NOT_USING_KVPOLICY_ATTENTION.format(prev=self._staged_layer))
+        self._staged_layer = layer_idx
+        return tag_keys(key_states, self), value_states
+
+    def unstage(self, layer_idx: int | None) -> None:
+        """The kvpolicy attention function received this cache's keys for ``layer_idx``."""
+        self._staged_layer = None
+
+    def attend(
         self,
         layer_idx: int,
         query: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         token_valid: torch.Tensor | None,
-        scaling: float,
+        *,
+        scaling: float | None = None,
     ) -> torch.Tensor:
         """Evict what is due, append the step, record its queries, attend: ``[B, Hq, T, D]``."""
-        if token_valid is not None:
-            self._any_padding = True
-        state = self.evicting.update(layer_idx, keys, values, token_valid)
-        if self.policy.schedule.window > 0:
-            state.record_queries(query, token_valid)
-        if not (self._any_padding or state.ragged):
-            return _attn.attend(query, state.keys, state.values, None, scaling)
-        # Rows are packed (padding is never stored), so after padding they can hold different
-        # numbers of slots: mask the empty ones, and inside a multi-token chunk order by position.
-        # Before a layer's first eviction every head holds the same slots: share the mask.
-        shared = state.stats.evictions == 0
-        valid = state.valid[:, :1] if shared else state.valid
-        if query.shape[2] == 1:
-            return _attn.attend(query, state.keys, state.values, valid, scaling)
-        positions = state.positions[:, :1] if shared else state.positions
-        return _attn.attend(
-            query, state.keys, state.values, valid, scaling,
-            slot_positions=positions, query_positions=state.last_query_positions,
-        )
+        self._staged_layer = None
+        return self.evicting.attend(layer_idx, query, keys, values, token_valid, scaling=scaling)
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_bytes(self) -> int:
@@ -192,15 +202,15 @@ class KVPolicyCache(Cache):
         return self.evicting.stats()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if _attn.has_staged(self):
-            raise RuntimeError(_attn.NOT_USING_KVPOLICY_ATTENTION.format(prev="?"))
+        if self._staged_layer is not None:
+            raise RuntimeError(NOT_USING_KVPOLICY_ATTENTION.format(prev=self._staged_layer))
         return super().get_seq_length(layer_idx)
 
     @property
     def batch_size(self) -> int:
-        for s in self.evicting.layers:
-            if s.is_allocated:
-                return s.buffers.keys.shape[1]
+        for view in self.evicting.layers:
+            if view.group is not None:
+                return view.group.batch
         return -1
 
     # -- batch-row operations (num_return_sequences, beam search) -----------------------------
@@ -225,9 +235,18 @@ class KVPolicyCache(Cache):
         )
 
     def reset(self) -> None:
-        _attn.discard_staged(self)
+        """Forget every token: the cache is then exactly a fresh one (same seed)."""
+        self._staged_layer = None
         self.evicting.reset()
-        self._any_padding = False
+
+
+NOT_USING_KVPOLICY_ATTENTION = (
+    "KVPolicyCache.update ran for layer {prev} but the model never called the 'kvpolicy' attention "
+    "function for it: the model does not use kvpolicy attention, so its attention would ignore the "
+    "cache's slots and padding (or the previous forward stopped between the cache update and attention: "
+    "call cache.reset()). Build the cache with the model (KVPolicyCache(policy, model) switches it), or "
+    "call kvpolicy.hf.register() and load/set the model with attn_implementation='kvpolicy'."
+)
 
 
 def _check_layers(config: PreTrainedConfig) -> int:
@@ -269,12 +288,12 @@ def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device
 
 
 def _use_kvpolicy_attention(model: Any) -> None:
-    if model.config._attn_implementation == _attn.ATTN_IMPLEMENTATION:
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"{type(model).__name__} cannot switch its attention implementation")
-    model.set_attn_implementation(_attn.ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != _attn.ATTN_IMPLEMENTATION:
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError(
             f"{type(model).__name__} did not switch to kvpolicy attention (it does not dispatch attention through "
             "transformers' AttentionInterface), so it cannot be served exactly by KVPolicyCache"

@@ -28,12 +28,23 @@ class AttentionScorer(Scorer):
     type_name: ClassVar[str] = "attention"
 
     pooling: Literal["none", "avg", "max"] = "avg"
-    kernel: int = Field(5, ge=1, description="Pooling kernel (odd), stride 1, padding kernel // 2.")
+    kernel: int = Field(
+        5,
+        ge=1,
+        le=1023,
+        description="Pooling kernel (odd), stride 1, padding kernel // 2; at most 1023 (wider pooling "
+        "flattens the scores over the whole cache, and keeps the padded tensors small).",
+    )
     group_reduce: Literal["mean", "max"] = "mean"
     group_reduce_at: Literal["after_softmax", "before_softmax"] = "after_softmax"
     window_reduce: Literal["mean", "sum"] = "mean"
     tile_elements: int = Field(
-        1 << 20, ge=1, description="Logits computed per tile (performance only; results do not depend on it)."
+        1 << 20,
+        ge=1,
+        le=1 << 26,
+        description="Logits computed per tile (performance only; results do not depend on it); at most "
+        "2**26, 256 MiB of float32 logits, since a tile buffer of about this size is allocated whatever "
+        "the input size.",
     )
 
     @model_validator(mode="after")
@@ -52,8 +63,14 @@ class AttentionScorer(Scorer):
         bh = b * hkv
         # Rows of the flattened [B * Hkv] axis; grouped queries share their KV head's keys.
         # The 1/sqrt(D) scale is folded into the (small) queries, not applied to the logits.
-        q = (inp.queries * (1.0 / math.sqrt(d))).reshape(bh, g, w, d)
+        # float16/bfloat16 inputs are multiplied in float32: a float16 Q K^T overflows as soon as
+        # |q . k| / sqrt(D) > 65504 (entries of magnitude ~300 at D = 128). float32 and float64
+        # inputs are multiplied as they are.
+        low_precision = (torch.float16, torch.bfloat16)
+        queries = inp.queries.float() if inp.queries.dtype in low_precision else inp.queries
+        q = (queries * (1.0 / math.sqrt(d))).reshape(bh, g, w, d)
         keys = inp.keys[:, :, :c].flatten(0, 1)  # [BH, C, D], a view
+        upcast_keys = keys.dtype in low_precision
         valid = inp.slot_valid[..., :c].flatten(0, 1)  # [BH, C]
         masked = not bool(valid.all())
         weights = inp.query_valid.float()  # [B, W]; window entries without a query weigh nothing
@@ -72,16 +89,18 @@ class AttentionScorer(Scorer):
         buf = None
         for b0 in range(0, bh, bh_tile):
             b1 = min(bh, b0 + bh_tile)
+            k_tile = keys[b0:b1].transpose(1, 2)
+            if upcast_keys:
+                k_tile = k_tile.float()  # once per tile of KV heads, shared by its query heads
             for g0 in range(0, g, g_tile):
                 g1 = min(g, g0 + g_tile)
                 q_tile = q[b0:b1, g0:g1].reshape(b1 - b0, -1, d)
-                k_tile = keys[b0:b1].transpose(1, 2)
                 if q_tile.dtype == torch.float32:
                     if buf is None:
                         buf = q_tile.new_empty(bh_tile, g_tile * w, c)
                     logits = torch.bmm(q_tile, k_tile, out=buf[: b1 - b0, : (g1 - g0) * w])
                 else:
-                    logits = torch.bmm(q_tile, k_tile).float()  # softmax in float32 whatever the dtype
+                    logits = torch.bmm(q_tile, k_tile).float()  # float64: softmax in float32 too
                 logits = logits.view(b1 - b0, g1 - g0, w, c)
                 if masked:
                     logits.masked_fill_(~valid[b0:b1, None, None, :], float("-inf"))

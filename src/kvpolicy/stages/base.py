@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from .. import seeds
+
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
@@ -39,11 +41,13 @@ class EvictionInput:
             is not). Per head, since heads keep different slots after an eviction.
         query_valid: ``[B, W]`` bool, False for window entries that hold no real query yet.
         positions: ``[B, Hkv, N]`` long, the index of each slot's token among its row's real
-            tokens (``-1`` for padding). Sinks are the slots at positions ``0 .. n-1``.
-        generator: the seeded source of randomness for stochastic stages.
-        layer_seed: ``[L]`` long, one fixed seed per stacked layer (``L = B // rows_per_layer``
-            layers stacked on the batch axis) for stages that draw once per layer and reuse it.
-        rows_per_layer: batch rows belonging to one layer when several layers are stacked.
+            tokens (``-1`` for padding). Sinks are the slots at positions ``0 .. n-1``. Positions
+            keep growing past ``N`` as tokens are evicted.
+        layer_seed: ``[B]`` int64 (default zeros), the fixed seed of each row's layer (the same at every
+            eviction of that layer): for stages that draw once per layer and reuse it.
+        row_seed: ``[B]`` int64 (default zeros), the seed of each row's current eviction: for stages that draw
+            afresh at every eviction. Draw through ``uniform``/``normal`` below, never from a
+            global generator: a row's draws then depend on that row alone (see ``kvpolicy.seeds``).
     """
 
     keys: torch.Tensor
@@ -54,9 +58,28 @@ class EvictionInput:
     slot_valid: torch.Tensor
     query_valid: torch.Tensor
     positions: torch.Tensor
-    generator: torch.Generator | None = None
-    layer_seed: torch.Tensor | None = None
-    rows_per_layer: int | None = None
+    layer_seed: torch.Tensor = None  # type: ignore[assignment]  # None: zeros, set below
+    row_seed: torch.Tensor = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        # Stage tests and third-party code may build an input by hand: seeds default to 0.
+        for name in ("layer_seed", "row_seed"):
+            if getattr(self, name) is None:
+                zeros = torch.zeros(self.keys.shape[0], dtype=torch.long, device=self.keys.device)
+                object.__setattr__(self, name, zeros)
+
+    def uniform(self, *shape: int, stream: str) -> torch.Tensor:
+        """``[B, *shape]`` float32 in ``(0, 1)`` from each row's eviction seed, on the keys' device.
+
+        ``stream`` names the draw (use the stage's ``type_name``), so two stages never share one.
+        """
+        return seeds.uniform(self.row_seed, shape, stream, self.keys.device)
+
+    def normal(self, *shape: int, stream: str, per: Literal["eviction", "layer"] = "eviction") -> torch.Tensor:
+        """``[B, *shape]`` float32 standard normal draws from each row's eviction seed, or from its
+        layer seed (``per="layer"``: the same numbers at every eviction of the layer)."""
+        seed = self.row_seed if per == "eviction" else self.layer_seed
+        return seeds.normal(seed, shape, stream, self.keys.device)
 
     @property
     def batch(self) -> int:
@@ -92,7 +115,9 @@ class Stage(BaseModel, ABC):
 
     kind: ClassVar[StageKind]
     type_name: ClassVar[str]
-    #: True when the stage consumes ``generator`` (the executor then seeds one).
+    #: True when the stage draws afresh at every eviction (``inp.uniform``, ``inp.normal``): its
+    #: choice then depends on the seed as well as on the tensors. A stage whose draws are fixed
+    #: per layer (``per="layer"``) is deterministic given the policy's seed and is not stochastic.
     stochastic: ClassVar[bool] = False
 
     def describe(self) -> dict[str, Any]:
@@ -125,7 +150,11 @@ class Scorer(Stage):
         """Return ``[B, Hkv, N]`` float32 scores.
 
         Only the entries of valid candidate slots (``inp.candidate_mask``) are read by later
-        stages; a scorer may put anything finite elsewhere.
+        stages; a scorer may put anything finite elsewhere. Checked at every call
+        (``kvpolicy.guards.run_scorer``): a result of another shape (``[B, N]`` is never
+        broadcast), not floating or on another device, or NaN/inf on a valid candidate, is a
+        ``SelectionError`` naming the scorer. The inputs are finite when a policy calls it, so
+        compute in float32 (not float16, which overflows near 65504) and mind float32's range.
         """
 
     @property
@@ -135,7 +164,22 @@ class Scorer(Stage):
 
 
 class Reservation(Stage):
-    """Protects slots before the selector runs; protected slots are always kept."""
+    """Protects slots before the selector runs; protected slots are always kept.
+
+    Keeping them all is only possible while they fit in the budget, so the number of protected
+    slots is checked twice (a violation is a ``SelectionError`` naming the stage):
+
+    - at load, where the count is knowable: ``recent + sum(reserved_count(budget)) <= budget``
+      over the policy's reservations;
+    - at every eviction (``kvpolicy.guards.run_reservation``): the protected slots of each row
+      and head, recent buffer and earlier reservations included, must not exceed the budget,
+      and a stage that overrides ``reserved_count`` must not add more candidate slots than it
+      declares.
+
+    A stage whose count depends on the sequence (every 16th position, say) grows with it and
+    fails at run time once the budget is exceeded: bound it (protect at most ``n`` slots) and
+    declare the bound.
+    """
 
     kind: ClassVar[StageKind] = "reservation"
 
@@ -144,11 +188,20 @@ class Reservation(Stage):
         """Return the ``[B, Hkv, N]`` bool mask of slots this stage protects.
 
         ``protected`` is what earlier stages (and the recent buffer) already protect; the result
-        is OR-ed into it by the executor.
+        is OR-ed into it by the executor. Another shape or dtype than ``[B, Hkv, N]`` bool is an
+        error naming the stage.
         """
 
     def reserved_count(self, budget: int) -> int:
-        """Upper bound of candidate slots protected at ``budget``, checked against it at load."""
+        """Upper bound, at ``budget``, of the candidate slots (slots ``[0, C)``) this stage adds to
+        the protected ones in any row and head: ``load_policy`` checks ``recent + sum of the
+        bounds <= budget``, and every eviction checks that the stage keeps to its bound.
+
+        Override it whenever the bound is known (``sinks``: ``n``; ``top_scores``: its ``n``).
+        The default declares nothing: it counts as 0 at load, and the stage is then only
+        checked at run time against the budget itself (``kvpolicy.guards.declared_count`` is
+        None for it).
+        """
         return 0
 
 

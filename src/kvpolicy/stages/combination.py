@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..guards import run_scorer
 from .base import EvictionInput, Scorer
 from .spec import ScorerSpec
 
@@ -19,7 +20,7 @@ class WeightedTerm(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    weight: float
+    weight: float = Field(..., allow_inf_nan=False, description="A finite float (inf or nan is refused).")
     scorer: ScorerSpec
 
 
@@ -43,9 +44,11 @@ class CombinationScorer(Scorer):
             t.scorer.validate_schedule(schedule)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
+        # Each term checked on its own (a [B, N] term would broadcast in the sum; a non-finite one
+        # is named), one synchronisation per term.
         total = None
-        for term in self.terms:
-            s = term.scorer.score(inp) * term.weight
+        for i, term in enumerate(self.terms):
+            s = run_scorer(term.scorer, inp, where=f" (terms[{i}] of scorer {self.type_name!r})") * term.weight
             total = s if total is None else total.add_(s)
         return total
 

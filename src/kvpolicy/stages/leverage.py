@@ -18,35 +18,34 @@ class LeverageScorer(Scorer):
     (``value``) or the mean of ``k2`` and ``v2`` each normalised to sum 1 (``mean``), finally
     normalised to sum 1 over the candidates of each row and head.
 
-    ``projection="fixed"`` (CurDKV): one ``P`` per layer, derived from the layer's fixed seed, so
-    every eviction of that layer reuses it. ``projection="resample"`` (VaSE-DKV): a fresh ``P``
-    per batch row at every eviction, drawn from the eviction's generator. ``local_window`` (as in
+    ``projection="fixed"`` (CurDKV): one ``P`` per layer, drawn from the layer's fixed seed, so
+    every eviction of that layer reuses it (deterministic given the policy's seed).
+    ``projection="resample"`` (VaSE-DKV): a fresh ``P`` per batch row at every eviction, drawn
+    from the row's eviction seed. ``local_window`` (as in
     kvpress's CURPress; VaSE does not use it) normalises ``k2`` and ``v2`` within consecutive
     windows of that many slots first.
     """
 
     type_name: ClassVar[str] = "leverage"
-    stochastic: ClassVar[bool] = True
 
-    rank: int = Field(20, ge=1)
+    rank: int = Field(
+        20, ge=1, le=4096, description="Columns of the projection; at most 4096 (beyond any head dimension)."
+    )
     mode: Literal["kv_product", "key", "value", "mean"] = "kv_product"
     projection: Literal["fixed", "resample"] = "fixed"
-    local_window: int | None = Field(None, ge=1)
+    local_window: int | None = Field(
+        None, ge=1, le=1 << 24, description="Slots per normalisation window; at most 2**24, the largest budget."
+    )
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.projection == "resample"
 
     def projections(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, D, r]`` float32: the projection used for each batch row."""
-        b, d = inp.batch, inp.head_dim
-        if self.projection == "resample":
-            p = torch.randn(b, d, self.rank, generator=inp.generator, device=_gen_device(inp))
-        else:
-            seeds = inp.layer_seed if inp.layer_seed is not None else torch.zeros(1, dtype=torch.long)
-            per_layer = []
-            for seed in seeds.tolist():  # one draw per stacked layer, not per row or head
-                g = torch.Generator(device="cpu").manual_seed(int(seed))
-                per_layer.append(torch.randn(d, self.rank, generator=g))
-            rows = inp.rows_per_layer or b
-            p = torch.stack(per_layer).repeat_interleave(rows, dim=0)
-        return (p / self.rank**0.5).to(inp.keys.device)
+        per = "eviction" if self.projection == "resample" else "layer"
+        p = inp.normal(inp.head_dim, self.rank, stream=self.type_name, per=per)
+        return p / self.rank**0.5
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         c = inp.num_candidates
@@ -97,7 +96,3 @@ def _local_normalise(x: torch.Tensor, window: int) -> torch.Tensor:
     blocks = padded.unflatten(-1, (-1, window))
     blocks = blocks / blocks.sum(-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
     return blocks.flatten(-2)[..., :n]
-
-
-def _gen_device(inp: EvictionInput) -> torch.device:
-    return inp.generator.device if inp.generator is not None else torch.device("cpu")

@@ -10,13 +10,11 @@ from .base import EvictionInput, Scorer
 
 
 class RandomScorer(Scorer):
-    """Independent ``U(0, 1)`` scores from the eviction's generator: greedy top-k over them is a
+    """Independent ``U(0, 1)`` scores from each row's eviction seed: greedy top-k over them is a
     uniformly random choice of the slots to keep."""
 
     type_name: ClassVar[str] = "random"
     stochastic: ClassVar[bool] = True
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
-        device = inp.generator.device if inp.generator is not None else torch.device("cpu")
-        shape = (inp.batch, inp.num_kv_heads, inp.num_slots)
-        return torch.rand(shape, generator=inp.generator, device=device).to(inp.keys.device)
+        return inp.uniform(inp.num_kv_heads, inp.num_slots, stream=self.type_name)

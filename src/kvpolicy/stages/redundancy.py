@@ -28,10 +28,16 @@ class RedundancyScorer(Scorer):
 
     type_name: ClassVar[str] = "redundancy"
 
-    threshold: float | None = Field(0.5, ge=-1.0, le=1.0)
+    threshold: float | None = Field(
+        0.5, ge=-1.0, le=1.0, allow_inf_nan=False, description="A cosine similarity in [-1, 1], or null."
+    )
     over: Literal["all", "candidates"] = "all"
     chunk_elements: int = Field(
-        1 << 21, ge=1 << 10, description="Similarity entries per tile (performance only; results do not depend on it)."
+        1 << 21,
+        ge=1 << 10,
+        le=1 << 28,
+        description="Similarity entries per tile (performance only; results do not depend on it); at "
+        "most 2**28 (1 GiB of float32), far above where larger tiles stop paying.",
     )
 
     def score(self, inp: EvictionInput) -> torch.Tensor:

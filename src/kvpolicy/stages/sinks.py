@@ -15,7 +15,7 @@ class SinksReservation(Reservation):
 
     type_name: ClassVar[str] = "sinks"
 
-    n: int = Field(4, ge=0)
+    n: int = Field(4, ge=0, le=1 << 24, description="Sink slots; at most 2**24, the largest budget.")
 
     def reserve(self, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
         return (inp.positions >= 0) & (inp.positions < self.n) & inp.slot_valid

@@ -23,7 +23,7 @@ class StochasticSelector(Selector):
     type_name: ClassVar[str] = "stochastic"
     stochastic: ClassVar[bool] = True
 
-    temperature: float = Field(1.0, gt=0.0)
+    temperature: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="A finite float above 0.")
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
         cand = inp.candidate_mask
@@ -32,9 +32,8 @@ class StochasticSelector(Selector):
                 "the stochastic selector samples in proportion to the score and needs non-negative "
                 f"scores; got a minimum of {float(scores[cand].min()):.4g}"
             )
-        device = inp.generator.device if inp.generator is not None else torch.device("cpu")
-        u = torch.rand(scores.shape, generator=inp.generator, device=device).to(scores.device)
-        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+        u = inp.uniform(inp.num_kv_heads, inp.num_slots, stream=self.type_name)  # in (0, 1)
+        gumbel = -torch.log(-torch.log(u))
         # Positive weights: log(w) / T + Gumbel, kept above -1e38 however small T is. Zero weights:
         # uniformly random order in [-3.4e38, -1.7e38], below every positive weight (a fixed
         # floor such as -1e4 is not: log(1e-30) / 0.001 is far below it) and above -inf, which

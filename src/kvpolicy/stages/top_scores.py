@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from pydantic import Field
 
+from ..guards import run_scorer
 from .base import EvictionInput, Reservation
 from .spec import ScorerSpec
 
@@ -26,7 +27,13 @@ class TopScoresReservation(Reservation):
     type_name: ClassVar[str] = "top_scores"
 
     scorer: ScorerSpec
-    n: int | float = Field(0.25, description="Slots (int >= 0) or fraction of the budget (0 < f <= 1).")
+    n: int | float = Field(
+        0.25,
+        le=1 << 24,
+        allow_inf_nan=False,
+        description="Slots (int >= 0; at most 2**24, the largest budget) or fraction of the budget "
+        "(0 < f <= 1; finite).",
+    )
     include_prior: bool = True
 
     @property
@@ -60,7 +67,8 @@ class TopScoresReservation(Reservation):
         kmax = int(need.max()) if need.numel() else 0
         if kmax == 0:
             return torch.zeros_like(protected)
-        scores = self.scorer.score(inp).masked_fill(~open_slots, float("-inf"))
+        scores = run_scorer(self.scorer, inp, where=f" (in reservation {self.type_name!r})")
+        scores = scores.masked_fill(~open_slots, float("-inf"))
         top = scores.topk(kmax, dim=-1).indices  # [B, H, kmax]
         take = torch.arange(kmax, device=top.device) < need[..., None]
         out = torch.zeros_like(protected)

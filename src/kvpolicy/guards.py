@@ -1,0 +1,199 @@
+"""Run-time guards around every stage call: ``Policy.select`` keeps its promises or says why not.
+
+``select`` promises ``[B, Hkv, K]`` ascending, duplicate-free slot indices that contain every
+protected slot. Stages are third-party code (plugins) fed whatever tensors the caller passes, so
+each stage call goes through one of the functions below. A stage that breaks its contract (a
+``[B, N]`` result that torch would silently broadcast, a reservation that protects more than the
+budget keeps) or inputs that no float32 score can rank (NaN, inf) raise a ``SelectionError``
+naming the input or the stage at fault, instead of a silently wrong selection (a dropped recent
+buffer) or a bare torch error. Each check costs at most one host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .stages.base import Reservation
+
+if TYPE_CHECKING:
+    from .stages.base import EvictionInput, Scorer, Selector
+
+#: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
+#: strictly above every candidate's priority (clamped to this).
+F32_MAX = torch.finfo(torch.float32).max
+
+
+class SelectionError(ValueError):
+    """An eviction refused at run time; the message names the input (``keys``, ``values``,
+    ``queries``) or the stage (``scorer 'attention'``, ``reservation 'sinks'``, ...) at fault."""
+
+
+def check_inputs(inp: EvictionInput) -> None:
+    """Refuse keys, values or queries holding NaN or inf, or float64 entries beyond float32's range;
+    and a recent buffer larger than the budget. One synchronisation.
+
+    Why: scores are computed in float32, and a NaN or inf input gives NaN or inf scores, which
+    cannot be ranked (an inf score would tie with the priority of protected slots). Every entry
+    is checked, padding slots and empty window entries included: scorers read them too (a
+    padding key times a zero weight is still NaN).
+    """
+    recent = inp.num_slots - inp.num_candidates
+    if recent > inp.budget:
+        raise SelectionError(
+            f"the recent buffer ({recent} slots: N={inp.num_slots} - num_candidates={inp.num_candidates}) "
+            f"is larger than the budget ({inp.budget} slots kept): it cannot be kept whole"
+        )
+    named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
+    ok = torch.stack([_representable(t).all() for _, t in named]).tolist()
+    for (label, t), good in zip(named, ok, strict=True):
+        if not good:
+            raise SelectionError(_bad_input_message(label, t))
+
+
+def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.Tensor:
+    """``scorer.score(inp)`` as checked ``[B, Hkv, N]`` float32 scores. One synchronisation.
+
+    Refuses (``SelectionError`` naming the scorer, and ``where`` it runs, e.g. ``" (in
+    reservation 'top_scores')"``) a result that is not a floating ``[B, Hkv, N]`` tensor on the
+    inputs' device, and scores that are NaN or inf on a valid candidate slot (the only entries
+    read): those could not be ranked. If the inputs themselves are not finite, the error names
+    them instead.
+    """
+    name = f"scorer {scorer.type_name!r}{where}"
+    scores = scorer.score(inp)
+    _check_output(name, "scores", scores, inp, want_bool=False)
+    scores = scores.float()
+    bad = ~torch.isfinite(scores) & inp.candidate_mask
+    if bool(bad.any()):
+        check_inputs(inp)  # the error path only: name the inputs if they are at fault
+        inputs = (inp.keys, inp.values, inp.queries)
+        dtypes = "/".join(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in inputs))
+        largest = max(float(t.abs().max()) if t.numel() else 0.0 for t in inputs)
+        raise SelectionError(
+            f"{name} produced non-finite scores (NaN or inf) for {int(bad.sum())} valid candidate "
+            f"slot(s), the first at [row, head, slot] = {bad.nonzero()[0].tolist()}, from finite inputs: "
+            f"an overflow? (the inputs are {dtypes} with magnitudes up to {largest:.3g}; float16 "
+            "overflows above 65504, float32 above 3.4e38). Scale the inputs down, or make the scorer "
+            "compute in float32 within its range"
+        )
+    return scores
+
+
+def run_reservation(reservation: Reservation, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
+    """``protected | reservation.reserve(inp, protected)``, checked. One synchronisation.
+
+    Refuses (``SelectionError`` naming the reservation) a mask that is not ``[B, Hkv, N]`` bool
+    on the inputs' device; one that adds more candidate slots in some row and head than the
+    stage declares with ``reserved_count(budget)`` (the bound ``load_policy`` checked against
+    the budget); and one that leaves more slots protected in some row and head than the budget
+    keeps, which would drop protected slots.
+    """
+    name = f"reservation {reservation.type_name!r}"
+    mask = reservation.reserve(inp, protected)
+    _check_output(name, "a protection mask", mask, inp, want_bool=True)
+    result = protected | mask
+    if result.numel() == 0:
+        return result
+    in_candidates = torch.arange(inp.num_slots, device=mask.device) < inp.num_candidates
+    added = (mask & ~protected & in_candidates).sum(-1)
+    total = result.sum(-1)
+    added_max, total_max = torch.stack([added.max(), total.max()]).tolist()
+    declared = declared_count(reservation, inp.budget)
+    if declared is not None and added_max > declared:
+        raise SelectionError(
+            f"{name} protects {added_max} more candidate slots in some row/head but declares at most "
+            f"reserved_count({inp.budget}) = {declared}: load_policy checks recent + reserved <= budget "
+            "with that bound, so the stage must keep to it (or declare a larger one)"
+        )
+    if total_max > inp.budget:
+        before = int(protected.sum(-1).max())
+        raise SelectionError(
+            f"{name} protects {total_max} slots in some row/head but the budget keeps {inp.budget}: "
+            f"up to {before} were protected before it (recent buffer {inp.num_slots - inp.num_candidates}, "
+            f"earlier reservations) and it adds up to {added_max}, so protected slots would be dropped. "
+            "A reservation must protect a bounded number of slots; declare the bound with "
+            "reserved_count(budget) so that load_policy checks it"
+        )
+    return result
+
+
+def run_selector(
+    selector: Selector, scores: torch.Tensor | None, inp: EvictionInput, eligible: torch.Tensor
+) -> torch.Tensor:
+    """``selector.priority(scores, inp)`` as checked ``[B, Hkv, N]`` float32 priorities. One synchronisation.
+
+    Refuses (``SelectionError`` naming the selector) a result that is not a floating
+    ``[B, Hkv, N]`` tensor on the inputs' device, and NaN on an ``eligible`` slot (NaN cannot be
+    ranked). Infinite priorities are allowed: the caller clamps them below protected slots.
+    """
+    name = f"selector {selector.type_name!r}"
+    priority = selector.priority(scores, inp)
+    _check_output(name, "priorities", priority, inp, want_bool=False)
+    priority = priority.float()
+    nan = torch.isnan(priority) & eligible
+    if bool(nan.any()):
+        raise SelectionError(
+            f"{name} produced NaN priorities for {int(nan.sum())} eligible candidate slot(s), the first "
+            f"at [row, head, slot] = {nan.nonzero()[0].tolist()}"
+            + (", from finite scores" if scores is not None else "")
+        )
+    return priority
+
+
+def declared_count(reservation: Reservation, budget: int) -> int | None:
+    """The stage's ``reserved_count(budget)``, or None when it does not override the default.
+
+    Why None: the base method returns 0 so that ``load_policy`` can still add up the declared
+    counts, but a stage that declares nothing only promises to stay within the budget, which is
+    checked at run time; holding it to 0 would refuse every slot it protects.
+    """
+    if type(reservation).reserved_count is Reservation.reserved_count:
+        return None
+    return reservation.reserved_count(budget)
+
+
+def _representable(t: torch.Tensor) -> torch.Tensor:
+    """Entries that float32 scores can use: finite, and within float32's range for float64."""
+    if t.dtype == torch.float64:
+        return t.abs() <= F32_MAX  # False for NaN, inf and anything beyond float32
+    return torch.isfinite(t)
+
+
+def _bad_input_message(label: str, t: torch.Tensor) -> str:
+    nonfinite = ~torch.isfinite(t)
+    if bool(nonfinite.any()):
+        kinds = [
+            kind for kind, mask in (("NaN", torch.isnan(t)), ("+inf", t == float("inf")), ("-inf", t == float("-inf")))
+            if bool(mask.any())
+        ]
+        return (
+            f"{label} hold {int(nonfinite.sum())} non-finite entries ({', '.join(kinds)}), the first at "
+            f"index {nonfinite.nonzero()[0].tolist()}: eviction needs finite keys, values and queries "
+            "(padding slots and empty window entries included), since NaN or inf scores cannot be ranked"
+        )
+    beyond = t.abs() > F32_MAX
+    return (
+        f"{label} are float64 with {int(beyond.sum())} entries beyond float32's range (|x| > {F32_MAX:.4g}; "
+        f"the largest is {float(t.abs().max()):.4g}), the first at index {beyond.nonzero()[0].tolist()}: "
+        "scores are computed in float32, so scale the inputs down"
+    )
+
+
+def _check_output(stage: str, what: str, t: object, inp: EvictionInput, *, want_bool: bool) -> None:
+    """A stage's result must be one entry per row, KV head and slot: never broadcast, never cast."""
+    expected = (inp.batch, inp.num_kv_heads, inp.num_slots)
+    if not isinstance(t, torch.Tensor):
+        raise SelectionError(f"{stage} returned {type(t).__name__}, expected {what} as a [B, Hkv, N] = {expected} tensor")
+    if tuple(t.shape) != expected:
+        raise SelectionError(
+            f"{stage} returned {what} of shape {tuple(t.shape)}, expected [B, Hkv, N] = {expected} "
+            "(one entry per row, KV head and slot: a result is never broadcast)"
+        )
+    if want_bool and t.dtype != torch.bool:
+        raise SelectionError(f"{stage} returned {what} of dtype {t.dtype}, expected torch.bool")
+    if not want_bool and not t.is_floating_point():
+        raise SelectionError(f"{stage} returned {what} of dtype {t.dtype}, expected a floating dtype (float32)")
+    if t.device != inp.keys.device:
+        raise SelectionError(f"{stage} returned {what} on {t.device}, expected the inputs' device {inp.keys.device}")

@@ -1,0 +1,264 @@
+"""The cache layer's promises at their edges: the cache keeps what ``Policy.select`` chooses, a
+reset cache is a fresh one, padded rows decode as alone (stochastic policies too), and misuse
+(an interrupted forward, a cache built for another model, a refusal inside attention) is a clear
+error that never poisons the next run."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+import kvpolicy  # noqa: E402
+from kvpolicy import EvictingCache, KVPolicyCache, load_policy  # noqa: E402
+from kvpolicy.state import CacheStateError  # noqa: E402
+
+VOCAB = 512
+_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
+SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+# H2O-style: the only attention reader is a reservation; the selector keeps the protected slots.
+H2O_LIKE = {
+    "name": "h2o-like",
+    "schedule": dict(SMALL),
+    "reservations": [{"type": "top_scores", "scorer": {"type": "attention"}, "n": 0.75, "include_prior": False}],
+    "selector": {"type": "keep_protected"},
+}
+# The same choice written with a scorer and a greedy selector.
+H2O_AS_GREEDY = {
+    "name": "h2o-as-greedy",
+    "schedule": dict(SMALL),
+    "scorer": {"type": "attention"},
+    "selector": {"type": "greedy"},
+}
+
+
+def _small(name: str, **extra):
+    over = {"budget": 32, "recent": 28, "interval": 8} if name == "streamingllm" else dict(SMALL)
+    over.update(extra)
+    return load_policy(name, **over)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _fresh(model):
+    m = copy.deepcopy(model)
+    m.set_attn_implementation("sdpa")
+    return m
+
+
+def _prompt(batch=2, length=20, pads=(0, 5), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for r, p in enumerate(pads[:batch]):
+        ids[r, :p] = 0
+        mask[r, :p] = 0
+    return ids, mask
+
+
+def _generate(model, cache, ids, mask, n):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, **{CACHE_ARG: cache},
+        )
+
+
+def _steps(seed=0, n=40, b=2, hkv=2, hq=4, d=8, prompt=10):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        t = prompt if i == 0 else 1
+        out.append((torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g),
+                    torch.randn(b, hq, t, d, generator=g)))
+    return out
+
+
+# -- 1. Policy.select on the cache's own state keeps what the cache keeps ---------------------------
+@pytest.mark.parametrize("source", [*kvpolicy.available_policies(), H2O_LIKE])
+def test_cache_keeps_what_select_chooses_on_its_state(source):
+    """For every registered policy (stochastic ones and a seed other than 0 included, and a policy
+    whose only attention reader is a reservation), each eviction of each layer keeps exactly
+    ``Policy.select`` on the cache's state, given the layer, row streams and eviction counts."""
+    name = source if isinstance(source, str) else source["name"]
+    over = {"budget": 16, "recent": 12, "interval": 4} if name == "streamingllm" else {
+        "budget": 16, "recent": 4, "interval": 4, "window": 4}
+    policy = load_policy(source, seed=3, **over)
+    cache = EvictingCache(policy, num_layers=2, independent_rows=name == "random")
+    checked = 0
+    for step, (k, v, q) in enumerate(_steps(seed=1, n=30)):
+        expected = {}
+        if cache.layers[0].eviction_due:
+            for layer, view in enumerate(cache.layers):
+                window, wvalid = view.window()
+                kept = policy.select(
+                    view.keys, view.values, window, slot_valid=view.valid, query_valid=wvalid,
+                    positions=view.positions, layer_idx=layer, evictions=view.evictions, streams=view.streams,
+                )
+                expected[layer] = torch.gather(view.positions, 2, kept)
+        for layer in range(2):
+            cache.step(layer, k, v, q)
+            if layer in expected:
+                assert torch.equal(cache.layers[layer].positions[..., :-1], expected[layer]), (name, step, layer)
+                checked += 1
+    assert checked >= 4, name
+
+
+def test_a_reservation_only_attention_reader_sees_the_query_window(qwen3):
+    """H2O-style: no scorer, an attention ``top_scores`` reservation. The cache must hand it the
+    same window as a scorer gets, so it keeps what the greedy policy keeps, step by step and
+    token by token through generate()."""
+    reserve, greedy = load_policy(H2O_LIKE), load_policy(H2O_AS_GREEDY)
+    a, b = EvictingCache(reserve, 2), EvictingCache(greedy, 2)
+    for k, v, q in _steps(seed=2, n=40):
+        for layer in range(2):
+            ka, _, _ = a.step(layer, k, v, q)
+            kb, _, _ = b.step(layer, k, v, q)
+            assert torch.equal(ka, kb)
+    assert a.stats()[0].evictions > 0
+    ids, mask = _prompt(seed=4)
+    m1, m2 = _fresh(qwen3), _fresh(qwen3)
+    out_reserve = _generate(m1, KVPolicyCache(reserve, m1), ids, mask, 60)
+    out_greedy = _generate(m2, KVPolicyCache(greedy, m2), ids, mask, 60)
+    assert torch.equal(out_reserve, out_greedy)
+
+
+# -- 2. reset is fresh; seeded runs reproduce; padded rows equal rows alone ----------------------------
+@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random", "curdkv"])
+def test_a_reset_cache_decodes_exactly_as_a_fresh_one(qwen3, name):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(seed=5)
+    cache = KVPolicyCache(_small(name), model)
+    first = _generate(model, cache, ids, mask, 70)
+    assert min(s.evictions for s in cache.stats()) > 0
+    cache.reset()
+    again = _generate(model, cache, ids, mask, 70)
+    fresh = _generate(model, KVPolicyCache(_small(name), model), ids, mask, 70)
+    assert torch.equal(first, again) and torch.equal(again, fresh)
+
+
+@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random"])
+@pytest.mark.parametrize("pad", [3, 8])
+def test_stochastic_padded_rows_decode_as_alone(qwen3, name, pad):
+    """Each row draws from its own stream (keyed by its layer and its own evictions), so a
+    stochastic policy gives a padded row the tokens it gets alone."""
+    model = _fresh(qwen3)
+    ids, mask = _prompt(pads=(0, pad), seed=6)
+    n = 72
+    batched = _generate(model, KVPolicyCache(_small(name), model), ids, mask, n)
+    for r in range(2):
+        keep = mask[r].bool()
+        alone = _generate(model, KVPolicyCache(_small(name), model), ids[r : r + 1, keep], None, n)
+        assert torch.equal(batched[r, ids.shape[1] :], alone[0, keep.sum() :]), f"row {r}"
+
+
+def test_independent_rows_draw_apart_and_reproduce():
+    """With ``independent_rows`` two identical rows evict differently (several samples of one
+    prompt); by default they evict alike."""
+    policy = _small("vase-attnv", budget=16, recent=4, interval=4, window=4)
+    steps = [(k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1), q[:1].expand(2, -1, -1, -1))
+             for k, v, q in _steps(seed=7, n=30)]
+
+    def run(**kw):
+        cache = EvictingCache(policy, 1, **kw)
+        for k, v, q in steps:
+            cache.step(0, k, v, q)
+        return cache.layers[0].positions
+
+    shared, independent = run(), run(independent_rows=True)
+    assert torch.equal(shared[0], shared[1])
+    assert not torch.equal(independent[0], independent[1])
+    assert torch.equal(independent, run(independent_rows=True))
+
+
+# -- 3. misuse: clear errors, never a poisoned next run --------------------------------------------------
+def test_a_refusal_inside_attention_does_not_poison_the_next_run(qwen3):
+    model = _fresh(qwen3)
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    ids, mask = _prompt(seed=8)
+    cache = KVPolicyCache(_small("snapkv"), model)
+    model.train()  # training with attention dropout: refused inside the attention function
+    with pytest.raises(NotImplementedError, match="dropout"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **{CACHE_ARG: cache})
+    model.eval()
+    ref = _generate(model, KVPolicyCache(_small("snapkv"), model), ids, mask, 20)  # a new cache works
+    assert torch.equal(_generate(model, cache, ids, mask, 20), ref)  # and so does the refused one
+
+
+def test_an_interrupted_forward_is_refused_until_reset(qwen3):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(seed=9)
+    cache = KVPolicyCache(_small("snapkv"), model)
+    _generate(model, cache, ids, mask, 10)
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[2].register_forward_pre_hook(boom)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(input_ids=torch.tensor([[5], [6]]), **{CACHE_ARG: cache})  # layers 0 and 1 appended
+    hook.remove()
+    with pytest.raises(CacheStateError, match="reset"), torch.no_grad():
+        model(input_ids=torch.tensor([[5], [6]]), **{CACHE_ARG: cache})
+    cache.reset()
+    fresh = _generate(model, KVPolicyCache(_small("snapkv"), model), ids, mask, 12)
+    assert torch.equal(_generate(model, cache, ids, mask, 12), fresh)
+
+
+def test_a_cache_built_for_another_model_is_refused(qwen3):
+    model = _fresh(qwen3)  # 3 layers
+    two = copy.deepcopy(model.config)
+    two.num_hidden_layers = 2
+    kvpolicy.hf.register()
+    model.set_attn_implementation("kvpolicy")
+    ids, mask = _prompt(seed=10)
+    with pytest.raises(IndexError, match="built for 2 layers"):
+        _generate(model, KVPolicyCache(_small("snapkv"), two), ids, mask, 3)
+    four = copy.deepcopy(model.config)
+    four.num_hidden_layers = 4
+    with pytest.raises(CacheStateError, match="another number of layers"):
+        _generate(model, KVPolicyCache(_small("snapkv"), four), ids, mask, 3)
+
+
+def test_evicting_cache_out_of_step_and_mid_step_errors():
+    cache = EvictingCache(_small("snapkv"), 2)
+    (k, v, q), (k1, v1, q1) = _steps(seed=11, n=2)
+    cache.step(0, k, v, q)
+    with pytest.raises(CacheStateError, match="layers \\[1\\]"):
+        cache.step(0, k1, v1, q1)  # layer 1 never wrote the prompt
+    with pytest.raises(CacheStateError):
+        cache.select_rows([1, 0])  # mid-step
+    cache.reset()
+    cache.step(0, k, v, q)
+    cache.step(1, k, v, q)
+    cache.step(0, k1, v1, q1)
+    with pytest.raises(CacheStateError, match="begun with"):
+        cache.step(1, k, v, q)  # the prompt's 10 tokens where the step has 1
