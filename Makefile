@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest docs demo bench lint clean-setup
+.PHONY: setup test test-oldest docs demo bench lint typecheck clean-setup
 
 setup: $(SETUP_STAMP)
 
@@ -56,6 +56,10 @@ bench: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests plugins benchmarks
+
+# mypy over src/kvpolicy (the package ships py.typed), configured in pyproject.toml.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # Forces the next `make setup` to reinstall (keeps the env itself).
 clean-setup:

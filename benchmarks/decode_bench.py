@@ -2,11 +2,14 @@
 
 One run on CPU, side by side: a tiny randomly initialised Qwen3 (hidden 256, 4 layers, 8 heads,
 2 KV heads, vocab 4096, float32) decodes greedily with transformers' ``DynamicCache`` (full cache)
-and with ``KVPolicyCache`` for each built-in policy at the same budget. Reported:
+and with ``KVPolicyCache`` for each built-in policy at the same budget (eviction, and selection:
+``oracle-topk``, ``quest`` and ``vase-attnv@select`` keep every token and attend ``budget`` slots per
+step, so they pay for scoring the whole cache at every step). Reported:
 
 - tokens/s over each segment of generated length (so the cost at long lengths is visible),
 - KV bytes held at each checkpoint (full: every key/value; policy: static buffers + query windows),
-- eviction cost: the share of decode time spent in ``Executor.evict`` (timed by wrapping it),
+- policy cost: the share of decode time spent in ``Executor.evict`` (eviction) or
+  ``Executor.selected_slots`` (selection: the policy's stages at every step), timed by wrapping them,
 - the slowdown of each policy against ``streamingllm`` (no scoring) at the same budget,
 - the decode step's own overhead: the median time of a step with no eviction due, against the
   same step with transformers' ``StaticCache`` of the policy's capacity (``budget + interval``
@@ -43,10 +46,10 @@ _EVICT_CALLS = [0]
 
 
 def _timed_evict(orig):
-    def evict(self, group):
+    def evict(self, *args):
         t0 = time.perf_counter()
         try:
-            return orig(self, group)
+            return orig(self, *args)
         finally:
             _EVICT_SECONDS[0] += time.perf_counter() - t0
             _EVICT_CALLS[0] += 1
@@ -108,6 +111,8 @@ def step_overhead(model, policies: list[str], budget: int, trials: int, batch: i
     with torch.no_grad():
         for name in policies:
             policy = kvpolicy.load_policy(name, budget=budget)
+            if policy.mode == "select":  # a selection runs at every step: no step is free of it
+                continue
             interval = policy.schedule.interval
             prompt = torch.randint(3, 4096, (batch, budget), generator=gen)
             times: dict[str, list[float]] = {"policy": [], "static": []}
@@ -156,8 +161,9 @@ def main() -> None:
     checkpoints = [c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384) if c < max_new] + [max_new]
     if args.quick:
         checkpoints = [c for c in checkpoints if c >= 256]
-    policies = args.policies or sorted(kvpolicy.available_policies())
+    policies = args.policies or [*sorted(kvpolicy.available_policies()), "vase-attnv@select"]
     Executor.evict = _timed_evict(Executor.evict)
+    Executor.selected_slots = _timed_evict(Executor.selected_slots)  # select mode's policy work
 
     model = build_model()
     if args.overhead_only:

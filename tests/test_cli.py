@@ -21,6 +21,8 @@ from kvpolicy.stages import Selector
 BUILTIN_POLICIES = [
     "curdkv",
     "evict-large-range",
+    "oracle-topk",
+    "quest",
     "random",
     "rkv",
     "snapkv",

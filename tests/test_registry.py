@@ -22,6 +22,8 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "curdkv",
     "evict-large-range",
+    "oracle-topk",
+    "quest",
     "random",
     "rkv",
     "snapkv",
@@ -92,8 +94,10 @@ def test_builtins_by_kind():
     assert set(registry.stages["scorer"]) == {
         "attention",
         "combination",
+        "current_attention",
         "key_norm",
         "leverage",
+        "quest",
         "random",
         "redundancy",
         "value_magnitude",

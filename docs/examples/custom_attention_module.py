@@ -1,8 +1,10 @@
-"""A small pure-PyTorch transformer whose attention uses ``EvictingCache.step`` directly.
+"""A small pure-PyTorch transformer whose attention layers call ``EvictingCache.attend``.
 
-No transformers: each attention layer computes post-RoPE queries/keys, hands the new keys, values
-and queries to the cache, and attends over the slots the cache returns, masked by their validity.
-Run it as a script: it decodes 400 tokens greedily with a budget of 64 slots per layer.
+No transformers: each attention layer computes post-RoPE queries/keys and hands the new keys,
+values and queries to the cache, which evicts what is due, appends them and attends over the
+layer's slots with kvpolicy's kernel. Run it as a script: it decodes 400 tokens greedily with a
+budget of 64 slots per layer, then replays them with the layers running their own attention
+over ``EvictingCache.step``'s slots, and checks that both give the same logits.
 """
 
 import torch
@@ -29,24 +31,36 @@ class Attention(nn.Module):
         self.q = nn.Linear(dim, n_heads * self.d, bias=False)
         self.kv = nn.Linear(dim, 2 * n_kv_heads * self.d, bias=False)
         self.o = nn.Linear(n_heads * self.d, dim, bias=False)
+        self.own_attention = False  # True: run our own attention over cache.step's slots
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: kvpolicy.EvictingCache) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.hq, self.d).transpose(1, 2)  # [B, Hq, T, D]
         k, v = self.kv(x).view(b, t, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)  # 2 x [B, Hkv, T, D]
         q, k = rope(q, positions), rope(k, positions)
-        # The cache evicts what is due, appends k/v, records q for its scorers, and returns the
-        # held slots: keys/values [B, Hkv, L, D] and their validity [B, Hkv, L].
-        keys, values, valid = cache.step(self.layer_idx, k, v, q)
-        length = keys.shape[2]
-        # Causal inside this chunk (the new tokens are the last T slots) and per-slot validity.
-        causal = torch.arange(length)[None, :] <= (length - t) + torch.arange(t)[:, None]  # [T, L]
-        mask = valid[:, :, None, :] & causal  # [B, Hkv, T, L]
-        g = self.hq // self.hkv  # query head h*g + j reads KV head h
-        out = F.scaled_dot_product_attention(
-            q, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), attn_mask=mask.repeat_interleave(g, 1)
-        )
+        if self.own_attention:
+            out = own_attention(q, *cache.step(self.layer_idx, k, v, q))
+        else:
+            # Evict what is due, append k/v, record q for the policy's scorers, attend: [B, Hq, T, D].
+            out = cache.attend(self.layer_idx, q, k, v)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Your own attention over the slots ``EvictingCache.step`` returns: keys/values
+    ``[B, Hkv, L, D]`` and their validity ``[B, Hkv, L]``.
+
+    Causality inside a multi-token chunk is by token order; for rows without padding (here)
+    the chunk's tokens are the last ``T`` slots. For padded batches use ``cache.attend``, which
+    builds the right mask for every row.
+    """
+    t, length = q.shape[2], keys.shape[2]
+    causal = torch.arange(length)[None, :] <= (length - t) + torch.arange(t)[:, None]  # [T, L]
+    mask = valid[:, :, None, :] & causal  # [B, Hkv, T, L]
+    g = q.shape[1] // keys.shape[1]  # query head h*g + j reads KV head h
+    return F.scaled_dot_product_attention(
+        q, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), attn_mask=mask.repeat_interleave(g, 1)
+    )
 
 
 class TinyLM(nn.Module):
@@ -69,6 +83,19 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
+def decode(model: TinyLM, cache: kvpolicy.EvictingCache, prompt: torch.Tensor, steps: int, forced=None):
+    """Greedy decoding (or, with ``forced`` tokens, teacher forcing); returns tokens and logits."""
+    n = prompt.shape[1]
+    logits = model(prompt, torch.arange(n), cache)[:, -1]  # prefill: never evicts
+    tokens, all_logits = [], [logits]
+    for step in range(steps):
+        tokens.append(int(logits[0].argmax()) if forced is None else forced[step])
+        pos = torch.tensor([n + step])  # RoPE positions keep growing with tokens seen
+        logits = model(torch.tensor([[tokens[-1]]]), pos, cache)[:, -1]
+        all_logits.append(logits)
+    return tokens, torch.cat(all_logits)
+
+
 def main() -> None:
     torch.manual_seed(0)
     model = TinyLM().eval()
@@ -76,17 +103,20 @@ def main() -> None:
     cache = kvpolicy.EvictingCache(policy, num_layers=len(model.blocks))
     prompt = torch.randint(0, 256, (1, 24))
     with torch.no_grad():
-        logits = model(prompt, torch.arange(24), cache)  # prefill: never evicts
-        tokens = [int(logits[0, -1].argmax())]
-        for step in range(399):
-            pos = torch.tensor([24 + step])  # RoPE positions keep growing with tokens seen
-            logits = model(torch.tensor([[tokens[-1]]]), pos, cache)
-            tokens.append(int(logits[0, -1].argmax()))
+        tokens, logits = decode(model, cache, prompt, 400)
     stats = cache.stats()
     print(f"generated {len(tokens)} tokens; per layer: {stats[0]}")
     print(f"KV memory: {cache.memory_bytes():,} bytes (static after the first eviction)")
     assert all(s.slots_held <= policy.budget + policy.schedule.interval for s in stats)
     assert all(s.evictions > 0 for s in stats)
+
+    # The same tokens through cache.step and our own attention: the same evictions, the same logits.
+    for blk in model.blocks:
+        blk["attn"].own_attention = True
+    with torch.no_grad():
+        _, replayed = decode(model, kvpolicy.EvictingCache(policy, len(model.blocks)), prompt, 400, tokens)
+    print(f"own attention over cache.step: max logit difference {float((logits - replayed).abs().max()):.1e}")
+    assert torch.allclose(logits, replayed, atol=1e-4)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ from .evicting import EvictingCache
 from .guards import SelectionError
 from .hookspecs import hookimpl
 from .policy import Policy, load_policy
-from .registry import get_registry
+from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
 from .stages import EvictionInput, Reservation, Scorer, Selector
+from .state import CacheStateError
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from .hf import KVPolicyCache
 
 __all__ = [
+    "CacheStateError",
     "EvictingCache",
     "EvictionInput",
     "KVPolicyCache",
@@ -28,6 +30,7 @@ __all__ = [
     "Scorer",
     "SelectionError",
     "Selector",
+    "UnknownStageError",
     "__version__",
     "get_registry",
     "hookimpl",

@@ -29,7 +29,8 @@ def attend(
 
     Args:
         query: ``[B, Hq, T, D]`` post-RoPE queries.
-        keys, values: ``[B, Hkv, L, D]`` (``Hq % Hkv == 0``; query head ``h*G + g`` reads KV head ``h``).
+        keys: ``[B, Hkv, L, D]`` (``Hq % Hkv == 0``; query head ``h*G + g`` reads KV head ``h``).
+        values: ``[B, Hkv, L, Dv]``.
         scaling: the softmax scale (default ``D ** -0.5``).
         mask: ``[B, 1, T, L]`` bool, which slots each query attends (shared by the heads), or
             ``None`` when every slot holds a real token and the new tokens are the last ``T``

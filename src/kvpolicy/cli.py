@@ -23,10 +23,11 @@ from .config import PolicyError, load_yaml
 from .policy import load_policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
+from .stages.base import StageKind
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
-_KIND_TITLES = {"scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors"}
+_KIND_TITLES: dict[StageKind, str] = {"scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors"}
 _LINE_PREFIX = re.compile(r"^line (\d+)(?:, column (\d+))?: ")
 
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .schedule import Schedule
 from .stages.spec import ReservationSpec, ScorerSpec, SelectorSpec
+
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:  # Python 3.10 has it in importlib.abc only
+    from importlib.abc import Traversable
 
 
 class PolicyError(ValueError):
@@ -49,8 +53,14 @@ class PolicyConfig(BaseModel):
         0,
         ge=0,
         le=SEED_MAX,
-        description="Seed of stochastic stages when no generator is given: an int in [0, 2**63 - 1] "
-        "(it becomes a per-row int64 seed), or null for fresh OS randomness.",
+        description="Seed of stochastic stages: an int in [0, 2**63 - 1] (it keys every row's "
+        "random streams), or null for fresh OS randomness.",
+    )
+    mode: Literal["evict", "select"] = Field(
+        "evict",
+        description="evict: keep `budget` slots and free the rest (on the schedule). select: keep every "
+        "token and let each decode step attend only `budget` slots per KV head, chosen by the same "
+        "stages (recomputed every `interval` steps, reused between).",
     )
     schedule: Schedule
     scorer: ScorerSpec | None = None
@@ -60,6 +70,8 @@ class PolicyConfig(BaseModel):
     @model_validator(mode="after")
     def _check_composition(self) -> PolicyConfig:
         sched = self.schedule
+        if self.mode == "select" and sched.compress_prompt:
+            raise ValueError("compress_prompt evicts the prompt: it has no meaning in select mode")
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
@@ -88,6 +100,7 @@ class PolicyConfig(BaseModel):
             "description": self.description,
             "reference": self.reference,
             "seed": self.seed,
+            "mode": self.mode,
             "schedule": self.schedule.model_dump(),
             "scorer": None if self.scorer is None else self.scorer.describe(),
             "reservations": [r.describe() for r in self.reservations],
@@ -99,7 +112,7 @@ class PolicyConfig(BaseModel):
 
 
 SCHEDULE_KEYS = frozenset(Schedule.model_fields)
-TOP_KEYS = frozenset({"name", "seed", "description"})
+TOP_KEYS = frozenset({"name", "seed", "description", "mode"})
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,7 +238,7 @@ class _PolicyLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent, index):  # type: ignore[override]
+    def compose_node(self, parent, index):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
             what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
@@ -242,7 +255,7 @@ class _PolicyLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_object(self, node, deep=False):  # type: ignore[override]
+    def construct_object(self, node, deep=False):
         try:
             return super().construct_object(node, deep=deep)
         except yaml.YAMLError:
@@ -252,7 +265,7 @@ class _PolicyLoader(yaml.SafeLoader):
                 None, None, f"cannot read {_preview(node)}: {_construct_problem(exc)}", node.start_mark
             ) from None
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+    def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:
@@ -271,7 +284,7 @@ class _PolicyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _preview(node: yaml.Node) -> str:
+def _preview(node: yaml.ScalarNode | yaml.SequenceNode | yaml.MappingNode) -> str:
     if isinstance(node, yaml.ScalarNode):
         value = node.value if len(node.value) <= 40 else f"{node.value[:20]}...({len(node.value)} characters)"
         return f"the value {value!r}"

@@ -90,7 +90,13 @@ class EvictingCache:
         """
         group = self._append(layer_idx, keys, values, queries, token_valid)
         view = self.layers[layer_idx]
-        return view.keys, view.values, group.valid(layer_idx).expand(-1, keys.shape[1], -1)
+        valid = group.valid(layer_idx).expand(-1, keys.shape[1], -1)
+        if group.selecting:  # select mode: only the chosen slots are valid for this step
+            valid = valid.clone()
+            for row_sel, _, index in self.executor.selected_slots(group, layer_idx):
+                if index is not None:
+                    valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
+        return view.keys, view.values, valid
 
     def attend(
         self,
@@ -108,6 +114,8 @@ class EvictingCache:
         (a padding query's output is finite and meaningless) and for chunks of any length.
         """
         group = self._append(layer_idx, keys, values, queries, token_valid)
+        if group.selecting:
+            return self.executor.attend_selected(group, layer_idx, queries, scaling)
         held_keys, held_values = group.slots(layer_idx)
         return attend(queries, held_keys, held_values, scaling=scaling, mask=group.plan.mask)
 
@@ -118,11 +126,16 @@ class EvictingCache:
 
     def tokens_to_next_eviction(self) -> int | None:
         """Real tokens per row, appended one step at a time from now, until the next eviction
-        fires for some row (0 if one is due now); None before the first append."""
+        fires for some row (0 if one is due now); None before the first append. In select mode:
+        how many tokens one chunk may hold and still attend exactly as step by step (1 once the
+        longest row holds ``budget`` slots)."""
         groups = self._unique_groups()
         if not groups:
             return None
         group, schedule = groups[0], self.policy.schedule
+        if group.select_mode:
+            # Chunks attend densely: exact up to the budget, then every decode step selects.
+            return max(1, schedule.budget - int(group.counts.max()))
         if group.any_due:
             return 0
         return min(
@@ -224,7 +237,10 @@ class EvictingCache:
         if layer_idx not in peers:
             peers.insert(0, layer_idx)
         query_heads = keys.shape[1] if queries is None else queries.shape[1]
-        group = LayerGroup(self.policy.schedule, peers, keys, values, query_heads, token_valid)
+        group = LayerGroup(
+            self.policy.schedule, peers, keys, values, query_heads, token_valid,
+            select_mode=self.policy.config.mode == "select",
+        )
         if self.independent_rows:
             group.streams = torch.arange(group.batch)
         for i in peers:
@@ -328,9 +344,9 @@ def _check_step(
     keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None, token_valid: torch.Tensor | None
 ) -> None:
     """Shapes of one step, refused with the shapes named."""
-    for label, t in (("keys", keys), ("values", values), ("queries", queries)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 4):
-            raise ValueError(f"{label} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    for label, x in (("keys", keys), ("values", values), ("queries", queries)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4):
+            raise ValueError(f"{label} must be a 4-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
     b, h, t, d = keys.shape
     if values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, T]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .attend import attend
 from .policy import Policy, eviction_input
 from .state import LayerGroup, block, compact_rows
 
@@ -61,3 +62,63 @@ class Executor:
         kept = self.policy.select_from(inp).unflatten(0, (n_layers, n_rows))
         compact_rows(buffers, row_sel, kept, count)
         group.evicted(rows, kept.shape[-1])
+
+    def selected_slots(self, group: LayerGroup, layer: int) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
+        """Select mode, one decode step of ``layer``: per class of rows ``(rows, count, index)``,
+        ``index [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the policy plus
+        the tokens appended since the choice), or None for rows holding ``budget`` slots or fewer
+        (they attend all). Rows that choose anew at this step run the policy on this layer's slots
+        first; rows holding different counts run apart, each as it would alone."""
+        i = group.member[layer]
+        budget = self.policy.budget
+        keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
+        out: list[tuple[slice | torch.Tensor, int, torch.Tensor | None]] = []
+        for count, fresh, chosen_at, rows in _row_classes(group):
+            row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(group.device)
+            if count <= budget:
+                out.append((row_sel, count, None))
+                continue
+            if fresh:
+                window, window_valid = group.windows(slice(i, i + 1), row_sel)
+                # In select mode nothing is evicted: slots are positions (the default).
+                inp = eviction_input(
+                    block(keys, row_sel, count)[0], block(values, row_sel, count)[0], window, budget=budget,
+                    recent=self.policy.schedule.recent, seed=self.seed, query_valid=window_valid,
+                    layer_idx=layer, evictions=group.evictions[rows], streams=group.streams[rows],
+                )
+                group.selection[i, row_sel] = self.policy.select_from(inp)
+            chosen = group.selection[i, row_sel]
+            tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
+            out.append((row_sel, count, torch.cat([chosen, tail], dim=-1)))
+        return out
+
+    def attend_selected(
+        self, group: LayerGroup, layer: int, queries: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """Select mode: attention of one decode step's ``queries [B, Hq, 1, D]`` over the slots
+        ``selected_slots`` gives each row, gathered (so the cost is that of ``budget`` slots)."""
+        i = group.member[layer]
+        keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
+        out = queries.new_empty(queries.shape)
+        for row_sel, count, index in self.selected_slots(group, layer):
+            k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
+            if index is not None:
+                gather = index[..., None].expand(*index.shape, k.shape[-1])
+                k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
+            out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling)
+        return out
+
+
+def _row_classes(group: LayerGroup) -> list[tuple[int, bool, int, torch.Tensor]]:
+    """Select mode: rows that share a count and a selection state, ``(count, reselect,
+    selected_at, rows [R])``; one class while every row is alike (the usual case)."""
+    reselect, selected_at = group.reselect, group.selected_at
+    if group.batch_alike and bool((reselect == reselect[0]).all() and (selected_at == selected_at[0]).all()):
+        count = int(group.extent_now)
+        return [(count, bool(reselect[0]), int(selected_at[0]), torch.arange(group.batch))]
+    counts = group.counts
+    classes = []
+    for count, fresh, chosen_at in torch.stack([counts, reselect.long(), selected_at]).unique(dim=1).t().tolist():
+        rows = ((counts == count) & (reselect == bool(fresh)) & (selected_at == chosen_at)).nonzero().squeeze(1)
+        classes.append((count, bool(fresh), chosen_at, rows))
+    return classes

@@ -27,6 +27,7 @@ def kvpolicy_stages() -> Sequence[type]:
     usable as ``{type: <type_name>, ...}`` in any policy file. A ``type_name`` already taken by an
     earlier plugin is refused with a warning naming both plugins (built-ins come first).
     """
+    raise NotImplementedError  # a specification only: pluggy calls the plugins' implementations
 
 
 @hookspec
@@ -37,3 +38,4 @@ def kvpolicy_policies() -> Mapping[str, Path | str | Mapping[str, Any]]:
     ``kvpolicy.load_policy(name)`` and are listed by ``kvpolicy policies``. Policies are validated
     lazily, when loaded, so one broken policy does not hide the others.
     """
+    raise NotImplementedError  # a specification only: pluggy calls the plugins' implementations

@@ -42,6 +42,11 @@ class Policy:
         return self.config.schedule
 
     @property
+    def mode(self) -> str:
+        """``"evict"`` or ``"select"`` (see ``PolicyConfig.mode``)."""
+        return self.config.mode
+
+    @property
     def budget(self) -> int:
         return self.config.schedule.budget
 
@@ -87,7 +92,7 @@ class Policy:
         evictions: int | torch.Tensor = 0,
         streams: int | torch.Tensor = 0,
         seed: int | None = None,
-    ) -> torch.LongTensor:
+    ) -> torch.Tensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
         Args:
@@ -122,7 +127,7 @@ class Policy:
         )
         return self.select_from(inp)
 
-    def select_from(self, inp: EvictionInput) -> torch.LongTensor:
+    def select_from(self, inp: EvictionInput) -> torch.Tensor:
         """``select`` on an already assembled (and shape-checked) ``EvictionInput``.
 
         Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
@@ -149,7 +154,11 @@ class Policy:
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
         for reservation in cfg.reservations:
             protected = guards.run_reservation(reservation, inp, protected)
-        scores = guards.run_scorer(cfg.scorer, inp) if cfg.selector.needs_scores else None
+        scores = None
+        if cfg.selector.needs_scores:
+            if cfg.scorer is None:  # never: PolicyConfig refuses a scoring selector without a scorer
+                raise ValueError(f"selector {cfg.selector.type_name!r} ranks by score but the policy has no scorer")
+            scores = guards.run_scorer(cfg.scorer, inp)
         eligible = inp.candidate_mask & ~protected
         priority = guards.run_selector(cfg.selector, scores, inp, eligible)
         priority = priority.clamp(-guards.F32_MAX, guards.F32_MAX)  # never ties with protection
@@ -199,7 +208,11 @@ def eviction_input(
         positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
     elif positions.dim() == 2:
         positions = positions[:, None, :].expand(b, hkv, n)
-    layer_seed = seeds.layer_seeds(seed, _per_row(layer_idx, b, "layer_idx"))
+    if not 0 <= seed <= seeds.INT64_MAX:
+        raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
+    key = seeds.SeedKey(
+        seed, _per_row(layer_idx, b, "layer_idx"), _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
+    )
     return EvictionInput(
         keys=keys,
         values=values,
@@ -209,10 +222,7 @@ def eviction_input(
         slot_valid=slot_valid,
         query_valid=query_valid,
         positions=positions,
-        layer_seed=layer_seed.to(device),
-        row_seed=seeds.row_seeds(
-            layer_seed, _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
-        ).to(device),
+        seed_key=key,
     )
 
 
@@ -226,12 +236,16 @@ def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:
     return t
 
 
-def load_policy(source: str | bytes | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any) -> Policy:
+def load_policy(
+    source: str | bytes | bytearray | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any
+) -> Policy:
     """Load a policy: a registered name (``"vase-attnv"``), a YAML file, YAML text, a mapping or a config.
 
     What ``source`` is taken for:
 
-    * a ``str``: a registered policy name if it is one; else the path of an existing file; else
+    * a ``str``: a registered policy name if it is one; ``NAME@MODE`` for a registered policy in
+      another mode (``"vase-attnv@select"``: the same stages choosing a sparse subset of a full
+      cache at every step; named ``NAME@MODE``); else the path of an existing file; else
       YAML text if it holds a newline or a ``:`` (``"{name: p, schedule: {budget: 64}, ...}"``);
       else a missing file if it looks like a path (a suffix such as ``.yaml``, or a directory
       part); else an unknown policy name (the error lists the registered ones);
@@ -241,7 +255,8 @@ def load_policy(source: str | bytes | Path | Mapping[str, Any] | PolicyConfig | 
     * a ``PolicyConfig`` or a ``Policy``: used as is (with ``overrides`` applied).
 
     ``overrides`` replace schedule fields (``budget``, ``recent``, ``interval``, ``window``,
-    ``count``, ``compress_prompt``) or top-level ones (``seed``, ``name``, ``description``);
+    ``count``, ``compress_prompt``) or top-level ones (``seed``, ``name``, ``description``,
+    ``mode``);
     everything is validated before any tensor work, with errors naming file, line and field.
 
     Raises:
@@ -284,6 +299,9 @@ def load_policy(source: str | bytes | Path | Mapping[str, Any] | PolicyConfig | 
                 text, name = registered, f"<{source}>"
             else:
                 text, name = read_source(Path(registered) if isinstance(registered, os.PathLike) else registered)
+        elif source.rpartition("@")[0] in registry.policies and not is_file(source):
+            base, _, mode = source.rpartition("@")
+            return load_policy(base, **{"mode": mode, "name": source, **overrides})
         elif is_file(source):
             text, name = read_source(source)
         elif "\n" in source or ":" in source:

@@ -60,7 +60,8 @@ class Registry:
     def register_plugin(self, plugin: Any, name: str | None = None) -> None:
         """Register a plugin object at run time (tests, notebooks) and collect its hooks."""
         name = self.pm.register(plugin, name=name)
-        self._collect(self.pm.get_plugin(name))
+        if name is not None:  # None: the name is blocked and pluggy registered nothing
+            self._collect(self.pm.get_plugin(name))
 
     def _load_entry_points(self) -> None:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -78,6 +79,8 @@ class Registry:
 
     def _collect(self, plugin: Any) -> None:
         name = self.pm.get_name(plugin)
+        if name is None:  # never: only registered plugins are collected
+            raise ValueError(f"plugin {plugin!r} is not registered")
         for hook, sink in (("kvpolicy_stages", self._add_stages), ("kvpolicy_policies", self._add_policies)):
             impls = [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin is plugin]
             try:

@@ -39,7 +39,7 @@ _KIND_MARKER = "x-kvpolicy-stage-kind"
 class _StageFieldsAsUnions(GenerateJsonSchema):
     """Writes a field typed ``Scorer``/``Reservation``/``Selector`` as a marker, later the union."""
 
-    def model_schema(self, schema):  # type: ignore[override]
+    def model_schema(self, schema):
         kind = _BASES.get(schema["cls"])
         if kind is not None:
             return {_KIND_MARKER: kind}

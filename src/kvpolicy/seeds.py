@@ -21,6 +21,8 @@ and CPU and GPU give the same bits. All arithmetic is on int64 tensors, wrapping
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,7 +30,7 @@ import torch
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MUL2 = 0x94D049BB133111EB - (1 << 64)
-_INT64_MAX = (1 << 63) - 1
+INT64_MAX = (1 << 63) - 1
 
 
 def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -56,7 +58,7 @@ def stream_id(name: str) -> int:
 
 def layer_seeds(seed: int, layer_idx: torch.Tensor) -> torch.Tensor:
     """``[R]`` int64: the fixed seed of each stacked row's layer."""
-    if not 0 <= seed <= _INT64_MAX:
+    if not 0 <= seed <= INT64_MAX:
         raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
     return combine(torch.full_like(layer_idx, seed, dtype=torch.long), layer_idx.long())
 
@@ -89,3 +91,30 @@ def normal(seeds: torch.Tensor, shape: tuple[int, ...], stream: str, device: tor
     u1 = uniform(seeds, shape, stream + "/radius", device)
     u2 = uniform(seeds, shape, stream + "/angle", device)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * torch.pi) * u2)
+
+
+@dataclass(frozen=True)
+class SeedKey:
+    """What keys one eviction's random streams, per stacked row: the policy's seed, each row's
+    layer, stream and eviction count (``[R]`` long host tensors). The seeds themselves are derived
+    on first use, so a deterministic policy never pays for them."""
+
+    seed: int
+    layer_idx: torch.Tensor
+    streams: torch.Tensor
+    evictions: torch.Tensor
+
+    @cached_property
+    def layer(self) -> torch.Tensor:
+        """``[R]`` int64: the fixed seed of each row's layer."""
+        return layer_seeds(self.seed, self.layer_idx)
+
+    @cached_property
+    def row(self) -> torch.Tensor:
+        """``[R]`` int64: the seed of each row's current eviction in its stream."""
+        return row_seeds(self.layer, self.streams, self.evictions)
+
+    @classmethod
+    def zeros(cls, rows: int) -> SeedKey:
+        zero = torch.zeros(rows, dtype=torch.long)
+        return cls(0, zero, zero, zero)

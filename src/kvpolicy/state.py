@@ -31,6 +31,9 @@ import torch
 
 from .schedule import Schedule
 
+#: Select mode keeps every token: buffers grow by whole chunks of this many slots.
+SELECT_CHUNK = 1024
+
 
 class CacheStateError(RuntimeError):
     """The cache was used out of order: layers out of step (an interrupted forward, or a cache
@@ -126,14 +129,16 @@ class LayerGroup:
         values: torch.Tensor,
         query_heads: int,
         token_valid: torch.Tensor | None,
+        select_mode: bool = False,
     ) -> None:
         b, h, t, d = keys.shape
         self.schedule = schedule
+        self.select_mode = select_mode
         self.member = {layer: i for i, layer in enumerate(layer_ids)}  # global index -> buffer index
         self.layer_ids = torch.tensor(list(layer_ids), dtype=torch.long)
         added = _added(token_valid, b, t)
         self.buffers = SlotBuffers(
-            len(layer_ids), b, h, schedule.capacity_for(int(added.max())), d, values.shape[-1], keys.dtype, keys.device
+            len(layer_ids), b, h, self._capacity(int(added.max())), d, values.shape[-1], keys.dtype, keys.device
         )
         w = schedule.window
         self.ring = keys.new_zeros(len(layer_ids), b, query_heads, w, d)
@@ -158,6 +163,13 @@ class LayerGroup:
         self.layer_steps = [0] * len(layer_ids)  # steps each layer has written
         self.eviction_steps = 0
         self.slots_evicted = 0
+        # Select mode: each layer's current selection [Lyr, B, Hkv, budget], the count each row held
+        # when it was chosen (-1: none), and the rows that choose anew at this step.
+        self.selection = torch.zeros(
+            (len(layer_ids), b, h, schedule.budget) if select_mode else (0,), dtype=torch.long, device=keys.device
+        )
+        self.selected_at = torch.full((b,), -1, dtype=torch.long)
+        self.reselect = torch.zeros(b, dtype=torch.bool)
         self.plan = self._plan(t, token_valid, added)
 
     # -- per-row counters ---------------------------------------------------------------------
@@ -200,6 +212,11 @@ class LayerGroup:
         """``[B]`` bool: rows the schedule says must be evicted before the next step."""
         self._rows()
         return self._due
+
+    @property
+    def batch_alike(self) -> bool:
+        """Whether every row holds the same slots after the same tokens (the int fast path)."""
+        return self._alike is not None
 
     @property
     def any_due(self) -> bool:
@@ -252,10 +269,12 @@ class LayerGroup:
         if self.any_due:
             raise CacheStateError("an eviction is due: the executor must run before the next step")
         self.plan = self._plan(t, token_valid, None if token_valid is None else _added(token_valid, self.batch, t))
+        if self.select_mode:
+            self._plan_selection(t)
 
     def _plan(self, t: int, token_valid: torch.Tensor | None, added: torch.Tensor | None) -> StepPlan:
         b, device = self.batch, self.device
-        if token_valid is not None and bool((added == t).all()):
+        if token_valid is not None and added is not None and bool((added == t).all()):
             token_valid = None  # every token real: the plain path
         if token_valid is None and self._alike is not None:
             return self._plan_alike(t)
@@ -265,7 +284,7 @@ class LayerGroup:
         after = before + added
         needed = int(after.max())
         if needed > self.buffers.capacity:
-            self.buffers.grow(self.schedule.capacity_for(needed))
+            self.buffers.grow(self._capacity(needed))
         uniform = token_valid is None and bool((before == before[0]).all())
         start = rows = cols = slots = mask = None
         if uniform:
@@ -297,7 +316,9 @@ class LayerGroup:
         self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
         self.steps += 1
         sched = self.schedule
-        if is_prompt:
+        if self.select_mode:
+            self._due = torch.zeros(b, dtype=torch.bool)  # select mode never evicts
+        elif is_prompt:
             # Prefill never evicts, unless the policy compresses a long prompt once it is in.
             self._due = (after > sched.budget) & sched.compress_prompt
         else:
@@ -307,15 +328,46 @@ class LayerGroup:
         self._check_alike()
         return StepPlan(t, b, start, rows, cols, slots, mask, ring_slots, take)
 
+    @property
+    def selecting(self) -> bool:
+        """Whether this step attends a selection (select mode, a decode step after the prompt)."""
+        return self.select_mode and self.plan.tokens == 1 and self.tokens_seen_before > 0
+
+    def _capacity(self, needed: int) -> int:
+        """Slots to allocate for ``needed``: the schedule's static capacity when evicting; whole
+        chunks of ``SELECT_CHUNK`` slots in select mode, where every token is kept."""
+        if self.select_mode:
+            return -(-needed // SELECT_CHUNK) * SELECT_CHUNK
+        return self.schedule.capacity_for(needed)
+
+    def _plan_selection(self, t: int) -> None:
+        """Select mode: which rows choose their slots anew at this step. A decode step of a row
+        holding more than ``budget`` slots does when it has no selection yet or chose ``interval``
+        or more tokens ago; a multi-token chunk (prompt, later turn) is attended densely and makes
+        the next decode step choose anew."""
+        self.evictions += self.reselect  # the previous step's selections (they keyed its draws)
+        if t > 1 or self.tokens_seen_before == 0:
+            self.selected_at.fill_(-1)
+            self.reselect = torch.zeros(self.batch, dtype=torch.bool)
+            return
+        # While rows are alike, their count is one int (reading .counts would leave the fast path).
+        counts = self._alike[0] if self._alike is not None else self._counts
+        sched = self.schedule
+        stale = (self.selected_at < 0) | (counts - self.selected_at >= sched.interval)
+        self.reselect = (counts > sched.budget) & stale
+        self.selected_at = torch.where(self.reselect, counts, self.selected_at)
+
     def _plan_alike(self, t: int) -> StepPlan:
         """``_plan`` when every row holds the same slots and every new token is real: ints only."""
         count, _, tokens, _ = self._alike  # type: ignore[misc]
         after = count + t
         if after > self.buffers.capacity:
-            self.buffers.grow(self.schedule.capacity_for(after))
+            self.buffers.grow(self._capacity(after))
         ring_slots, take = self._advance_ring(t, None)
         sched = self.schedule
-        if self.tokens_seen == 0:
+        if self.select_mode:
+            due = False
+        elif self.tokens_seen == 0:
             due = sched.compress_prompt and after > sched.budget
         else:
             due = sched.fires(after, tokens + t)
@@ -427,14 +479,17 @@ class LayerGroup:
         """Keep rows ``index [B']`` in that order (beam reordering, repeats, dropping rows)."""
         self.require_complete("reorder rows")
         host = index.cpu()
+        dev = index.to(self.device)
         self.buffers.select_rows(index)
         self._rows()
-        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due"):
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due",
+                     "selected_at", "reselect"):
             setattr(self, name, getattr(self, name)[host])
+        if self.select_mode:
+            self.selection = self.selection.index_select(1, dev)
         self.extent_now = self.extent_before = int(self._counts.max()) if host.numel() else 0
         if host.numel():
             self._check_alike()
-        dev = index.to(self.device)
         self.ring = self.ring.index_select(1, dev)
         self.ring_valid = self.ring_valid.index_select(0, dev)
 

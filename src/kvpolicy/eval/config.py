@@ -22,8 +22,16 @@ DEFAULT_POLICIES = [
     "streamingllm",
     "evict-large-range",
     "random",
+    # Selection (every token kept, a sparse subset attended at each step) at the same budgets.
+    "oracle-topk",
+    "quest",
+    "vase-attnv@select",
 ]
 DEFAULT_METRICS = ["perplexity", "fidelity", "passkey", "reconstruction", "speed"]
+
+
+def _default_policies() -> list[str | dict[str, Any]]:
+    return list(DEFAULT_POLICIES)
 
 
 class EvalError(ValueError):
@@ -80,7 +88,7 @@ class EvalConfig(BaseModel):
     dtype: str = "float32"
     seed: int = 0
     budgets: list[int] = Field(default_factory=lambda: [96, 128])
-    policies: list[str | dict[str, Any]] = Field(default_factory=lambda: list(DEFAULT_POLICIES))
+    policies: list[str | dict[str, Any]] = Field(default_factory=_default_policies)
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
     text: str | None = Field(None, description="Long text file (default: reasoning-gym's in_the_year_2889.txt).")
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)

@@ -12,10 +12,16 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ..policy import Policy
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from ..hf import KVPolicyCache
 
 MAX_CHUNK = 256
 
@@ -44,6 +50,7 @@ class Stream:
     def __init__(self, model, policy: Policy | None, base_attn: str = "sdpa") -> None:
         self.model = model
         self.policy = policy
+        self.cache: DynamicCache | KVPolicyCache  # a KVPolicyCache exactly when policy is set
         if policy is None:
             from transformers import DynamicCache
 
@@ -62,7 +69,7 @@ class Stream:
         """The next chunk's size: never past the cache's next eviction point, nor ``max_chunk``."""
         size = min(remaining, max_chunk)
         if self.policy is not None:
-            evicting = self.cache.evicting
+            evicting = cast("KVPolicyCache", self.cache).evicting
             evicting.evict_due()  # what the chunk's first append would do; then the count is exact
             size = min(size, evicting.tokens_to_next_eviction() or size)
         return size
@@ -70,13 +77,13 @@ class Stream:
     def memory_bytes(self) -> int:
         if self.policy is None:
             return full_cache_bytes(self.cache)
-        return int(self.cache.memory_bytes())
+        return int(cast("KVPolicyCache", self.cache).memory_bytes())
 
     def evictions(self) -> int:
         """Evictions summed over layers (0 for the full cache)."""
         if self.policy is None:
             return 0
-        return sum(s.evictions for s in self.cache.stats())
+        return sum(s.evictions for s in cast("KVPolicyCache", self.cache).stats())
 
     # -- feeding -----------------------------------------------------------------------------
     def _forward(self, ids: list[int] | torch.Tensor, all_logits: bool) -> torch.Tensor:
@@ -107,7 +114,7 @@ class Stream:
                 on_logits(offset, logits)
             last = logits[-1]
             offset += size
-        return last
+        return cast(torch.Tensor, last)  # ids is not empty: the loop ran
 
     @torch.inference_mode()
     def generate(

@@ -89,7 +89,8 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu")
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy types as unbound.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def resolve_device(device: str) -> str:

@@ -90,12 +90,12 @@ def plan_run(config: EvalConfig) -> Plan:
     tokenizer = load_tokenizer(source)
     text, text_name = read_text(config.text)
     ids = text_ids(tokenizer, text)
-    policies = [p.policy for p in pairs]
+    policies = [p.policy for p in pairs if p.policy is not None]  # every pair here has one
     if policies and len(ids) <= max(p.budget for p in policies):
         raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
     for metric in metrics:
         metric.prepare(tokenizer, ids, policies)
-    resolved = {p.key: p.policy.config.to_dict() for p in pairs}
+    resolved = {p.key: p.policy.config.to_dict() for p in pairs if p.policy is not None}
     return Plan(config, source, device, tokenizer, metrics, [Pair(FULL, None, None), *pairs], text_name, resolved)
 
 
@@ -208,14 +208,17 @@ class RunResult:
 
 
 def run_eval(
-    config: EvalConfig,
+    config: EvalConfig | None,
     out: str | Path | None = None,
     *,
     resume: str | Path | None = None,
     console=None,
     progress: bool = True,
 ) -> RunResult:
-    """Run (or resume) an evaluation; return the run folder and its rows."""
+    """Run (or resume) an evaluation; return the run folder and its rows.
+
+    ``config`` is None only with ``resume``: the run folder's own ``config.yaml`` is used.
+    """
     import torch
     from rich.console import Console
 
@@ -225,6 +228,8 @@ def run_eval(
     if resume is not None:
         folder = RunFolder(Path(resume))
         config = EvalConfig.load(folder.path / "config.yaml")
+    elif config is None:
+        raise EvalError("run_eval needs a config, unless it resumes a run")
     plan = plan_run(config)  # every input checked before the model is loaded
     if resume is None:
         folder = RunFolder.new(out)

@@ -222,7 +222,8 @@ class Passkey(Metric):
 
     def run(self, ctx, policy, reference):
         s = self.config.passkey
-        preds, by_len = [], {}
+        preds = []
+        by_len: dict[int, list[float]] = {}
         for p in self.prompts:
             stream = ctx.stream(policy)
             stream.feed(p.prefix)
@@ -256,7 +257,8 @@ class Accuracy(Metric):
         from reasoning_gym.utils import extract_answer
 
         s = self.config.accuracy
-        preds, per_task = [], {}
+        preds = []
+        per_task: dict[str, list[float]] = {}
         for prompts, dataset in self.tasks:
             for prompt in prompts:
                 for sample in range(s.samples):
@@ -314,13 +316,13 @@ class Reconstruction(Metric):
             else:
                 kept = _select(policy, queries, keys, values)
             errors.append(m.reconstruction_error(queries[:, :, -q_eval:], keys, values, kept, scaling))
-        values = {"recon_error": m.mean(errors), "recon_error_layers": errors}
-        return MetricResult(values)
+        return MetricResult({"recon_error": m.mean(errors), "recon_error_layers": errors})
 
 
 def _select(policy: Policy, queries, keys, values) -> torch.Tensor:
+    # The window goes to every policy that keeps one, as in the caches: a reservation can read it.
     w = policy.schedule.window
-    if w > 0 and policy.config.scorer is not None:
+    if w > 0:
         window, valid = queries[:, :, -w:], None
     else:
         window = queries[:, :, -1:]

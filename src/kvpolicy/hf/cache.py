@@ -54,16 +54,18 @@ class KVPolicyLayer(CacheLayerMixin):
     def state(self) -> LayerView:
         return self._owner.evicting.layers[self.layer_idx]
 
+    # CacheLayerMixin declares these three as plain attributes that its own methods assign; here
+    # they are read-only views of the shared state (every assigning method is overridden).
     @property
-    def is_initialized(self) -> bool:
+    def is_initialized(self) -> bool:  # type: ignore[override]
         return self.state.is_allocated
 
     @property
-    def keys(self) -> torch.Tensor | None:
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
         return self.state.keys if self.state.is_allocated else None
 
     @property
-    def values(self) -> torch.Tensor | None:
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
         return self.state.values if self.state.is_allocated else None
 
     @property
@@ -90,7 +92,7 @@ class KVPolicyLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state.reset()
+        raise RuntimeError("reset the whole KVPolicyCache (cache.reset), not one layer: layers share buffers")
 
     def offload(self) -> None:
         raise NotImplementedError("KVPolicyCache does not support offloading")

@@ -3,10 +3,12 @@
 from .attention import AttentionScorer
 from .base import EvictionInput, Reservation, Scorer, Selector, Stage
 from .combination import CombinationScorer, WeightedTerm
+from .current_attention import CurrentAttentionScorer
 from .greedy import GreedySelector
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .leverage import LeverageScorer
+from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
@@ -17,6 +19,8 @@ from .value_magnitude import ValueMagnitudeScorer
 
 BUILTIN_STAGES = (
     AttentionScorer,
+    CurrentAttentionScorer,
+    QuestScorer,
     RedundancyScorer,
     LeverageScorer,
     ValueMagnitudeScorer,
@@ -34,10 +38,12 @@ __all__ = [
     "BUILTIN_STAGES",
     "AttentionScorer",
     "CombinationScorer",
+    "CurrentAttentionScorer",
     "EvictionInput",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
+    "QuestScorer",
     "LeverageScorer",
     "RandomScorer",
     "RedundancyScorer",

@@ -43,9 +43,11 @@ class EvictionInput:
         positions: ``[B, Hkv, N]`` long, the index of each slot's token among its row's real
             tokens (``-1`` for padding). Sinks are the slots at positions ``0 .. n-1``. Positions
             keep growing past ``N`` as tokens are evicted.
-        layer_seed: ``[B]`` int64 (default zeros), the fixed seed of each row's layer (the same at every
+        seed_key: how the rows' random streams are keyed (``kvpolicy.seeds.SeedKey``; None: all 0).
+            Stages read the seeds it derives, on first use:
+        layer_seed: ``[B]`` int64, the fixed seed of each row's layer (the same at every
             eviction of that layer): for stages that draw once per layer and reuse it.
-        row_seed: ``[B]`` int64 (default zeros), the seed of each row's current eviction: for stages that draw
+        row_seed: ``[B]`` int64, the seed of each row's current eviction: for stages that draw
             afresh at every eviction. Draw through ``uniform``/``normal`` below, never from a
             global generator: a row's draws then depend on that row alone (see ``kvpolicy.seeds``).
     """
@@ -58,15 +60,23 @@ class EvictionInput:
     slot_valid: torch.Tensor
     query_valid: torch.Tensor
     positions: torch.Tensor
-    layer_seed: torch.Tensor = None  # type: ignore[assignment]  # None: zeros, set below
-    row_seed: torch.Tensor = None  # type: ignore[assignment]
+    #: What keys the rows' random streams (None, as when a test builds an input by hand: all 0).
+    seed_key: seeds.SeedKey | None = None
 
-    def __post_init__(self) -> None:
-        # Stage tests and third-party code may build an input by hand: seeds default to 0.
-        for name in ("layer_seed", "row_seed"):
-            if getattr(self, name) is None:
-                zeros = torch.zeros(self.keys.shape[0], dtype=torch.long, device=self.keys.device)
-                object.__setattr__(self, name, zeros)
+    @property
+    def layer_seed(self) -> torch.Tensor:
+        """``[B]`` int64 on the keys' device (see the class docstring)."""
+        return self._seed_key().layer.to(self.keys.device)
+
+    @property
+    def row_seed(self) -> torch.Tensor:
+        """``[B]`` int64 on the keys' device (see the class docstring)."""
+        return self._seed_key().row.to(self.keys.device)
+
+    def _seed_key(self) -> seeds.SeedKey:
+        if self.seed_key is None:
+            object.__setattr__(self, "seed_key", seeds.SeedKey.zeros(self.keys.shape[0]))
+        return self.seed_key  # type: ignore[return-value]
 
     def uniform(self, *shape: int, stream: str) -> torch.Tensor:
         """``[B, *shape]`` float32 in ``(0, 1)`` from each row's eviction seed, on the keys' device.

@@ -50,6 +50,8 @@ class CombinationScorer(Scorer):
         for i, term in enumerate(self.terms):
             s = run_scorer(term.scorer, inp, where=f" (terms[{i}] of scorer {self.type_name!r})") * term.weight
             total = s if total is None else total.add_(s)
+        if total is None:  # never: terms has at least one entry
+            raise ValueError("a combination needs at least one term")
         return total
 
     def describe(self):

@@ -15,4 +15,6 @@ class GreedySelector(Selector):
     type_name: ClassVar[str] = "greedy"
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
+        if scores is None:  # never: needs_scores is True, so the executor always passes them
+            raise ValueError(f"the {self.type_name!r} selector needs scores")
         return scores

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, cast
 
 import torch
 from pydantic import Field
@@ -43,7 +43,7 @@ class LeverageScorer(Scorer):
 
     def projections(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, D, r]`` float32: the projection used for each batch row."""
-        per = "eviction" if self.projection == "resample" else "layer"
+        per: Literal["eviction", "layer"] = "eviction" if self.projection == "resample" else "layer"
         p = inp.normal(inp.head_dim, self.rank, stream=self.type_name, per=per)
         return p / self.rank**0.5
 
@@ -59,14 +59,15 @@ class LeverageScorer(Scorer):
         if self.local_window is not None:
             k2 = None if k2 is None else _local_normalise(k2, self.local_window)
             v2 = None if v2 is None else _local_normalise(v2, self.local_window)
+        # Each mode computed the terms it reads just above.
         if self.mode == "kv_product":
-            s = k2 * v2
+            s = cast(torch.Tensor, k2) * cast(torch.Tensor, v2)
         elif self.mode == "key":
-            s = k2
+            s = cast(torch.Tensor, k2)
         elif self.mode == "value":
-            s = v2
+            s = cast(torch.Tensor, v2)
         else:
-            s = 0.5 * (_normalise(k2) + _normalise(v2))
+            s = 0.5 * (_normalise(cast(torch.Tensor, k2)) + _normalise(cast(torch.Tensor, v2)))
         out = s.new_zeros(inp.batch, inp.num_kv_heads, inp.num_slots)
         out[..., :c] = _normalise(s)
         return out

@@ -54,7 +54,7 @@ class RedundancyScorer(Scorer):
         col_sum = torch.matmul(kn, kn.sum(2, keepdim=True).transpose(-1, -2)).squeeze(-1)
         col_sum -= (norm * scale).squeeze(-1).square()
         if self.threshold is not None:
-            col_sum -= self._threshold_correction(kn)
+            col_sum -= self._threshold_correction(kn, self.threshold)
         n_rows = valid.sum(-1, keepdim=True).clamp_min(1).to(col_sum.dtype)
         mean_sim = (col_sum / n_rows).masked_fill(~valid, float("-inf"))
         red = torch.softmax(mean_sim, dim=-1).nan_to_num_(0.0)
@@ -65,7 +65,7 @@ class RedundancyScorer(Scorer):
         out[..., :c] = red[..., :c]
         return out
 
-    def _threshold_correction(self, kn: torch.Tensor) -> torch.Tensor:
+    def _threshold_correction(self, kn: torch.Tensor, threshold: float) -> torch.Tensor:
         """``[B, H, M]``: per column, the sum of the entries the threshold step zeroes.
 
         Row ``i`` zeroes its most recent column ``j`` with ``C[i, j] > threshold`` (column 0 when
@@ -87,16 +87,16 @@ class RedundancyScorer(Scorer):
             for start in range(0, m, rows_per_tile):
                 stop = min(m, start + rows_per_tile)
                 shape = (b1 - b0, stop - start, m)
-                if buf is None or buf.shape != shape:
+                if buf is None or mask is None or buf.shape != shape:
                     buf = kn.new_empty(shape)
                     mask = torch.empty(shape, dtype=torch.bool, device=kn.device)
                 sim = torch.bmm(kn[b0:b1, start:stop], kn_rev_t[b0:b1], out=buf)  # reversed columns
                 rows = torch.arange(start, stop, device=kn.device)
                 sim[:, rows - start, m - 1 - rows] = 0.0  # zero diagonal
-                torch.gt(sim, self.threshold, out=mask)
+                torch.gt(sim, threshold, out=mask)
                 first = mask.view(torch.uint8).argmax(-1, keepdim=True)  # [T, r, 1]
                 hit = sim.gather(-1, first)
-                found = hit > self.threshold
+                found = hit > threshold
                 col = torch.where(found, m - 1 - first, 0)
                 val = torch.where(found, hit, sim[..., m - 1 :])  # no match: column 0 (last reversed)
                 correction[b0:b1].scatter_add_(-1, col.squeeze(-1), val.squeeze(-1))

@@ -1,0 +1,51 @@
+"""Attention of the current step's query: the oracle that selection-based sparse attention
+approximates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+from .base import EvictionInput, Scorer
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+def newest_query(inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's newest valid window query ``[B, Hq, D]`` and whether the row has one ``[B]``."""
+    valid = inp.query_valid
+    w = valid.shape[1]
+    last = (w - 1) - valid.flip(-1).long().argmax(-1)  # index of the last True (0 when none)
+    rows = torch.arange(valid.shape[0], device=valid.device)
+    return inp.queries[rows, :, last.to(inp.queries.device)], valid.any(-1)
+
+
+class CurrentAttentionScorer(Scorer):
+    """The exact attention mass each slot gets from the current step's query.
+
+    The current query is each row's newest valid window entry (in select mode, the query of the
+    step being decoded). ``softmax(q K^T / sqrt(D))`` over every valid slot (recent ones
+    included, so the mass is the true attention of this step), in float32, then reduced over the
+    ``G`` query heads of each KV head (``group_reduce``). Greedy top-k over it is *oracle top-k*
+    selection. A row without any query scores 0 everywhere.
+    """
+
+    type_name: ClassVar[str] = "current_attention"
+
+    group_reduce: Literal["mean", "max"] = "mean"
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        if schedule.window < 1:
+            raise ValueError("current_attention reads the newest query: the window must hold at least one")
+
+    def score(self, inp: EvictionInput) -> torch.Tensor:
+        b, hkv, n, d = inp.keys.shape
+        q, has_query = newest_query(inp)
+        q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
+        logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]
+        logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of padding only has no mass
+        scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
+        return scores * has_query[:, None, None].to(scores.dtype)

@@ -1,0 +1,267 @@
+"""Select mode: every token stays cached and each decode step attends only the slots the policy's
+stages choose (oracle top-k, Quest pages, or any eviction policy's stages)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+from conftest import make_input  # noqa: E402
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from kvpolicy import EvictingCache, KVPolicyCache, PolicyError, load_policy  # noqa: E402
+from kvpolicy.stages import QuestScorer  # noqa: E402
+
+VOCAB = 512
+_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _fresh(model):
+    m = copy.deepcopy(model)
+    m.set_attn_implementation("sdpa")
+    return m
+
+
+def _generate(model, cache, ids, mask, n):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0, **{CACHE_ARG: cache})
+
+
+def _prompt(batch=2, length=20, pads=(0, 5), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for r, p in enumerate(pads[:batch]):
+        ids[r, :p] = 0
+        mask[r, :p] = 0
+    return ids, mask
+
+
+SELECT_POLICIES = {
+    "oracle-topk": {"budget": 24},
+    "quest": {"budget": 32, "recent": 8, "page_size": None},
+    "vase-attnv@select": {"budget": 32, "recent": 8, "interval": 4, "window": 8},
+}
+
+
+def _select_policy(name: str, **extra):
+    if name == "vase-attnv@select":
+        return load_policy("vase-attnv", mode="select", **{**SELECT_POLICIES[name], **extra})
+    over = {k: v for k, v in SELECT_POLICIES[name].items() if v is not None and k != "page_size"}
+    return load_policy(name, **{**over, **extra})
+
+
+# -- the policy file ------------------------------------------------------------------------------
+def test_mode_is_validated_like_any_field():
+    assert load_policy("oracle-topk").config.mode == "select"
+    assert load_policy("snapkv").config.mode == "evict"
+    assert load_policy("snapkv", mode="select").config.mode == "select"
+    with pytest.raises(PolicyError, match="mode"):
+        load_policy("snapkv", mode="sparse")
+    with pytest.raises(PolicyError, match="compress_prompt"):
+        load_policy("rkv", mode="select", compress_prompt=True)
+    assert "mode: select" in load_policy("quest").to_yaml()
+
+
+# -- exactness ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select"])
+def test_budget_above_the_length_is_token_identical_to_the_full_cache(qwen3, name):
+    ids, mask = _prompt(seed=1)
+    ref_model, model = _fresh(qwen3), _fresh(qwen3)
+    ref = _generate(ref_model, DynamicCache(config=ref_model.config), ids, mask, 40)
+    cache = KVPolicyCache(_select_policy(name, budget=256, recent=8), model)
+    assert torch.equal(_generate(model, cache, ids, mask, 40), ref)
+
+
+def _reference_oracle_step(q, keys, values, budget, recent):
+    """float64, one decode step of one row: full attention restricted to each KV head's ``budget``
+    slots of largest attention mass (mean over its query heads), the newest ``recent`` forced."""
+    hq, d = q.shape[0], q.shape[-1]
+    hkv, n = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    q, keys, values = q.double(), keys.double(), values.double()
+    out = torch.empty(hq, d, dtype=torch.float64)
+    for h in range(hkv):
+        logits = (q[h * g:(h + 1) * g] @ keys[h].T) / math.sqrt(d)  # [G, N]
+        mass = torch.softmax(logits, -1).mean(0)
+        forced = set(range(n - recent, n))
+        ranked = [j for j in mass.argsort(descending=True).tolist() if j not in forced]
+        keep = sorted(forced | set(ranked[: budget - len(forced)]))
+        for i in range(g):
+            w = torch.softmax(logits[i, keep], -1)
+            out[h * g + i] = w @ values[h, keep]
+    return out
+
+
+def test_oracle_topk_attends_exactly_the_top_slots_of_the_true_attention():
+    budget, recent = 12, 1
+    policy = load_policy("oracle-topk", budget=budget, recent=recent)
+    cache = EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(3)
+    hist_k, hist_v = [], []
+    for step in range(40):
+        t = 6 if step == 0 else 1
+        k, v, q = torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 4, t, 8, generator=g)
+        hist_k.append(k)
+        hist_v.append(v)
+        out = cache.attend(0, q, k, v)
+        all_k, all_v = torch.cat(hist_k, 2), torch.cat(hist_v, 2)
+        if all_k.shape[2] <= budget:
+            continue
+        for row in range(2):
+            want = _reference_oracle_step(q[row, :, 0], all_k[row], all_v[row], budget, recent)
+            torch.testing.assert_close(out[row, :, 0].double(), want, atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].length == 45  # every token kept
+
+
+def test_select_mode_step_reports_the_selection_as_validity():
+    policy = load_policy("oracle-topk", budget=10)
+    cache = EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(4)
+    for step in range(20):
+        t = 5 if step == 0 else 1
+        k, v, q = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 4, t, 8, generator=g)
+        keys, _, valid = cache.step(0, k, v, q)
+    assert keys.shape[2] == 24 and valid.sum(-1).tolist() == [[10, 10]]
+    assert bool(valid[..., -1].all())  # the recent buffer (the current token)
+
+
+# -- Quest -----------------------------------------------------------------------------------------
+@given(
+    n=st.integers(2, 70), page=st.integers(1, 9), d=st.integers(1, 8), g=st.integers(1, 3),
+    seed=st.integers(0, 2**16), pad=st.integers(0, 10),
+)
+def test_quest_page_bound_is_an_upper_bound_of_every_key_in_the_page(n, page, d, g, seed, pad):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 2, n, d, generator=gen) * 3
+    queries = torch.randn(2, 2 * g, 1, d, generator=gen) * 3
+    slot_valid = torch.arange(n)[None, :].expand(2, n) >= torch.tensor([[0], [min(pad, n - 1)]])
+    inp = make_input(keys, keys, queries, recent=1, slot_valid=slot_valid)
+    stage = QuestScorer(page_size=page)
+    bounds = stage.page_bounds(inp)  # [B, Hkv, G, pages]
+    c = inp.num_candidates
+    dots = torch.einsum("bhgd,bhnd->bhgn", queries[:, :, 0].view(2, 2, g, d), keys[:, :, :c])
+    per_slot = bounds.repeat_interleave(page, -1)[..., :c]
+    ok = (dots <= per_slot + 1e-4) | ~slot_valid[:, None, None, :c]
+    assert bool(ok.all())
+    # The bound is tight for a page of one slot.
+    if page == 1:
+        valid = slot_valid[:, None, None, :c].expand_as(dots)
+        torch.testing.assert_close(per_slot[valid], dots[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_quest_chooses_whole_pages_by_their_bound():
+    budget, recent, page = 40, 8, 8  # 32 free slots = 4 pages; 64 candidates = 8 pages
+    policy = load_policy("quest", budget=budget, recent=recent)
+    policy = load_policy({**policy.config.to_dict(), "scorer": {"type": "quest", "page_size": page}})
+    g = torch.Generator().manual_seed(5)
+    keys, values, queries = torch.randn(1, 2, 72, 16, generator=g), torch.randn(1, 2, 72, 16, generator=g), torch.randn(1, 4, 1, 16, generator=g)
+    kept = policy.select(keys, values, queries)
+    inp = make_input(keys, values, queries, recent=recent, budget=budget)
+    bounds = QuestScorer(page_size=page).page_bounds(inp).amax(2)  # [1, Hkv, 8]
+    for h in range(2):
+        cand = [j for j in kept[0, h].tolist() if j < 64]
+        pages = sorted({j // page for j in cand})
+        assert len(cand) == 32 and all(sum(1 for j in cand if j // page == p) == page for p in pages)
+        assert pages == sorted(bounds[0, h].topk(4).indices.tolist())
+
+
+# -- select mode wherever eviction works --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select"])
+def test_select_mode_padded_rows_decode_as_alone(qwen3, name):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(pads=(0, 7), seed=2)
+    n = 48
+    batched = _generate(model, KVPolicyCache(_select_policy(name), model), ids, mask, n)
+    for r in range(2):
+        keep = mask[r].bool()
+        alone = _generate(model, KVPolicyCache(_select_policy(name), model), ids[r : r + 1, keep], None, n)
+        assert torch.equal(batched[r, ids.shape[1]:], alone[0, keep.sum():]), f"row {r}"
+
+
+def test_select_mode_keeps_every_token_and_reuses_a_selection_between_intervals():
+    policy = _select_policy("vase-attnv@select")  # interval 4: a new selection every 4 steps
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(6)
+    chosen = []
+    for step in range(60):
+        t = 10 if step == 0 else 1
+        k, v, q = torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 4, t, 8, generator=g)
+        for layer in range(2):
+            cache.attend(layer, q, k, v)
+        group = cache.layers[0].group
+        chosen.append(bool(group.reselect.any()))
+    assert cache.layers[0].length == 69 and cache.stats()[0].evictions == 0
+    first = chosen.index(True)
+    assert chosen[first:] == [(i % 4 == 0) for i in range(len(chosen) - first)]
+
+
+def test_eval_stream_feeds_select_mode_step_by_step_once_over_budget(qwen3):
+    from kvpolicy.eval.decoding import Stream
+
+    model = _fresh(qwen3)
+    policy = _select_policy("oracle-topk")
+    ids = torch.randint(3, VOCAB, (80,), generator=torch.Generator().manual_seed(7)).tolist()
+    chunked, single = Stream(model, policy), Stream(model, policy)
+    got = torch.zeros(60, VOCAB)
+
+    def keep(offset, logits):
+        got[offset : offset + logits.shape[0]] = logits
+
+    chunked.feed(ids[:20])
+    chunked.feed(ids[20:], keep)
+    single.feed(ids[:20])
+    want = torch.stack([single.feed([t]) for t in ids[20:]])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select"])
+def test_a_selection_is_policy_select_on_the_cache_state(name):
+    """Each selection of each layer is ``Policy.select`` on the cache's slots and window, given the
+    layer and the row's selection count (stochastic selection included)."""
+    policy = _select_policy(name, seed=3)
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(8)
+    checked = 0
+    for step in range(50):
+        t = 10 if step == 0 else 1
+        k, v, q = torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 4, t, 8, generator=g)
+        for layer in range(2):
+            cache.attend(layer, q, k, v)
+            view, group = cache.layers[layer], cache.layers[layer].group
+            if bool(group.reselect.all()):
+                window, wvalid = view.window()
+                want = policy.select(view.keys, view.values, window, query_valid=wvalid, layer_idx=layer,
+                                     evictions=view.evictions, streams=view.streams)
+                assert torch.equal(group.selection[group.member[layer]], want), (name, step, layer)
+                checked += 1
+    assert checked >= 10
