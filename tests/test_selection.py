@@ -265,3 +265,42 @@ def test_a_selection_is_policy_select_on_the_cache_state(name):
                 assert torch.equal(group.selection[group.member[layer]], want), (name, step, layer)
                 checked += 1
     assert checked >= 10
+
+
+def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction():
+    """In select mode the cache keeps each page's min/max as tokens arrive (padded rows and a
+    page size that does not divide the chunk included); Quest reading them scores exactly as
+    Quest reducing the keys, so the cache's choice is ``Policy.select`` on its state."""
+    base = load_policy("quest", budget=40, recent=8).config.to_dict()
+    policy = load_policy({**base, "scorer": {"type": "quest", "page_size": 7}})
+    assert policy.key_page_sizes == frozenset({7})
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(9)
+    token_valid = torch.ones(2, 12, dtype=torch.bool)
+    token_valid[1, :5] = False
+    checked = 0
+    for step in range(70):
+        t = 12 if step == 0 else 1
+        k, v, q = torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 4, t, 8, generator=g)
+        for layer in range(2):
+            cache.attend(layer, q, k, v, token_valid if step == 0 else None)
+            group = cache.layers[layer].group
+            lo, hi = group.key_pages[7]
+            i = group.member[layer]
+            for row, count in enumerate(group.counts.tolist()):
+                full = count // 7
+                keys = group.buffers.keys[i, row, :, : full * 7].unflatten(1, (full, 7))
+                assert torch.equal(lo[i, row, :, :full], keys.amin(2))
+                assert torch.equal(hi[i, row, :, :full], keys.amax(2))
+            if bool(group.reselect.any()):
+                view = cache.layers[layer]
+                window, wvalid = view.window()
+                for row in range(2):
+                    if not bool(group.reselect[row]):
+                        continue
+                    count = int(group.counts[row])
+                    want = policy.select(view.keys[row:row + 1, :, :count], view.values[row:row + 1, :, :count],
+                                         window[row:row + 1], query_valid=wvalid[row:row + 1], layer_idx=layer)
+                    assert torch.equal(group.selection[i, row:row + 1], want)
+                    checked += 1
+    assert checked > 20

@@ -239,7 +239,7 @@ class EvictingCache:
         query_heads = keys.shape[1] if queries is None else queries.shape[1]
         group = LayerGroup(
             self.policy.schedule, peers, keys, values, query_heads, token_valid,
-            select_mode=self.policy.config.mode == "select",
+            select_mode=self.policy.config.mode == "select", page_sizes=self.policy.key_page_sizes,
         )
         if self.independent_rows:
             group.streams = torch.arange(group.batch)

@@ -85,6 +85,7 @@ class Executor:
                     block(keys, row_sel, count)[0], block(values, row_sel, count)[0], window, budget=budget,
                     recent=self.policy.schedule.recent, seed=self.seed, query_valid=window_valid,
                     layer_idx=layer, evictions=group.evictions[rows], streams=group.streams[rows],
+                    key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in group.key_pages.items()},
                 )
                 group.selection[i, row_sel] = self.policy.select_from(inp)
             chosen = group.selection[i, row_sel]

@@ -42,6 +42,12 @@ class Policy:
         return self.config.schedule
 
     @property
+    def key_page_sizes(self) -> frozenset[int]:
+        """Page sizes of the key summaries the policy's stages read (see ``Stage.key_page_sizes``)."""
+        stages = [self.config.scorer, *self.config.reservations, self.config.selector]
+        return frozenset().union(*(s.key_page_sizes for s in stages if s is not None))
+
+    @property
     def mode(self) -> str:
         """``"evict"`` or ``"select"`` (see ``PolicyConfig.mode``)."""
         return self.config.mode
@@ -187,6 +193,7 @@ def eviction_input(
     layer_idx: int | torch.Tensor = 0,
     evictions: int | torch.Tensor = 0,
     streams: int | torch.Tensor = 0,
+    key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> EvictionInput:
     """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
     ``Policy.select`` and the executor alike.
@@ -223,6 +230,7 @@ def eviction_input(
         query_valid=query_valid,
         positions=positions,
         seed_key=key,
+        key_pages=key_pages,
     )
 
 

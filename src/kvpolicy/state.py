@@ -100,6 +100,8 @@ class StepPlan:
     mask: torch.Tensor | None
     ring_slots: slice | torch.Tensor
     ring_take: int
+    written_from: int = 0  # slots [written_from, written_to) of some row receive the step's tokens
+    written_to: int = 0
 
 
 @dataclass
@@ -130,6 +132,7 @@ class LayerGroup:
         query_heads: int,
         token_valid: torch.Tensor | None,
         select_mode: bool = False,
+        page_sizes: frozenset[int] = frozenset(),
     ) -> None:
         b, h, t, d = keys.shape
         self.schedule = schedule
@@ -146,7 +149,7 @@ class LayerGroup:
         self.ring_next = 0
         zeros = torch.zeros(b, dtype=torch.long)
         # Per-row counters, [B] host tensors. While every row holds the same slots after the same
-        # tokens (no padding: the decoding hot path), ``_alike`` keeps them as two ints instead and
+        # tokens (no padding: the decoding hot path), ``_alike`` holds them as plain ints instead and
         # the tensors are filled in only when read (``_rows``).
         self._counts = zeros.clone()  # slots held per row, after the current step
         self._counts_before = zeros.clone()  # ... before it (what layers that did not write it yet hold)
@@ -170,6 +173,13 @@ class LayerGroup:
         )
         self.selected_at = torch.full((b,), -1, dtype=torch.long)
         self.reselect = torch.zeros(b, dtype=torch.bool)
+        # Select mode: per page of P slots, the per-channel min and max of each layer's keys,
+        # [Lyr, B, Hkv, pages, D], kept current as tokens arrive (EvictionInput.key_pages).
+        self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if select_mode:
+            for p in sorted(page_sizes):
+                shape = (len(layer_ids), b, h, -(-self.buffers.capacity // p), d)
+                self.key_pages[p] = (keys.new_zeros(shape), keys.new_zeros(shape))
         self.plan = self._plan(t, token_valid, added)
 
     # -- per-row counters ---------------------------------------------------------------------
@@ -284,7 +294,7 @@ class LayerGroup:
         after = before + added
         needed = int(after.max())
         if needed > self.buffers.capacity:
-            self.buffers.grow(self._capacity(needed))
+            self._grow(self._capacity(needed))
         uniform = token_valid is None and bool((before == before[0]).all())
         start = rows = cols = slots = mask = None
         if uniform:
@@ -326,12 +336,47 @@ class LayerGroup:
             # evict (what lets the harness feed long texts interval by interval, exactly).
             self._due = sched.fires_rows(after, self._tokens)
         self._check_alike()
-        return StepPlan(t, b, start, rows, cols, slots, mask, ring_slots, take)
+        return StepPlan(t, b, start, rows, cols, slots, mask, ring_slots, take, int(before.min()), needed)
 
     @property
     def selecting(self) -> bool:
         """Whether this step attends a selection (select mode, a decode step after the prompt)."""
         return self.select_mode and self.plan.tokens == 1 and self.tokens_seen_before > 0
+
+    def _grow(self, capacity: int) -> None:
+        """Grow the slot buffers (and the page summaries with them) to ``capacity`` slots."""
+        self.buffers.grow(capacity)
+        for p, (lo, hi) in list(self.key_pages.items()):
+            pages = -(-capacity // p)
+            grown = [t.new_zeros(*t.shape[:3], pages, t.shape[4]) for t in (lo, hi)]
+            for new, old in zip(grown, (lo, hi), strict=True):
+                new[:, :, :, : old.shape[3]] = old
+            self.key_pages[p] = (grown[0], grown[1])
+
+    def _summarise_pages(self, i: int) -> None:
+        """Recompute layer ``i``'s page summaries over the pages this step wrote into: one page
+        when decoding. Slots past a row's count are left out (+inf / -inf)."""
+        plan = self.plan
+        keys = self.buffers.keys[i]  # [B, Hkv, cap, D]
+        for p, (lo, hi) in self.key_pages.items():
+            first, last = plan.written_from // p, -(-plan.written_to // p)
+            block = keys[:, :, first * p : last * p]
+            pad = (last - first) * p - block.shape[2]
+            if plan.start is not None:  # every row holds `written_to` slots
+                full = plan.written_to % p == 0
+                empty = (torch.arange(first * p, first * p + block.shape[2], device=keys.device) >= plan.written_to)
+                empty = empty[None, None, :, None]
+            else:
+                full = False
+                slot = torch.arange(first * p, first * p + block.shape[2], device=keys.device)
+                empty = (slot >= self.counts.to(keys.device)[:, None])[:, None, :, None]  # [B, 1, S, 1]
+            if full and pad == 0:
+                low = high = block
+            else:
+                low = torch.nn.functional.pad(block.masked_fill(empty, float("inf")), (0, 0, 0, pad), value=float("inf"))
+                high = torch.nn.functional.pad(block.masked_fill(empty, float("-inf")), (0, 0, 0, pad), value=float("-inf"))
+            lo[i, :, :, first:last] = low.unflatten(2, (last - first, p)).amin(3)
+            hi[i, :, :, first:last] = high.unflatten(2, (last - first, p)).amax(3)
 
     def _capacity(self, needed: int) -> int:
         """Slots to allocate for ``needed``: the schedule's static capacity when evicting; whole
@@ -362,7 +407,7 @@ class LayerGroup:
         count, _, tokens, _ = self._alike  # type: ignore[misc]
         after = count + t
         if after > self.buffers.capacity:
-            self.buffers.grow(self._capacity(after))
+            self._grow(self._capacity(after))
         ring_slots, take = self._advance_ring(t, None)
         sched = self.schedule
         if self.select_mode:
@@ -375,7 +420,7 @@ class LayerGroup:
         self.extent_before, self.extent_now = count, after
         self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
         self.steps += 1
-        return StepPlan(t, self.batch, count, None, None, None, None, ring_slots, take)
+        return StepPlan(t, self.batch, count, None, None, None, None, ring_slots, take, count, after)
 
     def _advance_ring(self, t: int, token_valid: torch.Tensor | None) -> tuple[slice | torch.Tensor, int]:
         """Claim the query ring's slots for the step's last ``min(T, W)`` queries."""
@@ -418,6 +463,8 @@ class LayerGroup:
             if queries is None:
                 raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
             self.ring[i, :, :, plan.ring_slots] = queries[:, :, plan.tokens - plan.ring_take:].to(self.ring.dtype)
+        if self.key_pages:
+            self._summarise_pages(i)
         self.layer_steps[i] = self.steps
 
     def require_complete(self, action: str) -> None:
@@ -487,6 +534,7 @@ class LayerGroup:
             setattr(self, name, getattr(self, name)[host])
         if self.select_mode:
             self.selection = self.selection.index_select(1, dev)
+            self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
         self.extent_now = self.extent_before = int(self._counts.max()) if host.numel() else 0
         if host.numel():
             self._check_alike()

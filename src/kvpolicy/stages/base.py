@@ -9,6 +9,7 @@ memory (the executor does that).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -62,6 +63,12 @@ class EvictionInput:
     positions: torch.Tensor
     #: What keys the rows' random streams (None, as when a test builds an input by hand: all 0).
     seed_key: seeds.SeedKey | None = None
+    #: ``{P: (min, max)}``, each ``[B, Hkv, ceil(N / P), D]``: the per-channel minimum and maximum
+    #: of the keys of each page of ``P`` slots from slot 0, maintained by a cache that keeps every
+    #: token (select mode) for the page sizes its stages ask for (``Stage.key_page_sizes``). A
+    #: page's summary may cover slots past ``N`` that the cache holds; stages use only the pages
+    #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
+    key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def layer_seed(self) -> torch.Tensor:
@@ -140,6 +147,12 @@ class Stage(BaseModel, ABC):
 
     def validate_schedule(self, schedule: Schedule) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` if the stage cannot run under this schedule (checked at load)."""
+
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        """Page sizes whose per-page key summaries the stage reads (``EvictionInput.key_pages``).
+        A cache that keeps every token (select mode) maintains them as tokens arrive."""
+        return frozenset()
 
 
 def _plain(value: Any) -> Any:

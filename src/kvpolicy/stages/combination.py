@@ -39,6 +39,10 @@ class CombinationScorer(Scorer):
     def may_be_negative(self) -> bool:
         return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
 
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        return frozenset().union(*(t.scorer.key_page_sizes for t in self.terms))
+
     def validate_schedule(self, schedule: Schedule) -> None:
         for t in self.terms:
             t.scorer.validate_schedule(schedule)

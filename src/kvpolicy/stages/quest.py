@@ -25,7 +25,10 @@ class QuestScorer(Scorer):
     ``group_reduce`` (``max`` keeps it an upper bound for every head). Every slot of a page gets
     the page's bound (scaled by ``1 / sqrt(D)``), so a greedy selector takes pages whole except,
     at most, the last one it reaches. The dot products read ``2 C / P`` summaries instead of
-    ``C`` keys. Scores can be negative: use a greedy selector.
+    ``C`` keys, and in select mode the cache maintains the summaries of full pages as tokens
+    arrive (``EvictionInput.key_pages``), so only the last, short page is reduced from the keys.
+    Min and max are exact, so both ways give the same scores. Scores can be negative: use a
+    greedy selector.
     """
 
     type_name: ClassVar[str] = "quest"
@@ -36,6 +39,10 @@ class QuestScorer(Scorer):
     @property
     def may_be_negative(self) -> bool:
         return True
+
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        return frozenset({self.page_size})
 
     def validate_schedule(self, schedule: Schedule) -> None:
         if schedule.window < 1:
@@ -54,8 +61,13 @@ class QuestScorer(Scorer):
             lo = keys.masked_fill(~valid[..., None], float("inf"))
             hi = keys.masked_fill(~valid[..., None], float("-inf"))
         full = c // p
-        kmin = lo[:, :, : full * p].unflatten(2, (full, p)).amin(3)  # [B, Hkv, pages, D]
-        kmax = hi[:, :, : full * p].unflatten(2, (full, p)).amax(3)
+        cached = (inp.key_pages or {}).get(p)
+        if cached is not None and cached[0].shape[2] >= full and bool(valid.all()):
+            # Summaries the cache maintains as tokens arrive: no pass over the candidates' keys.
+            kmin, kmax = cached[0][:, :, :full].float(), cached[1][:, :, :full].float()
+        else:
+            kmin = lo[:, :, : full * p].unflatten(2, (full, p)).amin(3)  # [B, Hkv, pages, D]
+            kmax = hi[:, :, : full * p].unflatten(2, (full, p)).amax(3)
         if full * p < c:  # the last, short page
             kmin = torch.cat([kmin, lo[:, :, full * p :].amin(2, keepdim=True)], dim=2)
             kmax = torch.cat([kmax, hi[:, :, full * p :].amax(2, keepdim=True)], dim=2)

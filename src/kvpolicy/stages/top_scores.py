@@ -52,6 +52,10 @@ class TopScoresReservation(Reservation):
     def reserved_count(self, budget: int) -> int:
         return self.count(budget)
 
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        return self.scorer.key_page_sizes
+
     def validate_schedule(self, schedule: Schedule) -> None:
         self.count(schedule.budget)
         self.scorer.validate_schedule(schedule)
