@@ -43,7 +43,7 @@ $(OLD_VENV)/.kvpolicy-setup: pyproject.toml requirements/cpu.txt
 	touch $@
 
 test-oldest: $(OLD_VENV)/.kvpolicy-setup
-	$(OLD_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hf_cache.py tests/test_evicting.py tests/test_examples.py -m "not slow"
+	$(OLD_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hf_cache.py tests/test_cache_guarantees.py tests/test_selection.py tests/test_evicting.py tests/test_examples.py -m "not slow"
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

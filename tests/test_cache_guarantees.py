@@ -6,23 +6,21 @@ error that never poisons the next run."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+pytest.importorskip("transformers")
+from hf_util import CACHE_ARG, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import generate as _generate  # noqa: E402
 
 import kvpolicy  # noqa: E402
 from kvpolicy import EvictingCache, KVPolicyCache, load_policy  # noqa: E402
 from kvpolicy.state import CacheStateError  # noqa: E402
 
 VOCAB = 512
-_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
 SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # H2O-style: the only attention reader is a reservation; the selector keeps the protected slots.
 H2O_LIKE = {
@@ -46,47 +44,16 @@ def _small(name: str, **extra):
     return load_policy(name, **over)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def qwen3():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    return tiny_qwen3(layers=3, vocab=VOCAB)
 
 
-def _fresh(model):
-    m = copy.deepcopy(model)
-    m.set_attn_implementation("sdpa")
-    return m
+_fresh = fresh
 
 
 def _prompt(batch=2, length=20, pads=(0, 5), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for r, p in enumerate(pads[:batch]):
-        ids[r, :p] = 0
-        mask[r, :p] = 0
-    return ids, mask
-
-
-def _generate(model, cache, ids, mask, n):
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, **{CACHE_ARG: cache},
-        )
+    return left_padded_prompt(VOCAB, batch, length, pads, seed)
 
 
 def _steps(seed=0, n=40, b=2, hkv=2, hq=4, d=8, prompt=10):

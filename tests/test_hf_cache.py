@@ -11,6 +11,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from hf_util import CACHE_ARG, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import generate as _generate  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
     DynamicCache,
@@ -26,10 +28,6 @@ from kvpolicy import KVPolicyCache, load_policy  # noqa: E402
 from kvpolicy.hf import register  # noqa: E402
 
 VOCAB = 4096
-# generate() names the cache argument `cache` from transformers 5.24 on; `past_key_values`
-# before (and, deprecated, after). Test with the name the installed version prefers.
-_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
 SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}  # eviction within ~100 tokens
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
@@ -45,24 +43,12 @@ def _policy(name: str, **extra):
     return load_policy(name, **over)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core machine run ~10x faster on one intra-op thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, vocab_size=VOCAB, max_position_embeddings=8192,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    return tiny_qwen3(layers=4, vocab=VOCAB, hidden=128, heads=8, head_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -75,29 +61,11 @@ def llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _fresh(model):
-    """A copy still on sdpa attention (KVPolicyCache switches the model it is given)."""
-    m = copy.deepcopy(model)
-    m.set_attn_implementation("sdpa")
-    return m
+_fresh = fresh
 
 
 def _prompt(batch=2, length=24, pads=(0, 8), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for r, p in enumerate(pads[:batch]):
-        ids[r, :p] = 0
-        mask[r, :p] = 0
-    return ids, mask
-
-
-def _generate(model, cache, ids, mask, n, **kw):
-    with torch.no_grad():
-        return model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0, **{CACHE_ARG: cache}, **kw,
-        )
+    return left_padded_prompt(VOCAB, batch, length, pads, seed)
 
 
 # -- (a) budget above total length: identical to DynamicCache --------------------------------

@@ -3,67 +3,36 @@ stages choose (oracle top-k, Quest pages, or any eviction policy's stages)."""
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 from conftest import make_input  # noqa: E402
-from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from hf_util import fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import generate as _generate  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from kvpolicy import EvictingCache, KVPolicyCache, PolicyError, load_policy  # noqa: E402
 from kvpolicy.stages import QuestScorer  # noqa: E402
 
 VOCAB = 512
-_TF = tuple(int(x) for x in transformers.__version__.split(".")[:2])
-CACHE_ARG = "cache" if _TF >= (5, 24) else "past_key_values"
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    return tiny_qwen3(layers=2, vocab=VOCAB)
 
 
-def _fresh(model):
-    m = copy.deepcopy(model)
-    m.set_attn_implementation("sdpa")
-    return m
-
-
-def _generate(model, cache, ids, mask, n):
-    with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0, **{CACHE_ARG: cache})
+_fresh = fresh
 
 
 def _prompt(batch=2, length=20, pads=(0, 5), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for r, p in enumerate(pads[:batch]):
-        ids[r, :p] = 0
-        mask[r, :p] = 0
-    return ids, mask
+    return left_padded_prompt(VOCAB, batch, length, pads, seed)
 
 
 SELECT_POLICIES = {
