@@ -270,7 +270,10 @@ class LayerGroup:
         return self.extent_now if self.written(layer) else self.extent_before
 
     def memory_bytes(self) -> int:
-        return self.buffers.nbytes() + self.ring.numel() * self.ring.element_size() + self.ring_valid.numel()
+        """Bytes of the slot buffers, the query window and, in select mode, the selections and
+        page summaries."""
+        extra = [self.ring, self.ring_valid, self.selection, *(t for pair in self.key_pages.values() for t in pair)]
+        return self.buffers.nbytes() + sum(t.numel() * t.element_size() for t in extra)
 
     # -- a step -------------------------------------------------------------------------------
     def begin_step(self, t: int, token_valid: torch.Tensor | None) -> None:
