@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvpolicy import EvictingCache, load_policy
+from kvpolicy.state import gather_slots
 
 B, HKV, HQ, D = 2, 2, 4, 8
 
@@ -173,3 +176,20 @@ def test_shape_and_argument_errors():
     stream.step(0, k, v)
     stream.reset()
     assert stream.tokens_seen() == 0 and stream.layers[0].length == 0
+
+
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=1, max_size=3), n=st.integers(1, 12), d=st.integers(1, 5),
+    k=st.integers(1, 6), spare=st.integers(0, 4), seed=st.integers(0, 1000),
+)
+def test_gather_slots_equals_torch_gather_on_buffer_views(lead, n, d, k, spare, seed):
+    """The fast slot gather equals ``torch.gather`` on views of a larger buffer (slots past N in
+    the storage, rows selected by a slice), and on a layout it cannot take as rows."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(*lead, n + spare, d, generator=g)
+    x = buf[..., :n, :]  # a view, as the cache's held slots are
+    index = torch.randint(0, n, (*lead, k), generator=g)
+    want = torch.gather(x, -2, index[..., None].expand(*index.shape, d))
+    assert torch.equal(gather_slots(x, index), want)
+    y = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # slots are not rows of D: the fallback
+    assert torch.equal(gather_slots(y, index), want)

@@ -11,7 +11,7 @@ import torch
 
 from .attend import attend
 from .policy import Policy, eviction_input
-from .state import LayerGroup, block, compact_rows
+from .state import LayerGroup, block, compact_rows, gather_slots
 
 
 class Executor:
@@ -104,8 +104,7 @@ class Executor:
         for row_sel, count, index in self.selected_slots(group, layer):
             k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
             if index is not None:
-                gather = index[..., None].expand(*index.shape, k.shape[-1])
-                k, v = torch.gather(k, 2, gather), torch.gather(v, 2, gather)
+                k, v = gather_slots(k, index), gather_slots(v, index)
             out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling)
         return out
 

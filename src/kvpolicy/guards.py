@@ -46,7 +46,7 @@ def check_inputs(inp: EvictionInput) -> None:
             f"is larger than the budget ({inp.budget} slots kept): it cannot be kept whole"
         )
     named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
-    ok = torch.stack([_representable(t).all() for _, t in named]).tolist()
+    ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
     for (label, t), good in zip(named, ok, strict=True):
         if not good:
             raise SelectionError(_bad_input_message(label, t))
@@ -154,11 +154,17 @@ def declared_count(reservation: Reservation, budget: int) -> int | None:
     return reservation.reserved_count(budget)
 
 
-def _representable(t: torch.Tensor) -> torch.Tensor:
-    """Entries that float32 scores can use: finite, and within float32's range for float64."""
+def _all_representable(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every entry of ``t`` is finite, and within float32's range for float64 (scores are
+    computed in float32). One pass with no
+    temporary as large as ``t`` (the minimum and maximum; NaN propagates through both): cheap
+    enough to run on the whole cache at every step of select mode."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
     if t.dtype == torch.float64:
-        return t.abs() <= F32_MAX  # False for NaN, inf and anything beyond float32
-    return torch.isfinite(t)
+        return (lo >= -F32_MAX) & (hi <= F32_MAX)  # False for NaN
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def _bad_input_message(label: str, t: torch.Tensor) -> str:
