@@ -147,7 +147,7 @@ def test_tokens_to_eviction_is_the_next_token_by_token_eviction(count, budget, i
 
 # -- configuration and registry -----------------------------------------------------------------------
 def test_metric_registry_and_unknown_metric():
-    assert set(METRICS) == {"perplexity", "fidelity", "passkey", "accuracy", "reconstruction", "speed"}
+    assert set(METRICS) == {"perplexity", "fidelity", "passkey", "accuracy", "reconstruction", "speed", "lm"}
     with pytest.raises(EvalError, match="unknown metric"):
         get_metrics(["perplexity", "bleu"], EvalConfig())
 

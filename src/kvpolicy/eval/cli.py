@@ -19,7 +19,9 @@ examples:
   kvpolicy eval --model path/to/model_or.gguf --set fidelity.new_tokens=128
   kvpolicy eval --config runs/20261101-120000/config.yaml   # repeat a saved run
   kvpolicy eval --resume runs/20261101-120000               # finish an interrupted run
-metrics: perplexity, fidelity, passkey, accuracy, reconstruction, speed
+  kvpolicy eval --lm-tasks gsm8k --limit 50 --samples 4 --temperature 0.6   # the reasoning protocol
+  kvpolicy eval --model Qwen/Qwen3-4B --device cuda --dtype bfloat16 --lm-tasks aime25 --samples 8
+metrics: perplexity, fidelity, passkey, accuracy, reconstruction, speed, lm
 """
 
 
@@ -40,7 +42,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="a saved run configuration (config.yaml) to start from")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in RUN_DIR")
-    p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder or a .gguf file")
+    p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, a .gguf file or a "
+                                   "Hugging Face id (org/name; downloaded when online)")
     p.add_argument("--policies", nargs="+", metavar="POLICY", help="policy names or YAML files (default: all built-in)")
     p.add_argument("--budgets", nargs="+", type=int, metavar="N", help="budgets in slots (default: 96 128)")
     p.add_argument("--metrics", nargs="+", metavar="METRIC", help="metrics to compute (default: all but accuracy)")
@@ -48,7 +51,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", metavar="FILE", help="long text for perplexity, reconstruction and speed")
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="cpu (default), cuda, cuda:N or auto")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device-map", help="'auto': spread the model over every GPU (transformers device_map)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument(
         "--set",
         dest="sets",
@@ -57,6 +61,23 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override any configuration field, e.g. perplexity.tokens=1024 or passkey.context=[512,1024]",
     )
+    lm = p.add_argument_group(
+        "reasoning protocol (lm-evaluation-harness tasks, the 'lm' metric; each flag sets lm.<field>)")
+    lm.add_argument("--lm-tasks", nargs="+", metavar="TASK",
+                    help="lm-eval tasks (gsm8k, minerva_math500, aime25, gpqa_diamond_cot_zeroshot, ...) or task "
+                         "YAML files; selects the lm metric unless --metrics is given")
+    lm.add_argument("--limit", type=float, help="problems per task (a fraction if below 1): a quick look")
+    lm.add_argument("--samples", type=int, metavar="N", help="samples per problem (pass@1 is their mean)")
+    lm.add_argument("--pass-k", type=int, nargs="+", metavar="K", help="pass@k to report (default: 1 and N)")
+    lm.add_argument("--temperature", type=float, help="sampling temperature (default: the task's; 0 is greedy)")
+    lm.add_argument("--top-p", type=float)
+    lm.add_argument("--top-k", type=int)
+    lm.add_argument("--max-new-tokens", type=int, metavar="N", help="the thinking budget (default: the task's)")
+    lm.add_argument("--batch-size", type=int, metavar="B", help="rows decoded together (default 1)")
+    lm.add_argument("--no-chat-template", action="store_true", help="plain prompts (default: the chat template)")
+    lm.add_argument("--thinking", choices=["on", "off"], help="enable_thinking for the chat template (Qwen3)")
+    lm.add_argument("--include-path", metavar="DIR", help="a folder of extra lm-eval task YAML files")
+    lm.add_argument("--progress-every", type=int, metavar="N", help="a progress line every N samples (default 10)")
     p.add_argument("--out", metavar="DIR", help="run folder (default: runs/<timestamp>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -73,12 +94,33 @@ def build_config(args: argparse.Namespace):
         "text": args.text,
         "seed": args.seed,
         "device": args.device,
+        "device_map": args.device_map,
         "dtype": args.dtype,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.tasks:
         data.setdefault("accuracy", {})
         data["accuracy"] = {**dict(data["accuracy"]), "tasks": _split(args.tasks)}
+    lm = {
+        "tasks": _split(args.lm_tasks),
+        "limit": args.limit,
+        "samples": args.samples,
+        "ks": args.pass_k,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "chat_template": False if args.no_chat_template else None,
+        "enable_thinking": None if args.thinking is None else args.thinking == "on",
+        "include_path": args.include_path,
+        "progress_every": args.progress_every,
+    }
+    lm = {k: v for k, v in lm.items() if v is not None}
+    if lm:
+        data["lm"] = {**dict(data.get("lm") or {}), **lm}
+    if args.lm_tasks and args.metrics is None:
+        data["metrics"] = ["lm"]
     return EvalConfig.build(apply_sets(data, args.sets), "options")
 
 
@@ -99,7 +141,8 @@ def run_command(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         if args.resume:
-            given = [k for k in ("config", "model", "policies", "budgets", "metrics", "text", "seed") if getattr(args, k)]
+            given = [k for k in ("config", "model", "policies", "budgets", "metrics", "text", "seed", "lm_tasks")
+                     if getattr(args, k)]
             if given or args.sets:
                 raise EvalError(f"--resume continues a run as configured; drop {', '.join('--' + g for g in given) or '--set'}")
             config = None

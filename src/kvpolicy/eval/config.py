@@ -7,7 +7,7 @@ A run's ``config.yaml`` is this model dumped with every policy resolved to a map
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -76,6 +76,35 @@ class ReconstructionSettings(_Section):
 class SpeedSettings(_Section):
     context: int = Field(256, gt=1, description="Tokens fed (chunked, evicting) before the timed decode.")
     new_tokens: int = Field(16, gt=0)
+    batch: int = Field(1, gt=0, description="Rows decoded together (above 1: the prompt is the first `context` "
+                                             "tokens of the text in every row, prefilled at once).")
+
+
+class LMSettings(_Section):
+    """lm-evaluation-harness tasks under the reasoning protocol (``--lm-tasks``): n samples per
+    problem, pass@1 and pass@k, math-verify grading, per-sample loop signals and cost."""
+
+    tasks: list[str] = Field(default_factory=list, description="lm-eval task names, or task YAML files.")
+    include_path: str | None = Field(None, description="A folder of extra lm-eval task YAML files.")
+    limit: float | None = Field(None, gt=0, description="Problems per task (a fraction if below 1).")
+    samples: int = Field(1, gt=0, description="Samples per problem (n).")
+    ks: list[int] = Field(default_factory=list, description="pass@k reported (default: 1 and n).")
+    temperature: float | None = Field(None, ge=0.0, description="None: the task's own setting.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    max_new_tokens: int | None = Field(None, gt=0, description="The thinking budget (None: the task's).")
+    batch_size: int = Field(1, gt=0)
+    chat_template: bool = True
+    enable_thinking: bool | None = Field(None, description="Passed to the chat template (Qwen3).")
+    think_end: str = Field("auto", description="Reasoning-trace end marker: auto (</think> if known), none, or a string.")
+    system_instruction: str | None = None
+    num_fewshot: int | None = Field(None, ge=0)
+    grader: Literal["auto", "math", "task"] = Field(
+        "auto", description="math: math-verify; task: the task's own scorer; auto: math for math tasks.")
+    progress_every: int = Field(10, ge=0, description="A progress line every N finished samples.")
+
+    def pass_ks(self) -> list[int]:
+        return sorted(set(self.ks or [1, self.samples]))
 
 
 class EvalConfig(BaseModel):
@@ -83,8 +112,10 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field("bundled", description='"bundled" (SmolLM2-135M GGUF), a model folder or a .gguf file.')
+    model: str = Field(
+        "bundled", description='"bundled" (SmolLM2-135M GGUF), a model folder, a .gguf file or a Hub id (org/name).')
     device: str = "cpu"
+    device_map: str | None = Field(None, description='e.g. "auto": spread the model over every GPU.')
     dtype: str = "float32"
     seed: int = 0
     budgets: list[int] = Field(default_factory=lambda: [96, 128])
@@ -97,6 +128,7 @@ class EvalConfig(BaseModel):
     accuracy: AccuracySettings = Field(default_factory=AccuracySettings)
     reconstruction: ReconstructionSettings = Field(default_factory=ReconstructionSettings)
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
+    lm: LMSettings = Field(default_factory=LMSettings)
 
     @field_validator("budgets")
     @classmethod
@@ -108,8 +140,8 @@ class EvalConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        if v not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {v!r}")
+        if v not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {v!r}")
         return v
 
     # -- files -------------------------------------------------------------------------------

@@ -15,7 +15,15 @@ FULL = "full"
 
 @contextmanager
 def progress_bar(console, enabled: bool = True):
+    """Rich's live bars on a terminal; elsewhere (a log, a pipe, a job) a line per finished pair
+    with an ETA (:class:`kvpolicy.eval.progress.LineBars`); nothing when not ``enabled``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if enabled and not console.is_terminal:
+        from .progress import LineBars
+
+        yield LineBars(console)
+        return
 
     progress = Progress(
         TextColumn("{task.description:<28}"),
@@ -122,7 +130,51 @@ def write_plots(folder: Path, plan: Plan, rows: list[dict]) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         out.append(path)
+    pareto = pareto_plot(folder, rows)
+    if pareto is not None:
+        out.append(pareto)
     return out
+
+
+# Quality against memory: the first pair of keys that the rows report.
+PARETO = [("pass@1", "lm_kv_mib", "pass@1", "KV cache MiB (most held by a batch)"),
+          ("pass@1", "lm_peak_mib", "pass@1", "peak memory MiB"),
+          ("accuracy", "kv_mib", "pass@1 (reasoning-gym)", "KV cache MiB")]
+
+
+def pareto_plot(folder: Path, rows: list[dict]) -> Path | None:
+    """``pareto.png``: accuracy against KV memory, one line per policy through its budgets (the
+    full cache a star), when the rows hold both numbers; None otherwise."""
+    import matplotlib.pyplot as plt
+
+    found = next(
+        ((axes, pts) for axes in PARETO
+         if (pts := [r for r in rows if _finite(r["values"].get(axes[0])) and _finite(r["values"].get(axes[1]))])),
+        None,
+    )
+    if found is None:
+        return None
+    (y_key, x_key, y_label, x_label), pts = found
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["policy"] for r in pts):
+        mine = sorted((r["values"][x_key], r["values"][y_key], r["budget"]) for r in pts if r["policy"] == name)
+        if name == FULL:
+            ax.scatter([p[0] for p in mine], [p[1] for p in mine], marker="*", s=160, color="black", label="full cache",
+                       zorder=3)
+            continue
+        ax.plot([p[0] for p in mine], [p[1] for p in mine], marker="o", label=name)
+        for x, y, budget in mine:
+            ax.annotate(str(budget), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(f"{y_label} against memory (up and left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path = folder / "pareto.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _finite(v: Any) -> bool:

@@ -18,7 +18,15 @@ from typing import Any
 from ..config import PolicyError
 from ..policy import Policy, load_policy
 from .config import EvalConfig, EvalError
-from .models import ModelSource, load_model, load_tokenizer, resolve_device, resolve_model
+from .models import (
+    ModelSource,
+    attention_kernels,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from .suites import Metric, RunContext, get_metrics
 
 FULL = "full"
@@ -57,6 +65,7 @@ class Plan:
     pairs: list[Pair]
     text_name: str
     resolved: dict[str, dict] = field(default_factory=dict)
+    attention: dict[str, str] | None = None  # the kernels that ran (known once the model is loaded)
 
 
 def resolve_policies(config: EvalConfig) -> list[Pair]:
@@ -86,13 +95,16 @@ def plan_run(config: EvalConfig) -> Plan:
     metrics = get_metrics(config.metrics, config)
     pairs = resolve_policies(config)
     source = resolve_model(config.model)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device) if not config.device_map else "cuda"
     tokenizer = load_tokenizer(source)
-    text, text_name = read_text(config.text)
-    ids = text_ids(tokenizer, text)
     policies = [p.policy for p in pairs if p.policy is not None]  # every pair here has one
-    if policies and len(ids) <= max(p.budget for p in policies):
-        raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
+    ids: list[int] = []
+    text_name = "-"
+    if any(m.needs_text for m in metrics):
+        text, text_name = read_text(config.text)
+        ids = text_ids(tokenizer, text)
+        if policies and len(ids) <= max(p.budget for p in policies):
+            raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
     for metric in metrics:
         metric.prepare(tokenizer, ids, policies)
     resolved = {p.key: p.policy.config.to_dict() for p in pairs if p.policy is not None}
@@ -107,12 +119,13 @@ def versions() -> dict[str, str]:
 
     out = {"kvpolicy": str(__version__), "torch": str(torch.__version__),
            "transformers": str(transformers.__version__), "python": platform.python_version()}
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        out["reasoning_gym"] = version("reasoning-gym")
-    except Exception:
-        pass
+    for key, dist in (("reasoning_gym", "reasoning-gym"), ("lm_eval", "lm-eval"), ("math_verify", "math-verify")):
+        try:
+            out[key] = version(dist)
+        except PackageNotFoundError:
+            pass
     return out
 
 
@@ -179,6 +192,8 @@ class RunFolder:
             "model": plan.source.name,
             "text": plan.text_name,
             "device": plan.device,
+            "device_map": plan.config.device_map,
+            "attention": plan.attention,
             "budgets": plan.config.budgets,
             "metrics": plan.config.metrics,
             "seed": plan.config.seed,
@@ -246,12 +261,16 @@ def run_eval(
     if todo:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        model = load_model(plan.source, config.dtype, plan.device)
-        console.print(f"model loaded in {time.perf_counter() - t0:.1f} s")
+        dtype = resolve_dtype(config.dtype, plan.device)
+        model = load_model(plan.source, dtype, plan.device, device_map=config.device_map)
+        kernels = attention_kernels(model)
+        console.print(f"model loaded in {time.perf_counter() - t0:.1f} s ({dtype}); attention: full cache "
+                      f"{kernels['full']}, kvpolicy {kernels['kvpolicy']}", highlight=False)
         from .decoding import stop_token_ids
 
         ctx = RunContext(config, model, plan.tokenizer, plan.device, stop_token_ids(plan.tokenizer, model),
-                         base_attn=model.config._attn_implementation)
+                         base_attn=model.config._attn_implementation, folder=folder.path, progress=progress)
+        plan.attention = kernels
         try:
             with progress_bar(console, enabled=progress) as bar:
                 task = bar.add_task("pairs", total=len(todo))

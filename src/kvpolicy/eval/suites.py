@@ -55,6 +55,8 @@ class RunContext:
     device: str
     stop_ids: frozenset[int]
     base_attn: str = "sdpa"
+    folder: Path | None = None  # the run folder (metrics that record per-sample files write there)
+    progress: bool = True
 
     def stream(self, policy: Policy | None) -> Stream:
         return Stream(self.model, policy, self.base_attn)
@@ -67,6 +69,7 @@ class Metric:
     name: ClassVar[str]
     help: ClassVar[str]
     columns: ClassVar[list[Column]]
+    needs_text: ClassVar[bool] = True  # reads the long text (the run then checks it is long enough)
 
     def __init__(self, config: EvalConfig) -> None:
         self.config = config
@@ -349,6 +352,8 @@ class Speed(Metric):
 
     def run(self, ctx, policy, reference):
         s = self.config.speed
+        if s.batch > 1:
+            return self._run_batched(ctx, policy)
         reset_peak_memory(ctx.device)
         stream = ctx.stream(policy)
         prefill = min(64, len(self.ids) - 1)
@@ -360,6 +365,45 @@ class Speed(Metric):
             "tokens_per_s": forwards / seconds if seconds > 0 else float("nan"),
             "kv_mib": stream.memory_bytes() / 2**20,
             "peak_mib": peak_memory_mib(ctx.device),
+        }
+        return MetricResult(values)
+
+    def _run_batched(self, ctx, policy):
+        """``batch`` rows of the same prompt, prefilled at once, then ``new_tokens`` greedy steps each
+        (no stopping): output tokens/s over the whole batch, as in the throughput setting."""
+        from .generation import Prompt, SamplingParams, generate_batch
+
+        s = self.config.speed
+        reset_peak_memory(ctx.device)
+        cache: Any
+        if policy is None:
+            from transformers import DynamicCache
+
+            if ctx.model.config._attn_implementation != ctx.base_attn:
+                ctx.model.set_attn_implementation(ctx.base_attn)
+            cache = DynamicCache(config=ctx.model.config)
+        else:
+            from ..hf import KVPolicyCache
+
+            cache = KVPolicyCache(policy, ctx.model, independent_rows=True)
+        params = SamplingParams(max_new_tokens=s.new_tokens, min_new_tokens=s.new_tokens)
+        prompts = [Prompt(self.ids, key=r) for r in range(s.batch)]
+        try:
+            _, stats = generate_batch(ctx.model, cache, ctx.tokenizer, prompts, params, frozenset())
+        except torch.cuda.OutOfMemoryError:
+            # The full cache at long outputs: a finding, not a failure of the run.
+            del cache
+            torch.cuda.empty_cache()
+            nan = float("nan")
+            return MetricResult({"tokens_per_s": nan, "kv_mib": nan, "peak_mib": peak_memory_mib(ctx.device),
+                                 "evict_share": None, "oom": True})
+        decode = stats.seconds - stats.prefill_seconds
+        steps = max(s.new_tokens - 1, 1)  # forwards after the prefill
+        values = {
+            "tokens_per_s": s.batch * steps / decode if decode > 0 else float("nan"),
+            "kv_mib": stats.kv_bytes / 2**20,
+            "peak_mib": peak_memory_mib(ctx.device),
+            "evict_share": (stats.evict_seconds / decode) if stats.evict_seconds is not None and decode > 0 else None,
         }
         return MetricResult(values)
 
@@ -388,8 +432,10 @@ def peak_memory_mib(device: str) -> float:
     return peak / 2**20 if platform.system() == "Darwin" else peak / 1024
 
 
+from .protocol import LMTasks  # noqa: E402  (it builds on the classes above)
+
 METRICS: dict[str, type[Metric]] = {
-    cls.name: cls for cls in (Perplexity, Fidelity, Passkey, Accuracy, Reconstruction, Speed)
+    cls.name: cls for cls in (Perplexity, Fidelity, Passkey, Accuracy, Reconstruction, Speed, LMTasks)
 }
 
 
