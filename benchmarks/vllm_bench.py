@@ -1,0 +1,149 @@
+"""Throughput and memory of a vLLM server with and without kvpolicy eviction, at a fixed KV-cache size.
+
+Each configuration starts its own engine (in turn), runs the same batch of long greedy
+generations, and reports output tokens/s, wall time, the peak number of requests running at
+once, and the peak KV blocks in use (from kvpolicy's scheduler trace). "full" is the same engine
+with a budget above every request's length: the plugin is active but never evicts, which the
+tests show gives vLLM's own tokens.
+
+CPU (here; the bundled SmolLM2-135M, float32)::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --blocks 64 --requests 16 --new 512
+
+GPU (when one is lent; Qwen3-4B-shaped random weights built in code)::
+
+    python benchmarks/vllm_bench.py --model qwen3-4b-random --requests 16 --new 8192 --blocks 4096 \
+        --max-model-len 9216 --dtype bfloat16
+
+The integration supports vLLM's CPU backend only so far: on a GPU kvpolicy refuses to start,
+and the script then runs and records the full cache alone (see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+POLICIES = {
+    "full": {"policy": "snapkv", "budget": 1 << 20},
+    "snapkv": {"policy": "snapkv", "budget": 128},
+    "streamingllm": {"policy": "streamingllm", "budget": 128},
+    "rkv": {"policy": "rkv", "budget": 128},
+}
+
+
+def qwen3_4b_random(folder: Path) -> Path:
+    """A Qwen3-4B-shaped config (weights drawn by vLLM: load_format='dummy')."""
+    from transformers import Qwen3Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Qwen3Config(
+        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=True, dtype="bfloat16",
+    ).save_pretrained(folder)
+    from kvpolicy.vllm.models import smollm2_folder
+
+    try:  # any tokenizer will do for random weights and token-id prompts
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
+    except Exception:
+        pass
+    return folder
+
+
+def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    trace = Path(tempfile.mkdtemp(prefix=f"kvbench-{name}-"))
+    kv = {**POLICIES[name], "trace": str(trace)}
+    llm = LLM(
+        model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
+        enable_prefix_caching=False, async_scheduling=False, seed=0,
+        additional_config={"kvpolicy": kv}, **extra,
+    )
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(100, 3000) for _ in range(args.prompt)])
+               for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=0.0)
+    t0 = time.time()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.time() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = []
+    for path in trace.glob("scheduler-*.jsonl"):
+        steps += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    shutil.rmtree(trace, ignore_errors=True)
+    return {
+        "config": name, "policy": POLICIES[name], "requests": args.requests, "output_tokens": tokens,
+        "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
+        "peak_running": max((s["running"] for s in steps), default=None),
+        "mean_running": round(sum(s["running"] for s in steps) / max(1, len(steps)), 2),
+        "engine_steps": len(steps),
+        "peak_blocks_in_use": max((s["held_blocks"] for s in steps), default=None),
+        "kv_blocks": args.blocks, "block_size": args.block_size,
+        "evictions": sum(s["evicted"] for s in steps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), qwen3-4b-random, or a folder")
+    parser.add_argument("--configs", default="full,snapkv,streamingllm,rkv")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--new", type=int, default=512, help="generated tokens per request")
+    parser.add_argument("--blocks", type=int, default=64, help="KV-cache blocks (fixed size for every config)")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=1024, help="must fit in --blocks x --block-size")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU: GiB reserved; --blocks sets what is used
+    extra: dict = {}
+    if args.model == "smollm2":
+        from kvpolicy.vllm.models import smollm2_folder
+
+        model = str(smollm2_folder())
+    elif args.model == "qwen3-4b-random":
+        model = str(qwen3_4b_random(Path(tempfile.mkdtemp(prefix="qwen3-4b-"))))
+        extra["load_format"] = "dummy"
+    else:
+        model = args.model
+    results = []
+    for name in args.configs.split(","):
+        try:
+            results.append(run_one(name, args, model, extra))
+        except Exception as exc:  # a refusal (e.g. a GPU platform) is recorded, not fatal
+            results.append({"config": name, "error": str(exc).splitlines()[0][:300]})
+        print(json.dumps(results[-1]), flush=True)
+    print("\n| config | output tok/s | wall s | engine steps | mean running | peak running | peak blocks in use | evictions |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['config']} | refused: {r['error']} | | | | | | |")
+        else:
+            print(f"| {r['config']} | {r['output_tok_per_s']} | {r['wall_s']} | {r['engine_steps']} | "
+                  f"{r['mean_running']} | {r['peak_running']} | "
+                  f"{r['peak_blocks_in_use']} / {r['kv_blocks']} | {r['evictions']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

