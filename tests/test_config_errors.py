@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import make_tensors
+from helpers import make_tensors
 
 import kvpolicy
 from kvpolicy import PolicyError

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from conftest import assert_valid_selection, make_input, make_tensors
+from helpers import assert_valid_selection, make_input, make_tensors
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
-from conftest import make_input  # noqa: E402
+from helpers import make_input  # noqa: E402
 from hf_util import fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 from transformers import DynamicCache  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import reference as ref
 import torch
-from conftest import assert_valid_selection, make_input, make_tensors
+from helpers import assert_valid_selection, make_input, make_tensors
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import reference as ref
 import torch
-from conftest import left_padding, make_input, make_tensors
+from helpers import left_padding, make_input, make_tensors
 
 from kvpolicy.stages import (
     AttentionScorer,

@@ -1,0 +1,80 @@
+"""Tensor helpers shared by the stage, selector and policy tests (imported as ``helpers``:
+importing from ``conftest`` would find another folder's conftest first)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpolicy.policy import eviction_input
+from kvpolicy.stages.base import EvictionInput
+
+
+def make_tensors(b=2, hkv=2, hq=4, n=24, d=8, w=4, seed=0, dtype=torch.float32):
+    """Random keys, values and queries with the library's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    values = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    queries = torch.randn(b, hq, w, d, generator=g).to(dtype)
+    return keys, values, queries
+
+
+def make_input(
+    keys,
+    values,
+    queries,
+    *,
+    recent: int = 4,
+    budget: int | None = None,
+    slot_valid=None,
+    query_valid=None,
+    positions=None,
+    seed: int = 0,
+    layer_idx=0,
+    evictions=0,
+    streams=0,
+) -> EvictionInput:
+    """An ``EvictionInput`` as ``Policy.select`` would assemble it (``budget`` None: keep all)."""
+    return eviction_input(
+        keys, values, queries, budget=keys.shape[2] if budget is None else budget, recent=recent,
+        slot_valid=slot_valid, query_valid=query_valid, positions=positions, seed=seed,
+        layer_idx=layer_idx, evictions=evictions, streams=streams,
+    )
+
+
+def left_padding(b: int, n: int, pads: list[int]) -> torch.Tensor:
+    """``[B, N]`` slot_valid with ``pads[i]`` padding slots at the start of row ``i``."""
+    idx = torch.arange(n)
+    return torch.stack([idx >= p for p in pads[:b]])
+
+
+def assert_valid_selection(kept: torch.Tensor, n: int, k: int, protected: torch.Tensor | None = None) -> None:
+    """``[B, H, K]`` ascending, unique, in range, and containing every ``protected`` ``[B, H, N]`` slot."""
+    assert kept.dtype == torch.long
+    assert kept.shape[-1] == k, (kept.shape, k)
+    if k > 1:
+        assert bool((kept[..., 1:] > kept[..., :-1]).all()), "not strictly ascending"
+    assert bool((kept >= 0).all()) and bool((kept < n).all())
+    if protected is not None:
+        mask = torch.zeros(*kept.shape[:-1], n, dtype=torch.bool).scatter_(-1, kept, True)
+        missing = protected & ~mask
+        assert not bool(missing.any()), f"protected slots dropped: {missing.nonzero()[:5].tolist()}"
+
+
+def assert_greedy_matches(kept: torch.Tensor, ref_kept, ref_scores: torch.Tensor, protected_ref, atol=1e-6):
+    """The library's kept set equals the reference one, up to swaps between near-tied scores."""
+    b_, h_ = kept.shape[:2]
+    for b in range(b_):
+        for h in range(h_):
+            got, want = set(kept[b, h].tolist()), set(ref_kept[b][h])
+            if got == want:
+                continue
+            # Accept only swaps among (near-)ties of the reference score.
+            extra, lost = got - want, want - got
+            prot = protected_ref[b][h] if protected_ref is not None else set()
+            assert not (lost & prot), f"row {b} head {h}: protected {sorted(lost & prot)} dropped"
+            worst_kept = min(float(ref_scores[b, h, j]) for j in extra)
+            best_lost = max(float(ref_scores[b, h, j]) for j in lost)
+            assert best_lost - worst_kept <= atol, (
+                f"row {b} head {h}: kept {sorted(extra)} over {sorted(lost)} "
+                f"({worst_kept} < {best_lost})"
+            )
