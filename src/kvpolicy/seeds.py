@@ -14,7 +14,9 @@ Here each batch row of each layer draws from its own stream, keyed by
 
 and element ``i`` of a draw is ``splitmix64(row seed, stream, i)``. So a padded row draws exactly
 what it draws alone, a reset cache what a fresh one draws, ``Policy.select`` what the cache drew,
-and CPU and GPU give the same bits. All arithmetic is on int64 tensors, wrapping like uint64
+and, being integer arithmetic on the seeds
+alone, the draws do not depend on a device's generator (the same bits on CPU and GPU are
+expected but were only checked on CPU). All arithmetic is on int64 tensors, wrapping like uint64
 (two's complement); right shifts are masked to make them logical.
 """
 

@@ -117,7 +117,7 @@ def kvpolicy_attention(
     layer_idx = getattr(module, "layer_idx", None)
     if cache is not None:
         # The model did reach kvpolicy attention, whatever is refused below.
-        cache.unstage(layer_idx)
+        cache.unstage()
     if dropout and module.training:
         raise NotImplementedError("kvpolicy attention is for inference: attention dropout is not supported")
     if sliding_window is not None:

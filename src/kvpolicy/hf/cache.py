@@ -176,8 +176,8 @@ class KVPolicyCache(Cache):
         self._staged_layer = layer_idx
         return tag_keys(key_states, self), value_states
 
-    def unstage(self, layer_idx: int | None) -> None:
-        """The kvpolicy attention function received this cache's keys for ``layer_idx``."""
+    def unstage(self) -> None:
+        """The kvpolicy attention function received the keys this cache's ``update`` returned."""
         self._staged_layer = None
 
     def attend(
