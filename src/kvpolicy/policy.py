@@ -98,6 +98,7 @@ class Policy:
         evictions: int | torch.Tensor = 0,
         streams: int | torch.Tensor = 0,
         seed: int | None = None,
+        head_offset: int = 0,
     ) -> torch.Tensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
@@ -117,6 +118,9 @@ class Policy:
             streams: each row's random stream (an int or ``[B]``; default 0: a row's draws depend
                 on its own layer and evictions only, so identical rows draw identically).
             seed: overrides the policy's ``seed``.
+            head_offset: the model's index of the first of the ``Hkv`` heads given (a
+                tensor-parallel shard of the heads): per-head draws are keyed by the model's head,
+                so each shard keeps what ``select`` on all heads keeps for those heads.
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
@@ -130,6 +134,7 @@ class Policy:
             keys, values, queries, budget=self.budget, recent=self.schedule.recent,
             slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
+            head_offset=head_offset,
         )
         return self.select_from(inp)
 
@@ -194,6 +199,7 @@ def eviction_input(
     evictions: int | torch.Tensor = 0,
     streams: int | torch.Tensor = 0,
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    head_offset: int = 0,
 ) -> EvictionInput:
     """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
     ``Policy.select`` and the executor alike.
@@ -217,6 +223,8 @@ def eviction_input(
         positions = positions[:, None, :].expand(b, hkv, n)
     if not 0 <= seed <= seeds.INT64_MAX:
         raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or not 0 <= head_offset <= MAX_HEAD_OFFSET:
+        raise ValueError(f"head_offset must be an int in [0, {MAX_HEAD_OFFSET}], got {head_offset!r}")
     key = seeds.SeedKey(
         seed, _per_row(layer_idx, b, "layer_idx"), _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
     )
@@ -231,7 +239,12 @@ def eviction_input(
         positions=positions,
         seed_key=key,
         key_pages=key_pages,
+        head_offset=head_offset,
     )
+
+
+#: Far above any model's KV-head count, and small enough that ``head_offset * N`` counters never overflow.
+MAX_HEAD_OFFSET = 1 << 20
 
 
 def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:

@@ -70,28 +70,38 @@ def row_seeds(layer_seed: torch.Tensor, streams: torch.Tensor, evictions: torch.
     return combine(combine(layer_seed, streams.long()), evictions.long())
 
 
-def uniform(seeds: torch.Tensor, shape: tuple[int, ...], stream: str, device: torch.device | None = None) -> torch.Tensor:
+def uniform(
+    seeds: torch.Tensor, shape: tuple[int, ...], stream: str, device: torch.device | None = None, start: int = 0
+) -> torch.Tensor:
     """``[R, *shape]`` float32 in the open interval ``(0, 1)``, one independent stream per seed.
 
     Element ``i`` (row-major over ``shape``) of row ``r`` is a function of ``seeds[r]``,
-    ``stream`` and ``i`` only: it does not depend on the other rows or on ``device``.
+    ``stream`` and ``start + i`` only: it does not depend on the other rows or on ``device``.
+    ``start`` reads a window of a longer draw: the draw of shape ``(n, *rest)`` with ``start =
+    a * prod(rest)`` equals entries ``a .. a+n-1`` of the draw of shape ``(a + n, *rest)`` (how a
+    tensor-parallel rank draws for its own slice of the heads).
     """
     device = seeds.device if device is None else device
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     count = 1
     for s in shape:
         count *= s
     base = combine(seeds.to(device), stream_id(stream))  # [R]
-    counter = torch.arange(count, device=device, dtype=torch.long) * _GAMMA
+    counter = (torch.arange(count, device=device, dtype=torch.long) + start) * _GAMMA
     bits = mix(base[:, None] + counter)  # [R, count]
     # The top 24 bits, centred in their bucket: exactly representable in float32, never 0 or 1.
     u = (_srl(bits, 40).float() + 0.5) * (1.0 / (1 << 24))
     return u.view(seeds.shape[0], *shape)
 
 
-def normal(seeds: torch.Tensor, shape: tuple[int, ...], stream: str, device: torch.device | None = None) -> torch.Tensor:
-    """``[R, *shape]`` float32 standard normal draws (Box-Muller on two uniform streams)."""
-    u1 = uniform(seeds, shape, stream + "/radius", device)
-    u2 = uniform(seeds, shape, stream + "/angle", device)
+def normal(
+    seeds: torch.Tensor, shape: tuple[int, ...], stream: str, device: torch.device | None = None, start: int = 0
+) -> torch.Tensor:
+    """``[R, *shape]`` float32 standard normal draws (Box-Muller on two uniform streams; ``start``
+    as in ``uniform``)."""
+    u1 = uniform(seeds, shape, stream + "/radius", device, start)
+    u2 = uniform(seeds, shape, stream + "/angle", device, start)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * torch.pi) * u2)
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +63,33 @@ def close(llm) -> None:
         pass
     del llm
     gc.collect()
+
+
+def generate_in_subprocess(
+    folder: Path, model: str | Path, prompts: list[list[int]], max_tokens: int,
+    kvpolicy: dict[str, Any] | None = None, env: dict[str, str] | None = None, **llm_kwargs: Any,
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` from an engine started in a process of its own.
+
+    For engines that need their own environment (``VLLM_PLUGINS``, thread binding): vLLM caches
+    its environment, so setting it in the test process would stick to the engines started after.
+    """
+    out = folder / "tokens.json"
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from engine_util import make_llm, greedy, tokens_prompt\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = make_llm({str(model)!r}, {kvpolicy!r}, **{llm_kwargs!r})\n"
+        f"    outs = llm.generate([tokens_prompt(p) for p in {prompts!r}], greedy({max_tokens}), use_tqdm=False)\n"
+        f"    open({str(out)!r}, 'w').write(json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n"
+    )
+    script = folder / "engine.py"
+    script.write_text(code)
+    log = folder / "engine.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, str(script)], env={**os.environ, **(env or {})},
+                              timeout=1200, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine process failed ({proc.returncode}); its log ends:\n{log.read_text()[-3000:]}")
+    return json.loads(out.read_text())

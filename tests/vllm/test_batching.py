@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import first_divergence, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
 
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
 
@@ -80,3 +80,43 @@ def test_blocks_are_freed_by_evictions_and_none_leak(engine):
     last = steps[-1]
     assert last["running"] == 0 and last["held_blocks"] == 0
     assert last["free_blocks"] == last["total_blocks"]
+
+
+def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path):
+    """10 blocks for 10 requests under priority scheduling: 4 low-priority requests decode and
+    evict for 60 steps, then 6 high-priority ones arrive, and vLLM preempts the low-priority ones
+    (after several evictions each) to make room, and recomputes them later. Every request still
+    gets its tokens, the resumed ones evict again from a fresh count, and no block leaks."""
+    llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(tmp_path)}, block_size=BLOCK, max_num_seqs=12,
+                   num_gpu_blocks_override=10, max_model_len=288, scheduling_policy="priority")
+    rng = random.Random(3)
+    reqs = [([rng.randint(3, 4000) for _ in range(rng.randint(10, 30))], rng.randint(150, 200)) for _ in range(10)]
+    done: dict[str, int] = {}
+    try:
+        eng = llm.llm_engine
+        for i in range(4):
+            eng.add_request(f"low-{i}", tokens_prompt(reqs[i][0]), greedy(reqs[i][1]), priority=5)
+        step = 0
+        while len(done) < len(reqs):
+            if step == 60:
+                for i in range(4, len(reqs)):
+                    eng.add_request(f"high-{i}", tokens_prompt(reqs[i][0]), greedy(reqs[i][1]), priority=0)
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = len(out.outputs[0].token_ids)
+            step += 1
+    finally:
+        close(llm)
+    assert [done[f"{'low' if i < 4 else 'high'}-{i}"] for i in range(len(reqs))] == [n for _, n in reqs]
+    steps = read_jsonl(tmp_path, "scheduler-")
+    assert sum(s["resumed"] for s in steps) > 0, "no request was preempted: the test no longer tests preemption"
+    # A preempted request that had evicted starts its count afresh once vLLM has recomputed it.
+    counts: dict[str, list[int]] = {}
+    for e in read_jsonl(tmp_path, "worker-"):
+        for req, n in zip(e["requests"], e["evictions_after"], strict=True):
+            counts.setdefault(req, []).append(n)
+    restarted = [r for r, c in counts.items() if any(b <= a for a, b in zip(c, c[1:], strict=False))]
+    assert any(r.startswith("low-") for r in restarted), counts
+    assert all(s["held_blocks"] <= s["total_blocks"] for s in steps)
+    last = steps[-1]
+    assert last["running"] == 0 and last["held_blocks"] == 0 and last["free_blocks"] == last["total_blocks"]

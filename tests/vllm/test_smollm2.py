@@ -3,18 +3,12 @@ transformers path (``KVPolicyCache`` + ``generate()``) for snapkv and streamingl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, generate_in_subprocess, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -125,21 +119,5 @@ def test_streamingllm_parity(model_dir, hf_refs, tmp_path):
 
 
 def _without_plugin(model_dir, prompts, tmp_path):
-    """The same vLLM with kvpolicy not loaded at all (``VLLM_PLUGINS``), in its own process: vLLM
-    caches its environment, so setting it here would stick to the engines started after."""
-    out = tmp_path / "baseline.json"
-    code = (
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from engine_util import make_llm, greedy, tokens_prompt\n"
-        "if __name__ == '__main__':\n"
-        f"    llm = make_llm({str(model_dir)!r}, block_size={BLOCK})\n"
-        f"    outs = llm.generate([tokens_prompt(p) for p in {prompts!r}], greedy(100), use_tqdm=False)\n"
-        f"    open({str(out)!r}, 'w').write(json.dumps([list(o.outputs[0].token_ids) for o in outs]))\n"
-    )
-    script = tmp_path / "baseline.py"
-    script.write_text(code)
-    env = {**os.environ, "VLLM_PLUGINS": "none"}
-    subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=1200,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    """The same vLLM with kvpolicy not loaded at all (``VLLM_PLUGINS=none``)."""
+    return generate_in_subprocess(tmp_path, model_dir, prompts, 100, env={"VLLM_PLUGINS": "none"}, block_size=BLOCK)

@@ -51,6 +51,10 @@ class EvictionInput:
         row_seed: ``[B]`` int64, the seed of each row's current eviction: for stages that draw
             afresh at every eviction. Draw through ``uniform``/``normal`` below, never from a
             global generator: a row's draws then depend on that row alone (see ``kvpolicy.seeds``).
+        head_offset: the model's index of the first KV head in ``keys`` (0 unless the heads are
+            sharded: a tensor-parallel rank holds heads ``head_offset .. head_offset + Hkv - 1``).
+            Per-head draws (``head_uniform``/``head_normal``) are keyed by the model's head, so a
+            sharded run draws exactly what an unsharded one does.
     """
 
     keys: torch.Tensor
@@ -69,6 +73,7 @@ class EvictionInput:
     #: page's summary may cover slots past ``N`` that the cache holds; stages use only the pages
     #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    head_offset: int = 0
 
     @property
     def layer_seed(self) -> torch.Tensor:
@@ -98,6 +103,24 @@ class EvictionInput:
         seed = self.row_seed if per == "eviction" else self.layer_seed
         return seeds.normal(seed, shape, stream, self.keys.device)
 
+    def head_uniform(self, *shape: int, stream: str) -> torch.Tensor:
+        """``[B, Hkv, *shape]`` float32 in ``(0, 1)``: draws of their own for each KV head.
+
+        Use it, not ``uniform(num_kv_heads, ...)``, for anything drawn per head: head ``h`` draws
+        as the model's head ``head_offset + h``, so a tensor-parallel rank draws its heads' share
+        of the unsharded draw (with ``head_offset`` 0 the two calls give the same numbers).
+        """
+        rest = _numel(shape)
+        full = (self.num_kv_heads, *shape)
+        return seeds.uniform(self.row_seed, full, stream, self.keys.device, start=self.head_offset * rest)
+
+    def head_normal(self, *shape: int, stream: str, per: Literal["eviction", "layer"] = "eviction") -> torch.Tensor:
+        """``[B, Hkv, *shape]`` float32 standard normal draws per KV head (see ``head_uniform``)."""
+        seed = self.row_seed if per == "eviction" else self.layer_seed
+        rest = _numel(shape)
+        full = (self.num_kv_heads, *shape)
+        return seeds.normal(seed, full, stream, self.keys.device, start=self.head_offset * rest)
+
     @property
     def batch(self) -> int:
         return self.keys.shape[0]
@@ -123,6 +146,13 @@ class EvictionInput:
         """``[B, Hkv, N]`` bool: valid slots that are eviction candidates."""
         idx = torch.arange(self.num_slots, device=self.keys.device)
         return self.slot_valid & (idx < self.num_candidates)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for s in shape:
+        count *= s
+    return count
 
 
 class Stage(BaseModel, ABC):

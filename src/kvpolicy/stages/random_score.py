@@ -17,4 +17,4 @@ class RandomScorer(Scorer):
     stochastic: ClassVar[bool] = True
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
-        return inp.uniform(inp.num_kv_heads, inp.num_slots, stream=self.type_name)
+        return inp.head_uniform(inp.num_slots, stream=self.type_name)

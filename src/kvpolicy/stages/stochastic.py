@@ -34,7 +34,7 @@ class StochasticSelector(Selector):
                 "the stochastic selector samples in proportion to the score and needs non-negative "
                 f"scores; got a minimum of {float(scores[cand].min()):.4g}"
             )
-        u = inp.uniform(inp.num_kv_heads, inp.num_slots, stream=self.type_name)  # in (0, 1)
+        u = inp.head_uniform(inp.num_slots, stream=self.type_name)  # in (0, 1)
         gumbel = -torch.log(-torch.log(u))
         # Positive weights: log(w) / T + Gumbel, kept above -1e38 however small T is. Zero weights:
         # uniformly random order in [-3.4e38, -1.7e38], below every positive weight (a fixed

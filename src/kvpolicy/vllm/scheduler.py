@@ -75,6 +75,7 @@ class SchedulerEviction:
                 "blocks_freed_total": self.blocks_freed,
                 "held_blocks": sum(len(b) for m in managers for b in m.req_to_blocks.values()),
                 "requests": len(sched.requests),
+                "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
             }
             with open(self.trace, "a") as f:
                 f.write(json.dumps(record) + "\n")

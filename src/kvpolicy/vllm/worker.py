@@ -21,6 +21,7 @@ The ring and the per-slot positions are the only state kept beside vLLM's own.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from ..policy import Policy
 from .ledger import SlotLedger
 from .paged import compact, gather_slots, slot_address
 from .settings import KVPolicyVLLMError, Resolved
+
+logger = logging.getLogger(__name__)
 
 #: The worker state of this process (one model runner per worker process).
 _ACTIVE: WorkerEviction | None = None
@@ -75,12 +78,13 @@ class WorkerEviction:
         self.capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.layout_checked = False
         self.evictions = 0
-        try:
-            import torch.distributed as dist
+        # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
+        # the model's (start-up refuses a TP size that does not divide them): it evicts those
+        # alone, drawing what an unsharded run draws for them (Policy.select's head_offset).
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-            self.rank = dist.get_rank() if dist.is_initialized() else 0
-        except Exception:  # pragma: no cover
-            self.rank = 0
+        self.rank = int(get_tensor_model_parallel_rank())
+        self.head_offset = self.rank * self.kv_heads
         self.trace = Path(resolved.trace) if resolved.trace else None
         self.saves = 0
         if self.trace is not None:
@@ -93,6 +97,15 @@ class WorkerEviction:
         for new in scheduler_output.scheduled_new_reqs:
             self._drop(new.req_id)  # a new request, or one resubmitted under the same id
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            state = self.ledger.requests.get(req_id)
+            if state is not None and state.evictions and self.rank == 0:
+                # Exactness would need the evicted cache back; vLLM recomputes from the tokens.
+                logger.warning(
+                    "kvpolicy: request %s was preempted after %d eviction(s); vLLM recomputes its cache "
+                    "from its %d tokens (full attention over them, then eviction again), so its "
+                    "continuation may differ from an uninterrupted run. Give the KV cache more blocks "
+                    "or lower max_num_seqs to avoid preemption.", req_id, state.evictions, state.tokens,
+                )
             self._drop(req_id)  # preempted: vLLM recomputes it from scratch into fresh blocks
 
     def _drop(self, req_id: str) -> None:
@@ -225,7 +238,7 @@ class WorkerEviction:
         flat_pos = positions.flatten(0, 1)
         kept = self.policy.select(
             keys, values, queries, query_valid=query_valid, positions=flat_pos,
-            layer_idx=layer_idx, evictions=evictions, seed=self.resolved.seed,
+            layer_idx=layer_idx, evictions=evictions, seed=self.resolved.seed, head_offset=self.head_offset,
         )
         k = kept.shape[-1]
         compact(self.caches, bt, kept.view(lyr, r, self.kv_heads, k), self.block_size, gathered)
@@ -254,7 +267,8 @@ class WorkerEviction:
     def _write_trace(self, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx, evictions, kept) -> None:
         assert self.trace is not None
         record = {
-            "rank": self.rank, "requests": req_ids, "slots_before": n, "kept": int(kept.shape[-1]),
+            "rank": self.rank, "head_offset": self.head_offset, "requests": req_ids, "slots_before": n,
+            "kept": int(kept.shape[-1]),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
         }
         with open(self.trace / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
@@ -264,7 +278,8 @@ class WorkerEviction:
             torch.save(
                 {"keys": keys, "values": values, "queries": queries, "query_valid": query_valid,
                  "positions": positions, "layer_idx": layer_idx, "evictions": evictions, "kept": kept,
-                 "requests": req_ids, "seed": self.resolved.seed, "policy_yaml": self.resolved.policy_yaml},
+                 "requests": req_ids, "seed": self.resolved.seed, "policy_yaml": self.resolved.policy_yaml,
+                 "head_offset": self.head_offset},
                 self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
             )
 

