@@ -120,3 +120,34 @@ def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path):
     assert all(s["held_blocks"] <= s["total_blocks"] for s in steps)
     last = steps[-1]
     assert last["running"] == 0 and last["held_blocks"] == 0 and last["free_blocks"] == last["total_blocks"]
+
+
+def test_chunked_prefill_equals_one_shot_prefill(tmp_path):
+    """Prompts of 100-300 tokens prefilled in chunks of at most 64 tokens, beside decoding
+    requests, with prompt compression on (the step that completes a prompt evicts it to the
+    budget): the tokens equal those of the same requests with every prompt prefilled at once."""
+    policy = {**POLICY, "compress_prompt": True}
+    rng = random.Random(4)
+    reqs = [([rng.randint(3, 4000) for _ in range(rng.randint(100, 300))], rng.randint(40, 80)) for _ in range(8)]
+    prompts = [tokens_prompt(ids) for ids, _ in reqs]
+    params = [greedy(n) for _, n in reqs]
+    got = {}
+    for budget in (64, 4096):
+        trace = tmp_path / f"trace-{budget}"
+        llm = make_llm(tiny_qwen3_folder(), {**policy, "trace": str(trace)}, block_size=BLOCK, max_num_seqs=8,
+                       enable_chunked_prefill=True, max_num_batched_tokens=budget)
+        try:
+            got[budget] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            close(llm)
+        steps = read_jsonl(trace, "scheduler-")
+        most = max(s["scheduled_tokens"] for s in steps)
+        assert most <= 64 if budget == 64 else most > 300  # chunked, or whole prompts in one step
+        # Every prompt is longer than the budget: its first eviction comes with its last chunk.
+        first: dict[str, int] = {}
+        for e in read_jsonl(trace, "worker-"):
+            for req, tokens in zip(e["requests"], e["tokens"], strict=True):
+                first.setdefault(req, tokens)
+        assert sorted(first.values()) == sorted(len(ids) for ids, _ in reqs)
+    for i, (a, b) in enumerate(zip(got[64], got[4096], strict=True)):
+        assert a == b, f"request {i}: first divergence at {first_divergence(a, b)}"

@@ -76,6 +76,7 @@ class SchedulerEviction:
                 "held_blocks": sum(len(b) for m in managers for b in m.req_to_blocks.values()),
                 "requests": len(sched.requests),
                 "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
+                "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
             }
             with open(self.trace, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,28 @@ from .paged import compact, gather_slots, slot_address
 from .settings import KVPolicyVLLMError, Resolved
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRequests:
+    """The requests of the step being run, in the model runner's batch order (``[R]`` arrays)."""
+
+    req_ids: list[str]
+    scheduled: np.ndarray  # tokens computed for each request in this step
+    computed_before: np.ndarray  # tokens each request had computed before this step
+    prompt_len: np.ndarray
+
+    def tokens_after(self, i: int) -> int:
+        return int(self.computed_before[i] + self.scheduled[i])
+
+
+@dataclass(frozen=True)
+class QueryCapture:
+    """Where this step's last ``window`` queries of each request go in the ring (``[T]`` each)."""
+
+    ring_rows: torch.Tensor  # the request's ring row
+    ring_pos: torch.Tensor  # the position in the ring: token index modulo window
+    token_idx: torch.Tensor  # the query's row in this step's flattened tokens
 
 #: The worker state of this process (one model runner per worker process).
 _ACTIVE: WorkerEviction | None = None
@@ -74,8 +97,8 @@ class WorkerEviction:
         self.ring_row: dict[str, int] = {}
         self.free_rows: list[int] = []
         self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
-        self.plan: dict[str, Any] | None = None
-        self.capture: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.plan: StepRequests | None = None
+        self.capture: QueryCapture | None = None
         self.layout_checked = False
         self.evictions = 0
         # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
@@ -140,7 +163,7 @@ class WorkerEviction:
         before = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         prompt = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
         offsets = np.array([self.ledger.offset(r) for r in req_ids], dtype=np.int64)
-        self.plan = {"req_ids": req_ids, "n": n, "before": before, "prompt": prompt}
+        self.plan = StepRequests(req_ids, n, before, prompt)
         if offsets.any():
             total = int(n.sum())
             off_rows = torch.from_numpy(offsets)
@@ -152,6 +175,8 @@ class WorkerEviction:
         self.capture = None
         w = self.window
         if w > 0 and num_reqs:
+            # The last min(n, w) tokens of each request in this step; a query of token t goes to
+            # ring position t % w, so the ring always holds the request's last w queries.
             take = np.minimum(n, w)
             ends = np.cumsum(n)
             rep = np.repeat(np.arange(num_reqs), take)
@@ -159,7 +184,7 @@ class WorkerEviction:
             flat = ends[rep] - take[rep] + j
             pos = (before[rep] + n[rep] - take[rep] + j) % w
             rows = np.array([self._row(r) for r in req_ids], dtype=np.int64)[rep]
-            self.capture = (torch.from_numpy(rows), torch.from_numpy(pos), torch.from_numpy(flat))
+            self.capture = QueryCapture(torch.from_numpy(rows), torch.from_numpy(pos), torch.from_numpy(flat))
 
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer_name: str, query: torch.Tensor) -> None:
@@ -168,9 +193,9 @@ class WorkerEviction:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        rows, pos, flat = self.capture
+        cap = self.capture
         q = query.view(query.shape[0], self.q_heads, self.head_dim)
-        self.ring[rows, layer, pos] = q[flat].to(self.dtype)
+        self.ring[cap.ring_rows, layer, cap.ring_pos] = q[cap.token_idx].to(self.dtype)
 
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once: the cache holds what this module assumes (a plain, unpacked layout)."""
@@ -195,8 +220,8 @@ class WorkerEviction:
         if plan is None:
             return
         due: list[tuple[int, str]] = []
-        for i, req_id in enumerate(plan["req_ids"]):
-            if self.ledger.advance(req_id, int(plan["before"][i] + plan["n"][i]), int(plan["prompt"][i])):
+        for i, req_id in enumerate(plan.req_ids):
+            if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
                 due.append((i, req_id))
         if not due:
             return
@@ -207,6 +232,9 @@ class WorkerEviction:
             self._evict(count, group)
 
     def _evict(self, n: int, group: list[tuple[int, str]]) -> None:
+        """Evict the requests of ``group`` (batch row, request id), which all hold ``n`` slots:
+        one ``Policy.select`` over every layer and request, the kept slots compacted in place, and
+        the blocks past them dropped from the requests' block tables."""
         runner = self.runner
         table = runner.input_batch.block_table.block_tables[0]
         rows = torch.tensor([i for i, _ in group], dtype=torch.long)
@@ -220,19 +248,7 @@ class WorkerEviction:
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
         positions = torch.stack([self._positions(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)], dim=1)
-        w = self.window
-        if w > 0 and self.ring is not None:
-            ring_rows = torch.tensor([self.ring_row[q] for q in req_ids], dtype=torch.long)
-            tokens = torch.tensor([s.tokens for s in states], dtype=torch.long)
-            order = (tokens[:, None] + torch.arange(w)) % w  # oldest query first, as EvictingCache
-            win = self.ring[ring_rows]  # [R, Lyr, W, Hq, D]
-            win = win.gather(2, order[:, None, :, None, None].expand_as(win))
-            queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)  # [Lyr * R, Hq, W, D]
-            valid = (tokens[:, None] - w + torch.arange(w)) >= 0
-            query_valid = valid.repeat(lyr, 1)
-        else:
-            queries = keys.new_zeros(lyr * r, self.q_heads, 0, self.head_dim)
-            query_valid = None
+        queries, query_valid = self._window(req_ids, [s.tokens for s in states], keys)
         layer_idx = torch.tensor(self.layer_ids, dtype=torch.long).repeat_interleave(r)
         evictions = torch.tensor([s.evictions for s in states], dtype=torch.long).repeat(lyr)
         flat_pos = positions.flatten(0, 1)
@@ -256,6 +272,23 @@ class WorkerEviction:
         self.evictions += r
         if self.trace is not None:
             self._write_trace(req_ids, states, n, keys, values, queries, query_valid, flat_pos, layer_idx, evictions, kept)
+
+    def _window(
+        self, req_ids: list[str], tokens: list[int], keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The requests' query windows ``[Lyr * R, Hq, W, D]``, layer-major like the keys, oldest
+        query first (as ``EvictingCache`` keeps them), and which entries hold a query ``[Lyr * R, W]``."""
+        lyr, r, w = len(self.caches), len(req_ids), self.window
+        if w == 0 or self.ring is None:
+            return keys.new_zeros(lyr * r, self.q_heads, 0, self.head_dim), None
+        ring_rows = torch.tensor([self.ring_row[q] for q in req_ids], dtype=torch.long)
+        seen = torch.tensor(tokens, dtype=torch.long)
+        order = (seen[:, None] + torch.arange(w)) % w
+        win = self.ring[ring_rows]  # [R, Lyr, W, Hq, D]
+        win = win.gather(2, order[:, None, :, None, None].expand_as(win))
+        queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)
+        valid = (seen[:, None] - w + torch.arange(w)) >= 0
+        return queries, valid.repeat(lyr, 1)
 
     def _positions(self, req_id: str, offset: int, n: int) -> torch.Tensor:
         """``[Lyr, Hkv, N]`` token index of each slot of the request."""
