@@ -4,7 +4,8 @@ Each configuration starts its own engine (in turn), runs the same batch of long 
 generations, and reports output tokens/s, wall time, the peak number of requests running at
 once, and the peak KV blocks in use (from kvpolicy's scheduler trace). "full" is the same engine
 with a budget above every request's length: the plugin is active but never evicts, which the
-tests show gives vLLM's own tokens.
+tests show gives vLLM's own tokens. "vllm" is the engine without kvpolicy at all (no trace: its
+throughput only), so "full" against "vllm" is the plugin's own overhead.
 
 CPU (here; the bundled SmolLM2-135M, float32)::
 
@@ -16,7 +17,7 @@ GPU (when one is lent; Qwen3-4B-shaped random weights built in code)::
         --max-model-len 9216 --dtype bfloat16
 
 The integration supports vLLM's CPU backend only so far: on a GPU kvpolicy refuses to start,
-and the script then runs and records the full cache alone (see docs/vllm.md).
+every kvpolicy configuration is recorded as refused, and "vllm" alone runs (see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-POLICIES = {
+POLICIES: dict[str, dict | None] = {
+    "vllm": None,  # kvpolicy not switched on
     "full": {"policy": "snapkv", "budget": 1 << 20},
     "snapkv": {"policy": "snapkv", "budget": 128},
     "streamingllm": {"policy": "streamingllm", "budget": 128},
@@ -64,12 +66,13 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
     from vllm.inputs import TokensPrompt
 
     trace = Path(tempfile.mkdtemp(prefix=f"kvbench-{name}-"))
-    kv = {**POLICIES[name], "trace": str(trace)}
+    policy = POLICIES[name]
+    if policy is not None:
+        extra = {**extra, "additional_config": {"kvpolicy": {**policy, "trace": str(trace)}}}
     llm = LLM(
         model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
         block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
-        enable_prefix_caching=False, async_scheduling=False, seed=0,
-        additional_config={"kvpolicy": kv}, **extra,
+        enable_prefix_caching=False, async_scheduling=False, seed=0, **extra,
     )
     rng = random.Random(0)
     prompts = [TokensPrompt(prompt_token_ids=[rng.randint(100, 3000) for _ in range(args.prompt)])
@@ -92,18 +95,18 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
         "config": name, "policy": POLICIES[name], "requests": args.requests, "output_tokens": tokens,
         "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
         "peak_running": max((s["running"] for s in steps), default=None),
-        "mean_running": round(sum(s["running"] for s in steps) / max(1, len(steps)), 2),
-        "engine_steps": len(steps),
+        "mean_running": round(sum(s["running"] for s in steps) / len(steps), 2) if steps else None,
+        "engine_steps": len(steps) if steps else None,
         "peak_blocks_in_use": max((s["held_blocks"] for s in steps), default=None),
         "kv_blocks": args.blocks, "block_size": args.block_size,
-        "evictions": sum(s["evicted"] for s in steps),
+        "evictions": sum(s["evicted"] for s in steps) if steps else None,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), qwen3-4b-random, or a folder")
-    parser.add_argument("--configs", default="full,snapkv,streamingllm,rkv")
+    parser.add_argument("--configs", default="vllm,full,snapkv,streamingllm,rkv")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=512, help="generated tokens per request")
@@ -138,9 +141,10 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['config']} | refused: {r['error']} | | | | | | |")
         else:
-            print(f"| {r['config']} | {r['output_tok_per_s']} | {r['wall_s']} | {r['engine_steps']} | "
-                  f"{r['mean_running']} | {r['peak_running']} | "
-                  f"{r['peak_blocks_in_use']} / {r['kv_blocks']} | {r['evictions']} |")
+            cells = [r["output_tok_per_s"], r["wall_s"], r["engine_steps"], r["mean_running"], r["peak_running"],
+                     f"{r['peak_blocks_in_use']} / {r['kv_blocks']}" if r["peak_blocks_in_use"] else None,
+                     r["evictions"]]
+            print(f"| {r['config']} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

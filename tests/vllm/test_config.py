@@ -109,6 +109,12 @@ def test_engine_without_kvpolicy_is_untouched(tiny):
         ({"enable_prefix_caching": True}, "prefix caching is on"),
         ({"async_scheduling": True}, "async scheduling is on"),
         ({"kv_cache_dtype": "fp8"}, "quantised KV cache"),
+        ({"tensor_parallel_size": 4}, "tensor_parallel_size 4 does not divide the 2 KV heads"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+         "speculative decoding is not supported"),
+        ({"data_parallel_size": 2}, "data parallelism is not supported"),
+        ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
+         "KV transfer / offloading connectors are not supported"),
     ],
 )
 def test_refusals(tiny, kwargs, message):

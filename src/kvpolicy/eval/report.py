@@ -93,6 +93,12 @@ def markdown_table(plan: Plan, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _line_style(i: int) -> dict:
+    """The ``i``-th policy's line: matplotlib's 10 colours, then the same colours dashed with
+    another marker, so no two of up to 40 policies look alike."""
+    return {"color": f"C{i % 10}", "marker": "osD^"[(i // 10) % 4], "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
+
+
 def write_plots(folder: Path, plan: Plan, rows: list[dict]) -> list[Path]:
     """``<key>.png`` per reported number: value against budget, one line per policy, the full
     cache as a dashed horizontal line."""
@@ -107,13 +113,13 @@ def write_plots(folder: Path, plan: Plan, rows: list[dict]) -> list[Path]:
     out = []
     for c in columns(plan):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name in policies:
+        for i, name in enumerate(policies):
             pts = sorted(
                 (r["budget"], r["values"].get(c.key)) for r in rows
                 if r["policy"] == name and _finite(r["values"].get(c.key))
             )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **_line_style(i))
         if full is not None and _finite(full["values"].get(c.key)):
             ax.axhline(full["values"][c.key], color="black", linestyle="--", label="full cache")
         ax.set_xlabel("budget (slots per layer)")
@@ -156,15 +162,15 @@ def pareto_plot(folder: Path, rows: list[dict]) -> Path | None:
         return None
     (y_key, x_key, y_label, x_label), pts = found
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["policy"] for r in pts):
+    for i, name in enumerate(n for n in dict.fromkeys(r["policy"] for r in pts) if n != FULL):
         mine = sorted((r["values"][x_key], r["values"][y_key], r["budget"]) for r in pts if r["policy"] == name)
-        if name == FULL:
-            ax.scatter([p[0] for p in mine], [p[1] for p in mine], marker="*", s=160, color="black", label="full cache",
-                       zorder=3)
-            continue
-        ax.plot([p[0] for p in mine], [p[1] for p in mine], marker="o", label=name)
+        ax.plot([p[0] for p in mine], [p[1] for p in mine], label=name, **_line_style(i))
         for x, y, budget in mine:
             ax.annotate(str(budget), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
+    full = [(r["values"][x_key], r["values"][y_key]) for r in pts if r["policy"] == FULL]
+    if full:
+        ax.scatter([p[0] for p in full], [p[1] for p in full], marker="*", s=160, color="black", label="full cache",
+                   zorder=3)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.set_title(f"{y_label} against memory (up and left is better)")
