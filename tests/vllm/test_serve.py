@@ -115,3 +115,15 @@ def test_serve_with_an_unknown_policy_stops_at_start_up(tmp_path):
                           text=True, timeout=STARTUP_S)
     assert proc.returncode != 0
     assert "kvpolicy[vllm]: policy 'no-such-policy' does not load" in proc.stdout + proc.stderr
+
+
+def test_the_docs_example_runs():
+    """docs/examples/vllm/*.py (included verbatim in docs/vllm.md) run as scripts and pass their checks."""
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples" / "vllm").glob("*.py"))
+    assert examples
+    for script in examples:
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=STARTUP_S)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        assert "evictions" in res.stdout
