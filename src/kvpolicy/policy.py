@@ -243,7 +243,7 @@ def eviction_input(
     )
 
 
-#: Far above any model's KV-head count, and small enough that ``head_offset * N`` counters never overflow.
+#: Far above any model's KV-head count: a larger offset can only be a caller's mistake.
 MAX_HEAD_OFFSET = 1 << 20
 
 
