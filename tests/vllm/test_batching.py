@@ -82,7 +82,7 @@ def test_blocks_are_freed_by_evictions_and_none_leak(engine):
     assert last["free_blocks"] == last["total_blocks"]
 
 
-def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path):
+def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path, capfd):
     """10 blocks for 10 requests under priority scheduling: 4 low-priority requests decode and
     evict for 60 steps, then 6 high-priority ones arrive, and vLLM preempts the low-priority ones
     (after several evictions each) to make room, and recomputes them later. Every request still
@@ -117,6 +117,9 @@ def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path):
             counts.setdefault(req, []).append(n)
     restarted = [r for r, c in counts.items() if any(b <= a for a, b in zip(c, c[1:], strict=False))]
     assert any(r.startswith("low-") for r in restarted), counts
+    # ... and the worker (in the engine-core process, writing to the same stderr) says so.
+    logged = capfd.readouterr()
+    assert "was preempted after" in logged.err + logged.out
     assert all(s["held_blocks"] <= s["total_blocks"] for s in steps)
     last = steps[-1]
     assert last["running"] == 0 and last["held_blocks"] == 0 and last["free_blocks"] == last["total_blocks"]
