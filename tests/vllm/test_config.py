@@ -68,6 +68,9 @@ def test_unknown_setting_and_select_mode_are_refused():
         resolve({"policy": "snapkv", "budgte": 3})
     with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
         resolve({"policy": "snapkv@select"})
+    for bad in (["budget", 64], "budget=64"):
+        with pytest.raises(KVPolicyVLLMError, match='"overrides" must be a mapping'):
+            resolve({"policy": "snapkv", "overrides": bad})
 
 
 def test_environment_variables(monkeypatch):

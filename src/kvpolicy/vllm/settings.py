@@ -114,9 +114,9 @@ def resolve(entry: dict[str, Any]) -> Resolved:
     source = entry.get("policy")
     if not isinstance(source, str) or not source:
         raise KVPolicyVLLMError('no policy given: set {"policy": NAME_OR_FILE} (or KVPOLICY_VLLM_POLICY)')
+    if not isinstance(entry.get("overrides") or {}, dict):
+        raise KVPolicyVLLMError(f'"overrides" must be a mapping, got {entry["overrides"]!r}')
     overrides = dict(entry.get("overrides") or {})
-    if not isinstance(entry.get("overrides", {}), dict):
-        raise KVPolicyVLLMError('"overrides" must be a mapping')
     overrides.update({k: entry[k] for k in _OVERRIDE_KEYS if k in entry})
     try:
         policy = load_policy(source, **overrides)
