@@ -22,6 +22,7 @@ expected but were only checked on CPU). All arithmetic is on int64 tensors, wrap
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -84,9 +85,7 @@ def uniform(
     device = seeds.device if device is None else device
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
-    count = 1
-    for s in shape:
-        count *= s
+    count = math.prod(shape)
     base = combine(seeds.to(device), stream_id(stream))  # [R]
     counter = (torch.arange(count, device=device, dtype=torch.long) + start) * _GAMMA
     bits = mix(base[:, None] + counter)  # [R, count]

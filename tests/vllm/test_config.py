@@ -182,7 +182,7 @@ def test_compaction_inside_blocks_matches_gathering():
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], val.transpose(0, 1))
     kept = torch.stack([torch.randperm(t)[:40].sort().values for _ in range(h)])
     other = cache[table[1]].clone()
-    compact([cache], table[:1], kept[None, None], bs)
+    compact([cache], table[:1], [(k, v)], kept[None, None], bs)
     k2, v2 = gather_slots(cache, table[:1, torch.arange(40) // bs].long(), (torch.arange(40) % bs)[None])
     for head in range(h):
         assert torch.equal(k2[0, head], key[kept[head], head])

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -119,8 +120,6 @@ def test_serve_with_an_unknown_policy_stops_at_start_up(tmp_path):
 
 def test_the_docs_example_runs():
     """docs/examples/vllm/*.py (included verbatim in docs/vllm.md) run as scripts and pass their checks."""
-    from pathlib import Path
-
     examples = sorted((Path(__file__).resolve().parents[2] / "docs" / "examples" / "vllm").glob("*.py"))
     assert examples
     for script in examples:

@@ -8,6 +8,7 @@ memory (the executor does that).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -110,14 +111,14 @@ class EvictionInput:
         as the model's head ``head_offset + h``, so a tensor-parallel rank draws its heads' share
         of the unsharded draw (with ``head_offset`` 0 the two calls give the same numbers).
         """
-        rest = _numel(shape)
+        rest = math.prod(shape)
         full = (self.num_kv_heads, *shape)
         return seeds.uniform(self.row_seed, full, stream, self.keys.device, start=self.head_offset * rest)
 
     def head_normal(self, *shape: int, stream: str, per: Literal["eviction", "layer"] = "eviction") -> torch.Tensor:
         """``[B, Hkv, *shape]`` float32 standard normal draws per KV head (see ``head_uniform``)."""
         seed = self.row_seed if per == "eviction" else self.layer_seed
-        rest = _numel(shape)
+        rest = math.prod(shape)
         full = (self.num_kv_heads, *shape)
         return seeds.normal(seed, full, stream, self.keys.device, start=self.head_offset * rest)
 
@@ -146,13 +147,6 @@ class EvictionInput:
         """``[B, Hkv, N]`` bool: valid slots that are eviction candidates."""
         idx = torch.arange(self.num_slots, device=self.keys.device)
         return self.slot_valid & (idx < self.num_candidates)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count
 
 
 class Stage(BaseModel, ABC):

@@ -103,19 +103,13 @@ def _install_scheduler() -> None:
         return update_from_output
 
     def make_count(original):
+        # For a full-attention manager only `num_tokens` sizes the allocation: the other counts
+        # vLLM passes serve sliding windows (skipped tokens) and speculative decoding (the main
+        # model's tokens), both refused at start-up.
         def counted(self, request_id, num_tokens, *args: Any, **kwargs: Any):
             ledger = sched_mod.ledger()
-            if ledger is not None:
-                off = ledger.offset(request_id)
-                if off:
-                    num_tokens -= off
-                    if "total_computed_tokens" in kwargs:
-                        kwargs["total_computed_tokens"] = max(0, kwargs["total_computed_tokens"] - off)
-                    if "num_tokens_main_model" in kwargs:
-                        kwargs["num_tokens_main_model"] -= off
-                    elif len(args) >= 1 and original.__name__ == "allocate_new_blocks":
-                        args = (args[0] - off, *args[1:])
-            return original(self, request_id, num_tokens, *args, **kwargs)
+            off = 0 if ledger is None else ledger.offset(request_id)
+            return original(self, request_id, num_tokens - off, *args, **kwargs)
 
         return counted
 

@@ -41,30 +41,23 @@ def gather_slots(layer_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch
 def compact(
     layer_caches: list[torch.Tensor],
     block_tables: torch.Tensor,
+    gathered: list[tuple[torch.Tensor, torch.Tensor]],
     kept: torch.Tensor,
     block_size: int,
-    gathered: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Move each row's kept slots to the front of its blocks, in order, in place.
 
     Args:
         layer_caches: one ``[num_blocks, Hkv, block_size, 2 * D]`` tensor per layer.
         block_tables: ``[R, max_blocks]`` the rows' block tables.
-        kept: ``[Lyr, R, Hkv, K]`` ascending slot indices per layer, row and head.
-        gathered: the layers' ``(keys, values) [R, Hkv, N, D]`` already read (saves a read).
+        gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_slots``
+            read them (copies: writing the cache does not change them).
+        kept: ``[Lyr, R, Hkv, K]`` ascending indices into ``gathered``'s slots, per layer, row and head.
     """
     lyr, r, h, k = kept.shape
     dst_blocks, dst_off = slot_address(block_tables, k, block_size)
-    for i, cache in enumerate(layer_caches):
-        if gathered is None:
-            n = int(kept[i].max()) + 1
-            src_blocks, src_off = slot_address(block_tables, n, block_size)
-            ks, vs = gather_slots(cache, src_blocks, src_off)
-        else:
-            ks, vs = gathered[i]
-        idx = kept[i].unsqueeze(-1).expand(r, h, k, ks.shape[-1])
-        new_k = ks.gather(2, idx).transpose(1, 2)  # [R, K, Hkv, D], a copy: safe to write back
-        new_v = vs.gather(2, idx).transpose(1, 2)
+    for cache, (ks, vs), idx in zip(layer_caches, gathered, kept, strict=True):
+        idx = idx.unsqueeze(-1).expand(r, h, k, ks.shape[-1])
         keys, values = split_kv(cache)
-        keys[dst_blocks, :, :, dst_off] = new_k
-        values[dst_blocks, :, dst_off] = new_v
+        keys[dst_blocks, :, :, dst_off] = ks.gather(2, idx).transpose(1, 2)  # [R, K, Hkv, D]
+        values[dst_blocks, :, dst_off] = vs.gather(2, idx).transpose(1, 2)

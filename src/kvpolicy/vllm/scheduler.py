@@ -39,7 +39,6 @@ class SchedulerEviction:
         if self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
         self.step = 0
-        self.evictions = 0
         self.blocks_freed = 0
 
     def after_update(self, scheduler_output: Any) -> None:
@@ -64,7 +63,6 @@ class SchedulerEviction:
                 if tail:
                     mgr.block_pool.free_blocks(reversed(tail))
                     self.blocks_freed += len(tail)
-        self.evictions += evicted
         self.step += 1
         if self.trace is not None:
             pool = sched.kv_cache_manager.block_pool

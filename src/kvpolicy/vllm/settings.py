@@ -148,7 +148,7 @@ def check_version(version: str) -> None:
         )
 
 
-def refusals(vllm_config: Any, policy: Policy) -> list[str]:
+def refusals(vllm_config: Any) -> list[str]:
     """Every reason this engine configuration cannot evict correctly (empty: it can)."""
     from vllm.platforms import current_platform
 
@@ -210,7 +210,7 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     import vllm
 
     check_version(vllm.__version__)
-    reasons = refusals(vllm_config, resolved.policy())
+    reasons = refusals(vllm_config)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

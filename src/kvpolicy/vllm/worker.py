@@ -81,7 +81,6 @@ class WorkerEviction:
         self.block_size = int(spec.block_size)
         names = sorted(groups[0].layer_names, key=extract_layer_index)
         ctx = runner.compilation_config.static_forward_context
-        self.layer_names = names
         self.layer_of = {name: i for i, name in enumerate(names)}
         self.layer_ids = [extract_layer_index(n) for n in names]
         self.caches: list[torch.Tensor] = [ctx[n].kv_cache for n in names]
@@ -100,7 +99,6 @@ class WorkerEviction:
         self.plan: StepRequests | None = None
         self.capture: QueryCapture | None = None
         self.layout_checked = False
-        self.evictions = 0
         # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
         # the model's (start-up refuses a TP size that does not divide them): it evicts those
         # alone, drawing what an unsharded run draws for them (Policy.select's head_offset).
@@ -257,7 +255,7 @@ class WorkerEviction:
             layer_idx=layer_idx, evictions=evictions, seed=self.resolved.seed, head_offset=self.head_offset,
         )
         k = kept.shape[-1]
-        compact(self.caches, bt, kept.view(lyr, r, self.kv_heads, k), self.block_size, gathered)
+        compact(self.caches, bt, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
         new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         keep_blocks = -(-k // self.block_size)
         for j, req_id in enumerate(req_ids):
@@ -269,7 +267,6 @@ class WorkerEviction:
             if state is not None:
                 for ids in state.block_ids:
                     del ids[keep_blocks:]
-        self.evictions += r
         if self.trace is not None:
             self._write_trace(req_ids, states, n, keys, values, queries, query_valid, flat_pos, layer_idx, evictions, kept)
 
