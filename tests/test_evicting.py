@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpolicy import EvictingCache, load_policy
-from kvpolicy.state import gather_slots
+from kvpolicy.slots import gather_slots
 
 B, HKV, HQ, D = 2, 2, 4, 8
 
@@ -89,7 +89,7 @@ def test_padding_is_never_stored_and_rows_are_packed():
     for _ in range(30):
         keys, values, valid = cache.step(0, *_step_tensors(g))
     assert state.stats.evictions > 0
-    assert state.group.tokens.tolist() == [42, 37]
+    assert state.group.rows.tokens.tolist() == [42, 37]
     assert int(state.positions[1].max()) == 36
     # Each row holds exactly its count of valid slots.
     for row, count in enumerate(state.counts):

@@ -188,7 +188,7 @@ def test_select_mode_keeps_every_token_and_reuses_a_selection_between_intervals(
         for layer in range(2):
             cache.attend(layer, q, k, v)
         group = cache.layers[0].group
-        chosen.append(bool(group.reselect.any()))
+        chosen.append(bool(group.select.reselect.any()))
     assert cache.layers[0].length == 69 and cache.stats()[0].evictions == 0
     first = chosen.index(True)
     assert chosen[first:] == [(i % 4 == 0) for i in range(len(chosen) - first)]
@@ -227,11 +227,11 @@ def test_a_selection_is_policy_select_on_the_cache_state(name):
         for layer in range(2):
             cache.attend(layer, q, k, v)
             view, group = cache.layers[layer], cache.layers[layer].group
-            if bool(group.reselect.all()):
+            if bool(group.select.reselect.all()):
                 window, wvalid = view.window()
                 want = policy.select(view.keys, view.values, window, query_valid=wvalid, layer_idx=layer,
                                      evictions=view.evictions, streams=view.streams)
-                assert torch.equal(group.selection[group.member[layer]], want), (name, step, layer)
+                assert torch.equal(group.select.selection[group.member[layer]], want), (name, step, layer)
                 checked += 1
     assert checked >= 10
 
@@ -254,22 +254,22 @@ def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction():
         for layer in range(2):
             cache.attend(layer, q, k, v, token_valid if step == 0 else None)
             group = cache.layers[layer].group
-            lo, hi = group.key_pages[7]
+            lo, hi = group.select.key_pages[7]
             i = group.member[layer]
             for row, count in enumerate(group.counts.tolist()):
                 full = count // 7
                 keys = group.buffers.keys[i, row, :, : full * 7].unflatten(1, (full, 7))
                 assert torch.equal(lo[i, row, :, :full], keys.amin(2))
                 assert torch.equal(hi[i, row, :, :full], keys.amax(2))
-            if bool(group.reselect.any()):
+            if bool(group.select.reselect.any()):
                 view = cache.layers[layer]
                 window, wvalid = view.window()
                 for row in range(2):
-                    if not bool(group.reselect[row]):
+                    if not bool(group.select.reselect[row]):
                         continue
                     count = int(group.counts[row])
                     want = policy.select(view.keys[row:row + 1, :, :count], view.values[row:row + 1, :, :count],
                                          window[row:row + 1], query_valid=wvalid[row:row + 1], layer_idx=layer)
-                    assert torch.equal(group.selection[i, row:row + 1], want)
+                    assert torch.equal(group.select.selection[i, row:row + 1], want)
                     checked += 1
     assert checked > 20

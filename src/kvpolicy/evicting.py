@@ -140,7 +140,7 @@ class EvictingCache:
             return 0
         return min(
             schedule.tokens_to_eviction(int(c), int(t))
-            for c, t in zip(group.counts.tolist(), group.tokens.tolist(), strict=True)
+            for c, t in zip(group.counts.tolist(), group.rows.tokens.tolist(), strict=True)
         )
 
     def select_rows(self, index: torch.Tensor | Sequence[int]) -> None:
@@ -242,7 +242,7 @@ class EvictingCache:
             select_mode=self.policy.config.mode == "select", page_sizes=self.policy.key_page_sizes,
         )
         if self.independent_rows:
-            group.streams = torch.arange(group.batch)
+            group.rows.streams = torch.arange(group.batch)
         for i in peers:
             self._groups[i] = group
         return group
@@ -288,12 +288,12 @@ class LayerView:
     @property
     def evictions(self) -> torch.Tensor:
         """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes)."""
-        return self._group().evictions.clone()
+        return self._group().rows.evictions.clone()
 
     @property
     def streams(self) -> torch.Tensor:
         """``[B]`` long: each row's random stream (what ``Policy.select(streams=...)`` takes)."""
-        return self._group().streams.clone()
+        return self._group().rows.streams.clone()
 
     @property
     def eviction_due(self) -> bool:

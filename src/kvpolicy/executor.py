@@ -11,7 +11,8 @@ import torch
 
 from .attend import attend
 from .policy import Policy, eviction_input
-from .state import LayerGroup, block, compact_rows, gather_slots
+from .slots import block, compact_rows, gather_slots
+from .state import LayerGroup
 
 
 class Executor:
@@ -42,7 +43,7 @@ class Executor:
         buffers = group.buffers
         n_layers, n_rows = buffers.keys.shape[0], rows.numel()
         row_sel: slice | torch.Tensor = slice(None) if n_rows == group.batch else rows
-        queries, query_valid = group.windows(slice(None), row_sel)
+        queries, query_valid = group.ring.windows(slice(None), row_sel)
         if queries.shape[2] == 0:  # no window: a well-formed empty one
             queries = buffers.keys.new_zeros(n_layers * n_rows, buffers.keys.shape[2], 0, buffers.keys.shape[-1])
         schedule = self.policy.schedule
@@ -56,8 +57,8 @@ class Executor:
             query_valid=query_valid,
             positions=block(buffers.positions, row_sel, count).flatten(0, 1),
             layer_idx=group.layer_ids.repeat_interleave(n_rows),
-            evictions=group.evictions[rows].repeat(n_layers),
-            streams=group.streams[rows].repeat(n_layers),
+            evictions=group.rows.evictions[rows].repeat(n_layers),
+            streams=group.rows.streams[rows].repeat(n_layers),
         )
         kept = self.policy.select_from(inp).unflatten(0, (n_layers, n_rows))
         compact_rows(buffers, row_sel, kept, count)
@@ -79,16 +80,16 @@ class Executor:
                 out.append((row_sel, count, None))
                 continue
             if fresh:
-                window, window_valid = group.windows(slice(i, i + 1), row_sel)
+                window, window_valid = group.ring.windows(slice(i, i + 1), row_sel)
                 # In select mode nothing is evicted: slots are positions (the default).
                 inp = eviction_input(
                     block(keys, row_sel, count)[0], block(values, row_sel, count)[0], window, budget=budget,
                     recent=self.policy.schedule.recent, seed=self.seed, query_valid=window_valid,
-                    layer_idx=layer, evictions=group.evictions[rows], streams=group.streams[rows],
-                    key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in group.key_pages.items()},
+                    layer_idx=layer, evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
+                    key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in group.select.key_pages.items()},
                 )
-                group.selection[i, row_sel] = self.policy.select_from(inp)
-            chosen = group.selection[i, row_sel]
+                group.select.selection[i, row_sel] = self.policy.select_from(inp)
+            chosen = group.select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
             out.append((row_sel, count, torch.cat([chosen, tail], dim=-1)))
         return out
@@ -112,7 +113,7 @@ class Executor:
 def _row_classes(group: LayerGroup) -> list[tuple[int, bool, int, torch.Tensor]]:
     """Select mode: rows that share a count and a selection state, ``(count, reselect,
     selected_at, rows [R])``; one class while every row is alike (the usual case)."""
-    reselect, selected_at = group.reselect, group.selected_at
+    reselect, selected_at = group.select.reselect, group.select.selected_at
     if group.batch_alike and bool((reselect == reselect[0]).all() and (selected_at == selected_at[0]).all()):
         count = int(group.extent_now)
         return [(count, bool(reselect[0]), int(selected_at[0]), torch.arange(group.batch))]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
@@ -80,15 +79,23 @@ class Schedule(BaseModel):
             return (top // self.interval + 1) * self.interval
         return top + self.interval
 
-    def fires(self, slots: int, tokens: int) -> bool:
-        """Whether eviction fires with ``slots`` held after ``tokens`` (padded) positions."""
-        counted = slots if self.count == "slots" else tokens
-        return slots > self.budget and counted % self.interval == 0
+    def due(self, slots: Any, tokens: Any, *, prompt: bool = False) -> Any:
+        """The one "is an eviction due" rule, for ints or ``[B]`` long tensors alike.
 
-    def fires_rows(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """``fires`` for every row at once: ``slots`` and ``tokens`` are ``[B]`` long tensors."""
+        ``slots`` held after ``tokens`` (padded) positions; ``prompt``: this step completed the
+        prompt. Prefill never evicts unless the policy compresses a long prompt once it is in;
+        after that, eviction fires when more than ``budget`` slots are held and the counted
+        number (slots, or tokens for ``count="tokens"``) is a multiple of ``interval``. The
+        caches, the evaluation loops and vLLM's slot ledger all ask this method.
+        """
+        if prompt:
+            return (slots > self.budget) & self.compress_prompt
         counted = slots if self.count == "slots" else tokens
         return (slots > self.budget) & (counted % self.interval == 0)
+
+    def fires(self, slots: int, tokens: int) -> bool:
+        """Whether a decode step leaving ``slots`` held after ``tokens`` positions evicts."""
+        return bool(self.due(slots, tokens))
 
     def tokens_to_eviction(self, slots: int, tokens: int) -> int:
         """How many real tokens, appended one at a time after ``slots`` held and ``tokens`` seen,

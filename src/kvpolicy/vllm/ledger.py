@@ -52,7 +52,7 @@ class SlotLedger:
 
         The schedule runs on the request's own tokens, as ``EvictingCache`` does for a row: the
         step that completes the prompt (every prefill chunk before it, too) evicts only when the
-        policy compresses long prompts; every later step evicts when ``Schedule.fires``.
+        policy compresses long prompts; every later step evicts when ``Schedule.due`` says so.
         """
         state = self.get(req_id)
         before = state.tokens
@@ -61,10 +61,9 @@ class SlotLedger:
             raise RuntimeError(f"request {req_id}: token count went back from {before} to {tokens_after}")
         state.slots += added
         state.tokens = tokens_after
-        sched = self.schedule
         if before < prompt_len:  # a prompt chunk (or a resumed request replaying its tokens)
-            return tokens_after >= prompt_len and sched.compress_prompt and state.slots > sched.budget
-        return sched.fires(state.slots, state.tokens)
+            return tokens_after >= prompt_len and self.schedule.due(state.slots, state.tokens, prompt=True)
+        return self.schedule.fires(state.slots, state.tokens)
 
     def evicted(self, req_id: str) -> int:
         """Record an eviction; returns the slots kept."""

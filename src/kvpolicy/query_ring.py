@@ -1,0 +1,52 @@
+"""The window of recent post-RoPE queries that attention scorers read: a ring per layer."""
+
+from __future__ import annotations
+
+import torch
+
+
+class QueryRing:
+    """The last ``W`` queries of every layer of a group, ``[Lyr, B, Hq, W, D]``, and which ring
+    entries hold a real query (``[B, W]``, shared by the layers: they see the same tokens)."""
+
+    def __init__(self, num_layers: int, batch: int, query_heads: int, window: int, like: torch.Tensor) -> None:
+        self.queries = like.new_zeros(num_layers, batch, query_heads, window, like.shape[-1])
+        self.valid = torch.zeros(batch, window, dtype=torch.bool, device=like.device)
+        self.next = 0
+
+    @property
+    def window(self) -> int:
+        return self.queries.shape[3]
+
+    def advance(self, t: int, token_valid: torch.Tensor | None) -> tuple[slice | torch.Tensor, int]:
+        """Claim the ring entries of a step's last ``min(T, W)`` queries: ``(entries, count)``."""
+        w = self.window
+        take = min(t, w)
+        if take == 1:
+            entries: slice | torch.Tensor = slice(self.next, self.next + 1)
+        else:
+            entries = (torch.arange(take, device=self.valid.device) + self.next) % w
+        if take:
+            self.valid[:, entries] = True if token_valid is None else token_valid[:, t - take:].to(self.valid.device)
+            self.next = (self.next + take) % w
+        return entries, take
+
+    def write(self, layer: int, queries: torch.Tensor, entries: slice | torch.Tensor, take: int) -> None:
+        """Store the last ``take`` of ``queries [B, Hq, T, D]`` at the claimed ``entries``."""
+        self.queries[layer, :, :, entries] = queries[:, :, queries.shape[2] - take:].to(self.queries.dtype)
+
+    def windows(self, layers: slice, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows of ``layers`` and ``rows``, stacked layer-major on the batch axis, in time
+        order: ``[Lyr * R, Hq, W, D]`` and ``[Lyr * R, W]``."""
+        w = self.window
+        order = (torch.arange(w, device=self.valid.device) + self.next) % w
+        ring = self.queries[layers][:, rows].index_select(3, order)
+        valid = self.valid[rows].index_select(1, order)
+        return ring.flatten(0, 1), valid.repeat(ring.shape[0], 1)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.queries = self.queries.index_select(1, index)
+        self.valid = self.valid.index_select(0, index)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.queries, self.valid))

@@ -1,0 +1,108 @@
+"""Per-row counters of a layer group: slots held, real tokens seen, whether an eviction is due.
+
+They live on the host as ``[B]`` long tensors: the schedule is host control flow, so decoding
+needs no device-to-host sync. While every row holds the same slots after the same tokens (no
+padding: the decoding hot path) they are held as four plain ints instead, and the tensors are
+filled in only when read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowCounters:
+    """Slots held (after and before the current step), tokens seen and due flags of ``B`` rows,
+    plus each row's eviction count and random stream (what keys its draws)."""
+
+    def __init__(self, batch: int) -> None:
+        zeros = torch.zeros(batch, dtype=torch.long)
+        self._counts = zeros.clone()  # slots held per row, after the current step
+        self._counts_before = zeros.clone()  # ... before it (what layers that did not write it yet hold)
+        self._tokens = zeros.clone()  # real tokens seen per row
+        self._due = torch.zeros(batch, dtype=torch.bool)  # evict before the next step
+        self._alike: tuple[int, int, int, bool] | None = (0, 0, 0, False)  # count, before, tokens, due
+        self.stored = zeros.clone()  # slots [0, stored) have their positions written out
+        self.evictions = zeros.clone()  # evictions each row has had (keys its random draws)
+        self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
+
+    # -- reading ------------------------------------------------------------------------------
+    def _rows(self) -> None:
+        """Fill the per-row tensors from the ints of the alike fast path, and leave it."""
+        if self._alike is not None:
+            count, before, tokens, due = self._alike
+            self._counts.fill_(count)
+            self._counts_before.fill_(before)
+            self._tokens.fill_(tokens)
+            self._due.fill_(due)
+            self._alike = None
+
+    def _check_alike(self) -> None:
+        """Back to the fast path when every row holds the same slots after the same tokens."""
+        c, t, b, d = self._counts, self._tokens, self._counts_before, self._due
+        if bool((c == c[0]).all() and (t == t[0]).all() and (b == b[0]).all() and (d == d[0]).all()):
+            self._alike = (int(c[0]), int(b[0]), int(t[0]), bool(d[0]))
+
+    @property
+    def alike(self) -> tuple[int, int, int, bool] | None:
+        """``(count, count_before, tokens, due)`` shared by every row, or None."""
+        return self._alike
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[B]`` slots held per row (after the current step)."""
+        self._rows()
+        return self._counts
+
+    @property
+    def counts_before(self) -> torch.Tensor:
+        self._rows()
+        return self._counts_before
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per row."""
+        self._rows()
+        return self._tokens
+
+    @property
+    def due(self) -> torch.Tensor:
+        """``[B]`` bool: rows the schedule says must be evicted before the next step."""
+        self._rows()
+        return self._due
+
+    @property
+    def any_due(self) -> bool:
+        return self._alike[3] if self._alike is not None else bool(self._due.any())
+
+    # -- writing ------------------------------------------------------------------------------
+    def advance_alike(self, t: int, due: bool) -> None:
+        """Every row appended ``t`` real tokens (the fast path stays)."""
+        count, _, tokens, _ = self._alike  # type: ignore[misc]
+        self._alike = (count + t, count, tokens + t, due)
+
+    def advance(self, after: torch.Tensor, added: torch.Tensor, due: torch.Tensor) -> None:
+        """Rows now hold ``after [B]`` slots after ``added [B]`` more real tokens."""
+        self._rows()
+        self._counts_before, self._counts = self._counts, after
+        self._tokens = self._tokens + added
+        self._due = due
+        self._check_alike()
+
+    def evicted(self, rows: torch.Tensor, kept: int) -> int:
+        """``rows`` (host ``[R]``) now hold ``kept`` slots; returns the slots dropped."""
+        self._rows()
+        dropped = int((self._counts[rows] - kept).sum())
+        for t in (self._counts, self._counts_before, self.stored):
+            t[rows] = kept
+        self.evictions[rows] += 1
+        self._due[rows] = False
+        self._check_alike()
+        return dropped
+
+    def select_rows(self, host: torch.Tensor) -> None:
+        self._rows()
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due"):
+            setattr(self, name, getattr(self, name)[host])
+        if host.numel():
+            self._check_alike()
