@@ -27,7 +27,9 @@ from .stages.base import StageKind
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
-_KIND_TITLES: dict[StageKind, str] = {"scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors"}
+_KIND_TITLES: dict[StageKind, str] = {
+    "scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors", "allocation": "Allocations"
+}
 _LINE_PREFIX = re.compile(r"^line (\d+)(?:, column (\d+))?: ")
 
 

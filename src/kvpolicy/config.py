@@ -11,7 +11,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .schedule import Schedule
-from .stages.spec import ReservationSpec, ScorerSpec, SelectorSpec
+from .stages.spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
+from .stages.uniform import UniformAllocation
 
 if sys.version_info >= (3, 11):
     from importlib.resources.abc import Traversable
@@ -66,12 +67,22 @@ class PolicyConfig(BaseModel):
     scorer: ScorerSpec | None = None
     reservations: list[ReservationSpec] = Field(default_factory=list)
     selector: SelectorSpec
+    allocation: AllocationSpec = Field(
+        default_factory=UniformAllocation,
+        description="How the total budget (layers x KV heads x budget) is shared among layers and heads "
+        "(default: uniform, every layer and head keeps `budget`).",
+    )
 
     @model_validator(mode="after")
     def _check_composition(self) -> PolicyConfig:
         sched = self.schedule
         if self.mode == "select" and sched.compress_prompt:
             raise ValueError("compress_prompt evicts the prompt: it has no meaning in select mode")
+        if self.mode == "select" and self.allocation.per_head:
+            raise ValueError(
+                f"allocation {self.allocation.type_name!r} shares slots per head, which select mode does not "
+                "support yet: use it with mode: evict (per-layer allocations work in both modes)"
+            )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
@@ -95,7 +106,7 @@ class PolicyConfig(BaseModel):
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved policy, as a policy file would write it."""
-        return {
+        data = {
             "name": self.name,
             "description": self.description,
             "reference": self.reference,
@@ -106,6 +117,9 @@ class PolicyConfig(BaseModel):
             "reservations": [r.describe() for r in self.reservations],
             "selector": self.selector.describe(),
         }
+        if self.allocation.uneven:  # uniform is the default: files without the field keep their form
+            data["allocation"] = self.allocation.describe()
+        return data
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -14,6 +14,7 @@ import torch
 
 from .attend import attend
 from .executor import Executor
+from .heads import attend_heads
 from .policy import Policy, load_policy
 from .state import CacheStateError, EvictionStats, LayerGroup
 
@@ -27,6 +28,8 @@ class EvictingCache:
     Args:
         policy: a ``Policy``, or anything ``load_policy`` takes.
         num_layers: attention layers, indexed ``0 .. num_layers - 1``.
+        num_kv_heads: KV heads per layer, when known (a per-head allocation checks it here;
+            otherwise at the first append).
         layer_devices: where each layer lives, for models split across devices (optional).
         seed: overrides the policy's ``seed``. Fixed for the cache's life: ``reset()`` keeps it,
             so a reset cache decodes exactly as a fresh one.
@@ -49,10 +52,15 @@ class EvictingCache:
         layer_devices: Sequence[torch.device | str | None] | None = None,
         seed: int | None = None,
         independent_rows: bool = False,
+        num_kv_heads: int | None = None,
     ) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        # Each layer's schedule under the policy's allocation (refused here, before any work,
+        # when the allocation cannot serve this model).
+        self.schedules = self.policy.layer_schedules(num_layers, num_kv_heads)
+        self._num_kv_heads = num_kv_heads
         self.seed = self.policy.resolve_seed(seed)
         self.executor = Executor(self.policy, self.seed)
         self.independent_rows = independent_rows
@@ -89,6 +97,9 @@ class EvictingCache:
             token_valid: ``[B, T]`` bool, False for padding tokens.
         """
         group = self._append(layer_idx, keys, values, queries, token_valid)
+        if group.uneven:  # heads hold different counts: padded copies (attend() reads in place)
+            held_keys, held_values, _, valid = group.head_view(layer_idx)
+            return held_keys, held_values, valid
         view = self.layers[layer_idx]
         valid = group.valid(layer_idx).expand(-1, keys.shape[1], -1)
         if group.selecting:  # select mode: only the chosen slots are valid for this step
@@ -116,6 +127,9 @@ class EvictingCache:
         group = self._append(layer_idx, keys, values, queries, token_valid)
         if group.selecting:
             return self.executor.attend_selected(group, layer_idx, queries, scaling)
+        if group.uneven:
+            flat_keys, flat_values = group.flat_slots(layer_idx)
+            return attend_heads(queries, flat_keys, flat_values, group.visible(layer_idx), scaling=scaling)
         held_keys, held_values = group.slots(layer_idx)
         return attend(queries, held_keys, held_values, scaling=scaling, mask=group.plan.mask)
 
@@ -132,15 +146,15 @@ class EvictingCache:
         groups = self._unique_groups()
         if not groups:
             return None
-        group, schedule = groups[0], self.policy.schedule
-        if group.select_mode:
+        if groups[0].select_mode:
             # Chunks attend densely: exact up to the budget, then every decode step selects.
-            return max(1, schedule.budget - int(group.counts.max()))
-        if group.any_due:
+            return min(max(1, g.schedule.budget - int(g.counts.max())) for g in groups)
+        if any(g.any_due for g in groups):
             return 0
         return min(
-            schedule.tokens_to_eviction(int(c), int(t))
-            for c, t in zip(group.counts.tolist(), group.rows.tokens.tolist(), strict=True)
+            g.schedule.tokens_to_eviction(int(c), int(t))
+            for g in groups
+            for c, t in zip(g.counts.tolist(), g.rows.tokens.tolist(), strict=True)
         )
 
     def select_rows(self, index: torch.Tensor | Sequence[int]) -> None:
@@ -230,16 +244,22 @@ class EvictingCache:
                 "serves a model with another layer layout, or a forward was interrupted. Call reset()."
             )
         device = keys.device
+        if self._num_kv_heads is None:  # the model's shape is known now: check it before any work
+            self._num_kv_heads = keys.shape[1]
+            self.schedules = self.policy.layer_schedules(len(self.layers), keys.shape[1])
+        schedule = self.schedules[layer_idx]
         peers = [
             i for i in range(len(self.layers))
             if self._groups[i] is None and self._layer_devices[i] in (None, device)
+            and self.schedules[i].budget == schedule.budget
         ]
         if layer_idx not in peers:
             peers.insert(0, layer_idx)
         query_heads = keys.shape[1] if queries is None else queries.shape[1]
         group = LayerGroup(
-            self.policy.schedule, peers, keys, values, query_heads, token_valid,
+            schedule, peers, keys, values, query_heads, token_valid,
             select_mode=self.policy.config.mode == "select", page_sizes=self.policy.key_page_sizes,
+            per_head=self.policy.allocation.per_head,
         )
         if self.independent_rows:
             group.rows.streams = torch.arange(group.batch)
@@ -302,23 +322,36 @@ class LayerView:
 
     @property
     def keys(self) -> torch.Tensor:
-        """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count)."""
-        return self._group().slots(self.layer_idx)[0]
+        """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count). When heads
+        hold different counts (a per-head allocation), a copy with each head's slots
+        right-aligned in ``L`` columns (its fullest head's count); ``valid`` says which."""
+        group = self._group()
+        if group.uneven:
+            return group.head_view(self.layer_idx)[0]
+        return group.slots(self.layer_idx)[0]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._group().slots(self.layer_idx)[1]
+        group = self._group()
+        if group.uneven:
+            return group.head_view(self.layer_idx)[1]
+        return group.slots(self.layer_idx)[1]
 
     @property
     def valid(self) -> torch.Tensor:
-        """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``."""
+        """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``
+        (per-head allocations: see ``keys``)."""
         group = self._group()
+        if group.uneven:
+            return group.head_view(self.layer_idx)[3]
         return group.valid(self.layer_idx).expand(-1, group.buffers.keys.shape[2], -1)
 
     @property
     def positions(self) -> torch.Tensor:
         """``[B, Hkv, L]`` long: each slot's token index among its row's real tokens (-1: empty)."""
         group = self._group()
+        if group.uneven:
+            return group.head_view(self.layer_idx)[2]
         group.materialise_positions()
         return group.buffers.positions[group.member[self.layer_idx], :, :, : group.extent(self.layer_idx)]
 

@@ -31,9 +31,10 @@ class Executor:
         due = group.due.clone()
         # Rows holding different counts (different prompt lengths) are evicted apart, each as it
         # would be alone; in the usual case every row is due with one count and this runs once.
+        evict_rows = self._evict_heads if group.heads is not None else self._evict_rows
         for count in group.counts[due].unique().tolist():
             rows = (due & (group.counts == count)).nonzero().squeeze(1)
-            self._evict_rows(group, rows, int(count))
+            evict_rows(group, rows, int(count))
         group.eviction_steps += 1
         return int(due.sum())
 
@@ -46,7 +47,7 @@ class Executor:
         queries, query_valid = group.ring.windows(slice(None), row_sel)
         if queries.shape[2] == 0:  # no window: a well-formed empty one
             queries = buffers.keys.new_zeros(n_layers * n_rows, buffers.keys.shape[2], 0, buffers.keys.shape[-1])
-        schedule = self.policy.schedule
+        schedule = group.schedule
         inp = eviction_input(
             block(buffers.keys, row_sel, count).flatten(0, 1),
             block(buffers.values, row_sel, count).flatten(0, 1),
@@ -64,6 +65,51 @@ class Executor:
         compact_rows(buffers, row_sel, kept, count)
         group.evicted(rows, kept.shape[-1])
 
+    def _evict_heads(self, group: LayerGroup, rows: torch.Tensor, count: int) -> None:
+        """``_evict_rows`` under a per-head allocation: the policy sees each head's slots
+        right-aligned (``HeadLayout.slots``), keeps ``counts[h]`` per head, and the kept slots
+        are written to the rows' new flat layout (head ``h`` from ``h * (cap - budget)`` plus the
+        slots kept by the heads before it)."""
+        heads, buffers = group.heads, group.buffers
+        assert heads is not None
+        cap, schedule = buffers.capacity, group.schedule
+        n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
+        row_sel: slice | torch.Tensor = slice(None) if n_rows == group.batch else rows.to(group.device)
+        counts = torch.full((n_rows,), count, dtype=torch.long)
+        flat, valid = heads.slots(cap, counts, heads.width(counts), rows=row_sel)  # [Lyr, R, Hkv, N]
+        width = flat.shape[-1]
+        row_of = torch.arange(group.batch, device=group.device)[row_sel]
+        lyr = torch.arange(n_layers, device=group.device)[:, None, None]
+        picked = []
+        for _, t in buffers.tensors():
+            src = t.flatten(2, 3)[lyr, row_of[None, :, None], flat.flatten(2)]  # [Lyr, R, Hkv * N, ...]
+            picked.append(src.view(n_layers, n_rows, hkv, width, *t.shape[4:]).flatten(0, 1))
+        queries, query_valid = group.ring.windows(slice(None), row_sel)
+        if queries.shape[2] == 0:
+            queries = buffers.keys.new_zeros(n_layers * n_rows, group.ring.queries.shape[2], 0, buffers.keys.shape[-1])
+        inp = eviction_input(
+            picked[0], picked[1], queries, budget=schedule.budget, recent=schedule.recent, seed=self.seed,
+            slot_valid=valid.flatten(0, 1), query_valid=query_valid,
+            positions=picked[2].masked_fill(~valid.flatten(0, 1), -1),
+            layer_idx=group.layer_ids.repeat_interleave(n_rows), evictions=group.rows.evictions[rows].repeat(n_layers),
+            streams=group.rows.streams[rows].repeat(n_layers),
+        )
+        keep, kept_counts = self.policy.select_heads_from(inp)
+        keep = keep.view(n_layers, n_rows, hkv, width)
+        budget = inp.budget
+        # Destination: the kept slot's rank among the row's kept slots, plus the free room of the
+        # heads before it.
+        rank = keep.flatten(2).long().cumsum(-1).view(keep.shape) - 1
+        dest = rank + torch.arange(hkv, device=keep.device)[:, None] * (cap - budget)
+        l_idx, r_idx, _, _ = keep.nonzero(as_tuple=True)
+        b_idx = row_of[r_idx]
+        src, dst = flat[keep], dest[keep]
+        for _, t in buffers.tensors():
+            view = t.flatten(2, 3)
+            view[l_idx, b_idx, dst] = view[l_idx, b_idx, src]
+        heads.set_deficit(slice(None), row_sel, budget - kept_counts.view(n_layers, n_rows, hkv))
+        group.evicted(rows, budget)
+
     def selected_slots(self, group: LayerGroup, layer: int) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
         """Select mode, one decode step of ``layer``: per class of rows ``(rows, count, index)``,
         ``index [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the policy plus
@@ -71,7 +117,7 @@ class Executor:
         (they attend all). Rows that choose anew at this step run the policy on this layer's slots
         first; rows holding different counts run apart, each as it would alone."""
         i = group.member[layer]
-        budget = self.policy.budget
+        budget = group.schedule.budget
         keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
         out: list[tuple[slice | torch.Tensor, int, torch.Tensor | None]] = []
         for count, fresh, chosen_at, rows in _row_classes(group):
@@ -84,7 +130,7 @@ class Executor:
                 # In select mode nothing is evicted: slots are positions (the default).
                 inp = eviction_input(
                     block(keys, row_sel, count)[0], block(values, row_sel, count)[0], window, budget=budget,
-                    recent=self.policy.schedule.recent, seed=self.seed, query_valid=window_valid,
+                    recent=group.schedule.recent, seed=self.seed, query_valid=window_valid,
                     layer_idx=layer, evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
                     key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in group.select.key_pages.items()},
                 )

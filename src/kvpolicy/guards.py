@@ -18,7 +18,7 @@ import torch
 from .stages.base import Reservation
 
 if TYPE_CHECKING:
-    from .stages.base import EvictionInput, Scorer, Selector
+    from .stages.base import Allocation, EvictionInput, Scorer, Selector
 
 #: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
 #: strictly above every candidate's priority (clamped to this).
@@ -140,6 +140,39 @@ def run_selector(
             + (", from finite scores" if scores is not None else "")
         )
     return priority
+
+
+def run_allocation(
+    allocation: Allocation, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput
+) -> torch.Tensor:
+    """``allocation.head_counts(...)`` as checked ``[B, Hkv]`` long counts. One synchronisation.
+
+    Refuses (``SelectionError`` naming the allocation) a result of another shape, dtype or
+    device, a head given fewer slots than it protects or more than it holds, and a row whose
+    counts do not add up to ``Hkv * budget`` (or to every slot it holds, when it holds fewer).
+    """
+    name = f"allocation {allocation.type_name!r}"
+    counts = allocation.head_counts(priority, protected, inp)
+    want = (inp.batch, inp.num_kv_heads)
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
+        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
+    if counts.device != priority.device:
+        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+    held = (priority > float("-inf")).sum(-1)
+    floor = protected.sum(-1)
+    total = torch.minimum(held.sum(-1), torch.tensor(inp.num_kv_heads * inp.budget, device=held.device))
+    bad = (counts < floor) | (counts > held)
+    if bool(bad.any()) or bool((counts.sum(-1) != total).any()):
+        if bool(bad.any()):
+            r, h = bad.nonzero()[0].tolist()
+            problem = (f"gave row {r}, head {h} {int(counts[r, h])} slots, outside [{int(floor[r, h])} protected, "
+                       f"{int(held[r, h])} held]")
+        else:
+            r = int((counts.sum(-1) != total).nonzero()[0])
+            problem = f"gave row {r} {int(counts[r].sum())} slots in all where {int(total[r])} are due"
+        raise SelectionError(f"{name} {problem}")
+    return counts
 
 
 def declared_count(reservation: Reservation, budget: int) -> int | None:

@@ -57,6 +57,11 @@ class Policy:
         return self.config.schedule.budget
 
     @property
+    def allocation(self):
+        """The allocation stage (``uniform`` unless the policy file says otherwise)."""
+        return self.config.allocation
+
+    @property
     def stochastic(self) -> bool:
         stages = [self.config.scorer, *self.config.reservations, self.config.selector]
         return any(s is not None and s.stochastic for s in stages)
@@ -126,6 +131,11 @@ class Policy:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
             always containing every protected slot (recent buffer, sinks, reservations).
         """
+        if self.config.allocation.per_head:
+            raise ValueError(
+                f"policy {self.name!r} keeps a different number of slots per head (allocation "
+                f"{self.config.allocation.type_name!r}): use Policy.select_heads, which returns a keep mask and counts"
+            )
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
         if n <= self.budget:
@@ -156,10 +166,25 @@ class Policy:
         Protected slots are kept by construction: they rank at +inf, every eligible candidate at
         its priority clamped to float32's finite range, everything else at -inf.
         """
+        k_keep, n = inp.budget, inp.num_slots
+        priority, _ = self.priorities(inp)
+        if 2 * k_keep <= n:
+            kept = priority.topk(k_keep, dim=-1, sorted=False).indices
+            return kept.sort(dim=-1).values
+        # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
+        # read the kept ones off a mask, which comes out ascending without a sort.
+        drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
+        keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
+        return keep.nonzero()[:, -1].view(inp.batch, inp.num_kv_heads, k_keep)
+
+    def priorities(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ranking of one eviction: ``[B, Hkv, N]`` float32 priorities (``+inf`` on protected
+        slots, ``-inf`` on slots that may not be kept, the selector's clamped keys elsewhere) and
+        the ``[B, Hkv, N]`` protected mask. Every stage call is checked (see ``select_from``)."""
         from . import guards
 
         cfg = self.config
-        b, hkv, n, k_keep = inp.batch, inp.num_kv_heads, inp.num_slots, inp.budget
+        b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
         guards.check_inputs(inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
@@ -174,15 +199,88 @@ class Policy:
         priority = guards.run_selector(cfg.selector, scores, inp, eligible)
         priority = priority.clamp(-guards.F32_MAX, guards.F32_MAX)  # never ties with protection
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
-        if 2 * k_keep <= n:
-            kept = priority.topk(k_keep, dim=-1, sorted=False).indices
-            return kept.sort(dim=-1).values
-        # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
-        # read the kept ones off a mask, which comes out ascending without a sort.
-        drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
-        keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
-        return keep.nonzero()[:, -1].view(b, hkv, k_keep)
+        return priority, protected
 
+    def select_heads_from(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
+
+        The allocation's ``head_counts`` says how many slots each head keeps (checked by
+        ``kvpolicy.guards.run_allocation``); each head keeps that many of its highest
+        priorities, so protected slots always (they rank at ``+inf``).
+        """
+        from . import guards
+
+        priority, protected = self.priorities(inp)
+        counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
+        order = priority.sort(dim=-1, descending=True, stable=True).indices
+        rank_kept = torch.arange(inp.num_slots, device=priority.device) < counts[..., None]
+        keep = torch.zeros_like(protected).scatter_(-1, order, rank_kept)
+        return keep, counts
+
+    def select_heads(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        *,
+        budget: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select`` for any allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv] long)``.
+
+        Arguments as ``select`` (``budget``: the layer's budget, default the schedule's). Each
+        row's counts add up to ``Hkv * min(N, budget)``; under a uniform or per-layer allocation
+        every head keeps ``min(N, budget)``, the slots ``select`` returns.
+        """
+        slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
+        _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
+        b, hkv, n, _ = keys.shape
+        budget = self.budget if budget is None else budget
+        seed = self.resolve_seed(kwargs.pop("seed", None))
+        inp = eviction_input(keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, **kwargs)
+        if n <= budget:
+            keep = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device)
+            return keep, torch.full((b, hkv), n, dtype=torch.long, device=keys.device)
+        if self.config.allocation.per_head:
+            return self.select_heads_from(inp)
+        kept = self.select_from(inp)
+        keep = torch.zeros(b, hkv, n, dtype=torch.bool, device=keys.device).scatter_(-1, kept, True)
+        return keep, torch.full((b, hkv), kept.shape[-1], dtype=torch.long, device=keys.device)
+
+    def layer_schedules(self, num_layers: int, num_kv_heads: int | None = None) -> list[Schedule]:
+        """Each layer's schedule under the policy's allocation (its ``budget`` is the layer's).
+
+        Raises:
+            PolicyError: the allocation cannot serve this model (a profile or a per-layer list
+                for another shape) or leaves a layer whose budget holds no candidate after the
+                protected slots; the problem names the ``allocation`` field.
+        """
+        alloc = self.config.allocation
+        try:
+            alloc.check_model(num_layers, num_kv_heads if num_kv_heads is not None else 0)
+            budgets = alloc.layer_budgets(self.budget, num_layers, self.schedule.recent)
+        except ValueError as exc:
+            raise PolicyError([f"allocation: {exc}"], self.name) from None
+        if len(budgets) != num_layers or sum(budgets) != num_layers * self.budget:
+            raise PolicyError(
+                [f"allocation {alloc.type_name!r} gave {len(budgets)} layer budgets adding up to {sum(budgets)}; "
+                 f"{num_layers} adding up to {num_layers * self.budget} were due"],
+                self.name,
+            )
+        schedules: dict[int, Schedule] = {}
+        for layer, budget in enumerate(budgets):
+            if budget in schedules:
+                continue
+            protected = self.schedule.recent + sum(r.reserved_count(budget) for r in self.config.reservations)
+            if budget <= self.schedule.recent or protected > budget:
+                raise PolicyError(
+                    [f"allocation: layer {layer} gets a budget of {budget} slots, which leaves no candidate "
+                     f"after its {protected} protected slots (recent {self.schedule.recent} and reservations): "
+                     "raise the budget or flatten the allocation"],
+                    self.name,
+                )
+            schedules[budget] = self.schedule.model_copy(update={"budget": budget})
+        return [schedules[b] for b in budgets]
 
 def eviction_input(
     keys: torch.Tensor,

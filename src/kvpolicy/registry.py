@@ -21,7 +21,7 @@ from .stages.base import Stage, StageKind
 
 ENTRY_POINT_GROUP = "kvpolicy"
 AUTOLOAD_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
-_KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector")
+_KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector", "allocation")
 
 
 class PluginLoadWarning(UserWarning):
@@ -97,7 +97,7 @@ class Registry:
     def _add_stages(self, plugin: str, classes: Any) -> None:
         for cls in classes or ():
             if not (isinstance(cls, type) and issubclass(cls, Stage)) or cls.__dict__.get("type_name") is None:
-                raise TypeError(f"{cls!r} is not a Scorer, Reservation or Selector with a type_name")
+                raise TypeError(f"{cls!r} is not a Scorer, Reservation, Selector or Allocation with a type_name")
             table = self.stages[cls.kind]
             if cls.type_name in table:
                 warnings.warn(

@@ -4,7 +4,7 @@ Point an editor at it (``kvpolicy schema --output policy.schema.json``, then
 ``# yaml-language-server: $schema=policy.schema.json`` at the top of a policy file) for completion
 and checks as you type. The schema mirrors what ``load_policy`` accepts: a stage is written as
 ``{type: NAME, ...fields}`` (or a bare ``NAME`` when it has no required field) and every field
-typed as a scorer, reservation or selector, at any depth, accepts every registered stage of
+typed as a scorer, reservation, selector or allocation, at any depth, accepts every registered stage of
 that kind. Checks that span fields (budget against reservations, say) are left to
 ``kvpolicy validate``.
 """
@@ -22,17 +22,20 @@ from pydantic.json_schema import GenerateJsonSchema
 from .config import PolicyConfig
 from .registry import Registry, get_registry
 from .schedule import _RELATIVE, Schedule
-from .stages.base import Reservation, Scorer, Selector, StageKind
+from .stages.base import Allocation, Reservation, Scorer, Selector, StageKind
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector")
+KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector", "allocation")
 #: The ``$defs`` entry holding the union of every registered stage of a kind.
 UNION_DEFS: dict[StageKind, str] = {
     "scorer": "ScorerSpec",
     "reservation": "ReservationSpec",
     "selector": "SelectorSpec",
+    "allocation": "AllocationSpec",
 }
-_BASES: dict[type, StageKind] = {Scorer: "scorer", Reservation: "reservation", Selector: "selector"}
+_BASES: dict[type, StageKind] = {
+    Scorer: "scorer", Reservation: "reservation", Selector: "selector", Allocation: "allocation"
+}
 _KIND_MARKER = "x-kvpolicy-stage-kind"
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .heads import HeadLayout
 from .query_ring import QueryRing
 from .rows import RowCounters
 from .schedule import Schedule
@@ -72,6 +73,7 @@ class LayerGroup:
         token_valid: torch.Tensor | None,
         select_mode: bool = False,
         page_sizes: frozenset[int] = frozenset(),
+        per_head: bool = False,
     ) -> None:
         b, h, t, d = keys.shape
         self.schedule = schedule
@@ -83,6 +85,8 @@ class LayerGroup:
             len(layer_ids), b, h, self._capacity(int(added.max())), d, values.shape[-1], keys.dtype, keys.device
         )
         self.rows = RowCounters(b)
+        # Per-head allocations: heads of a row hold different counts after an eviction.
+        self.heads = HeadLayout(len(layer_ids), b, h, keys.device) if per_head else None
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         self.select: SelectionState | None = None
         if select_mode:
@@ -239,11 +243,34 @@ class LayerGroup:
         """Whether this step attends a selection (select mode, a decode step after the prompt)."""
         return self.select_mode and self.plan.tokens == 1 and self.tokens_seen_before > 0
 
+    @property
+    def uneven(self) -> bool:
+        """Whether heads of a row hold different counts (the flat per-head layout applies)."""
+        return self.heads is not None and not self.heads.even
+
     def _grow(self, capacity: int) -> None:
         """Grow the slot buffers (and the page summaries with them) to ``capacity`` slots."""
+        if self.uneven:
+            self._grow_heads(capacity)
+            return
         self.buffers.grow(capacity)
         if self.select is not None:
             self.select.grow(capacity)
+
+    def _grow_heads(self, capacity: int) -> None:
+        """``_grow`` of a flat per-head layout: head ``h``'s slots move by ``h * (capacity - cap)``."""
+        heads, buf, old_cap = self.heads, self.buffers, self.buffers.capacity
+        assert heads is not None
+        counts = self.rows.counts
+        flat, valid = heads.slots(old_cap, counts, heads.width(counts))
+        moved = flat + torch.arange(flat.shape[2], device=flat.device)[:, None] * (capacity - old_cap)
+        lyr, row, _, _ = valid.nonzero(as_tuple=True)
+        src, dst = flat[valid], moved[valid]
+        for name, old in buf.tensors():
+            new = old.new_full((*old.shape[:3], capacity, *old.shape[4:]), -1 if name == "positions" else 0)
+            old_flat, new_flat = old.flatten(2, 3), new.flatten(2, 3)
+            new_flat[lyr, row, dst] = old_flat[lyr, row, src]
+            setattr(buf, name, new)
 
     def _capacity(self, needed: int) -> int:
         """Slots to allocate for ``needed``: the schedule's static capacity when evicting; whole
@@ -268,7 +295,9 @@ class LayerGroup:
                 f"{plan.batch} rows of {plan.tokens} tokens"
             )
         buf = self.buffers
-        if plan.start is not None:
+        if self.uneven:
+            self._write_heads(i, keys, values)
+        elif plan.start is not None:
             sl = slice(plan.start, plan.start + plan.tokens)
             buf.keys[i, :, :, sl] = keys
             buf.values[i, :, :, sl] = values
@@ -284,6 +313,64 @@ class LayerGroup:
             counts = None if plan.start is not None else self.rows.counts
             self.select.summarise_pages(i, buf.keys[i], plan, counts)
         self.layer_steps[i] = self.steps
+
+    def _write_heads(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``write`` into a flat per-head layout: row slot ``s`` of head ``h`` at ``shift[h] + s``."""
+        plan, buf = self.plan, self.buffers
+        shift = self.heads.shift(buf.capacity)[i]  # type: ignore[union-attr]
+        b, hkv, t = keys.shape[:3]
+        for name, new in (("keys", keys), ("values", values)):
+            flat = getattr(buf, name)[i].flatten(1, 2)  # [B, Hkv * cap, D]
+            if plan.start is not None:
+                where = shift[:, :, None] + torch.arange(plan.start, plan.start + t, device=shift.device)
+                flat.scatter_(1, where.view(b, hkv * t, 1).expand(-1, -1, new.shape[-1]), new.reshape(b, hkv * t, -1))
+            else:
+                where = shift[plan.rows] + plan.slots[:, None]  # [nnz, Hkv]
+                flat[plan.rows[:, None], where] = new[plan.rows, :, plan.cols]
+
+    def visible(self, layer: int) -> torch.Tensor:
+        """Flat per-head layout: ``[B, Hkv, T, E]`` bool, the flat slots (the first ``E`` of each
+        row) that each KV head's query ``t`` of the current step attends."""
+        plan, i = self.plan, self.member[layer]
+        heads, cap = self.heads, self.buffers.capacity
+        assert heads is not None
+        if plan.sees is not None:
+            sees = plan.sees
+        else:
+            sees = (torch.arange(plan.tokens, device=self.device) + (plan.start or 0) + 1).expand(plan.batch, -1)
+        extent = (self.buffers.keys.shape[2] - 1) * cap + self.extent(layer)
+        row_slot = torch.arange(extent, device=self.device) - heads.shift(cap)[i][..., None]  # [B, Hkv, E]
+        own = row_slot >= heads.deficit[i][..., None]
+        visible = own[:, :, None, :] & (row_slot[:, :, None, :] < sees[:, None, :, None])
+        # A padding query (it sees nothing) attends the head's first slot: finite, never read.
+        first = row_slot == heads.deficit[i][..., None]
+        return visible | (~visible.any(-1, keepdim=True) & first[:, :, None, :])
+
+    def flat_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat per-head layout: ``layer``'s keys ``[B, E, D]`` and values, every head in turn."""
+        i, cap = self.member[layer], self.buffers.capacity
+        extent = (self.buffers.keys.shape[2] - 1) * cap + self.extent(layer)
+        return (self.buffers.keys[i].flatten(1, 2)[:, :extent], self.buffers.values[i].flatten(1, 2)[:, :extent])
+
+    def head_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat per-head layout: copies of ``layer``'s keys, values and positions ``[B, Hkv, N,
+        ...]`` with each head's slots right-aligned in ``N`` columns (its fullest head), and
+        their ``[B, Hkv, N]`` validity. The newest slots are the last columns of every head."""
+        heads, i, cap = self.heads, self.member[layer], self.buffers.capacity
+        assert heads is not None
+        counts = self.counts_of(layer)
+        self.materialise_positions()
+        flat, valid = heads.slots(cap, counts, heads.width(counts), layers=slice(i, i + 1))
+        flat, valid = flat[0], valid[0]
+        out = []
+        for name, t in self.buffers.tensors():
+            src = t[i].flatten(1, 2)
+            if name == "positions":
+                out.append(torch.gather(src, 1, flat.flatten(1)).view(flat.shape).masked_fill(~valid, -1))
+            else:
+                out.append(torch.gather(src, 1, flat.flatten(1)[..., None].expand(-1, -1, src.shape[-1]))
+                           .view(*flat.shape, -1) * valid[..., None])
+        return out[0], out[1], out[2], valid
 
     def require_complete(self, action: str) -> None:
         if not self.complete:
@@ -307,6 +394,9 @@ class LayerGroup:
         rows = self.rows
         if bool((rows.stored == rows.counts).all()) and rows.stored.numel():
             return
+        if self.uneven:
+            self._materialise_heads()
+            return
         length = int(rows.counts.max())
         dev = self.device
         slot = torch.arange(length, device=dev)
@@ -314,6 +404,20 @@ class LayerGroup:
         derived = torch.where(slot < counts, slot + (rows.tokens.to(dev)[:, None] - counts), -1)  # [B, L]
         pos = self.buffers.positions[:, :, :, :length]
         pos.copy_(torch.where((slot >= stored)[None, :, None, :], derived[None, :, None, :], pos))
+        rows.stored = rows.counts.clone()
+
+    def _materialise_heads(self) -> None:
+        """``materialise_positions`` in a flat per-head layout (slots past a count are not reset)."""
+        rows, dev, cap = self.rows, self.device, self.buffers.capacity
+        first, last = int(rows.stored.min()), int(rows.counts.max())
+        row_slot = torch.arange(first, last, device=dev)
+        stored, counts = rows.stored.to(dev)[:, None], rows.counts.to(dev)[:, None]
+        needed = (row_slot >= stored) & (row_slot < counts)  # [B, n]
+        derived = row_slot + (rows.tokens.to(dev)[:, None] - counts)
+        where = self.heads.shift(cap)[..., None] + row_slot  # type: ignore[union-attr]  # [Lyr, B, Hkv, n]
+        mask = needed[None, :, None, :].expand_as(where)
+        lyr, row, head, col = mask.nonzero(as_tuple=True)
+        self.buffers.positions.flatten(2, 3)[lyr, row, where[mask]] = derived[row, col]
         rows.stored = rows.counts.clone()
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,6 +437,8 @@ class LayerGroup:
         dev = index.to(self.device)
         self.buffers.select_rows(index)
         self.rows.select_rows(host)
+        if self.heads is not None:
+            self.heads.select_rows(dev)
         if self.select is not None:
             self.select.select_rows(host, dev)
         self.extent_now = self.extent_before = int(self.rows.counts.max()) if host.numel() else 0

@@ -1,20 +1,24 @@
 """Built-in stages, one per module. Import from here or from ``kvpolicy``."""
 
+from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
-from .base import EvictionInput, Reservation, Scorer, Selector, Stage
+from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .greedy import GreedySelector
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
+from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
-from .spec import ReservationSpec, ScorerSpec, SelectorSpec
+from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
+from .uniform import UniformAllocation
 from .value_magnitude import ValueMagnitudeScorer
 
 BUILTIN_STAGES = (
@@ -32,10 +36,20 @@ BUILTIN_STAGES = (
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
+    UniformAllocation,
+    PyramidAllocation,
+    LayerListAllocation,
+    AdaptiveAllocation,
 )
 
 __all__ = [
     "BUILTIN_STAGES",
+    "AdaptiveAllocation",
+    "Allocation",
+    "AllocationSpec",
+    "LayerListAllocation",
+    "PyramidAllocation",
+    "UniformAllocation",
     "AttentionScorer",
     "CombinationScorer",
     "CurrentAttentionScorer",

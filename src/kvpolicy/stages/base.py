@@ -22,7 +22,7 @@ from .. import seeds
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-StageKind = Literal["scorer", "reservation", "selector"]
+StageKind = Literal["scorer", "reservation", "selector", "allocation"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,11 @@ class EvictionInput:
         rest = math.prod(shape)
         full = (self.num_kv_heads, *shape)
         return seeds.normal(seed, full, stream, self.keys.device, start=self.head_offset * rest)
+
+    @property
+    def layer_index(self) -> torch.Tensor:
+        """``[B]`` long on the host: the model layer of each (stacked) row."""
+        return self._seed_key().layer_idx
 
     @property
     def batch(self) -> int:
@@ -264,3 +269,48 @@ class Selector(Stage):
         """Return ``[B, Hkv, N]`` float32 keys: the executor keeps protected slots, then the
         unprotected valid candidates with the largest keys until ``inp.budget`` slots are kept.
         """
+
+
+class Allocation(Stage):
+    """Shares a policy's total budget (``layers x KV heads x budget`` slots) among layers and heads.
+
+    Two questions, asked at two times:
+
+    - ``layer_budgets`` once, when a cache learns the model's shape: each layer's budget, the
+      mean number of slots its heads keep after an eviction (it sizes that layer's buffers and
+      drives its schedule). They must add up to ``num_layers * budget``.
+    - ``head_counts`` at every eviction, only for stages with ``per_head = True``: how many of
+      the layer's ``Hkv * budget`` slots each KV head keeps. The executor then keeps, per head,
+      that many slots of the highest priority (protected slots first).
+
+    The default shares evenly (the ``uniform`` stage): every layer and head keeps ``budget``.
+    """
+
+    kind: ClassVar[StageKind] = "allocation"
+    #: True when heads of one layer keep different numbers of slots (``head_counts`` is called).
+    per_head: ClassVar[bool] = False
+
+    @property
+    def uneven(self) -> bool:
+        """Whether layers or heads may hold different budgets (vLLM cannot free such memory)."""
+        return True
+
+    def layer_budgets(self, budget: int, num_layers: int, recent: int) -> list[int]:
+        """Each layer's budget (mean slots per head), ``num_layers`` ints adding up to
+        ``num_layers * budget`` (``recent``: the schedule's recent buffer, which every layer
+        keeps). Raise ``ValueError`` naming the field for an impossible share."""
+        return [budget] * num_layers
+
+    def check_model(self, num_layers: int, num_kv_heads: int) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` if the stage cannot serve a model of this shape (a profile for
+        another model, a per-layer list of the wrong length). Called before any work."""
+
+    def head_counts(self, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput) -> torch.Tensor:
+        """``[B, Hkv]`` long: slots each head keeps (``per_head`` stages only).
+
+        ``priority [B, Hkv, N]`` float32 ranks slots within a head (``+inf``: protected,
+        ``-inf``: not eligible, padding included); ``protected [B, Hkv, N]`` bool. Each row's
+        counts must add up to ``Hkv * inp.budget``, and each head's count must lie between its
+        protected slots and its valid ones (``kvpolicy.guards.run_allocation`` checks it).
+        """
+        raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, PlainSerializer
 
-from .base import Reservation, Scorer, Selector, Stage, StageKind
+from .base import Allocation, Reservation, Scorer, Selector, Stage, StageKind
 
 
 def _builder(kind: StageKind, cls: type[Stage]):
@@ -33,3 +33,6 @@ ReservationSpec = Annotated[
     Reservation, BeforeValidator(_builder("reservation", Reservation)), PlainSerializer(_describe)
 ]
 SelectorSpec = Annotated[Selector, BeforeValidator(_builder("selector", Selector)), PlainSerializer(_describe)]
+AllocationSpec = Annotated[
+    Allocation, BeforeValidator(_builder("allocation", Allocation)), PlainSerializer(_describe)
+]
