@@ -281,6 +281,17 @@ def test_compute_profile_restores_the_model(one_thread):
     assert model.config._attn_implementation == "sdpa"  # also after an error
 
 
+def test_compute_profile_restores_kvpolicy_attention(one_thread):
+    from kvpolicy import load_policy
+    from kvpolicy.hf import ATTN_IMPLEMENTATION, KVPolicyCache
+
+    model = tiny_qwen3(2, 64)
+    KVPolicyCache(load_policy("streamingllm", budget=16), model)  # switches the model to kvpolicy attention
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    compute_profile(model, torch.arange(3, 23), window=4)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -443,6 +454,7 @@ def test_profile_command_builtin_text(one_thread, tiny_model_folder, tmp_path, c
         (["--tokens", "100000", "-o", "p.yaml"], "fewer than the 100000 asked for"),
         (["--method", "passkey", "--tokens", "30", "-o", "p.yaml"], "leave no room for text around the passkey"),
         (["--text", "missing.txt", "-o", "p.yaml"], "no such text file: missing.txt"),
+        (["-o", "nowhere/p.yaml"], "--output: no such folder: nowhere"),
     ],
 )
 def test_profile_command_errors(tiny_model_folder, text_file, tmp_path, capsys, monkeypatch, argv, message):

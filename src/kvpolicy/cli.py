@@ -215,6 +215,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.output.suffix.lower() not in (".yaml", ".yml", ".json"):
         raise CommandError(f"--output must end in .yaml, .yml or .json, got {str(args.output)!r}")
+    if not args.output.parent.is_dir():  # found out before the model runs, not after
+        raise CommandError(f"--output: no such folder: {args.output.parent}")
     if args.method == "passkey" and args.window is not None:
         raise CommandError("--window is for the concentration method (passkey scores the answer's positions)")
     if args.method == "concentration" and args.depth is not None:
