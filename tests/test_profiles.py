@@ -115,6 +115,7 @@ def test_profile_is_frozen_and_compares_by_data(tmp_path):
         ({"weights": [[0.3, 1.2, float("inf")], [0.0, 0.5, 2.0]]}, r"^line 7: weights: layer 0, head 2: inf is not a finite"),
         ({"weights": [[0.3, "1.2", 0.8], [0.0, 0.5, 2.0]]}, r"^line 7: weights: layer 0, head 1: '1.2' is not a number$"),
         ({"weights": [[0.3, True, 0.8], [0.0, 0.5, 2.0]]}, r"^line 7: weights: layer 0, head 1: True is not a number$"),
+        ({"weights": [[0.3, 10**400, 0.8], [0.0, 0.5, 2.0]]}, r"^line 7: weights: layer 0, head 1: an integer of 401 digits is too large for a float$"),
         ({"weights": [[0, 0.0, 0], [0, 0, 0]]}, r"^line 6: weights: every weight is 0; at least one head needs a positive"),
         ({"classes": CLASSES}, r"^line 1: profile: a profile gives exactly one of 'weights' and 'classes', this one gives both$"),
         ({"weights": None}, r"^line 1: profile: .* this one gives neither$"),
@@ -134,6 +135,12 @@ def test_every_invalid_file_is_one_clear_problem(tmp_path, fields, expected):
     problems = problems_of(tmp_path, profile_text(**fields))
     assert len(problems) == 1, problems
     assert re.search(expected, problems[0]), problems[0]
+
+
+def test_yaml_exponent_without_a_dot_is_explained(tmp_path):
+    (problem,) = problems_of(tmp_path, profile_text(weights=None) + "weights: [[0.3, 1e-5, 0.8], [0.0, 0.5, 2.0]]\n")
+    assert problem == ("line 6: weights: layer 0, head 1: '1e-5' is not a number (YAML reads it as text: write it "
+                       "with a dot, like 1.0e-5)")
 
 
 def test_json_errors_name_the_entry(tmp_path):

@@ -27,6 +27,7 @@ import inspect
 import json
 import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,7 @@ CLASS_WEIGHTS: dict[str, float] = {"retrieval": 1.0, "streaming": 0.0}
 METHODS = ("concentration", "passkey")
 Method = Literal["concentration", "passkey"]
 _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json"}
+_EXPONENT_WITHOUT_DOT = re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$")
 
 
 class ProfileError(PolicyError):
@@ -116,12 +118,12 @@ class HeadProfile(BaseModel):
     @field_validator("weights", mode="before")
     @classmethod
     def _check_weight_entries(cls, rows: Any) -> Any:
-        return _check_rows(rows, "weights", _check_weight)
+        return _check_rows(rows, _check_weight)
 
     @field_validator("classes", mode="before")
     @classmethod
     def _check_class_entries(cls, rows: Any) -> Any:
-        return _check_rows(rows, "classes", _check_class)
+        return _check_rows(rows, _check_class)
 
     @field_validator("weights", "classes")
     @classmethod
@@ -133,9 +135,8 @@ class HeadProfile(BaseModel):
             raise ValueError(f"{len(rows)} layers given, but the profile declares num_layers = {layers}")
         for i, row in enumerate(rows):
             if len(row) != heads:
-                raise _EntryProblem(
-                    f"layer {i} has {len(row)} {'head' if len(row) == 1 else 'heads'}, but the profile declares num_kv_heads = {heads}", (i,)
-                )
+                count = f"{len(row)} head" if len(row) == 1 else f"{len(row)} heads"
+                raise _EntryProblem(f"layer {i} has {count}, but the profile declares num_kv_heads = {heads}", (i,))
         return rows
 
     @model_validator(mode="after")
@@ -274,7 +275,7 @@ def _file_kind(path: Path, source: str, error: type[Exception] = ProfileError) -
     return kind
 
 
-def _check_rows(rows: Any, field: str, check_entry) -> Any:
+def _check_rows(rows: Any, check_entry) -> Any:
     """The shape of a ``weights`` / ``classes`` value: a list of lists; each entry checked."""
     if rows is None:
         return None
@@ -291,8 +292,15 @@ def _check_rows(rows: Any, field: str, check_entry) -> Any:
 
 
 def _check_weight(value: Any) -> str | None:
+    if isinstance(value, str) and _EXPONENT_WITHOUT_DOT.match(value.strip()):
+        # YAML 1.1 reads 1e-5 (no dot) as text; 1.0e-5 is a number.
+        return f"{value!r} is not a number (YAML reads it as text: write it with a dot, like 1.0e-5)"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{value!r} is not a number"
+    try:
+        float(value)
+    except OverflowError:
+        return f"an integer of {len(str(abs(value)))} digits is too large for a float"
     if not math.isfinite(value):
         return f"{value} is not a finite number"
     if value < 0:
