@@ -182,10 +182,12 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile",
         help="compute a head profile (a weight per layer and KV head) of a model from a calibration text",
-        description="Run a model once over a calibration text and write a head profile: a weight for every "
-        "(layer, KV head), for per-head budget allocation. concentration: the normalised entropy of each "
-        "head's attention (spread heads weigh more); passkey: the attention mass a head puts on a planted "
-        "passkey when asked for it (retrieval heads weigh more). See docs/allocation.md.",
+        description="Run a model once over a calibration text and write a head profile: a weight for every\n"
+        "(layer, KV head), for per-head budget allocation.\n"
+        "  concentration: the normalised entropy of each head's attention (spread heads weigh more)\n"
+        "  passkey: the attention mass a head puts on a planted passkey when asked for it\n"
+        "           (retrieval heads weigh more)\n"
+        "The definitions: docs/allocation.md, 'Head profiles'.",
         epilog=PROFILE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
