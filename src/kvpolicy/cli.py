@@ -1,4 +1,5 @@
-"""The ``kvpolicy`` command: list, show, validate policies, print the policy-file schema, evaluate.
+"""The ``kvpolicy`` command: list, show, validate policies, print the policy-file schema, evaluate,
+compute head profiles.
 
 Exit codes: 0 on success, 1 when ``validate`` finds an invalid file, 2 for a usage error or a
 policy that cannot be loaded (printed to stderr on one line, ``kvpolicy: error: ...``, without a
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", type=Path, metavar="FILE", help="write it to FILE instead of stdout")
     p.set_defaults(func=cmd_schema)
 
+    _add_profile(sub)
     _add_eval(sub)
     return parser
 
@@ -168,6 +170,107 @@ def cmd_schema(args: argparse.Namespace) -> int:
         args.output.write_text(text, encoding="utf-8")
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
+
+
+PROFILE_EPILOG = """\
+examples:
+  kvpolicy profile -o smollm2.yaml                          # spread of attention, bundled model
+  kvpolicy profile --method passkey --tokens 2048 -o retrieval.yaml
+  kvpolicy profile --model path/to/model --text calibration.txt --device cuda -o profile.json
+"""
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="compute a head profile (a weight per layer and KV head) of a model from a calibration text",
+        description="Run a model once over a calibration text and write a head profile: a weight for every\n"
+        "(layer, KV head), for per-head budget allocation.\n"
+        "  concentration: the normalised entropy of each head's attention (spread heads weigh more)\n"
+        "  passkey: the attention mass a head puts on a planted passkey when asked for it\n"
+        "           (retrieval heads weigh more)\n"
+        "The definitions: docs/allocation.md, 'Head profiles'.",
+        epilog=PROFILE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="bundled", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, "
+                                                      "a .gguf file or a Hugging Face id (org/name)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", metavar="FILE", help="a UTF-8 calibration text file")
+    text.add_argument("--calibration", choices=["builtin"], help="builtin (default): reasoning-gym's public-domain "
+                                                                 "prose, in_the_year_2889.txt")
+    p.add_argument("--method", choices=["concentration", "passkey"], default="concentration",
+                   help="what the weights measure (default: concentration)")
+    p.add_argument("--tokens", type=int, default=1024, help="calibration tokens fed to the model (default: 1024)")
+    p.add_argument("--window", type=int, help="concentration: how many final queries are scored (default: 32)")
+    p.add_argument("--depth", type=float, help="passkey: where the key is planted, a fraction of the text "
+                                               "(default: 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="passkey: seed of the key's digits (default: 0)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="float32",
+                   help="the model's dtype (default: float32); the weights are computed in float64")
+    p.add_argument("--output", "-o", type=Path, required=True, metavar="FILE",
+                   help="the profile file to write: .yaml, .yml or .json")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .profiles import compute_profile, concentration_calibration, passkey_calibration
+
+    if args.output.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise CommandError(f"--output must end in .yaml, .yml or .json, got {str(args.output)!r}")
+    if not args.output.parent.is_dir():  # found out before the model runs, not after
+        raise CommandError(f"--output: no such folder: {args.output.parent}")
+    if args.method == "passkey" and args.window is not None:
+        raise CommandError("--window is for the concentration method (passkey scores the answer's positions)")
+    if args.method == "concentration" and args.depth is not None:
+        raise CommandError("--depth is for the passkey method")
+    try:  # the model loading and the default text are the evaluation harness's
+        from .eval.config import EvalError
+        from .eval.data import read_text
+        from .eval.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+    except ImportError as exc:
+        raise CommandError(f"computing a profile needs the evaluation harness, to load the model "
+                           f"({type(exc).__name__}: {exc}); install it with: pip install 'kvpolicy[eval]'") from None
+    try:
+        source = resolve_model(args.model)
+        device = resolve_device(args.device)
+        text, text_name = read_text(args.text)
+        tokenizer = load_tokenizer(source)
+        if args.method == "concentration":
+            window = 32 if args.window is None else args.window
+            calibration = concentration_calibration(tokenizer, text, args.tokens, window)
+        else:
+            depth = 0.5 if args.depth is None else args.depth
+            calibration = passkey_calibration(tokenizer, text, args.tokens, seed=args.seed, depth=depth)
+        print(f"kvpolicy profile: {args.method} of {source.name} on {calibration.description} of {text_name}",
+              file=sys.stderr)
+        model = load_model(source, resolve_dtype(args.dtype, device), device)
+        profile = compute_profile(model, calibration.input_ids, args.method, window=calibration.window,
+                                  key_span=calibration.key_span, model_name=source.name)
+    except (EvalError, ValueError) as exc:
+        if isinstance(exc, PolicyError):
+            raise
+        raise CommandError(str(exc)) from None
+    profile.save(args.output)
+    _print_profile_summary(profile.head_weights(), args.method)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _print_profile_summary(weights: Any, method: str) -> None:
+    """Per layer: the smallest, mean and largest head weight (``weights`` ``[L, Hkv]``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{method} weights", title_justify="left",
+                  caption=f"{weights.shape[0]} layers x {weights.shape[1]} KV heads", caption_justify="left")
+    for name in ("layer", "min", "mean", "max"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for layer, row in enumerate(weights):
+        table.add_row(str(layer), *(f"{float(v):.4f}" for v in (row.min(), row.mean(), row.max())))
+    table.add_row("all", *(f"{float(v):.4f}" for v in (weights.min(), weights.mean(), weights.max())), style="bold")
+    Console().print(table)
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
