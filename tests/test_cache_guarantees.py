@@ -74,7 +74,8 @@ EVICTING = [name for name in kvpolicy.available_policies() if load_policy(name).
 def test_cache_keeps_what_select_chooses_on_its_state(source):
     """For every registered evicting policy (stochastic ones and a seed other than 0 included, and a policy
     whose only attention reader is a reservation), each eviction of each layer keeps exactly
-    ``Policy.select`` on the cache's state, given the layer, row streams and eviction counts."""
+    ``Policy.select`` on the cache's state, given the layer, row streams and eviction counts
+    (``Policy.select_heads`` with the layer's budget, for per-layer and per-head allocations)."""
     name = source if isinstance(source, str) else source["name"]
     over = {"budget": 16, "recent": 12, "interval": 4} if name == "streamingllm" else {
         "budget": 16, "recent": 4, "interval": 4, "window": 4}
@@ -83,20 +84,28 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
     checked = 0
     for step, (k, v, q) in enumerate(_steps(seed=1, n=30)):
         expected = {}
-        if cache.layers[0].eviction_due:
-            for layer, view in enumerate(cache.layers):
+        for layer, view in enumerate(cache.layers):  # layers of other budgets evict at other steps
+            if view.eviction_due:
                 window, wvalid = view.window()
-                kept = policy.select(
+                keep, _ = policy.select_heads(
                     view.keys, view.values, window, slot_valid=view.valid, query_valid=wvalid,
                     positions=view.positions, layer_idx=layer, evictions=view.evictions, streams=view.streams,
+                    budget=cache.schedules[layer].budget,
                 )
-                expected[layer] = torch.gather(view.positions, 2, kept)
+                expected[layer] = _held(view.positions, keep)
         for layer in range(2):
             cache.step(layer, k, v, q)
             if layer in expected:
-                assert torch.equal(cache.layers[layer].positions[..., :-1], expected[layer]), (name, step, layer)
+                view = cache.layers[layer]
+                got = _held(view.positions[..., :-1], view.valid[..., :-1])
+                assert got == expected[layer], (name, step, layer)
                 checked += 1
     assert checked >= 4, name
+
+
+def _held(positions: torch.Tensor, mask: torch.Tensor) -> list[list[list[int]]]:
+    """Per row and head, the positions where ``mask`` holds, ascending."""
+    return [[sorted(p[m].tolist()) for p, m in zip(ph, mh, strict=True)] for ph, mh in zip(positions, mask, strict=True)]
 
 
 def test_a_reservation_only_attention_reader_sees_the_query_window(qwen3):

@@ -113,7 +113,7 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
-@pytest.mark.parametrize("name", ["snapkv", "vase-dkv"])
+@pytest.mark.parametrize("name", ["snapkv", "vase-dkv", "ada-snapkv", "ada-vase-attnv", "pyramidkv"])
 def test_eviction_logits_match_masked_full_reference(qwen3, name):
     model = _fresh(qwen3)
     ids, mask = _prompt(length=24, pads=(0, 5))
@@ -164,7 +164,7 @@ def test_eviction_logits_match_masked_full_reference(qwen3, name):
 
 
 # -- (c) a padded batch gives each row the tokens it gets alone --------------------------------
-@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "rkv"])
+@pytest.mark.parametrize("name", ["snapkv", "streamingllm", "rkv", "ada-snapkv", "ada-vase-attnv", "pyramidkv"])
 @pytest.mark.parametrize("pad", [8, 5])
 def test_padded_batch_rows_match_rows_alone(qwen3, name, pad):
     # Padding is never stored and never counts: each row follows the schedule on its own tokens,

@@ -31,10 +31,22 @@ class Executor:
         due = group.due.clone()
         # Rows holding different counts (different prompt lengths) are evicted apart, each as it
         # would be alone; in the usual case every row is due with one count and this runs once.
-        evict_rows = self._evict_heads if group.heads is not None else self._evict_rows
-        for count in group.counts[due].unique().tolist():
-            rows = (due & (group.counts == count)).nonzero().squeeze(1)
-            evict_rows(group, rows, int(count))
+        # Under a per-head allocation the policy sees each row's heads right-aligned in as many
+        # columns as its fullest head holds: rows are grouped by that width too, so that a row's
+        # view, and so its random draws, are those it has alone.
+        counts = group.counts
+        if group.heads is None:
+            classes = counts[due].unique()[:, None]
+            evict_rows = self._evict_rows
+        else:
+            fullest = counts - group.heads.deficit.amin(dim=(0, 2)).cpu()
+            classes = torch.stack([counts, fullest], 1)[due].unique(dim=0)
+            evict_rows = self._evict_heads
+        for count, *width in classes.tolist():
+            rows = due & (counts == count)
+            if width:
+                rows &= fullest == width[0]
+            evict_rows(group, rows.nonzero().squeeze(1), int(count))
         group.eviction_steps += 1
         return int(due.sum())
 
@@ -76,7 +88,7 @@ class Executor:
         n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
         row_sel: slice | torch.Tensor = slice(None) if n_rows == group.batch else rows.to(group.device)
         counts = torch.full((n_rows,), count, dtype=torch.long)
-        flat, valid = heads.slots(cap, counts, heads.width(counts), rows=row_sel)  # [Lyr, R, Hkv, N]
+        flat, valid = heads.slots(cap, counts, heads.width(counts, row_sel), rows=row_sel)  # [Lyr, R, Hkv, N]
         width = flat.shape[-1]
         row_of = torch.arange(group.batch, device=group.device)[row_sel]
         lyr = torch.arange(n_layers, device=group.device)[:, None, None]

@@ -54,9 +54,9 @@ class HeadLayout:
         flat = torch.where(valid, shift[..., None] + row_slot[None, :, None, :], 0)
         return flat, valid
 
-    def width(self, counts: torch.Tensor) -> int:
-        """Slots held by the fullest head of these rows (one sync)."""
-        return int((counts.to(self.deficit.device)[None, :, None] - self.deficit).max())
+    def width(self, counts: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> int:
+        """Slots held by the fullest head of these rows (``counts [R]``), on any layer (one sync)."""
+        return int((counts.to(self.deficit.device)[None, :, None] - self.deficit[:, rows]).max())
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.deficit = self.deficit.index_select(1, index)

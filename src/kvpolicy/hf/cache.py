@@ -150,7 +150,8 @@ class KVPolicyCache(Cache):
         layer_devices = _layer_devices(model, num_layers) if model is not None else None
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
         self.evicting = EvictingCache(
-            self.policy, num_layers, layer_devices=layer_devices, seed=seed, independent_rows=independent_rows
+            self.policy, num_layers, layer_devices=layer_devices, seed=seed, independent_rows=independent_rows,
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads", None),
         )
         # The layer whose update returned keys that kvpolicy attention has not taken yet.
         self._staged_layer: int | None = None

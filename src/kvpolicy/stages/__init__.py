@@ -6,6 +6,7 @@ from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stag
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .greedy import GreedySelector
+from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .layer_list import LayerListAllocation
@@ -40,6 +41,7 @@ BUILTIN_STAGES = (
     PyramidAllocation,
     LayerListAllocation,
     AdaptiveAllocation,
+    ProfileAllocation,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "Allocation",
     "AllocationSpec",
     "LayerListAllocation",
+    "ProfileAllocation",
     "PyramidAllocation",
     "UniformAllocation",
     "AttentionScorer",

@@ -32,21 +32,25 @@ class AdaptiveAllocation(Allocation):
     )
 
     def head_counts(self, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput) -> torch.Tensor:
-        b, h, n = priority.shape
-        total = h * inp.budget
         valid = (priority > float("-inf")).sum(-1)  # [B, Hkv] slots a head can keep
-        guaranteed = torch.maximum(
-            protected.sum(-1), valid.clamp(max=math.ceil(self.floor * inp.budget))
-        )  # [B, Hkv]
-        ranked = priority.sort(dim=-1, descending=True, stable=True).values
-        rank = torch.arange(n, device=priority.device)
-        in_pool = (rank >= guaranteed[..., None]) & (ranked > float("-inf"))
-        pool = torch.where(in_pool, ranked, float("-inf")).flatten(1)  # [B, Hkv * N]
-        order = pool.sort(dim=-1, descending=True, stable=True).indices
-        left = (total - guaranteed.sum(-1)).clamp(min=0)  # [B]
-        taken = (torch.arange(h * n, device=priority.device) < left[:, None]) & (
-            pool.gather(1, order) > float("-inf")
-        )
-        extra = torch.zeros(b, h, dtype=torch.long, device=priority.device)
-        extra.scatter_add_(1, order // n, taken.long())
-        return guaranteed + extra
+        guaranteed = torch.maximum(protected.sum(-1), valid.clamp(max=math.ceil(self.floor * inp.budget)))
+        return share_the_rest(priority, guaranteed, priority.shape[1] * inp.budget)
+
+
+def share_the_rest(priority: torch.Tensor, guaranteed: torch.Tensor, total: int) -> torch.Tensor:
+    """``[B, Hkv]`` counts: each head's ``guaranteed`` best slots, then the rest of ``total`` to
+    the highest ``priority [B, Hkv, N]`` left across the heads of the row (ties: lower head and
+    slot first). ``-inf`` marks slots that may not be kept."""
+    b, h, n = priority.shape
+    ranked = priority.sort(dim=-1, descending=True, stable=True).values
+    rank = torch.arange(n, device=priority.device)
+    in_pool = (rank >= guaranteed[..., None]) & (ranked > float("-inf"))
+    pool = torch.where(in_pool, ranked, float("-inf")).flatten(1)  # [B, Hkv * N]
+    order = pool.sort(dim=-1, descending=True, stable=True).indices
+    left = (total - guaranteed.sum(-1)).clamp(min=0)  # [B]
+    taken = (torch.arange(h * n, device=priority.device) < left[:, None]) & (
+        pool.gather(1, order) > float("-inf")
+    )
+    extra = torch.zeros(b, h, dtype=torch.long, device=priority.device)
+    extra.scatter_add_(1, order // n, taken.long())
+    return guaranteed + extra

@@ -122,6 +122,12 @@ def resolve(entry: dict[str, Any]) -> Resolved:
         policy = load_policy(source, **overrides)
     except PolicyError as exc:
         raise KVPolicyVLLMError(f"policy {source!r} does not load:\n{exc}") from None
+    if policy.allocation.uneven:
+        raise KVPolicyVLLMError(
+            f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}): "
+            "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
+            "memory there. Serve it with the transformers integration (KVPolicyCache), or use a uniform allocation"
+        )
     if policy.mode != "evict":
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"

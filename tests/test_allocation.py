@@ -1,0 +1,265 @@
+"""Budget allocation: per-layer budgets, per-head counts, the flat per-head layout and its errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_tensors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvpolicy
+from kvpolicy import EvictingCache, load_policy
+from kvpolicy.config import PolicyError
+from kvpolicy.profiles import HeadProfile
+from kvpolicy.stages.layer_list import largest_remainder
+
+SMALL = {"name": "p", "schedule": {"budget": 24, "recent": 4, "interval": 8, "window": 4}}
+ATTENTION = {"type": "attention"}
+
+
+def _policy(allocation, selector="greedy", reservations=(), **schedule):
+    doc = {**SMALL, "scorer": ATTENTION, "selector": {"type": selector}, "allocation": allocation,
+           "reservations": list(reservations)}
+    doc["schedule"] = {**SMALL["schedule"], **schedule}
+    return load_policy(doc)
+
+
+# -- per-layer budgets ------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 40), budget=st.integers(70, 3000), beta=st.floats(1.0, 50.0))
+def test_pyramid_budgets_keep_the_total_and_fall_with_depth(layers, budget, beta):
+    policy = load_policy("pyramidkv", budget=budget)
+    policy = policy.with_overrides()  # the source mapping round-trips
+    budgets = policy.allocation.model_copy(update={"beta": beta}).layer_budgets(budget, layers, 64)
+    assert len(budgets) == layers and sum(budgets) == layers * budget
+    assert all(a >= b for a, b in zip(budgets, budgets[1:], strict=False))
+    if layers > 1:  # the last layer: the recent buffer plus (budget - recent) / beta, rounded
+        assert abs(budgets[-1] - (64 + (budget - 64) / beta)) <= 1
+
+
+def test_pyramid_with_beta_1_is_uniform():
+    assert _policy({"type": "pyramid", "beta": 1}).allocation.layer_budgets(24, 5, 4) == [24] * 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.floats(0.01, 100.0), min_size=1, max_size=30), budget=st.integers(1, 5000))
+def test_layer_list_shares_in_proportion(weights, budget):
+    alloc = _policy({"type": "layers", "budgets": weights}).allocation
+    budgets = alloc.layer_budgets(budget, len(weights), 0)
+    assert sum(budgets) == budget * len(weights)
+    total = sum(weights)
+    for w, b in zip(weights, budgets, strict=True):
+        assert abs(b - budget * len(weights) * w / total) < 1
+
+
+def test_largest_remainder_is_exact_and_close():
+    assert largest_remainder([1.5, 1.5, 1.0], 4) == [2, 1, 1]
+    assert largest_remainder([0.2] * 5, 1) == [1, 0, 0, 0, 0]
+
+
+def test_an_explicit_list_that_averages_the_budget_is_kept():
+    policy = _policy({"type": "layers", "budgets": [30, 24, 18]})
+    assert [s.budget for s in policy.layer_schedules(3)] == [30, 24, 18]
+
+
+# -- per-head counts (Ada-KV) -------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(
+    hkv=st.integers(1, 4), n=st.integers(30, 70), budget=st.integers(7, 29), floor=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16), selector=st.sampled_from(["greedy", "stochastic"]),
+)
+def test_adaptive_counts_add_up_respect_floors_and_keep_protected(hkv, n, budget, floor, seed, selector):
+    policy = _policy({"type": "adaptive", "floor": floor}, selector=selector, reservations=[{"type": "sinks", "n": 2}],
+                     budget=budget)
+    keys, values, queries = make_tensors(b=2, hkv=hkv, hq=2 * hkv, n=n, w=4, seed=seed)
+    keep, counts = policy.select_heads(keys, values, queries)
+    assert counts.shape == (2, hkv) and keep.shape == (2, hkv, n)
+    assert torch.equal(keep.sum(-1), counts)
+    assert torch.equal(counts.sum(-1), torch.full((2,), hkv * budget))
+    assert bool((counts >= min(math.ceil(floor * budget), n)).all())
+    assert bool(keep[..., n - 4:].all()), "the recent buffer is always kept"
+    assert bool(keep[..., :2].all()), "the sinks are always kept"
+    again, _ = policy.select_heads(keys, values, queries)
+    assert torch.equal(keep, again), "seeded runs reproduce"
+
+
+def test_adaptive_gives_spread_heads_more_slots():
+    # Head 0 attends one key sharply, head 1 spreads its attention: head 1 gets more slots.
+    n, d = 48, 8
+    keys = torch.zeros(1, 2, n, d)
+    keys[0, 0, 5, 0] = 30.0
+    keys[0, 1] = torch.randn(n, d) * 0.01
+    queries = torch.zeros(1, 2, 4, d)
+    queries[..., 0] = 1.0
+    values = torch.randn(1, 2, n, d)
+    _, counts = _policy({"type": "adaptive", "floor": 0.2}).select_heads(keys, values, queries)
+    assert counts[0, 1] > counts[0, 0] and int(counts.sum()) == 48
+
+
+def test_floor_1_is_uniform_per_head():
+    keys, values, queries = make_tensors(b=2, hkv=3, hq=6, n=40, w=4, seed=1)
+    adaptive = _policy({"type": "adaptive", "floor": 1.0})
+    uniform = _policy({"type": "uniform"})
+    keep, counts = adaptive.select_heads(keys, values, queries)
+    assert bool((counts == 24).all())
+    want = torch.zeros_like(keep).scatter_(-1, uniform.select(keys, values, queries), True)
+    assert torch.equal(keep, want)
+
+
+def test_uniform_allocation_is_bit_identical_to_no_allocation():
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=60, w=4, seed=2)
+    plain = load_policy({**SMALL, "scorer": ATTENTION, "selector": {"type": "stochastic"}})
+    explicit = _policy({"type": "uniform"}, selector="stochastic")
+    assert torch.equal(plain.select(keys, values, queries), explicit.select(keys, values, queries))
+    assert plain.to_yaml() == explicit.to_yaml()  # uniform is the default: the file keeps its form
+
+
+def test_select_refuses_per_head_policies_and_points_to_select_heads():
+    keys, values, queries = make_tensors(n=40)
+    with pytest.raises(ValueError, match="select_heads"):
+        load_policy("ada-snapkv", budget=24, recent=4, window=4, interval=8).select(keys, values, queries)
+
+
+# -- the flat per-head layout in a decoding loop ------------------------------------------------
+def _reference(out_q, all_k, all_v, positions, valid, t):
+    """Float64 attention of each query over exactly the positions its head holds."""
+    b_, hq, _, d = out_q.shape
+    hkv = all_k.shape[1]
+    g = hq // hkv
+    ref = torch.empty_like(out_q)
+    for b in range(b_):
+        for h in range(hkv):
+            held = positions[b, h][valid[b, h]]
+            for q in range(t):
+                seen = held[held <= all_k.shape[2] - t + q]
+                for j in range(g):
+                    s = all_k[b, h, seen] @ out_q[b, h * g + j, q] / d**0.5
+                    ref[b, h * g + j, q] = torch.softmax(s, 0) @ all_v[b, h, seen]
+    return ref
+
+
+@pytest.mark.parametrize("name", ["ada-snapkv", "ada-vase-attnv", "pyramidkv"])
+def test_uneven_layout_attention_is_exact_and_memory_constant(name):
+    torch.manual_seed(0)
+    policy = load_policy(name, budget=24, recent=4, interval=8, window=4)
+    b, hkv, g, d, layers = 2, 3, 2, 8, 3
+    cache = EvictingCache(policy, layers)
+    seen_k = [[] for _ in range(layers)]
+    seen_v = [[] for _ in range(layers)]
+    memory, uneven = set(), False
+    for step in range(70):
+        t = 11 if step == 0 else 1
+        for layer in range(layers):
+            q = torch.randn(b, hkv * g, t, d, dtype=torch.float64)
+            k = torch.randn(b, hkv, t, d, dtype=torch.float64)
+            v = torch.randn(b, hkv, t, d, dtype=torch.float64)
+            out = cache.attend(layer, q, k, v)
+            seen_k[layer].append(k)
+            seen_v[layer].append(v)
+            view = cache.layers[layer]
+            ref = _reference(q, torch.cat(seen_k[layer], 2), torch.cat(seen_v[layer], 2), view.positions, view.valid, t)
+            torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+            held = view.valid.sum(-1)
+            uneven |= bool((held != held[..., :1]).any())
+        if cache.stats()[0].evictions:
+            memory.add(cache.memory_bytes())
+    assert len(memory) == 1, "buffers grew or shrank after the first eviction"
+    if policy.allocation.per_head:
+        assert uneven, "the test should exercise heads holding different counts"
+
+
+def test_kv_bytes_are_the_kept_slots_plus_headroom_over_3000_tokens():
+    policy = load_policy("ada-snapkv", budget=32, recent=8, interval=8, window=8)
+    b, hkv, d = 2, 2, 4
+    cache = EvictingCache(policy, 2)
+    bytes_seen = set()
+    for step in range(3000):
+        t = 16 if step == 0 else 1
+        for layer in range(2):
+            cache.attend(layer, torch.randn(b, 4, t, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d))
+        if step > 40:
+            group = cache.layers[0].group
+            kv = group.buffers.keys.nbytes + group.buffers.values.nbytes
+            bytes_seen.add(kv)
+            held = torch.stack([cache.layers[i].valid.sum(-1) for i in range(2)])  # [Lyr, B, Hkv]
+            headroom = group.buffers.capacity - group.counts  # every head's free room: cap - L
+            slots = held.sum(-1) + hkv * headroom  # per layer and row: kept + headroom
+            assert bool((slots == hkv * group.buffers.capacity).all())
+    assert len(bytes_seen) == 1
+    per_slot = 2 * d * 4  # a key and a value of float32
+    assert bytes_seen.pop() == 2 * b * hkv * policy.schedule.capacity * per_slot
+
+
+def test_row_reordering_keeps_each_rows_heads():
+    policy = load_policy("ada-snapkv", budget=24, recent=4, interval=8, window=4)
+    cache = EvictingCache(policy, 1)
+    for step in range(40):
+        t = 10 if step == 0 else 1
+        cache.attend(0, torch.randn(3, 4, t, 8), torch.randn(3, 2, t, 8), torch.randn(3, 2, t, 8))
+    before = cache.layers[0].positions.clone(), cache.layers[0].keys.clone()
+    cache.select_rows([2, 0])
+    after = cache.layers[0].positions, cache.layers[0].keys
+    assert torch.equal(after[0], before[0][[2, 0]]) and torch.equal(after[1], before[1][[2, 0]])
+
+
+# -- bad input, before any work ------------------------------------------------------------------
+def test_floor_above_1_names_the_field():
+    with pytest.raises(PolicyError, match=r"allocation.floor"):
+        _policy({"type": "adaptive", "floor": 1.5})
+
+
+def test_a_layer_list_of_the_wrong_length_is_refused_at_cache_build():
+    policy = _policy({"type": "layers", "budgets": [1, 2, 3]})
+    with pytest.raises(PolicyError, match=r"allocation: allocation.budgets has 3 entries but the model has 4 layers"):
+        EvictingCache(policy, 4)
+
+
+def test_budgets_that_leave_no_candidate_are_refused():
+    policy = _policy({"type": "layers", "budgets": [1, 10, 10]})  # layer 0: 72 / 21 -> 4 slots, recent 4
+    with pytest.raises(PolicyError, match=r"allocation: layer 0 gets a budget of 4 slots, which leaves no candidate"):
+        EvictingCache(policy, 3)
+
+
+def test_a_profile_for_another_model_shape_is_refused(tmp_path):
+    path = tmp_path / "heads.yaml"
+    HeadProfile.from_weights(torch.ones(3, 2)).save(path)
+    policy = _policy({"type": "profile", "path": str(path)})
+    with pytest.raises(PolicyError, match=r"3 layers x 2 KV heads"):
+        EvictingCache(policy, 4)
+    cache = EvictingCache(policy, 3)  # heads are checked at the first append
+    with pytest.raises(PolicyError, match=r"3 layers x 2 KV heads"):
+        cache.attend(0, torch.randn(1, 6, 5, 8), torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8))
+
+
+def test_a_missing_profile_names_the_field(tmp_path):
+    with pytest.raises(PolicyError, match=r"allocation.*cannot use the head profile"):
+        _policy({"type": "profile", "path": str(tmp_path / "missing.yaml")})
+
+
+def test_profile_allocation_follows_the_weights(tmp_path):
+    weights = torch.tensor([[1.0, 0.0], [3.0, 0.0]])  # head 1 of each layer: streaming
+    path = tmp_path / "heads.yaml"
+    HeadProfile.from_weights(weights).save(path)
+    policy = _policy({"type": "profile", "path": str(path), "floor": 0.25})
+    budgets = [s.budget for s in policy.layer_schedules(2, 2)]
+    assert sum(budgets) == 2 * 24 and budgets[1] > budgets[0]
+    alloc = policy.allocation
+    assert alloc.head_budgets(1, budgets[1]) == [2 * budgets[1] - 6, 6]  # the streaming head: its floor
+    keys, values, queries = make_tensors(b=1, hkv=2, hq=4, n=60, w=4, seed=3)
+    keep, counts = policy.select_heads(keys, values, queries, budget=budgets[1], layer_idx=1)
+    assert counts.tolist() == [[2 * budgets[1] - 6, 6]]
+
+
+def test_vllm_refuses_uneven_budgets():
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
+
+    with pytest.raises(KVPolicyVLLMError, match="uneven"):
+        resolve({"policy": "ada-snapkv"})
+
+
+def test_select_mode_refuses_per_head_allocations():
+    with pytest.raises(PolicyError, match="select mode does not support"):
+        kvpolicy.load_policy("ada-snapkv@select")
