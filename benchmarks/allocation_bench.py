@@ -1,0 +1,96 @@
+"""Decode-step cost of per-layer and per-head budgets against uniform ones, at the same total slots.
+
+One run on CPU, one thread, side by side: an attention-heavy randomly initialised Llama (hidden
+512, 2 layers, 8 heads of 64, MHA) is prefilled with a prompt past the budget, decodes until every
+cache has evicted at least once (so a per-head cache holds uneven heads), then times decode steps
+in alternating trials, each cache stepping the same tokens:
+
+- ``snapkv`` (uniform), ``pyramidkv`` (per-layer budgets) and ``ada-snapkv`` (per-head budgets),
+  all at ``--budget`` (the same total slots and KV bytes);
+- the median time of a step with no eviction due (attention over the held slots and the model),
+  and of a step that evicts, and the ratio of each to uniform.
+
+Usage::
+
+    python benchmarks/allocation_bench.py              # budget 512, 200 timed steps per cache
+    python benchmarks/allocation_bench.py --quick      # budget 256, 60 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvpolicy  # noqa: E402
+from kvpolicy.hf import KVPolicyCache  # noqa: E402
+
+POLICIES = ("snapkv", "pyramidkv", "ada-snapkv")
+
+
+def build_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+        head_dim=64, vocab_size=1024, max_position_embeddings=32768, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200, help="timed decode steps per cache")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.budget, args.steps = 256, 60
+    torch.set_num_threads(1)
+    model = build_model()
+    prompt = torch.randint(0, 1024, (1, 2 * args.budget))  # past every layer's budget, pyramid's first too
+    caches, nexts = {}, {}
+    with torch.no_grad():
+        for name in POLICIES:
+            cache = KVPolicyCache(kvpolicy.load_policy(name, budget=args.budget), model)
+            out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            nexts[name] = out.logits[:, -1:].argmax(-1)
+            caches[name] = cache
+        # Decode until every cache has evicted (interval 64: at most two intervals).
+        for _ in range(2 * 64 + 1):
+            for name in POLICIES:
+                out = model(input_ids=nexts[name], past_key_values=caches[name], use_cache=True)
+                nexts[name] = out.logits[:, -1:].argmax(-1)
+        assert all(min(s.evictions for s in caches[n].stats()) > 0 for n in POLICIES)
+        plain: dict[str, list[float]] = {n: [] for n in POLICIES}
+        evicting: dict[str, list[float]] = {n: [] for n in POLICIES}
+        for _ in range(args.steps):
+            for name in POLICIES:  # alternating: each cache sees the same machine noise
+                cache = caches[name]
+                due = any(layer.eviction_due for layer in cache.evicting.layers)
+                t0 = time.perf_counter()
+                out = model(input_ids=nexts[name], past_key_values=cache, use_cache=True)
+                elapsed = time.perf_counter() - t0
+                nexts[name] = out.logits[:, -1:].argmax(-1)
+                (evicting if due else plain)[name].append(elapsed)
+    uneven = caches["ada-snapkv"].evicting.layers[0]
+    held = uneven.valid.sum(-1)[0].tolist()
+    print(f"budget {args.budget}, {args.steps} steps per cache, 1 thread; ada-snapkv layer 0 heads hold {held}")
+    print(f"KV bytes: " + ", ".join(f"{n} {caches[n].memory_bytes() / 2**20:.2f} MiB" for n in POLICIES))
+    base_plain = statistics.median(plain["snapkv"])
+    base_evict = statistics.median(evicting["snapkv"]) if evicting["snapkv"] else float("nan")
+    print(f"{'policy':<12} {'step ms':>8} {'vs uniform':>10} {'evicting step ms':>17} {'vs uniform':>10}")
+    for name in POLICIES:
+        p = statistics.median(plain[name])
+        e = statistics.median(evicting[name]) if evicting[name] else float("nan")
+        print(f"{name:<12} {p * 1e3:8.3f} {p / base_plain:9.2f}x {e * 1e3:17.3f} {e / base_evict:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
