@@ -82,7 +82,7 @@ def main() -> None:
     uneven = caches["ada-snapkv"].evicting.layers[0]
     held = uneven.valid.sum(-1)[0].tolist()
     print(f"budget {args.budget}, {args.steps} steps per cache, 1 thread; ada-snapkv layer 0 heads hold {held}")
-    print(f"KV bytes: " + ", ".join(f"{n} {caches[n].memory_bytes() / 2**20:.2f} MiB" for n in POLICIES))
+    print("KV bytes: " + ", ".join(f"{n} {caches[n].memory_bytes() / 2**20:.2f} MiB" for n in POLICIES))
     base_plain = statistics.median(plain["snapkv"])
     base_evict = statistics.median(evicting["snapkv"]) if evicting["snapkv"] else float("nan")
     print(f"{'policy':<12} {'step ms':>8} {'vs uniform':>10} {'evicting step ms':>17} {'vs uniform':>10}")
