@@ -284,6 +284,24 @@ def _load_small(name: str) -> kvpolicy.Policy:
         return kvpolicy.load_policy(name, budget=16, interval=4, window=4)
 
 
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "snapkv"])
+def test_an_empty_query_window_is_refused_when_a_stage_reads_the_queries(name):
+    """``[B, Hq, 0, D]`` queries: the newest-query scorers crashed (IndexError from argmax) and
+    the window scorer ranked all-zero scores; now a SelectionError names the queries and stage."""
+    policy = kvpolicy.load_policy(name, budget=8, recent=2, interval=4, window=2)
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=0, seed=0)
+    with pytest.raises(SelectionError, match=r"queries hold no window entry \(shape \(2, 4, 0, 8\), W = 0\), but "
+                                             r"scorer '\w+' reads them"):
+        policy.select(keys, values, queries)
+    # A window whose entries hold no query yet is well defined (those rows score no attention).
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=2, seed=0)
+    kept = policy.select(keys, values, queries, query_valid=torch.zeros(2, 2, dtype=torch.bool))
+    assert kept.shape == (2, 2, 8)
+    # A policy that reads no query takes an empty window.
+    assert kvpolicy.load_policy("curdkv", budget=8, recent=2, interval=4, window=0).select(
+        *make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=0, seed=0)).shape == (2, 2, 8)
+
+
 POLICIES = {name: _load_small(name) for name in kvpolicy.available_policies()}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -52,6 +52,21 @@ def check_inputs(inp: EvictionInput) -> None:
             raise SelectionError(_bad_input_message(label, t))
 
 
+def check_query_window(readers: list[str], inp: EvictionInput) -> None:
+    """Refuse an empty query window (``W = 0``) when some stage reads the queries.
+
+    ``readers`` names those stages (``PolicyConfig.query_readers``). Load already refuses
+    ``schedule.window = 0`` for them; this catches ``select`` called with ``[B, Hq, 0, D]``
+    queries, which such a stage cannot score (there is no newest query to read).
+    """
+    if readers and inp.queries.shape[2] == 0:
+        raise SelectionError(
+            f"queries hold no window entry (shape {tuple(inp.queries.shape)}, W = 0), but "
+            f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} them: pass the window of "
+            "recent queries (W >= 1; query_valid=False marks entries that hold no query yet)"
+        )
+
+
 def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.Tensor:
     """``scorer.score(inp)`` as checked ``[B, Hkv, N]`` float32 scores. One synchronisation.
 

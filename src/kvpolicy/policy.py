@@ -146,7 +146,8 @@ class Policy:
 
         - inputs: keys, values or queries holding NaN or inf (padding included), or float64
           entries beyond float32's range (scores are float32: such inputs are refused, not
-          rescaled); a recent buffer larger than the budget;
+          rescaled); a recent buffer larger than the budget; an empty query window (``W = 0``)
+          for a policy whose stages read the queries (``Stage.reads_queries``);
         - a stage's result that is not ``[B, Hkv, N]`` (never broadcast), of the wrong dtype or
           device; scores that are NaN or inf on a valid candidate (an overflow: float16 inputs
           are scored in float32, but float32 itself overflows near 3.4e38); NaN priorities;
@@ -161,6 +162,8 @@ class Policy:
         cfg = self.config
         b, hkv, n, k_keep = inp.batch, inp.num_kv_heads, inp.num_slots, inp.budget
         guards.check_inputs(inp)
+        if inp.queries.shape[2] == 0:
+            guards.check_query_window(cfg.query_readers(), inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
         for reservation in cfg.reservations:

@@ -26,6 +26,7 @@ class AttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "attention"
+    reads_queries: ClassVar[bool] = True
 
     pooling: Literal["none", "avg", "max"] = "avg"
     kernel: int = Field(
@@ -52,10 +53,6 @@ class AttentionScorer(Scorer):
         if self.pooling != "none" and self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd so the pooled scores stay aligned, got {self.kernel}")
         return self
-
-    def validate_schedule(self, schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("the attention scorer needs a window of at least one query")
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape

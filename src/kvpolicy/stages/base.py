@@ -160,6 +160,10 @@ class Stage(BaseModel, ABC):
     #: choice then depends on the seed as well as on the tensors. A stage whose draws are fixed
     #: per layer (``per="layer"``) is deterministic given the policy's seed and is not stochastic.
     stochastic: ClassVar[bool] = False
+    #: True when the stage reads the window of queries (``inp.queries``): a policy using it needs
+    #: ``schedule.window >= 1`` (refused at load otherwise), and ``select`` refuses queries with
+    #: ``W = 0``. A window whose entries are all invalid (``query_valid`` False) is allowed.
+    reads_queries: ClassVar[bool] = False
 
     def describe(self) -> dict[str, Any]:
         """The stage as it appears in a resolved policy file."""

@@ -3,14 +3,11 @@ approximates."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from .base import EvictionInput, Scorer
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 def newest_query(inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,12 +30,9 @@ class CurrentAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "current_attention"
+    reads_queries: ClassVar[bool] = True
 
     group_reduce: Literal["mean", "max"] = "mean"
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("current_attention reads the newest query: the window must hold at least one")
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape

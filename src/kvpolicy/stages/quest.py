@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from .base import EvictionInput, Scorer
 from .current_attention import newest_query
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 class QuestScorer(Scorer):
@@ -32,6 +29,7 @@ class QuestScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "quest"
+    reads_queries: ClassVar[bool] = True
 
     page_size: int = Field(16, ge=1, le=4096, description="Slots per page (Quest: 16).")
     group_reduce: Literal["max", "mean"] = "max"
@@ -43,10 +41,6 @@ class QuestScorer(Scorer):
     @property
     def key_page_sizes(self) -> frozenset[int]:
         return frozenset({self.page_size})
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("quest reads the newest query: the window must hold at least one")
 
     def page_bounds(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, Hkv, G, ceil(C / P)]`` float32: each query head's bound of ``q . k`` per page
