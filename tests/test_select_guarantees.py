@@ -91,9 +91,30 @@ def test_float16_inputs_of_magnitude_300_are_scored_in_float32():
 def test_scorer_overflow_from_finite_inputs_names_the_scorer():
     policy = sinks_policy({"type": "attention"})
     k, v, q = make_tensors(b=1, hkv=1, hq=1, n=40, d=8, w=4, seed=4)
-    msg = r"^scorer 'attention' produced non-finite scores .* from finite inputs: an overflow\?"
+    msg = r"^scorer 'attention' produced non-finite scores .*: the scores overflowed float32 from finite inputs"
     with pytest.raises(SelectionError, match=msg):
         policy.select(k * 1e30, v, q * 1e30)  # float32 logits of 1e60
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("name", ["snapkv", "oracle-topk", "quest", "curdkv", "rkv"])
+def test_finite_float32_inputs_whose_dot_products_overflow_are_refused_as_an_overflow(name, padded):
+    """Entries of 1e19 are finite float32, but q . k (1e38 * D) is not. Every policy that multiplies
+    them refuses with a message that says so, and what to do; none selects from the overflowed
+    scores (current_attention and quest zeroed them, and attention did on padded batches)."""
+    policy = kvpolicy.load_policy(name, budget=8, recent=2, interval=4, window=2)
+    big = torch.full((2, 2, 16, 16), 1e19)
+    queries = torch.full((2, 4, 2, 16), 1e19)
+    slot_valid = torch.ones(2, 16, dtype=torch.bool)
+    if padded:
+        slot_valid[1, :3] = False  # row 1 left-padded: the masked paths of the scorers
+    with pytest.raises(SelectionError) as err:
+        policy.select(big, big, queries, slot_valid=slot_valid)
+    message = str(err.value)
+    assert message.startswith("scorer '"), message
+    assert "the scores overflowed float32 from finite inputs" in message
+    assert "entries reach 1e+19" in message and "Rescale the keys, values and queries" in message
+    assert "check the inputs for NaN" not in message
 
 
 def test_inf_priorities_never_tie_with_protected_slots(plugin):

@@ -40,6 +40,9 @@ class CurrentAttentionScorer(Scorer):
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
         logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]
         logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of padding only has no mass
+        # A row and head of padding only has no mass (its softmax is NaN). Other NaN or inf,
+        # from logits that overflowed float32, stay for the guard to report.
+        has_slot = inp.slot_valid.any(-1)  # [B, Hkv]
+        probs = torch.softmax(logits, dim=-1).masked_fill_(~has_slot[:, :, None, None], 0.0)
         scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
-        return scores * has_query[:, None, None].to(scores.dtype)
+        return torch.where(has_query[:, None, None], scores, 0.0)
