@@ -406,3 +406,29 @@ def test_select_keeps_its_promises_or_says_why(case):
     # padding is never kept while a valid slot is not
     valid_kept = torch.gather(slot_valid[:, None, :].expand(b, hkv, n), -1, kept).sum(-1)
     assert bool((valid_kept == slot_valid.sum(-1, keepdim=True).clamp_max(k_keep)).all())
+
+
+# -- Policy.stochastic tells the truth --------------------------------------------------------------
+def test_a_null_seed_makes_per_layer_draws_stochastic():
+    """CurDKV's fixed projection is drawn from the layer's seed: deterministic given a seed, but a
+    null seed is resolved afresh at every select call, so the policy is then stochastic."""
+    assert not POLICIES["curdkv"].stochastic
+    assert POLICIES["curdkv"].with_overrides(seed=None).stochastic
+    assert not POLICIES["snapkv"].with_overrides(seed=None).stochastic  # draws nothing
+    assert POLICIES["vase-dkv"].stochastic and POLICIES["vase-dkv"].with_overrides(seed=7).stochastic
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(POLICIES)), seed=st.sampled_from([None, 0, 12345]),
+       data_seed=st.integers(0, 2**16), layer=st.integers(0, 40),
+       calls=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 3)), min_size=2, max_size=3))
+def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name, seed, data_seed, layer, calls):
+    """``Policy.stochastic == False`` promises: the same tensors and layer keep the same slots,
+    whatever the eviction count, the stream and (for ``seed: null``) the seed each call resolves."""
+    policy = POLICIES[name].with_overrides(seed=seed)
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=30, d=8, w=4, seed=data_seed)
+    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream)
+            for evictions, stream in calls]
+    if not policy.stochastic:
+        assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)
+    event(f"stochastic={policy.stochastic}")

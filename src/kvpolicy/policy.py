@@ -58,8 +58,20 @@ class Policy:
 
     @property
     def stochastic(self) -> bool:
-        stages = [self.config.scorer, *self.config.reservations, self.config.selector]
-        return any(s is not None and s.stochastic for s in stages)
+        """Whether the slots kept depend on random draws, not on the inputs alone.
+
+        True when a stage draws afresh at every eviction (``Stage.stochastic``: the choice then
+        depends on the seed and on each row's eviction count), or when the policy's ``seed`` is
+        null and a stage draws per layer (``Stage.draws_per_layer``): a null seed is resolved
+        afresh at every ``select`` call that passes no ``seed=`` (and for every cache), so even
+        those draws change. When False, two ``select`` calls with the same tensors and
+        ``layer_idx`` (and the same ``seed=``, if any) keep the same slots, whatever their
+        ``evictions`` and ``streams``.
+        """
+        stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
+        if any(s.stochastic for s in stages):
+            return True
+        return self.config.seed is None and any(s.draws_per_layer for s in stages)
 
     def __repr__(self) -> str:
         s = self.schedule

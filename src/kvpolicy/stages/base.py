@@ -160,6 +160,10 @@ class Stage(BaseModel, ABC):
     #: choice then depends on the seed as well as on the tensors. A stage whose draws are fixed
     #: per layer (``per="layer"``) is deterministic given the policy's seed and is not stochastic.
     stochastic: ClassVar[bool] = False
+    #: True when the stage draws numbers fixed per layer (``inp.normal(..., per="layer")``):
+    #: deterministic given a seed, but a policy with ``seed: null`` resolves a fresh seed at every
+    #: ``select`` call (and for every cache), so ``Policy.stochastic`` then counts the stage.
+    draws_per_layer: ClassVar[bool] = False
     #: True when the stage reads the window of queries (``inp.queries``): a policy using it needs
     #: ``schedule.window >= 1`` (refused at load otherwise), and ``select`` refuses queries with
     #: ``W = 0``. A window whose entries are all invalid (``query_valid`` False) is allowed.

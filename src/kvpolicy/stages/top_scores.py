@@ -41,6 +41,10 @@ class TopScoresReservation(Reservation):
         return self.scorer.stochastic
 
     @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return self.scorer.draws_per_layer
+
+    @property
     def reads_queries(self) -> bool:  # type: ignore[override]
         return self.scorer.reads_queries
 
