@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import assert_valid_selection, make_input, make_tensors
+from helpers import Contract2Plugin, assert_valid_selection, make_input, make_tensors
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -186,7 +186,7 @@ class NanPriority(Selector):
         return scores * float("nan")
 
 
-class TestStagesPlugin:
+class TestStagesPlugin(Contract2Plugin):
     @kvpolicy.hookimpl
     def kvpolicy_stages(self):
         return [EverySixteenth, Understated, FlatReservation, FlatScorer, InfPriority, NanPriority]

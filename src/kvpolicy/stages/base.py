@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 
 StageKind = Literal["scorer", "reservation", "selector"]
 
+#: Attributes of ``EvictionInput`` that plugin contract 1 (kvpolicy 0.1) had, and what replaced
+#: them: reading one raises an ``AttributeError`` that says so, not a bare "no attribute".
+REMOVED_INPUT_ATTRIBUTES = {
+    "generator": "draw through the input's counter-based streams instead: inp.uniform(*shape, stream=NAME) "
+    "and inp.normal(...) per row, inp.head_uniform(*shape, stream=NAME) and inp.head_normal(...) per KV head",
+    "rows_per_layer": "rows of one call may come from different layers, and each row carries its own seeds: "
+    "inp.layer_seed and inp.row_seed are [B]",
+}
+
 
 @dataclass(frozen=True)
 class EvictionInput:
@@ -75,6 +84,17 @@ class EvictionInput:
     #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     head_offset: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: explain the attributes contract 2 removed.
+        hint = REMOVED_INPUT_ATTRIBUTES.get(name)
+        if hint is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise AttributeError(
+            f"EvictionInput.{name} was removed in kvpolicy 0.2 (plugin contract 2): {hint}. See the stage "
+            "contract in docs/plugins.md and CHANGELOG.md",
+            name=name, obj=self,
+        )
 
     @property
     def layer_seed(self) -> torch.Tensor:
