@@ -247,6 +247,24 @@ def test_the_arguments_lm_eval_passes_to_every_model_are_accepted(tiny_model):
     assert lm.batch_size == 3 and lm.policy is not None and lm.policy.budget == 96
 
 
+def test_with_no_policy_the_model_matches_lm_evals_hf_model(tiny_model, task_file):
+    """The baseline beside a policy: lm-eval's own ``hf`` model (available after the import) and
+    the kvpolicy model without a policy generate the same answers and score the same."""
+    from lm_eval.models.huggingface import HFLM
+
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    ours = KVPolicyLM(str(tiny_model), policy="full", progress_every=0)
+    theirs = HFLM(pretrained=str(tiny_model), device="cpu", batch_size=1, dtype="float32")
+    assert _responses(_evaluate(ours, task_file, limit=3)) == _responses(_evaluate(theirs, task_file, limit=3))
+    tok = ours.tokenizer
+    requests = [((ctx, cont), tok.encode(ctx), tok.encode(cont))
+                for ctx, cont in [("The sky is", " blue today."), ("Tom has", " 3 apples and 4 pears")]]
+    for (ll, greedy), (want, want_greedy) in zip(ours._loglikelihood_tokens(requests),
+                                                 theirs._loglikelihood_tokens(requests), strict=True):
+        assert ll == pytest.approx(want, abs=3e-5) and greedy == want_greedy
+
+
 # -- kvpolicy eval --lm-tasks --------------------------------------------------------------------------
 N_SMALL = 3
 
