@@ -1,12 +1,22 @@
 """Tensor helpers shared by the stage, selector and policy tests (imported as ``helpers``:
-importing from ``conftest`` would find another folder's conftest first)."""
+importing from ``conftest`` would find another folder's conftest first), and the base of the
+plugins tests register at run time."""
 
 from __future__ import annotations
 
 import torch
 
+import kvpolicy
 from kvpolicy.policy import eviction_input
 from kvpolicy.stages.base import EvictionInput
+
+
+class Contract2Plugin:
+    """Base of test plugin objects: declares plugin contract 2, as every plugin must."""
+
+    @kvpolicy.hookimpl
+    def kvpolicy_contract(self):
+        return 2
 
 
 def make_tensors(b=2, hkv=2, hq=4, n=24, d=8, w=4, seed=0, dtype=torch.float32):

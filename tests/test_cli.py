@@ -11,6 +11,7 @@ from typing import ClassVar
 import pytest
 import torch
 import yaml
+from helpers import Contract2Plugin
 
 import kvpolicy
 from kvpolicy.cli import locate_problem, main, parse_overrides
@@ -73,7 +74,7 @@ def test_policies_lists_every_stage(capsys):
 
 
 def test_policies_marks_an_invalid_policy_without_failing(capsys):
-    class Broken:
+    class Broken(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_policies(self):
             return {"broken-one": {"name": "broken-one", "schedule": {"budget": 0}, "selector": "greedy"}}
@@ -316,7 +317,7 @@ class EveryOther(Selector):
         return ((idx + self.offset) % 2 == 0).float().expand(inp.keys.shape[:3])
 
 
-class EveryOtherPlugin:
+class EveryOtherPlugin(Contract2Plugin):
     @kvpolicy.hookimpl
     def kvpolicy_stages(self):
         return [EveryOther]

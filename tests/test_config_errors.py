@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import yaml
@@ -382,3 +384,28 @@ def test_duplicate_keys_are_refused_with_key_and_line(tmp_path):
         load_text(tmp_path, GOOD.replace("  recent: 8", "  budget: 64"))
     with pytest.raises(PolicyError, match=r"duplicate key 'name'"):
         load_text(tmp_path, GOOD + "name: again\n")
+
+
+@pytest.mark.parametrize(
+    "stages,reader",
+    [
+        ({"scorer": "current_attention"}, "scorer 'current_attention'"),
+        ({"scorer": {"type": "quest", "page_size": 4}}, "scorer 'quest'"),
+        ({"scorer": "attention"}, "scorer 'attention'"),
+        ({"scorer": {"type": "combination", "terms": [{"weight": 1.0, "scorer": "key_norm"},
+                                                      {"weight": 0.5, "scorer": "current_attention"}]}},
+         "scorer 'combination'"),
+        ({"scorer": "key_norm", "reservations": [{"type": "top_scores", "n": 2, "scorer": "current_attention"}]},
+         "reservations[0] 'top_scores'"),
+    ],
+)
+def test_a_stage_reading_the_queries_needs_a_window(stages, reader):
+    """Stages that read the query window (the newest query: current_attention, quest; the whole
+    window: attention), however deeply nested, refuse ``window: 0`` at load, naming the field."""
+    cfg = {"name": "t", "schedule": {"budget": 16, "recent": 4, "interval": 4, "window": 0}, "selector": "greedy",
+           **stages}
+    with pytest.raises(PolicyError, match=re.escape(f"schedule.window is 0, but {reader} reads the window's queries")):
+        kvpolicy.load_policy(cfg)
+    assert kvpolicy.load_policy({**cfg, "schedule": {**cfg["schedule"], "window": 1}}).schedule.window == 1
+    # Stages that read no query run with no window.
+    assert kvpolicy.load_policy({**cfg, "scorer": "key_norm", "reservations": []}).schedule.window == 0

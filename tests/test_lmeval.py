@@ -199,6 +199,72 @@ def test_loglikelihood_runs_through_the_cache_and_matches_the_model(tiny_model):
     assert ll_ev != pytest.approx(ll_full)
 
 
+# -- registration and model_args ----------------------------------------------------------------------
+REGISTRY_CHECK = """
+import importlib, json, sys
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+from lm_eval.api.registry import get_model, model_registry
+names = set(model_registry.keys())
+found = {name: get_model(name).__name__ for name in ("hf", "kvpolicy")}
+from lm_eval.models import MODEL_MAPPING  # only now: importing it fills the registry
+print(json.dumps({"found": found, "missing": sorted(set(MODEL_MAPPING) - names)}))
+"""
+
+
+@pytest.mark.parametrize("order", [["kvpolicy.eval.lmeval"], ["lm_eval.models", "kvpolicy.eval.lmeval"]],
+                         ids=["kvpolicy-first", "lm-eval-first"])
+def test_registering_the_kvpolicy_model_keeps_every_lm_eval_model(order):
+    """lm-eval fills its registry on the first lookup only while it is empty: registering
+    ``kvpolicy`` first must not hide ``hf``, ``vllm``, ... (a fresh interpreter per import order)."""
+    out = subprocess.run([sys.executable, "-c", REGISTRY_CHECK, *order], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["found"] == {"hf": "HFLM", "kvpolicy": "KVPolicyLM"}
+    assert got["missing"] == []
+
+
+def test_a_misspelled_model_arg_is_an_error_listing_the_accepted_ones():
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    lm_eval_extras = {"batch_size": 2, "max_batch_size": None, "device": "cpu"}
+    with pytest.raises(ValueError, match=r"unknown model_args 'budgte' \(did you mean 'budget'\?\)") as err:
+        KVPolicyLM.create_from_arg_string("pretrained=bundled,policy=snapkv,budgte=80", lm_eval_extras)
+    accepted = str(err.value).split("accepted: ")[1]
+    for name in ("pretrained", "policy", "budget", "batch_size", "max_batch_size", "device", "records"):
+        assert name in accepted
+    with pytest.raises(ValueError, match="unknown model_args 'colour', 'size'"):
+        KVPolicyLM.create_from_arg_obj({"pretrained": "bundled", "colour": 1, "size": 2}, lm_eval_extras)
+
+
+def test_the_arguments_lm_eval_passes_to_every_model_are_accepted(tiny_model):
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    # What simple_evaluate adds to model_args (its batch_size, max_batch_size and device).
+    lm = KVPolicyLM.create_from_arg_string(f"pretrained={tiny_model},policy=snapkv,budget=96",
+                                           {"batch_size": "3", "max_batch_size": 64, "device": "cpu"})
+    assert lm.batch_size == 3 and lm.policy is not None and lm.policy.budget == 96
+
+
+def test_with_no_policy_the_model_matches_lm_evals_hf_model(tiny_model, task_file):
+    """The baseline beside a policy: lm-eval's own ``hf`` model (available after the import) and
+    the kvpolicy model without a policy generate the same answers and score the same."""
+    from lm_eval.models.huggingface import HFLM
+
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    ours = KVPolicyLM(str(tiny_model), policy="full", progress_every=0)
+    theirs = HFLM(pretrained=str(tiny_model), device="cpu", batch_size=1, dtype="float32")
+    assert _responses(_evaluate(ours, task_file, limit=3)) == _responses(_evaluate(theirs, task_file, limit=3))
+    tok = ours.tokenizer
+    requests = [((ctx, cont), tok.encode(ctx), tok.encode(cont))
+                for ctx, cont in [("The sky is", " blue today."), ("Tom has", " 3 apples and 4 pears")]]
+    for (ll, greedy), (want, want_greedy) in zip(ours._loglikelihood_tokens(requests),
+                                                 theirs._loglikelihood_tokens(requests), strict=True):
+        assert ll == pytest.approx(want, abs=3e-5) and greedy == want_greedy
+
+
 # -- kvpolicy eval --lm-tasks --------------------------------------------------------------------------
 N_SMALL = 3
 

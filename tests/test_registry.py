@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import pytest
 import torch
+from helpers import Contract2Plugin
 from pydantic import Field
 
 import kvpolicy
@@ -53,7 +55,7 @@ class ShadowingAttention(Scorer):
         return torch.zeros(inp.keys.shape[:3])
 
 
-class ConstantPlugin:
+class ConstantPlugin(Contract2Plugin):
     """A plugin object, as a third party would write it (module-level functions work the same)."""
 
     @kvpolicy.hookimpl
@@ -169,7 +171,7 @@ def test_runtime_plugin_fields_are_validated():
 def test_duplicate_type_name_warns_and_keeps_the_first():
     registry = Registry(autoload=False)
 
-    class Shadow:
+    class Shadow(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_stages(self):
             return [ShadowingAttention]
@@ -183,7 +185,7 @@ def test_duplicate_type_name_warns_and_keeps_the_first():
 def test_duplicate_policy_name_warns_and_keeps_the_first():
     registry = Registry(autoload=False)
 
-    class Shadow:
+    class Shadow(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_policies(self):
             return {"snapkv": {"name": "snapkv"}}
@@ -196,7 +198,7 @@ def test_duplicate_policy_name_warns_and_keeps_the_first():
 def test_failing_hook_warns_and_the_rest_still_loads():
     registry = Registry(autoload=False)
 
-    class Failing:
+    class Failing(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_stages(self):
             raise RuntimeError("boom")
@@ -214,7 +216,7 @@ def test_failing_hook_warns_and_the_rest_still_loads():
 def test_non_stage_class_is_refused_with_a_warning():
     registry = Registry(autoload=False)
 
-    class NotAStage:
+    class NotAStage(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_stages(self):
             return [dict]
@@ -254,3 +256,120 @@ def test_build_stage_accepts_a_bare_name_and_a_mapping():
 
 def test_available_policies_lists_the_registry():
     assert BUILTIN_POLICIES <= set(kvpolicy.available_policies())
+
+
+# -- the plugin contract ---------------------------------------------------------------------------
+def _entry_point_plugin(monkeypatch, name: str, **hooks) -> None:
+    """An importable plugin module ``name`` with ``hooks``, the only ``kvpolicy`` entry point."""
+    import sys
+    import types
+    from importlib.metadata import EntryPoint
+
+    import kvpolicy.registry as registry_module
+
+    module = types.ModuleType(name)
+    for hook, value in hooks.items():
+        setattr(module, hook, kvpolicy.hookimpl(value))
+    monkeypatch.setitem(sys.modules, name, module)
+    entry = EntryPoint(name=name, value=name, group="kvpolicy")
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry])
+
+
+OLD_POLICY = {"old-policy": {"name": "old-policy", "schedule": {"budget": 8, "recent": 2}, "selector": "greedy",
+                             "scorer": "key_norm"}}
+
+
+def test_builtins_declare_the_contract_through_the_same_hook():
+    from kvpolicy import builtin
+
+    assert kvpolicy.PLUGIN_CONTRACT == 2
+    assert builtin.kvpolicy_contract() == kvpolicy.PLUGIN_CONTRACT
+    registry = Registry(autoload=False)
+    impls = registry.pm.hook.kvpolicy_contract.get_hookimpls()
+    assert [i.plugin for i in impls] == [builtin] and registry.skipped == {}
+
+
+@pytest.mark.parametrize(
+    "hooks,why",
+    [
+        ({"kvpolicy_contract": lambda: 1}, r"was written for plugin contract 1 \(kvpolicy 0\.1\.x: .*generator"),
+        ({"kvpolicy_contract": lambda: 3}, r"was written for plugin contract 3 \(a contract this kvpolicy does not know"),
+        ({}, r"declares no plugin contract \(no kvpolicy_contract hook\), so it was written for contract 1 .*"
+             r"declare it with `@kvpolicy.hookimpl def kvpolicy_contract\(\): return 2`"),
+        ({"kvpolicy_contract": lambda: "2"}, r"its kvpolicy_contract hook returned '2'; it must return .* an int"),
+        ({"kvpolicy_contract": lambda: 1 / 0}, r"its kvpolicy_contract hook failed: ZeroDivisionError"),
+    ],
+    ids=["contract-1", "newer-contract", "undeclared", "not-an-int", "hook-fails"],
+)
+def test_a_plugin_of_another_contract_is_skipped_with_a_warning_that_says_why(monkeypatch, hooks, why):
+    _entry_point_plugin(monkeypatch, "kvpolicy_old_plugin_xyz",
+                        kvpolicy_policies=lambda: OLD_POLICY, kvpolicy_stages=lambda: [ConstantScorer], **hooks)
+    with pytest.warns(PluginLoadWarning, match=r"plugin 'kvpolicy_old_plugin_xyz' \(kvpolicy_old_plugin_xyz\) is "
+                                                r"skipped: .*" + why):
+        registry = Registry(autoload=True)
+    assert "old-policy" not in registry.policies and "constant_test" not in registry.stages["scorer"]
+    assert registry.pm.get_plugin("kvpolicy_old_plugin_xyz") is None
+    assert "kvpolicy_old_plugin_xyz" in registry.skipped
+    assert set(registry.policies) == BUILTIN_POLICIES  # the others still load
+
+
+def test_a_plugin_of_this_contract_loads_from_its_entry_point(monkeypatch):
+    _entry_point_plugin(monkeypatch, "kvpolicy_new_plugin_xyz", kvpolicy_contract=lambda: 2,
+                        kvpolicy_policies=lambda: OLD_POLICY)
+    registry = Registry(autoload=True)
+    assert registry.policies["old-policy"].plugin == "kvpolicy_new_plugin_xyz" and registry.skipped == {}
+
+
+def test_a_runtime_plugin_is_checked_too():
+    registry = Registry(autoload=False)
+
+    class Undeclared:
+        @kvpolicy.hookimpl
+        def kvpolicy_stages(self):
+            return [ConstantScorer]
+
+    with pytest.warns(PluginLoadWarning, match=r"'undeclared' is skipped: it declares no plugin contract"):
+        assert registry.register_plugin(Undeclared(), name="undeclared") is False
+    assert "constant_test" not in registry.stages["scorer"]
+    assert registry.register_plugin(ConstantPlugin(), name="constant-plugin") is True
+
+
+class GeneratorScorer(Scorer):
+    """A stochastic scorer written for kvpolicy 0.1: it drew from ``inp.generator``."""
+
+    type_name: ClassVar[str] = "generator_test"
+    stochastic: ClassVar[bool] = True
+
+    def score(self, inp):
+        return torch.rand(inp.keys.shape[:3], generator=inp.generator)
+
+
+def test_the_removed_generator_names_its_replacements():
+    policy = kvpolicy.load_policy({"name": "old", "schedule": {"budget": 8, "recent": 2, "interval": 4, "window": 0},
+                                   "scorer": GeneratorScorer(), "selector": "greedy"})
+    keys = torch.randn(1, 2, 12, 4)
+    replacements = r".*".join(re.escape(f"inp.{n}(") for n in ("uniform", "normal", "head_uniform", "head_normal"))
+    message = r"EvictionInput\.generator was removed in kvpolicy 0\.2 \(plugin contract 2\): .*" + replacements
+    with pytest.raises(AttributeError, match=message):
+        policy.select(keys, keys, torch.zeros(1, 2, 0, 4))
+    # the same from a cache's eviction (what generate() runs)
+    cache = kvpolicy.EvictingCache(policy, num_layers=1)
+    with pytest.raises(AttributeError, match=message):
+        for _ in range(16):  # fires at 12 slots; the next step evicts
+            cache.step(0, torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    with pytest.raises(AttributeError, match=r"rows_per_layer was removed .*inp\.layer_seed and inp\.row_seed"):
+        _ = kvpolicy.EvictionInput.__getattr__(object.__new__(kvpolicy.EvictionInput), "rows_per_layer")
+
+
+def test_the_version_is_bumped_and_the_changelog_describes_it():
+    """Removing EvictionInput.generator broke plugins: 0.2.0, with a changelog entry for it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    declared = re.search(r'^version = "(.+)"$', (root / "pyproject.toml").read_text(), flags=re.M)
+    assert declared is not None and kvpolicy.__version__ == declared.group(1)
+    changelog = (root / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, flags=re.M)
+    assert releases[0] == kvpolicy.__version__ == "0.2.0" and releases[-1] == "0.1.0"
+    latest = changelog.split("## [0.2.0]")[1].split("## [0.1.0]")[0]
+    assert "generator" in latest and "kvpolicy_contract" in latest and "Removed" in latest

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import assert_valid_selection, make_input, make_tensors
+from helpers import Contract2Plugin, assert_valid_selection, make_input, make_tensors
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -91,9 +91,30 @@ def test_float16_inputs_of_magnitude_300_are_scored_in_float32():
 def test_scorer_overflow_from_finite_inputs_names_the_scorer():
     policy = sinks_policy({"type": "attention"})
     k, v, q = make_tensors(b=1, hkv=1, hq=1, n=40, d=8, w=4, seed=4)
-    msg = r"^scorer 'attention' produced non-finite scores .* from finite inputs: an overflow\?"
+    msg = r"^scorer 'attention' produced non-finite scores .*: the scores overflowed float32 from finite inputs"
     with pytest.raises(SelectionError, match=msg):
         policy.select(k * 1e30, v, q * 1e30)  # float32 logits of 1e60
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("name", ["snapkv", "oracle-topk", "quest", "curdkv", "rkv"])
+def test_finite_float32_inputs_whose_dot_products_overflow_are_refused_as_an_overflow(name, padded):
+    """Entries of 1e19 are finite float32, but q . k (1e38 * D) is not. Every policy that multiplies
+    them refuses with a message that says so, and what to do; none selects from the overflowed
+    scores (current_attention and quest zeroed them, and attention did on padded batches)."""
+    policy = kvpolicy.load_policy(name, budget=8, recent=2, interval=4, window=2)
+    big = torch.full((2, 2, 16, 16), 1e19)
+    queries = torch.full((2, 4, 2, 16), 1e19)
+    slot_valid = torch.ones(2, 16, dtype=torch.bool)
+    if padded:
+        slot_valid[1, :3] = False  # row 1 left-padded: the masked paths of the scorers
+    with pytest.raises(SelectionError) as err:
+        policy.select(big, big, queries, slot_valid=slot_valid)
+    message = str(err.value)
+    assert message.startswith("scorer '"), message
+    assert "the scores overflowed float32 from finite inputs" in message
+    assert "entries reach 1e+19" in message and "Rescale the keys, values and queries" in message
+    assert "check the inputs for NaN" not in message
 
 
 def test_inf_priorities_never_tie_with_protected_slots(plugin):
@@ -165,7 +186,7 @@ class NanPriority(Selector):
         return scores * float("nan")
 
 
-class TestStagesPlugin:
+class TestStagesPlugin(Contract2Plugin):
     @kvpolicy.hookimpl
     def kvpolicy_stages(self):
         return [EverySixteenth, Understated, FlatReservation, FlatScorer, InfPriority, NanPriority]
@@ -284,6 +305,24 @@ def _load_small(name: str) -> kvpolicy.Policy:
         return kvpolicy.load_policy(name, budget=16, interval=4, window=4)
 
 
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "snapkv"])
+def test_an_empty_query_window_is_refused_when_a_stage_reads_the_queries(name):
+    """``[B, Hq, 0, D]`` queries: the newest-query scorers crashed (IndexError from argmax) and
+    the window scorer ranked all-zero scores; now a SelectionError names the queries and stage."""
+    policy = kvpolicy.load_policy(name, budget=8, recent=2, interval=4, window=2)
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=0, seed=0)
+    with pytest.raises(SelectionError, match=r"queries hold no window entry \(shape \(2, 4, 0, 8\), W = 0\), but "
+                                             r"scorer '\w+' reads them"):
+        policy.select(keys, values, queries)
+    # A window whose entries hold no query yet is well defined (those rows score no attention).
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=2, seed=0)
+    kept = policy.select(keys, values, queries, query_valid=torch.zeros(2, 2, dtype=torch.bool))
+    assert kept.shape == (2, 2, 8)
+    # A policy that reads no query takes an empty window.
+    assert kvpolicy.load_policy("curdkv", budget=8, recent=2, interval=4, window=0).select(
+        *make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=0, seed=0)).shape == (2, 2, 8)
+
+
 POLICIES = {name: _load_small(name) for name in kvpolicy.available_policies()}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -367,3 +406,29 @@ def test_select_keeps_its_promises_or_says_why(case):
     # padding is never kept while a valid slot is not
     valid_kept = torch.gather(slot_valid[:, None, :].expand(b, hkv, n), -1, kept).sum(-1)
     assert bool((valid_kept == slot_valid.sum(-1, keepdim=True).clamp_max(k_keep)).all())
+
+
+# -- Policy.stochastic tells the truth --------------------------------------------------------------
+def test_a_null_seed_makes_per_layer_draws_stochastic():
+    """CurDKV's fixed projection is drawn from the layer's seed: deterministic given a seed, but a
+    null seed is resolved afresh at every select call, so the policy is then stochastic."""
+    assert not POLICIES["curdkv"].stochastic
+    assert POLICIES["curdkv"].with_overrides(seed=None).stochastic
+    assert not POLICIES["snapkv"].with_overrides(seed=None).stochastic  # draws nothing
+    assert POLICIES["vase-dkv"].stochastic and POLICIES["vase-dkv"].with_overrides(seed=7).stochastic
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(POLICIES)), seed=st.sampled_from([None, 0, 12345]),
+       data_seed=st.integers(0, 2**16), layer=st.integers(0, 40),
+       calls=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 3)), min_size=2, max_size=3))
+def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name, seed, data_seed, layer, calls):
+    """``Policy.stochastic == False`` promises: the same tensors and layer keep the same slots,
+    whatever the eviction count, the stream and (for ``seed: null``) the seed each call resolves."""
+    policy = POLICIES[name].with_overrides(seed=seed)
+    keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=30, d=8, w=4, seed=data_seed)
+    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream)
+            for evictions, stream in calls]
+    if not policy.stochastic:
+        assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)
+    event(f"stochastic={policy.stochastic}")

@@ -58,7 +58,10 @@ class FlatScorer(Scorer):
         return inp.keys.float().norm(dim=-1).mean(1)
 
 
-plugin = SimpleNamespace(kvpolicy_stages=kvpolicy.hookimpl(lambda: [NoisyKeyNorm, EveryKth, FlatScorer]))
+plugin = SimpleNamespace(
+    kvpolicy_contract=kvpolicy.hookimpl(lambda: 2),  # the plugin contract these stages keep
+    kvpolicy_stages=kvpolicy.hookimpl(lambda: [NoisyKeyNorm, EveryKth, FlatScorer]),
+)
 kvpolicy.get_registry().register_plugin(plugin, name="contract-example")
 
 POLICY = {

@@ -5,14 +5,14 @@ from typing import TYPE_CHECKING, Any
 from .config import PolicyConfig, PolicyError
 from .evicting import EvictingCache
 from .guards import SelectionError
-from .hookspecs import hookimpl
+from .hookspecs import PLUGIN_CONTRACT, hookimpl
 from .policy import Policy, load_policy
 from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
 from .stages import EvictionInput, Reservation, Scorer, Selector
 from .state import CacheStateError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # also in pyproject.toml; CHANGELOG.md says what changed
 
 if TYPE_CHECKING:
     from .hf import KVPolicyCache
@@ -22,6 +22,7 @@ __all__ = [
     "EvictingCache",
     "EvictionInput",
     "KVPolicyCache",
+    "PLUGIN_CONTRACT",
     "Policy",
     "PolicyConfig",
     "PolicyError",

@@ -9,6 +9,11 @@ from .stages import BUILTIN_STAGES
 
 
 @hookimpl
+def kvpolicy_contract():
+    return 2  # a literal, as every plugin writes it (kvpolicy.PLUGIN_CONTRACT would always match)
+
+
+@hookimpl
 def kvpolicy_stages():
     return list(BUILTIN_STAGES)
 

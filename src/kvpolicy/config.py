@@ -99,10 +99,24 @@ class PolicyConfig(BaseModel):
             )
         if self.selector.type_name == "stochastic" and self.scorer is not None and self.scorer.may_be_negative:
             raise ValueError("the stochastic selector samples in proportion to scores that must be non-negative")
+        readers = self.query_readers()
+        if readers and sched.window < 1:
+            raise ValueError(
+                f"schedule.window is {sched.window}, but {' and '.join(readers)} "
+                f"{'reads' if len(readers) == 1 else 'read'} the window's queries: set schedule.window to "
+                "at least 1"
+            )
         for stage in [self.scorer, *self.reservations, self.selector]:
             if stage is not None:
                 stage.validate_schedule(sched)
         return self
+
+    def query_readers(self) -> list[str]:
+        """The stages that read the window of queries (``Stage.reads_queries``), as
+        ``"scorer 'current_attention'"``, ``"reservations[1] 'top_scores'"``, ..."""
+        roles = [("scorer", self.scorer), *((f"reservations[{i}]", r) for i, r in enumerate(self.reservations)),
+                 ("selector", self.selector)]
+        return [f"{role} {stage.type_name!r}" for role, stage in roles if stage is not None and stage.reads_queries]
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved policy, as a policy file would write it."""

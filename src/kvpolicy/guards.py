@@ -52,6 +52,21 @@ def check_inputs(inp: EvictionInput) -> None:
             raise SelectionError(_bad_input_message(label, t))
 
 
+def check_query_window(readers: list[str], inp: EvictionInput) -> None:
+    """Refuse an empty query window (``W = 0``) when some stage reads the queries.
+
+    ``readers`` names those stages (``PolicyConfig.query_readers``). Load already refuses
+    ``schedule.window = 0`` for them; this catches ``select`` called with ``[B, Hq, 0, D]``
+    queries, which such a stage cannot score (there is no newest query to read).
+    """
+    if readers and inp.queries.shape[2] == 0:
+        raise SelectionError(
+            f"queries hold no window entry (shape {tuple(inp.queries.shape)}, W = 0), but "
+            f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} them: pass the window of "
+            "recent queries (W >= 1; query_valid=False marks entries that hold no query yet)"
+        )
+
+
 def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.Tensor:
     """``scorer.score(inp)`` as checked ``[B, Hkv, N]`` float32 scores. One synchronisation.
 
@@ -59,7 +74,7 @@ def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.
     reservation 'top_scores')"``) a result that is not a floating ``[B, Hkv, N]`` tensor on the
     inputs' device, and scores that are NaN or inf on a valid candidate slot (the only entries
     read): those could not be ranked. If the inputs themselves are not finite, the error names
-    them instead.
+    them instead; if they are finite, it says that the scores overflowed and how to avoid it.
     """
     name = f"scorer {scorer.type_name!r}{where}"
     scores = scorer.score(inp)
@@ -68,17 +83,33 @@ def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.
     bad = ~torch.isfinite(scores) & inp.candidate_mask
     if bool(bad.any()):
         check_inputs(inp)  # the error path only: name the inputs if they are at fault
-        inputs = (inp.keys, inp.values, inp.queries)
-        dtypes = "/".join(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in inputs))
-        largest = max(float(t.abs().max()) if t.numel() else 0.0 for t in inputs)
-        raise SelectionError(
-            f"{name} produced non-finite scores (NaN or inf) for {int(bad.sum())} valid candidate "
-            f"slot(s), the first at [row, head, slot] = {bad.nonzero()[0].tolist()}, from finite inputs: "
-            f"an overflow? (the inputs are {dtypes} with magnitudes up to {largest:.3g}; float16 "
-            "overflows above 65504, float32 above 3.4e38). Scale the inputs down, or make the scorer "
-            "compute in float32 within its range"
-        )
+        raise SelectionError(_non_finite_scores_message(name, bad, inp))
     return scores
+
+
+def _non_finite_scores_message(name: str, bad: torch.Tensor, inp: EvictionInput) -> str:
+    """Why finite inputs gave NaN or inf scores: a float32 overflow when a dot product of the
+    inputs can exceed float32's range (``|x|^2 * D``), else an overflow or 0/0 in the scorer."""
+    inputs = (inp.keys, inp.values, inp.queries)
+    dtypes = "/".join(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in inputs))
+    largest = max(float(t.abs().max()) if t.numel() else 0.0 for t in inputs)
+    dot = largest * largest * inp.head_dim  # the largest |q . k| (or ||k||^2) the inputs allow
+    head = (f"{name} produced non-finite scores (NaN or inf) for {int(bad.sum())} valid candidate slot(s), "
+            f"the first at [row, head, slot] = {bad.nonzero()[0].tolist()}")
+    if dot > F32_MAX:
+        return (
+            f"{head}: the scores overflowed float32 from finite inputs. The inputs are {dtypes} and finite, "
+            f"but their entries reach {largest:.3g}, so a dot product of two of them (up to |x|^2 * D = "
+            f"{dot:.3g} with D = {inp.head_dim}) exceeds float32's largest value, {F32_MAX:.3g}. Rescale "
+            "the keys, values and queries (divide them by a common factor) so that |x|^2 * D stays far "
+            "below it; scores are always computed in float32, so a wider dtype does not help"
+        )
+    return (
+        f"{head}, from finite inputs ({dtypes}, entries up to {largest:.3g}): the scorer's arithmetic most "
+        f"likely overflowed (float32 ends at {F32_MAX:.3g}, float16 at 65504; a product of several "
+        "entries grows fast) or computed 0/0 or inf - inf. Rescale the inputs to smaller magnitudes, or "
+        "make the scorer compute in float32 within its range"
+    )
 
 
 def run_reservation(reservation: Reservation, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:

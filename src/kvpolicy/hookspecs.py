@@ -4,6 +4,9 @@ A plugin is any module or object with functions named like these hooks and marke
 ``kvpolicy.hookimpl``. Third-party packages expose one through the ``kvpolicy`` entry-point
 group; kvpolicy's own stages and policies are registered through exactly the same hooks
 (``kvpolicy.builtin``).
+
+Every plugin declares the plugin contract it was written for with ``kvpolicy_contract``; the
+registry skips, with a warning, a plugin whose contract is not ``PLUGIN_CONTRACT``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,33 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("kvpolicy")
 hookimpl = pluggy.HookimplMarker("kvpolicy")
+
+#: The plugin contract this kvpolicy implements: what stages may read (``EvictionInput``), what
+#: they return and the hooks below. It changes only when a plugin written for the previous one
+#: could break; additions that break nothing keep it.
+PLUGIN_CONTRACT = 2
+
+#: Every contract so far: the kvpolicy releases implementing it, and what a plugin relies on.
+CONTRACTS: dict[int, str] = {
+    1: "kvpolicy 0.1.x: stages drew from EvictionInput.generator (a torch.Generator) and read "
+    "one layer_seed per stacked layer ([L]) and rows_per_layer",
+    2: "kvpolicy 0.2.x: stages draw from counter-based streams (inp.uniform, inp.normal, "
+    "inp.head_uniform, inp.head_normal), and inp.layer_seed and inp.row_seed are [B], one per row",
+}
+
+
+@hookspec
+def kvpolicy_contract() -> int:
+    """Return the plugin contract this plugin was written for, as an int (now ``2``).
+
+    Called once per plugin when it is registered, before any other hook of it. A plugin whose
+    contract is not ``PLUGIN_CONTRACT`` is skipped (none of its stages or policies registered)
+    with a ``PluginLoadWarning`` saying which contract it was built for and which one this
+    kvpolicy implements, as is one without this hook: declaring nothing means contract 1, the
+    one before declarations existed. Return a literal (``return 2``), never
+    ``kvpolicy.PLUGIN_CONTRACT``, which would claim every future contract too.
+    """
+    raise NotImplementedError  # a specification only: pluggy calls the plugins' implementations
 
 
 @hookspec

@@ -63,8 +63,20 @@ class Policy:
 
     @property
     def stochastic(self) -> bool:
-        stages = [self.config.scorer, *self.config.reservations, self.config.selector]
-        return any(s is not None and s.stochastic for s in stages)
+        """Whether the slots kept depend on random draws, not on the inputs alone.
+
+        True when a stage draws afresh at every eviction (``Stage.stochastic``: the choice then
+        depends on the seed and on each row's eviction count), or when the policy's ``seed`` is
+        null and a stage draws per layer (``Stage.draws_per_layer``): a null seed is resolved
+        afresh at every ``select`` call that passes no ``seed=`` (and for every cache), so even
+        those draws change. When False, two ``select`` calls with the same tensors and
+        ``layer_idx`` (and the same ``seed=``, if any) keep the same slots, whatever their
+        ``evictions`` and ``streams``.
+        """
+        stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
+        if any(s.stochastic for s in stages):
+            return True
+        return self.config.seed is None and any(s.draws_per_layer for s in stages)
 
     def __repr__(self) -> str:
         s = self.schedule
@@ -156,7 +168,8 @@ class Policy:
 
         - inputs: keys, values or queries holding NaN or inf (padding included), or float64
           entries beyond float32's range (scores are float32: such inputs are refused, not
-          rescaled); a recent buffer larger than the budget;
+          rescaled); a recent buffer larger than the budget; an empty query window (``W = 0``)
+          for a policy whose stages read the queries (``Stage.reads_queries``);
         - a stage's result that is not ``[B, Hkv, N]`` (never broadcast), of the wrong dtype or
           device; scores that are NaN or inf on a valid candidate (an overflow: float16 inputs
           are scored in float32, but float32 itself overflows near 3.4e38); NaN priorities;
@@ -186,6 +199,8 @@ class Policy:
         cfg = self.config
         b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
         guards.check_inputs(inp)
+        if inp.queries.shape[2] == 0:
+            guards.check_query_window(cfg.query_readers(), inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
         for reservation in cfg.reservations:

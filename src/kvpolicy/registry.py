@@ -2,7 +2,9 @@
 
 Built-ins are registered first (through ``kvpolicy.builtin``, with the same hooks as plugins),
 then every ``kvpolicy`` entry point unless ``KVPOLICY_DISABLE_PLUGIN_AUTOLOAD`` is set. A plugin
-that fails to import or to answer a hook is skipped with a warning that names it.
+that fails to import, that was written for another plugin contract (``kvpolicy_contract``, see
+``kvpolicy.hookspecs``) or that fails to answer a hook is skipped with a warning that names it
+and says why.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pluggy
 
 from . import builtin, hookspecs
+from .hookspecs import CONTRACTS, PLUGIN_CONTRACT
 from .stages.base import Stage, StageKind
 
 ENTRY_POINT_GROUP = "kvpolicy"
@@ -49,7 +52,10 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.stages: dict[StageKind, dict[str, Registered]] = {k: {} for k in _KINDS}
         self.policies: dict[str, Registered] = {}
+        #: Plugins not registered, by name: why (failed to import, another plugin contract).
+        self.skipped: dict[str, str] = {}
         self.pm.register(builtin, name="kvpolicy")
+        self._admit(builtin, "kvpolicy")
         if autoload is None:
             autoload = os.environ.get(AUTOLOAD_ENV, "").strip().lower() in ("", "0", "false", "no")
         if autoload:
@@ -57,25 +63,69 @@ class Registry:
         for plugin in self.pm.get_plugins():
             self._collect(plugin)
 
-    def register_plugin(self, plugin: Any, name: str | None = None) -> None:
-        """Register a plugin object at run time (tests, notebooks) and collect its hooks."""
+    def register_plugin(self, plugin: Any, name: str | None = None) -> bool:
+        """Register a plugin object at run time (tests, notebooks) and collect its hooks.
+
+        Returns whether it was registered: a plugin of another plugin contract is skipped with
+        a ``PluginLoadWarning``, as at discovery (and so is nothing under a blocked name).
+        """
         name = self.pm.register(plugin, name=name)
-        if name is not None:  # None: the name is blocked and pluggy registered nothing
-            self._collect(self.pm.get_plugin(name))
+        if name is None:  # the name is blocked and pluggy registered nothing
+            return False
+        if not self._admit(plugin, repr(name)):
+            return False
+        self._collect(self.pm.get_plugin(name))
+        return True
 
     def _load_entry_points(self) -> None:
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             if self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name):
                 continue
             try:
-                self.pm.register(ep.load(), name=ep.name)
+                plugin = ep.load()
+                self.pm.register(plugin, name=ep.name)
             except Exception as exc:  # a broken plugin must not take the others down
-                warnings.warn(
-                    f"kvpolicy plugin {ep.name!r} ({ep.value}) failed to load and is skipped: "
-                    f"{type(exc).__name__}: {exc}",
-                    PluginLoadWarning,
-                    stacklevel=3,
-                )
+                self._skip(ep.name, f"{ep.name!r} ({ep.value})", f"failed to load and is skipped: "
+                           f"{type(exc).__name__}: {exc}")
+                continue
+            self._admit(plugin, f"{ep.name!r} ({ep.value})")
+
+    def _admit(self, plugin: Any, label: str) -> bool:
+        """Keep the registered ``plugin`` if it declares this kvpolicy's plugin contract; else
+        unregister it with a warning saying why (``label`` names it in the warning)."""
+        problem = self._contract_problem(plugin)
+        if problem is None:
+            return True
+        name = self.pm.get_name(plugin)
+        self.pm.unregister(plugin)
+        self._skip(str(name), label, f"is skipped: {problem}")
+        return False
+
+    def _contract_problem(self, plugin: Any) -> str | None:
+        """Why ``plugin`` does not keep ``PLUGIN_CONTRACT``, or None when it does."""
+        impls = [i for i in self.pm.hook.kvpolicy_contract.get_hookimpls() if i.plugin is plugin]
+        fix = f"declare it with `@kvpolicy.hookimpl def kvpolicy_contract(): return {PLUGIN_CONTRACT}`"
+        if not impls:
+            return (f"it declares no plugin contract (no kvpolicy_contract hook), so it was written for "
+                    f"contract 1 ({CONTRACTS[1]}); this kvpolicy implements contract {PLUGIN_CONTRACT} "
+                    f"({CONTRACTS[PLUGIN_CONTRACT]}). Once the plugin keeps contract {PLUGIN_CONTRACT}, {fix}")
+        try:
+            declared = impls[0].function()
+        except Exception as exc:
+            return f"its kvpolicy_contract hook failed: {type(exc).__name__}: {exc}"
+        if isinstance(declared, bool) or not isinstance(declared, int):
+            return (f"its kvpolicy_contract hook returned {declared!r}; it must return the contract "
+                    f"it was written for as an int ({PLUGIN_CONTRACT} for this kvpolicy)")
+        if declared != PLUGIN_CONTRACT:
+            was = CONTRACTS.get(declared, "a contract this kvpolicy does not know: a newer kvpolicy's?")
+            return (f"it was written for plugin contract {declared} ({was}); this kvpolicy implements "
+                    f"contract {PLUGIN_CONTRACT} ({CONTRACTS[PLUGIN_CONTRACT]}). Install a kvpolicy "
+                    "release that implements its contract, or a version of the plugin written for this one")
+        return None
+
+    def _skip(self, name: str, label: str, why: str) -> None:
+        self.skipped[name] = why
+        warnings.warn(f"kvpolicy plugin {label} {why}", PluginLoadWarning, stacklevel=4)
 
     def _collect(self, plugin: Any) -> None:
         name = self.pm.get_name(plugin)

@@ -145,6 +145,12 @@ def test_entry_point_is_installed():
     assert installed_entry_point().value == "kvpolicy_keydiff.plugin"
 
 
+def test_the_plugin_declares_the_contract_kvpolicy_implements():
+    from kvpolicy_keydiff import plugin
+
+    assert plugin.kvpolicy_contract() == kvpolicy.PLUGIN_CONTRACT == 2
+
+
 def test_registry_discovers_the_plugin():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginLoadWarning)

@@ -26,6 +26,7 @@ class AttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "attention"
+    reads_queries: ClassVar[bool] = True
 
     pooling: Literal["none", "avg", "max"] = "avg"
     kernel: int = Field(
@@ -53,10 +54,6 @@ class AttentionScorer(Scorer):
             raise ValueError(f"kernel must be odd so the pooled scores stay aligned, got {self.kernel}")
         return self
 
-    def validate_schedule(self, schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("the attention scorer needs a window of at least one query")
-
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape
         c, g, w = inp.num_candidates, inp.group_size, inp.queries.shape[2]
@@ -73,6 +70,7 @@ class AttentionScorer(Scorer):
         upcast_keys = keys.dtype in low_precision
         valid = inp.slot_valid[..., :c].flatten(0, 1)  # [BH, C]
         masked = not bool(valid.all())
+        no_slot = ~valid.any(-1) if masked else None  # [BH]: rows of padding only (no attention mass)
         weights = inp.query_valid.float()  # [B, W]; window entries without a query weigh nothing
         if self.window_reduce == "mean":
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
@@ -108,7 +106,8 @@ class AttentionScorer(Scorer):
                     reduce = torch.amax if self.group_reduce == "max" else torch.mean
                     logits = reduce(logits, dim=1, keepdim=True)
                 probs = torch.softmax(logits, dim=-1, out=logits) if in_place else torch.softmax(logits, dim=-1)
-                probs = probs.nan_to_num_(0.0) if masked else probs  # a row of only padding has no mass
+                if no_slot is not None:  # their softmax is NaN; any other NaN is an overflow, left for the guard
+                    probs = probs.masked_fill_(no_slot[b0:b1, None, None, None], 0.0)
                 # The window reduction as one batched mat-vec that reads the tile once.
                 out = scores[b0:b1, 0:1] if reduce_first else scores[b0:b1, g0:g1]
                 out.copy_(torch.matmul(weights[b0:b1, None, None, :], probs).squeeze(-2))

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 
 StageKind = Literal["scorer", "reservation", "selector", "allocation"]
 
+#: Attributes of ``EvictionInput`` that plugin contract 1 (kvpolicy 0.1) had, and what replaced
+#: them: reading one raises an ``AttributeError`` that says so, not a bare "no attribute".
+REMOVED_INPUT_ATTRIBUTES = {
+    "generator": "draw through the input's counter-based streams instead: inp.uniform(*shape, stream=NAME) "
+    "and inp.normal(...) per row, inp.head_uniform(*shape, stream=NAME) and inp.head_normal(...) per KV head",
+    "rows_per_layer": "rows of one call may come from different layers, and each row carries its own seeds: "
+    "inp.layer_seed and inp.row_seed are [B]",
+}
+
 
 @dataclass(frozen=True)
 class EvictionInput:
@@ -75,6 +84,17 @@ class EvictionInput:
     #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     head_offset: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: explain the attributes contract 2 removed.
+        hint = REMOVED_INPUT_ATTRIBUTES.get(name)
+        if hint is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise AttributeError(
+            f"EvictionInput.{name} was removed in kvpolicy 0.2 (plugin contract 2): {hint}. See the stage "
+            "contract in docs/plugins.md and CHANGELOG.md",
+            name=name, obj=self,
+        )
 
     @property
     def layer_seed(self) -> torch.Tensor:
@@ -165,6 +185,14 @@ class Stage(BaseModel, ABC):
     #: choice then depends on the seed as well as on the tensors. A stage whose draws are fixed
     #: per layer (``per="layer"``) is deterministic given the policy's seed and is not stochastic.
     stochastic: ClassVar[bool] = False
+    #: True when the stage draws numbers fixed per layer (``inp.normal(..., per="layer")``):
+    #: deterministic given a seed, but a policy with ``seed: null`` resolves a fresh seed at every
+    #: ``select`` call (and for every cache), so ``Policy.stochastic`` then counts the stage.
+    draws_per_layer: ClassVar[bool] = False
+    #: True when the stage reads the window of queries (``inp.queries``): a policy using it needs
+    #: ``schedule.window >= 1`` (refused at load otherwise), and ``select`` refuses queries with
+    #: ``W = 0``. A window whose entries are all invalid (``query_valid`` False) is allowed.
+    reads_queries: ClassVar[bool] = False
 
     def describe(self) -> dict[str, Any]:
         """The stage as it appears in a resolved policy file."""

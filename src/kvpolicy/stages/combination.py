@@ -36,6 +36,14 @@ class CombinationScorer(Scorer):
         return any(t.scorer.stochastic for t in self.terms)
 
     @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return any(t.scorer.draws_per_layer for t in self.terms)
+
+    @property
+    def reads_queries(self) -> bool:  # type: ignore[override]
+        return any(t.scorer.reads_queries for t in self.terms)
+
+    @property
     def may_be_negative(self) -> bool:
         return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
 

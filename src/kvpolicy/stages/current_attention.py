@@ -3,14 +3,11 @@ approximates."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from .base import EvictionInput, Scorer
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 def newest_query(inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,12 +30,9 @@ class CurrentAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "current_attention"
+    reads_queries: ClassVar[bool] = True
 
     group_reduce: Literal["mean", "max"] = "mean"
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("current_attention reads the newest query: the window must hold at least one")
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape
@@ -46,6 +40,9 @@ class CurrentAttentionScorer(Scorer):
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
         logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]
         logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of padding only has no mass
+        # A row and head of padding only has no mass (its softmax is NaN). Other NaN or inf,
+        # from logits that overflowed float32, stay for the guard to report.
+        has_slot = inp.slot_valid.any(-1)  # [B, Hkv]
+        probs = torch.softmax(logits, dim=-1).masked_fill_(~has_slot[:, :, None, None], 0.0)
         scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
-        return scores * has_query[:, None, None].to(scores.dtype)
+        return torch.where(has_query[:, None, None], scores, 0.0)

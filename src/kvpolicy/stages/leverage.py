@@ -41,6 +41,10 @@ class LeverageScorer(Scorer):
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.projection == "resample"
 
+    @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return self.projection == "fixed"
+
     def projections(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, D, r]`` float32: the projection used for each batch row."""
         per: Literal["eviction", "layer"] = "eviction" if self.projection == "resample" else "layer"

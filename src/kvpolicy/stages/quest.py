@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from .base import EvictionInput, Scorer
 from .current_attention import newest_query
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 class QuestScorer(Scorer):
@@ -32,6 +29,7 @@ class QuestScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "quest"
+    reads_queries: ClassVar[bool] = True
 
     page_size: int = Field(16, ge=1, le=4096, description="Slots per page (Quest: 16).")
     group_reduce: Literal["max", "mean"] = "max"
@@ -44,13 +42,13 @@ class QuestScorer(Scorer):
     def key_page_sizes(self) -> frozenset[int]:
         return frozenset({self.page_size})
 
-    def validate_schedule(self, schedule: Schedule) -> None:
-        if schedule.window < 1:
-            raise ValueError("quest reads the newest query: the window must hold at least one")
-
     def page_bounds(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, Hkv, G, ceil(C / P)]`` float32: each query head's bound of ``q . k`` per page
         (``-inf`` for a page without a valid slot)."""
+        return self._page_bounds(inp)[0]
+
+    def _page_bounds(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``page_bounds`` and the ``[B, Hkv, pages]`` bool mask of pages without a valid slot."""
         b, hkv, _, d = inp.keys.shape
         c, p = inp.num_candidates, self.page_size
         keys = inp.keys[:, :, :c].float()  # a view for float32 caches
@@ -77,7 +75,7 @@ class QuestScorer(Scorer):
         q, _ = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d)
         bound = q.clamp(min=0) @ kmax.transpose(-1, -2) + q.clamp(max=0) @ kmin.transpose(-1, -2)
-        return bound.masked_fill(empty[:, :, None, :], float("-inf"))
+        return bound.masked_fill(empty[:, :, None, :], float("-inf")), empty
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, d = inp.keys.shape
@@ -85,11 +83,12 @@ class QuestScorer(Scorer):
         out = inp.keys.new_zeros(b, hkv, n, dtype=torch.float32)
         if c == 0:
             return out
-        bounds = self.page_bounds(inp) * d**-0.5
+        bounds, empty = self._page_bounds(inp)
+        bounds = bounds * d**-0.5
         per_page = bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
         _, has_query = newest_query(inp)
-        per_page = per_page.masked_fill(~has_query[:, None, None], 0.0)
-        slots = per_page.repeat_interleave(self.page_size, dim=-1)[..., :c]
-        # Pages without a valid slot hold padding only, which later stages never read.
-        out[..., :c] = slots.masked_fill(torch.isinf(slots), 0.0)
+        # Pages without a valid slot hold padding only, which later stages never read. Only those
+        # are zeroed: an inf or NaN bound elsewhere is a float32 overflow, which the guard reports.
+        per_page = per_page.masked_fill(empty | ~has_query[:, None, None], 0.0)
+        out[..., :c] = per_page.repeat_interleave(self.page_size, dim=-1)[..., :c]
         return out

@@ -40,6 +40,14 @@ class TopScoresReservation(Reservation):
     def stochastic(self) -> bool:  # type: ignore[override]
         return self.scorer.stochastic
 
+    @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return self.scorer.draws_per_layer
+
+    @property
+    def reads_queries(self) -> bool:  # type: ignore[override]
+        return self.scorer.reads_queries
+
     def count(self, budget: int) -> int:
         if isinstance(self.n, float):
             if not 0.0 < self.n <= 1.0:

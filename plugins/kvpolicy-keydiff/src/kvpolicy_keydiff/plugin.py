@@ -1,4 +1,4 @@
-"""The module named by the ``kvpolicy`` entry point: two hook implementations, nothing else."""
+"""The module named by the ``kvpolicy`` entry point: three hook implementations, nothing else."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ from importlib.resources import files
 import kvpolicy
 
 from .scorer import KeyDiffScorer
+
+
+@kvpolicy.hookimpl
+def kvpolicy_contract():
+    """The plugin contract this plugin was written for: kvpolicy skips it, with a warning, where
+    it implements another one. A literal, never ``kvpolicy.PLUGIN_CONTRACT``."""
+    return 2
 
 
 @kvpolicy.hookimpl

@@ -23,6 +23,8 @@ same ``lm_eval`` command after an interruption). Progress is printed as lines on
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (fills lm-eval's model registry first: see below)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -79,6 +82,21 @@ def _to_int(value: Any, name: str) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _unknown_args_message(unknown: Sequence[str], accepted: Sequence[str]) -> str:
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"kvpolicy model: unknown model_args {', '.join(hints)}; accepted: {', '.join(accepted)} "
+            "(batch_size, max_batch_size and device are also what lm-eval's --batch_size, "
+            "--max_batch_size and --device pass)")
+
+
+# lm-eval 0.4.13 fills its model registry lazily: get_model() imports lm_eval.models (which
+# registers "hf", "vllm", ... as placeholders) only while the registry is empty. Registering
+# "kvpolicy" into an empty registry would make it look filled and hide every other model, so
+# lm_eval.models is imported above, before the decorator runs. In the other order (lm_eval.models
+# imported later) its registration keeps names already present, so both orders work.
 @register_model("kvpolicy")
 class KVPolicyLM(TemplateLM):
     """An lm-evaluation-harness model that decodes through a kvpolicy eviction policy.
@@ -106,6 +124,11 @@ class KVPolicyLM(TemplateLM):
         add_bos_token: prepend BOS when encoding (Gemma-style models).
         model, tokenizer: an already loaded model and tokenizer (Python use; ``pretrained`` is
             then only a name).
+        max_batch_size: accepted because lm-eval passes it to every model; unused (no
+            ``batch_size=auto``).
+
+    Any other argument is a ``ValueError`` that lists the accepted ones: a misspelled
+    ``budgte=80`` must not run the policy at its default budget.
     """
 
     backend = "causal"
@@ -133,11 +156,11 @@ class KVPolicyLM(TemplateLM):
         add_bos_token: bool = False,
         model: Any = None,
         tokenizer: Any = None,
-        **unused: Any,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise ValueError(_unknown_args_message(sorted(unknown), self.accepted_args()))
         super().__init__()
-        if unused:
-            log.warning("kvpolicy model: ignoring unknown model_args %s", sorted(unused))
         from ..models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
 
         if model is None:
@@ -188,6 +211,12 @@ class KVPolicyLM(TemplateLM):
         self.cost.reset()
 
     # -- configuration -------------------------------------------------------------------------
+    @classmethod
+    def accepted_args(cls) -> list[str]:
+        """The ``model_args`` names this model takes, sorted."""
+        params = inspect.signature(cls.__init__).parameters.values()
+        return sorted(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)
+
     @staticmethod
     def _load_policy(policy: str | Policy | None, budget: int | None) -> Policy | None:
         if isinstance(policy, Policy):
