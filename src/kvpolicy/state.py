@@ -324,7 +324,7 @@ class LayerGroup:
             if plan.start is not None:
                 where = shift[:, :, None] + torch.arange(plan.start, plan.start + t, device=shift.device)
                 flat.scatter_(1, where.view(b, hkv * t, 1).expand(-1, -1, new.shape[-1]), new.reshape(b, hkv * t, -1))
-            else:
+            elif plan.rows is not None and plan.slots is not None and plan.cols is not None:
                 where = shift[plan.rows] + plan.slots[:, None]  # [nnz, Hkv]
                 flat[plan.rows[:, None], where] = new[plan.rows, :, plan.cols]
 
