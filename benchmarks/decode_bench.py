@@ -8,8 +8,9 @@ step, so they pay for scoring the whole cache at every step). Reported:
 
 - tokens/s over each segment of generated length (so the cost at long lengths is visible),
 - KV bytes held at each checkpoint (full: every key/value; policy: static buffers + query windows),
-- policy cost: the share of decode time spent in ``Executor.evict`` (eviction) or
-  ``Executor.selected_slots`` (selection: the policy's stages at every step), timed by wrapping them,
+- policy cost: the share of decode time spent in due evictions or in selections (select mode: the
+  policy's stages at every step), timed through the executor's timing hook (``Executor.timer``;
+  "calls" counts due evictions and per-layer selections),
 - the slowdown of each policy against ``streamingllm`` (no scoring) at the same budget,
 - the decode step's own overhead: the median time of a step with no eviction due, against the
   same step with transformers' ``StaticCache`` of the policy's capacity (``budget + interval``
@@ -38,23 +39,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCache  # noqa: E402
 
 import kvpolicy  # noqa: E402
-from kvpolicy.executor import Executor  # noqa: E402
+from kvpolicy.eval.cost import PolicyTimer, cache_bytes, time_policy  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
-
-_EVICT_SECONDS = [0.0]
-_EVICT_CALLS = [0]
-
-
-def _timed_evict(orig):
-    def evict(self, *args):
-        t0 = time.perf_counter()
-        try:
-            return orig(self, *args)
-        finally:
-            _EVICT_SECONDS[0] += time.perf_counter() - t0
-            _EVICT_CALLS[0] += 1
-
-    return evict
 
 
 def build_model(seed: int = 0) -> Qwen3ForCausalLM:
@@ -67,21 +53,10 @@ def build_model(seed: int = 0) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).eval()
 
 
-def kv_bytes(cache) -> int:
-    if isinstance(cache, KVPolicyCache):
-        return cache.memory_bytes()
-    return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-        if layer.keys is not None
-    )
-
-
 def run(model, cache, prompt: torch.Tensor, checkpoints: list[int]) -> dict:
     """Greedy decoding to ``checkpoints[-1]`` tokens; per-segment tokens/s and bytes."""
-    _EVICT_SECONDS[0], _EVICT_CALLS[0] = 0.0, 0
     seg_rate, seg_bytes = {}, {}
-    with torch.no_grad():
+    with torch.no_grad(), time_policy(cache, PolicyTimer()) as timer:
         out = model(input_ids=prompt, cache=cache, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         generated, start, prev = 1, time.perf_counter(), 1
@@ -93,12 +68,12 @@ def run(model, cache, prompt: torch.Tensor, checkpoints: list[int]) -> dict:
                 generated += 1
             now = time.perf_counter()
             seg_rate[target] = (generated - prev) * prompt.shape[0] / (now - start)
-            seg_bytes[target] = kv_bytes(cache)
+            seg_bytes[target] = cache_bytes(cache)
             start, prev = now, generated
         total = time.perf_counter() - total_start
     return {
         "rate": seg_rate, "bytes": seg_bytes, "total_s": total,
-        "evict_s": _EVICT_SECONDS[0], "evict_calls": _EVICT_CALLS[0],
+        "evict_s": timer.total, "evict_calls": sum(timer.calls.values()),
     }
 
 
@@ -162,8 +137,6 @@ def main() -> None:
     if args.quick:
         checkpoints = [c for c in checkpoints if c >= 256]
     policies = args.policies or [*sorted(kvpolicy.available_policies()), "vase-attnv@select"]
-    Executor.evict = _timed_evict(Executor.evict)
-    Executor.selected_slots = _timed_evict(Executor.selected_slots)  # select mode's policy work
 
     model = build_model()
     if args.overhead_only:

@@ -29,6 +29,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import kvpolicy  # noqa: E402
+from kvpolicy.eval.cost import cache_bytes  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 
 SHAPES = {
@@ -75,16 +76,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kv_bytes(cache) -> int:
-    if isinstance(cache, KVPolicyCache):
-        return cache.memory_bytes()
-    return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-        if getattr(layer, "keys", None) is not None
-    )
-
-
 def decode(model, cache, prompt: torch.Tensor, max_new: int, device: torch.device) -> dict:
     """Prefill, then ``max_new - 1`` single-token steps; timings exclude the prefill."""
     kw = _cache_kwarg(model)
@@ -107,7 +98,7 @@ def decode(model, cache, prompt: torch.Tensor, max_new: int, device: torch.devic
         "tokens_per_s": prompt.shape[0] * (max_new - 1) / seconds,
         "seconds": seconds,
         "peak_gib": None if peak is None else peak / 2**30,
-        "kv_gib": kv_bytes(cache) / 2**30,
+        "kv_gib": cache_bytes(cache) / 2**30,
     }
 
 

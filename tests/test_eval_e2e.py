@@ -198,3 +198,31 @@ def test_eval_on_the_bundled_model(tmp_path, capsys):
     assert rows["full"]["values"]["passkey"] >= 0.5  # the full cache finds the key
     assert rows["streamingllm@96"]["values"]["passkey"] == 0.0  # the key left the sliding window
     assert 0.9 < rows["snapkv@96"]["values"]["ppl_ratio"] < 2.0
+
+
+def test_one_decoding_loop_a_sample_is_the_same_alone_and_in_a_padded_batch(tiny_model):
+    """The metrics decode one sequence (``Stream.generate``), the lm-eval model padded batches
+    (``generate_batch``); both run one loop with one sampling path, so a sample key draws the
+    same tokens either way, under eviction too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy.eval.decoding import Prompt, generate_batch, new_cache
+    from kvpolicy.eval.sampling import SamplingParams, sample_key
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (170, 181)]
+    keys = [sample_key(0, "task", i, 0) for i in range(2)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=40)
+    for policy in (None, load_policy("snapkv", budget=96)):
+        alone = []
+        for ids, key in zip(prompts, keys, strict=True):
+            stream = Stream(model, policy)
+            tokens, _ = stream.generate(stream.feed(ids), params, key=key)
+            alone.append(tokens)
+        gens, stats = generate_batch(model, new_cache(model, policy), tokenizer,
+                                     [Prompt(ids, key) for ids, key in zip(prompts, keys, strict=True)], params, [])
+        assert [gen.tokens for gen in gens] == alone
+        assert all(len(t) == 40 for t in alone)
+        assert (stats.evictions > 0) == (policy is not None)

@@ -10,9 +10,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpolicy import Schedule, load_policy
-from kvpolicy.eval import metrics as m
 from kvpolicy.eval.config import EvalConfig, EvalError, apply_sets
-from kvpolicy.eval.suites import METRICS, Reconstruction, _select, get_metrics
+from kvpolicy.eval.metrics import METRICS, get_metrics
+from kvpolicy.eval.metrics.fidelity import first_divergence, token_agreement
+from kvpolicy.eval.metrics.passkey import parse_passkey, passkey_correct
+from kvpolicy.eval.metrics.perplexity import perplexity, token_nll
+from kvpolicy.eval.metrics.reconstruction import (
+    Reconstruction,
+    attention_output,
+    kept_slots,
+    reconstruction_error,
+    relative_error,
+)
+from kvpolicy.eval.reasoning import repeated_ngram_share
 
 
 # -- perplexity ---------------------------------------------------------------------------------------
@@ -20,35 +30,35 @@ def test_perplexity_from_known_logits():
     # position 0: uniform over 2 tokens -> p(target 0) = 1/2
     # position 1: logits (ln 3, 0) -> p(target 0) = 3/4
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
-    nll = m.token_nll(logits, torch.tensor([0, 0]))
+    nll = token_nll(logits, torch.tensor([0, 0]))
     assert nll.tolist() == pytest.approx([math.log(2), math.log(4 / 3)])
-    assert m.perplexity(float(nll.sum()), 2) == pytest.approx(math.sqrt(2 * 4 / 3))
+    assert perplexity(float(nll.sum()), 2) == pytest.approx(math.sqrt(2 * 4 / 3))
 
 
 def test_perplexity_of_a_certain_prediction_is_one():
     logits = torch.tensor([[100.0, 0.0, 0.0]])
-    assert m.perplexity(float(m.token_nll(logits, torch.tensor([0])).sum()), 1) == pytest.approx(1.0)
+    assert perplexity(float(token_nll(logits, torch.tensor([0])).sum()), 1) == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        m.perplexity(0.0, 0)
+        perplexity(0.0, 0)
 
 
 # -- fidelity -----------------------------------------------------------------------------------------
 def test_token_agreement_and_first_divergence():
     ref = [5, 6, 7, 8]
-    assert m.token_agreement([5, 6, 7, 8], ref) == 1.0
-    assert m.token_agreement([5, 0, 7, 0], ref) == 0.5
-    assert m.token_agreement([5, 6], ref) == 0.5  # missing tokens disagree
-    assert m.first_divergence([5, 6, 0, 8], ref) == 2
-    assert m.first_divergence(ref, ref) == 4
-    assert m.first_divergence([5, 6], ref) == 2  # a prefix diverges where it stops
+    assert token_agreement([5, 6, 7, 8], ref) == 1.0
+    assert token_agreement([5, 0, 7, 0], ref) == 0.5
+    assert token_agreement([5, 6], ref) == 0.5  # missing tokens disagree
+    assert first_divergence([5, 6, 0, 8], ref) == 2
+    assert first_divergence(ref, ref) == 4
+    assert first_divergence([5, 6], ref) == 2  # a prefix diverges where it stops
 
 
 def test_repeated_4gram_share_of_a_loop():
     # 4-grams of 1 2 3 4 1 2 3 4: 1234 2341 3412 4123 1234 -> one of five repeats an earlier one
-    assert m.repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)
-    assert m.repeated_ngram_share(list(range(20)), 4) == 0.0
-    assert m.repeated_ngram_share([7] * 10, 4) == pytest.approx(6 / 7)  # 7 grams, 1 distinct
-    assert m.repeated_ngram_share([1, 2, 3], 4) == 0.0
+    assert repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)
+    assert repeated_ngram_share(list(range(20)), 4) == 0.0
+    assert repeated_ngram_share([7] * 10, 4) == pytest.approx(6 / 7)  # 7 grams, 1 distinct
+    assert repeated_ngram_share([1, 2, 3], 4) == 0.0
 
 
 # -- passkey ------------------------------------------------------------------------------------------
@@ -57,13 +67,13 @@ def test_repeated_4gram_share_of_a_loop():
     [(" 57540.", "57540"), ("The pass key is 71432. Remember", "71432"), ("12,345", "12345"), ("none", None)],
 )
 def test_parse_passkey(text, key):
-    assert m.parse_passkey(text) == key
+    assert parse_passkey(text) == key
 
 
 def test_passkey_correct_needs_the_first_number():
-    assert m.passkey_correct(" 57540.", "57540")
-    assert not m.passkey_correct(" 5754", "57540")
-    assert not m.passkey_correct(" a type of passcode", "57540")
+    assert passkey_correct(" 57540.", "57540")
+    assert not passkey_correct(" 5754", "57540")
+    assert not passkey_correct(" a type of passcode", "57540")
 
 
 # -- attention reconstruction -------------------------------------------------------------------------
@@ -76,7 +86,7 @@ def _qkv(b=1, hq=4, hkv=2, n=40, d=8, seed=0):
 def test_attention_output_matches_a_naive_loop():
     q, k, v = _qkv(n=6)
     qpos = torch.arange(3, 6)
-    out = m.attention_output(q[:, :, 3:], k, v, qpos, torch.arange(6).expand(1, 2, 6))
+    out = attention_output(q[:, :, 3:], k, v, qpos, torch.arange(6).expand(1, 2, 6))
     for h in range(4):
         for i, p in enumerate(qpos.tolist()):
             logits = torch.stack([q[0, h, p] @ k[0, h // 2, j] / math.sqrt(8) for j in range(p + 1)])
@@ -87,20 +97,20 @@ def test_attention_output_matches_a_naive_loop():
 def test_reconstruction_error_is_zero_when_nothing_is_evicted():
     q, k, v = _qkv()
     everything = torch.arange(40).expand(1, 2, 40)
-    assert m.reconstruction_error(q[:, :, -8:], k, v, everything) == pytest.approx(0.0, abs=1e-6)
+    assert reconstruction_error(q[:, :, -8:], k, v, everything) == pytest.approx(0.0, abs=1e-6)
     # a policy whose budget holds every slot keeps everything, so the error is zero too
     policy = load_policy("snapkv", budget=128, window=8, recent=8, interval=8)
-    kept = _select(policy, q, k, v)
+    kept = kept_slots(policy, q, k, v)
     assert kept.shape[-1] == 40
-    assert m.reconstruction_error(q[:, :, -8:], k, v, kept) == pytest.approx(0.0, abs=1e-6)
+    assert reconstruction_error(q[:, :, -8:], k, v, kept) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_reconstruction_error_grows_when_slots_are_evicted():
     q, k, v = _qkv()
     recent_only = torch.arange(32, 40).expand(1, 2, 8)
-    err = m.reconstruction_error(q[:, :, -8:], k, v, recent_only)
+    err = reconstruction_error(q[:, :, -8:], k, v, recent_only)
     assert 0.0 < err < 2.0
-    assert m.relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert relative_error(torch.zeros(3), torch.zeros(3)) == 0.0
 
 
 def test_reconstruction_metric_uses_the_policy_and_reports_layers():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvpolicy.eval import reasoning as r
-from kvpolicy.eval.generation import SamplingParams, next_tokens, sample_key
 from kvpolicy.eval.progress import LineProgress, format_duration
 from kvpolicy.eval.records import SampleStore
+from kvpolicy.eval.sampling import SamplingParams, next_tokens, sample_key
 
 
 # -- pass@k -----------------------------------------------------------------------------------------

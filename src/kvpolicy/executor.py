@@ -3,9 +3,19 @@
 It evicts the due rows of a ``LayerGroup``: every layer of the group at once, stacked on the
 batch axis as a free view (one scorer call, one top-k, one gather for all of them), on whatever
 device the group's buffers live on. The policy chooses; the executor compacts.
+
+Timing the policy's work: set ``executor.timer`` (``cache.evicting.executor`` of a
+``KVPolicyCache``, ``cache.executor`` of an ``EvictingCache``) to a callable that takes the kind
+of work and returns a context manager; the executor runs each due eviction inside
+``timer("evict")`` and each selection inside ``timer("select")``. The evaluation harness and the
+benchmarks time the policy this way (``kvpolicy.eval.cost.PolicyTimer``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -21,11 +31,21 @@ class Executor:
     def __init__(self, policy: Policy, seed: int) -> None:
         self.policy = policy
         self.seed = seed
+        #: Optional hook around the policy's work: ``with timer("evict")`` wraps each due eviction
+        #: (every layer of a group), ``with timer("select")`` each ``selected_slots`` call (one
+        #: layer's step in select mode). None, the default, costs one attribute test per call.
+        self.timer: Callable[[str], AbstractContextManager[Any]] | None = None
 
     def evict(self, group: LayerGroup) -> int:
         """Evict every due row of ``group`` (all its layers); return how many rows evicted."""
         if not group.any_due:
             return 0
+        if self.timer is None:
+            return self._evict_due(group)
+        with self.timer("evict"):
+            return self._evict_due(group)
+
+    def _evict_due(self, group: LayerGroup) -> int:
         group.require_complete("evict")
         group.materialise_positions()
         due = group.due.clone()
@@ -128,6 +148,14 @@ class Executor:
         the tokens appended since the choice), or None for rows holding ``budget`` slots or fewer
         (they attend all). Rows that choose anew at this step run the policy on this layer's slots
         first; rows holding different counts run apart, each as it would alone."""
+        if self.timer is None:
+            return self._selected_slots(group, layer)
+        with self.timer("select"):
+            return self._selected_slots(group, layer)
+
+    def _selected_slots(
+        self, group: LayerGroup, layer: int
+    ) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
         i = group.member[layer]
         budget = group.schedule.budget
         keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]

@@ -156,10 +156,10 @@ def run_command(args: argparse.Namespace) -> int:
         err.print(f"[yellow]interrupted[/yellow]: finished pairs are saved; continue with "
                   f"kvpolicy eval --resume {exc.folder}")
         return EXIT_INTERRUPTED
-    table_md = markdown_table(result.plan, result.rows)
+    table_md = markdown_table(result.plan.columns, result.rows)
     (result.folder / "table.md").write_text(table_md, encoding="utf-8")
     out = Console() if sys.stdout.isatty() else Console(width=200)
-    out.print(build_table(result.plan, result.rows, title=f"kvpolicy eval: {result.plan.source.name}"))
+    out.print(build_table(result.plan.columns, result.rows, title=f"kvpolicy eval: {result.plan.source.name}"))
     err.print(f"figures: {result.folder / 'metrics.json'}  (table: {result.folder / 'table.md'}, "
               f"examples: {result.folder / 'predictions.jsonl'}, config: {result.folder / 'config.yaml'})")
     err.print(f"plots:   {result.folder / 'plots'}/ ({', '.join(p.name for p in result.plots)})")

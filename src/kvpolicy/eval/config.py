@@ -30,6 +30,10 @@ DEFAULT_POLICIES = [
 DEFAULT_METRICS = ["perplexity", "fidelity", "passkey", "reconstruction", "speed"]
 
 
+#: The full-cache baseline's row: its key and policy name in the results.
+FULL = "full"
+
+
 def _default_policies() -> list[str | dict[str, Any]]:
     return list(DEFAULT_POLICIES)
 

@@ -1,7 +1,8 @@
 """The reasoning protocol's measures: pass@k, math answers checked with math-verify, loop signals.
 
-Pure functions on strings and token lists; nothing here runs a model. Used by
-:mod:`kvpolicy.eval.protocol` (``kvpolicy eval --lm-tasks``) and usable on any saved records.
+Pure functions on strings and token lists; nothing here runs a model. Used by the ``lm`` metric
+(:mod:`kvpolicy.eval.metrics.lm`, ``kvpolicy eval --lm-tasks``), the ``fidelity`` metric and the
+lm-eval model, and usable on any saved records.
 
 Definitions (also in ``docs/evaluation.md``):
 
@@ -24,8 +25,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from .metrics import repeated_ngram_share
 
 __all__ = [
     "Loop",
@@ -109,7 +108,16 @@ def math_equal(response: str, target: object) -> bool:
     return bool(verify(gold, pred, timeout_seconds=timeout))
 
 
-# -- loops ---------------------------------------------------------------------------------------
+# -- repetition and loops ------------------------------------------------------------------------
+def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
+    """Share of the sequence's n-grams that repeat an earlier n-gram (0 without repeats, towards 1
+    in a repetition loop)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    return (len(grams) - len(set(grams))) / len(grams)
+
+
 @dataclass(frozen=True)
 class Loop:
     """A generation's closing loop: a block of ``period`` tokens repeated over its last ``span``."""

@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .runner import Plan
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
-FULL = "full"
+from .config import FULL
+from .metrics.base import Column
+from .progress import LineBars
+
+#: A policy is off scale when the others would fill less than 1 / SQUEEZE of the axis beside it.
+SQUEEZE = 4.0
 
 
 @contextmanager
 def progress_bar(console, enabled: bool = True):
     """Rich's live bars on a terminal; elsewhere (a log, a pipe, a job) a line per finished pair
-    with an ETA (:class:`kvpolicy.eval.progress.LineBars`); nothing when not ``enabled``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with an ETA (:class:`kvpolicy.eval.progress.LineBars`); nothing when not ``enabled``.
 
+    A task's ``eta`` field (``bar.update(task, eta="12m30s")``) is shown beside its bar."""
     if enabled and not console.is_terminal:
-        from .progress import LineBars
-
         yield LineBars(console)
         return
 
@@ -30,6 +42,7 @@ def progress_bar(console, enabled: bool = True):
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        _EtaColumn(),
         console=console,
         disable=not enabled,
         transient=False,
@@ -38,15 +51,18 @@ def progress_bar(console, enabled: bool = True):
         yield progress
 
 
-def columns(plan: Plan):
-    return [c for metric in plan.metrics for c in metric.columns]
+class _EtaColumn(ProgressColumn):
+    """The ``eta`` field of a task (the runner sets it on the top task), or nothing."""
+
+    def render(self, task: Task) -> Text:
+        eta = task.fields.get("eta")
+        return Text(f"ETA {eta}" if eta else "", style="progress.remaining")
 
 
-def build_table(plan: Plan, rows: list[dict], title: str | None = None):
-    """A rich table: one row per (policy, budget) plus the full cache; best per budget in bold."""
+def build_table(cols: Sequence[Column], rows: list[dict], title: str | None = None):
+    """A rich table of ``cols``: one row per (policy, budget) plus the full cache; best per budget in bold."""
     from rich.table import Table
 
-    cols = columns(plan)
     table = Table(title=title, title_justify="left")
     table.add_column("policy", no_wrap=True, style="bold")
     table.add_column("budget", justify="right")
@@ -82,8 +98,7 @@ def _best_per_budget(cols, rows) -> dict[tuple[Any, str], str]:
     return {k: v[1] for k, v in best.items()}
 
 
-def markdown_table(plan: Plan, rows: list[dict]) -> str:
-    cols = columns(plan)
+def markdown_table(cols: Sequence[Column], rows: list[dict]) -> str:
     head = ["policy", "budget", *[c.label for c in cols]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -99,9 +114,13 @@ def _line_style(i: int) -> dict:
     return {"color": f"C{i % 10}", "marker": "osD^"[(i // 10) % 4], "linestyle": ("-", "--", ":", "-.")[(i // 10) % 4]}
 
 
-def write_plots(folder: Path, plan: Plan, rows: list[dict]) -> list[Path]:
+def write_plots(folder: Path, cols: Sequence[Column], rows: list[dict]) -> list[Path]:
     """``<key>.png`` per reported number: value against budget, one line per policy, the full
-    cache as a dashed horizontal line."""
+    cache as a dashed horizontal line.
+
+    When a few policies lie far from the rest (an ablation such as ``random`` on perplexity), one
+    axis spanning them all would squeeze the others into a thin band where they cannot be told
+    apart: the plot then has a second panel, zoomed on the others (``off_scale``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,36 +129,73 @@ def write_plots(folder: Path, plan: Plan, rows: list[dict]) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     full = next((r for r in rows if r["policy"] == FULL), None)
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != FULL))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     out = []
-    for c in columns(plan):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for i, name in enumerate(policies):
-            pts = sorted(
-                (r["budget"], r["values"].get(c.key)) for r in rows
-                if r["policy"] == name and _finite(r["values"].get(c.key))
-            )
+    for c in cols:
+        series = {}
+        for name in policies:
+            pts = sorted((r["budget"], r["values"].get(c.key)) for r in rows
+                         if r["policy"] == name and _finite(r["values"].get(c.key)))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **_line_style(i))
-        if full is not None and _finite(full["values"].get(c.key)):
-            ax.axhline(full["values"][c.key], color="black", linestyle="--", label="full cache")
-        ax.set_xlabel("budget (slots per layer)")
-        ax.set_ylabel(c.label)
+                series[name] = pts
+        ref = full["values"].get(c.key) if full is not None else None
+        ref = ref if _finite(ref) else None
+        off = off_scale({n: [v for _, v in pts] for n, pts in series.items()}, ref)
+        fig, axes = plt.subplots(1, 2 if off else 1, figsize=(10.5 if off else 6.5, 4), squeeze=False)
+        panels: list[tuple[Any, set[str]]] = [(axes[0][0], set())] + ([(axes[0][1], set(off))] if off else [])
+        for ax, hidden in panels:
+            for i, name in enumerate(policies):
+                if name in series and name not in hidden:
+                    pts = series[name]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **_line_style(i))
+            if ref is not None:
+                ax.axhline(ref, color="black", linestyle="--", label="full cache")
+            ax.set_xlabel("budget (slots per layer)")
+            ax.set_ylabel(c.label)
+            if budgets:
+                ax.set_xticks(budgets)
+            ax.grid(alpha=0.3)
         better = f" ({c.better} is better)" if c.better else ""
-        ax.set_title(f"{c.label}{better}")
-        budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-        if budgets:
-            ax.set_xticks(budgets)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        if off:
+            axes[0][0].set_title(f"{c.label}{better}: all policies", fontsize=10)
+            axes[0][1].set_title(f"zoomed: without {', '.join(off)}", fontsize=10)
+        else:
+            axes[0][0].set_title(f"{c.label}{better}")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
         fig.tight_layout()
         path = folder / f"{c.key}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         out.append(path)
     pareto = pareto_plot(folder, rows)
     if pareto is not None:
         out.append(pareto)
     return out
+
+
+def off_scale(series: dict[str, list[float]], ref: float | None, squeeze: float = SQUEEZE) -> list[str]:
+    """The policies to leave out of a zoomed panel: the fewest (at most a third of them) whose
+    values lie beyond all the others', above, below or both, and without which the other
+    policies and the full cache's value ``ref`` span at most ``1 / squeeze`` of what they span
+    together. Empty when every policy reads well on one axis."""
+    span = _span(series.values(), ref)
+    if span <= 0:
+        return []
+    highest = sorted(series, key=lambda n: max(series[n]), reverse=True)
+    lowest = sorted(series, key=lambda n: min(series[n]))
+    for k in range(1, len(series) // 3 + 1):
+        for top in range(k, -1, -1):
+            out = list(dict.fromkeys(highest[:top] + lowest[: k - top]))
+            rest = [v for n, v in series.items() if n not in out]
+            if len(out) == k and _span(rest, ref) * squeeze <= span:
+                return out
+    return []
+
+
+def _span(values: Iterable[list[float]], ref: float | None) -> float:
+    flat = [v for vs in values for v in vs] + ([] if ref is None else [ref])
+    return max(flat) - min(flat) if flat else 0.0
 
 
 # Quality against memory: the first pair of keys that the rows report.

@@ -17,7 +17,9 @@ from typing import Any
 
 from ..config import PolicyError
 from ..policy import Policy, load_policy
-from .config import EvalConfig, EvalError
+from .config import FULL, EvalConfig, EvalError
+from .decoding import stop_token_ids
+from .metrics import Column, Metric, RunContext, get_metrics
 from .models import (
     ModelSource,
     attention_kernels,
@@ -27,9 +29,8 @@ from .models import (
     resolve_dtype,
     resolve_model,
 )
-from .suites import Metric, RunContext, get_metrics
-
-FULL = "full"
+from .progress import PairEta
+from .report import progress_bar, write_plots
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -52,6 +53,11 @@ class Pair:
     def key(self) -> str:
         return FULL if self.policy is None else f"{self.name}@{self.budget}"
 
+    @property
+    def kind(self) -> str:
+        """``"full"``, or the policy's mode: ``"evict"`` or ``"select"`` (which costs more)."""
+        return FULL if self.policy is None else self.policy.mode
+
 
 @dataclass
 class Plan:
@@ -66,6 +72,11 @@ class Plan:
     text_name: str
     resolved: dict[str, dict] = field(default_factory=dict)
     attention: dict[str, str] | None = None  # the kernels that ran (known once the model is loaded)
+
+    @property
+    def columns(self) -> list[Column]:
+        """The reported numbers, metric by metric (the table's columns, one plot each)."""
+        return [c for metric in self.metrics for c in metric.columns]
 
 
 def resolve_policies(config: EvalConfig) -> list[Pair]:
@@ -237,8 +248,6 @@ def run_eval(
     import torch
     from rich.console import Console
 
-    from .report import progress_bar, write_plots
-
     console = console or Console(stderr=True)
     if resume is not None:
         folder = RunFolder(Path(resume))
@@ -266,37 +275,36 @@ def run_eval(
         kernels = attention_kernels(model)
         console.print(f"model loaded in {time.perf_counter() - t0:.1f} s ({dtype}); attention: full cache "
                       f"{kernels['full']}, kvpolicy {kernels['kvpolicy']}", highlight=False)
-        from .decoding import stop_token_ids
-
         ctx = RunContext(config, model, plan.tokenizer, plan.device, stop_token_ids(plan.tokenizer, model),
                          base_attn=model.config._attn_implementation, folder=folder.path, progress=progress)
         plan.attention = kernels
+        eta = PairEta([(p.key, p.name, p.kind) for p in todo])
         try:
             with progress_bar(console, enabled=progress) as bar:
                 task = bar.add_task("pairs", total=len(todo))
                 for pair in todo:
                     bar.update(task, description=f"{pair.key}")
+                    started = time.perf_counter()
                     row, preds = _run_pair(ctx, plan, pair, refs, bar)
+                    eta.done(pair.key, time.perf_counter() - started)
                     if pair.policy is None:
                         folder.save_references(refs)
                     if pair.key not in done:
                         folder.append(row, preds)
                         rows[pair.key] = row
                         folder.write_summary(plan, _ordered(plan, rows))
+                    bar.update(task, eta=eta.text())
                     bar.advance(task)
         except KeyboardInterrupt:
             raise RunInterrupted(folder.path) from None
     ordered = _ordered(plan, rows)
     folder.write_summary(plan, ordered)
-    plots = write_plots(folder.path / "plots", plan, ordered)
+    plots = write_plots(folder.path / "plots", plan.columns, ordered)
     return RunResult(folder.path, ordered, plan, plots)
 
 
 def _has_refs(plan: Plan, refs: dict) -> bool:
-    from .suites import Fidelity, Perplexity
-
-    needed = [m.name for m in plan.metrics if isinstance(m, Fidelity | Perplexity)]
-    return all(n in refs for n in needed)
+    return all(m.name in refs for m in plan.metrics if m.needs_reference)
 
 
 def _run_pair(ctx: RunContext, plan: Plan, pair: Pair, refs: dict, bar) -> tuple[dict, list[dict]]:

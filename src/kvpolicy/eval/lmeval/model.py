@@ -1,7 +1,7 @@
 """``KVPolicyLM``: the ``kvpolicy`` model of lm-evaluation-harness.
 
 Generation (``generate_until``) decodes each batch through one fresh ``KVPolicyCache`` (or the
-full cache when no policy is given) with :func:`kvpolicy.eval.generation.generate_batch`: left
+full cache when no policy is given) with :func:`kvpolicy.eval.decoding.generate_batch`: left
 padding, seeded per-sample draws, finished rows leaving the batch, stop strings, ``max_gen_toks``.
 A kvpolicy row evicts exactly as it would alone, so batching changes no result: a
 deterministic policy gives each problem the same tokens at batch size 16 as at 1.
@@ -38,20 +38,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from ...policy import Policy, load_policy
-from ..decoding import Stream, stop_token_ids
-from ..generation import (
-    CostTracker,
-    Generation,
-    Prompt,
-    SamplingParams,
-    generate_batch,
-    input_device,
-    sample_key,
-)
-from ..metrics import repeated_ngram_share
+from ..cost import CostTracker
+from ..decoding import Generation, Prompt, Stream, generate_batch, input_device, new_cache, stop_token_ids
 from ..progress import LineProgress, format_duration
-from ..reasoning import find_loop, strip_thinking
+from ..reasoning import find_loop, repeated_ngram_share, strip_thinking
 from ..records import SampleStore, prompt_hash
+from ..sampling import SamplingParams, sample_key
 
 log = logging.getLogger("kvpolicy.eval.lmeval")
 
@@ -335,15 +327,9 @@ class KVPolicyLM(TemplateLM):
 
     def _new_cache(self, sample: int) -> Any:
         if self.policy is None:
-            from transformers import DynamicCache
-
-            if self.model.config._attn_implementation != self.base_attn:
-                self.model.set_attn_implementation(self.base_attn)
-            return DynamicCache(config=self.model.config)
-        from ...hf import KVPolicyCache
-
+            return new_cache(self.model, None, self.base_attn)
         assert self.policy_seed is not None
-        return KVPolicyCache(self.policy, self.model, seed=(self.policy_seed + sample) % (1 << 63))
+        return new_cache(self.model, self.policy, seed=(self.policy_seed + sample) % (1 << 63))
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         items: list[_Item] = []

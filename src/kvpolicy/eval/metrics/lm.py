@@ -1,4 +1,4 @@
-"""The ``lm`` metric: lm-evaluation-harness tasks under the reasoning protocol, per (policy, budget).
+"""``lm``: lm-evaluation-harness tasks under the reasoning protocol, per (policy, budget).
 
 For each pair the tasks run through :class:`kvpolicy.eval.lmeval.KVPolicyLM` (lm-eval's own
 ``simple_evaluate``: its prompts, few-shot examples, chat template and filters), with ``n``
@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from . import reasoning
-from .config import EvalConfig, EvalError, LMSettings
-from .suites import Column, Metric, MetricResult
+from .. import reasoning
+from ..config import EvalConfig, EvalError, LMSettings
+from .base import Column, Metric, MetricResult, mean
 
 MATH_PREFIXES = ("gsm", "minerva_math", "hendrycks_math", "math", "aime", "amc", "hmmt", "olympiad", "mgsm",
                  "asdiv", "svamp")
@@ -87,7 +87,7 @@ class LMTasks(Metric):
 
     # -- per pair -------------------------------------------------------------------------------
     def _model(self, ctx) -> Any:
-        from .lmeval import KVPolicyLM
+        from ..lmeval import KVPolicyLM
 
         s = self.config.lm
         if self._lm is None:
@@ -268,11 +268,11 @@ def grade(results: dict, tasks: dict[str, Any], lm: Any, s: LMSettings) -> Metri
         predictions.extend(rows)
         all_samples.extend(rows)
     for k in s.pass_ks():
-        values[f"pass@{k}"] = _mean([t[f"pass@{k}"] for t in per_task.values() if f"pass@{k}" in t])
-    values["gen_tokens"] = _mean([r["tokens"] for r in all_samples if r["tokens"] is not None])
-    values["ended"] = _mean([float(bool(r["ended"])) for r in all_samples if r["ended"] is not None])
-    values["loop"] = _mean([float(bool(r["loop"])) for r in all_samples if r["loop"] is not None])
-    values["lm_rep4"] = _mean([r["rep4"] for r in all_samples if r["rep4"] is not None])
+        values[f"pass@{k}"] = mean([t[f"pass@{k}"] for t in per_task.values() if f"pass@{k}" in t])
+    values["gen_tokens"] = mean([r["tokens"] for r in all_samples if r["tokens"] is not None])
+    values["ended"] = mean([float(bool(r["ended"])) for r in all_samples if r["ended"] is not None])
+    values["loop"] = mean([float(bool(r["loop"])) for r in all_samples if r["loop"] is not None])
+    values["lm_rep4"] = mean([r["rep4"] for r in all_samples if r["rep4"] is not None])
     values["samples"] = len(all_samples)
     cost = lm.cost.summary()
     values.update({"lm_tok_s": cost["tokens_per_s"], "lm_peak_mib": cost["peak_mib"], "lm_kv_mib": cost["kv_mib"],
@@ -284,10 +284,6 @@ def grade(results: dict, tasks: dict[str, Any], lm: Any, s: LMSettings) -> Metri
 def _summary(correct: dict[str, list[bool]], rows: list[dict], s: LMSettings) -> dict[str, float]:
     out = {f"pass@{k}": reasoning.pass_at_k_mean(correct, k) for k in s.pass_ks()
            if all(len(v) >= k for v in correct.values())}
-    out["loop"] = _mean([float(bool(r["loop"])) for r in rows if r["loop"] is not None])
-    out["ended"] = _mean([float(bool(r["ended"])) for r in rows if r["ended"] is not None])
+    out["loop"] = mean([float(bool(r["loop"])) for r in rows if r["loop"] is not None])
+    out["ended"] = mean([float(bool(r["ended"])) for r in rows if r["ended"] is not None])
     return out
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")

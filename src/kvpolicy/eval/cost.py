@@ -1,0 +1,187 @@
+"""What a run costs: KV-cache bytes, peak memory, and the time spent in the policy.
+
+One function per measure, shared by the metrics, the decoding loop, the lm-eval model and the
+benchmarks:
+
+- ``cache_bytes``: the bytes a cache holds now (static buffers and query windows of a
+  ``KVPolicyCache``; the grown key/value tensors of a ``DynamicCache``);
+- ``reset_peak_memory`` / ``peak_memory_mib``: the CUDA allocator's peak on a GPU, the process's
+  resident high-water mark on the CPU;
+- ``PolicyTimer`` / ``time_policy``: seconds spent in the policy's work, through the executor's
+  timing hook (``kvpolicy.executor.Executor.timer``);
+- ``BatchStats`` / ``CostTracker``: what one decoded batch cost, summed over a run.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("evict", "select")
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def cache_bytes(cache: Any) -> int:
+    """Bytes the cache holds now: ``memory_bytes()`` of a ``KVPolicyCache`` (static buffers and
+    query windows), else the key and value tensors of every layer (a ``DynamicCache``)."""
+    if hasattr(cache, "memory_bytes"):
+        return int(cache.memory_bytes())
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def reset_peak_memory(device: str) -> None:
+    """Reset the peak-memory counter (CUDA allocator, or the process's VmHWM on Linux)."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux, or not allowed: the peak then covers the whole process
+
+
+def peak_memory_mib(device: str) -> float:
+    """Peak memory since the last reset: allocated on CUDA, resident (RSS) on the CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if platform.system() == "Darwin" else peak / 1024
+
+
+# -- time in the policy -------------------------------------------------------------------------------
+def sync(device: torch.device | None) -> None:
+    """Wait for the device's queued work (CUDA), so that a wall-clock reading covers it."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PolicyTimer:
+    """Seconds and calls of the policy's work, by kind: ``"evict"`` (a due eviction of a layer
+    group) and ``"select"`` (one layer's selection in select mode).
+
+    An ``Executor.timer``: the executor calls it around that work. Only the kinds in ``kinds``
+    are timed (the others run untouched), and the device is synchronised before and after each
+    timed call only, so timing due evictions leaves every other decoding step asynchronous.
+    """
+
+    def __init__(self, device: torch.device | None = None, kinds: tuple[str, ...] = KINDS) -> None:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown kind(s) of policy work {sorted(unknown)}; known: {', '.join(KINDS)}")
+        self.device = device
+        self.kinds = kinds
+        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self.calls = dict.fromkeys(KINDS, 0)
+
+    def __call__(self, kind: str) -> Any:
+        if kind not in self.kinds:
+            return nullcontext()
+        return self._timed(kind)
+
+    @contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        sync(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(self.device)
+            self.seconds[kind] += time.perf_counter() - start
+            self.calls[kind] += 1
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+def executor_of(cache: Any) -> Any:
+    """The cache's ``Executor`` (``KVPolicyCache`` or ``EvictingCache``), or None (a full cache)."""
+    evicting = getattr(cache, "evicting", cache)
+    return getattr(evicting, "executor", None)
+
+
+@contextmanager
+def time_policy(cache: Any, timer: PolicyTimer) -> Iterator[PolicyTimer]:
+    """Install ``timer`` as the cache's executor hook for the block (a cache without an executor,
+    the full cache, never runs a policy: the timer then stays at zero)."""
+    executor = executor_of(cache)
+    if executor is None:
+        yield timer
+        return
+    if executor.timer is not None:
+        raise RuntimeError("this cache's executor already has a timer")
+    executor.timer = timer
+    try:
+        yield timer
+    finally:
+        executor.timer = None
+
+
+# -- per batch, per run ---------------------------------------------------------------------------
+@dataclass
+class BatchStats:
+    """What one batch cost."""
+
+    rows: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    evict_seconds: float = 0.0  # in due evictions (the executor's timing hook)
+    kv_bytes: int = 0  # the most the cache held at once
+    evictions: int = 0
+
+    def add(self, other: BatchStats) -> None:
+        self.rows += other.rows
+        self.prompt_tokens += other.prompt_tokens
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+        self.prefill_seconds += other.prefill_seconds
+        self.evict_seconds += other.evict_seconds
+        self.kv_bytes = max(self.kv_bytes, other.kv_bytes)
+        self.evictions += other.evictions
+
+
+@dataclass
+class CostTracker:
+    """Sums ``BatchStats`` over a run and reads the device's peak memory."""
+
+    device: torch.device
+    total: BatchStats = field(default_factory=BatchStats)
+
+    def reset(self) -> None:
+        self.total = BatchStats()
+        reset_peak_memory(str(self.device))
+
+    def add(self, stats: BatchStats) -> None:
+        self.total.add(stats)
+
+    def summary(self) -> dict[str, float | None]:
+        t = self.total
+        return {
+            "tokens_per_s": t.new_tokens / t.seconds if t.seconds > 0 else float("nan"),
+            "peak_mib": peak_memory_mib(str(self.device)),
+            "kv_mib": t.kv_bytes / 2**20,
+            "evict_share": t.evict_seconds / t.seconds if t.seconds > 0 else float("nan"),
+            "new_tokens": t.new_tokens,
+            "seconds": t.seconds,
+        }

@@ -1,0 +1,97 @@
+"""``fidelity``: greedy generation under eviction against the full cache's, on reasoning-gym prompts.
+
+Per prompt: token agreement (the full cache's continuation fed through this cache,
+teacher-forced: how often its argmax picks the reference's next token), the first step where
+free-running generation leaves the full cache's, and the share of repeated 4-grams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..data import check_task, task_prompts
+from ..reasoning import repeated_ngram_share
+from ..sampling import SamplingParams
+from .base import Column, Metric, MetricResult, mean
+
+
+def token_agreement(predicted: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of reference positions where ``predicted`` has the same token (missing ones disagree)."""
+    if not reference:
+        return 1.0
+    same = sum(1 for p, r in zip(predicted, reference, strict=False) if p == r)
+    return same / len(reference)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first step where the sequences differ (the shorter length if one is a prefix of
+    the other; their common length if they are equal)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+class Fidelity(Metric):
+    """Greedy generation on reasoning-gym prompts against the full-cache run."""
+
+    name = "fidelity"
+    help = "greedy generation vs the full cache: token agreement, first divergence, repeated 4-grams"
+    needs_reference = True
+    columns = [
+        Column("agreement", "agree", "{:.3f}", "higher"),
+        Column("first_divergence", "1st div", "{:.1f}", "higher"),
+        Column("repeat_4gram", "rep4", "{:.3f}", "lower"),
+    ]
+
+    def prepare(self, tokenizer, text, policies):
+        s = self.config.fidelity
+        check_task(s.task)
+        self.prompts, _ = task_prompts(tokenizer, s.task, s.prompts, self.config.seed, s.shots)
+
+    def run(self, ctx, policy, reference):
+        s = self.config.fidelity
+        greedy = SamplingParams(max_new_tokens=s.new_tokens)
+        refs = reference["tokens"] if reference else None
+        agreements, divergences, repeats, preds, generated = [], [], [], [], []
+        for i, prompt in enumerate(self.prompts):
+            stream = ctx.stream(policy)
+            tokens, _ = stream.generate(stream.feed(prompt.ids), greedy, ctx.stop_ids)
+            generated.append(tokens)
+            ref = refs[i] if refs else tokens
+            # Teacher-forced: the reference continuation fed through this cache (exact chunks);
+            # how often would this cache have chosen the reference's next token?
+            agreements.append(token_agreement(self._teacher_forced(ctx, policy, prompt.ids, ref), ref))
+            divergences.append(first_divergence(tokens, ref))
+            repeats.append(repeated_ngram_share(tokens, 4))
+            preds.append(
+                {
+                    "task": prompt.task,
+                    "index": prompt.index,
+                    "prompt_tokens": len(prompt.ids),
+                    "output": ctx.decode(tokens),
+                    "agreement": agreements[-1],
+                    "first_divergence": divergences[-1],
+                    "repeat_4gram": repeats[-1],
+                    "evictions": stream.evictions(),
+                }
+            )
+        values = {
+            "agreement": mean(agreements),
+            "first_divergence": mean(divergences),
+            "repeat_4gram": mean(repeats),
+        }
+        return MetricResult(values, preds, reference=None if reference else {"tokens": generated})
+
+    @staticmethod
+    def _teacher_forced(ctx, policy, prompt: list[int], ref: list[int]) -> list[int]:
+        stream = ctx.stream(policy)
+        first = stream.feed(prompt)
+        predicted = [int(first.argmax())]
+        if len(ref) > 1:
+            out = torch.empty(len(ref) - 1, dtype=torch.long)
+            stream.feed(ref[:-1], lambda o, lg: out.__setitem__(slice(o, o + lg.shape[0]), lg.argmax(-1).cpu()))
+            predicted += out.tolist()
+        return predicted
