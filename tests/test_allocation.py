@@ -263,3 +263,23 @@ def test_vllm_refuses_uneven_budgets():
 def test_select_mode_refuses_per_head_allocations():
     with pytest.raises(PolicyError, match="select mode does not support"):
         kvpolicy.load_policy("ada-snapkv@select")
+
+
+def test_the_reconstruction_metric_uses_each_layers_budget_and_heads():
+    from kvpolicy.eval.metrics.reconstruction import kept_slots, reconstruction_error
+
+    keys, values, queries = make_tensors(b=1, hkv=2, hq=4, n=80, w=80, seed=4)
+    pyramid = load_policy("pyramidkv", budget=24, recent=4, interval=8, window=4)
+    budgets = [s.budget for s in pyramid.layer_schedules(3, 2)]
+    for layer, budget in enumerate(budgets):
+        keep = kept_slots(pyramid, queries, keys, values, layer, budget)
+        assert bool((keep.sum(-1) == budget).all())
+    ada = load_policy("ada-snapkv", budget=24, recent=4, interval=8, window=4)
+    keep = kept_slots(ada, queries, keys, values, 0, 24)
+    assert int(keep.sum()) == 48
+    uniform = load_policy("snapkv", budget=24, recent=4, interval=8, window=4)
+    kept = kept_slots(uniform, queries, keys, values)
+    as_mask = torch.zeros(1, 2, 80, dtype=torch.bool).scatter_(-1, kept, True)
+    by_index = reconstruction_error(queries[:, :, -8:], keys, values, kept)
+    by_mask = reconstruction_error(queries[:, :, -8:], keys, values, as_mask)
+    assert abs(by_index - by_mask) < 1e-6

@@ -59,12 +59,16 @@ def reconstruction_error(
     scaling: float | None = None,
 ) -> float:
     """Relative error of the last ``Q`` queries' attention output over the ``kept [B, Hkv, K]`` slots
-    versus over all ``N`` slots (slot ``i`` holds token ``i``; queries are the last ``Q`` tokens)."""
+    (or a ``[B, Hkv, N]`` bool keep mask: heads keeping different counts) versus over all ``N``
+    slots (slot ``i`` holds token ``i``; queries are the last ``Q`` tokens)."""
     b, hkv, n, _ = keys.shape
     q = queries.shape[2]
     qpos = torch.arange(n - q, n, device=keys.device)
     all_pos = torch.arange(n, device=keys.device).expand(b, hkv, n)
     exact = attention_output(queries, keys, values, qpos, all_pos, scaling)
+    if kept.dtype == torch.bool:  # a dropped slot gets a position no query sees
+        approx = attention_output(queries, keys, values, qpos, torch.where(kept, all_pos, n), scaling)
+        return relative_error(approx, exact)
     gather = kept[..., None]
     k_kept = keys.gather(2, gather.expand(*kept.shape, keys.shape[-1]))
     v_kept = values.gather(2, gather.expand(*kept.shape, values.shape[-1]))
@@ -72,9 +76,13 @@ def reconstruction_error(
     return relative_error(approx, exact)
 
 
-def kept_slots(policy: Policy, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def kept_slots(
+    policy: Policy, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int = 0,
+    budget: int | None = None,
+) -> torch.Tensor:
     """The slots ``[B, Hkv, budget]`` one eviction of ``policy`` keeps of ``keys``/``values``
-    ``[B, Hkv, N, D]``, given the captured ``queries [B, Hq, N, D]``."""
+    ``[B, Hkv, N, D]``, given the captured ``queries [B, Hq, N, D]``; under an uneven allocation
+    the ``[B, Hkv, N]`` keep mask of ``Policy.select_heads`` at the layer's ``budget``."""
     # The window goes to every policy that keeps one, as in the caches: a reservation can read it.
     w = policy.schedule.window
     if w > 0:
@@ -82,6 +90,9 @@ def kept_slots(policy: Policy, queries: torch.Tensor, keys: torch.Tensor, values
     else:
         window = queries[:, :, -1:]
         valid = torch.zeros(queries.shape[0], 1, dtype=torch.bool, device=queries.device)
+    if policy.allocation.uneven:
+        keep, _ = policy.select_heads(keys, values, window, query_valid=valid, layer_idx=layer, budget=budget)
+        return keep
     return policy.select(keys, values, window, query_valid=valid)
 
 
@@ -114,10 +125,11 @@ class Reconstruction(Metric):
         q_eval = self.config.reconstruction.queries
         layers = self._capture(ctx)
         errors = []
-        for queries, keys, values, scaling in layers:
-            if policy is None:
+        schedules = None if policy is None else policy.layer_schedules(len(layers), layers[0][1].shape[1])
+        for layer, (queries, keys, values, scaling) in enumerate(layers):
+            if policy is None or schedules is None:
                 kept = torch.arange(keys.shape[2], device=keys.device).expand(*keys.shape[:2], -1)
             else:
-                kept = kept_slots(policy, queries, keys, values)
+                kept = kept_slots(policy, queries, keys, values, layer, schedules[layer].budget)
             errors.append(reconstruction_error(queries[:, :, -q_eval:], keys, values, kept, scaling))
         return MetricResult({"recon_error": mean(errors), "recon_error_layers": errors})
