@@ -85,8 +85,8 @@ def attend_heads(
     s, hkv = keys.shape[1], visible.shape[1]
     g = hq // hkv
     scale = d**-0.5 if scaling is None else scaling
-    scores = torch.matmul(query.reshape(b, hq * t, d), keys.transpose(1, 2)).view(b, hkv, g, t, s)
-    scores = scores.mul_(scale).masked_fill_(~visible[:, :, None], float("-inf"))
+    scores = torch.matmul(query.reshape(b, hq * t, d) * scale, keys.transpose(1, 2)).view(b, hkv, g, t, s)
+    scores = scores.masked_fill_(~visible[:, :, None], float("-inf"))
     # Softmax in float32 at least (half-precision caches), as attention kernels do.
     weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(values.dtype)
     return torch.matmul(weights.view(b, hq * t, s), values).view(b, hq, t, values.shape[-1])

@@ -334,17 +334,22 @@ class LayerGroup:
         plan, i = self.plan, self.member[layer]
         heads, cap = self.heads, self.buffers.capacity
         assert heads is not None
+        padded = plan.sees is not None  # only a padded step has queries that see nothing
         if plan.sees is not None:
             sees = plan.sees
         else:
             sees = (torch.arange(plan.tokens, device=self.device) + (plan.start or 0) + 1).expand(plan.batch, -1)
         extent = (self.buffers.keys.shape[2] - 1) * cap + self.extent(layer)
-        row_slot = torch.arange(extent, device=self.device) - heads.shift(cap)[i][..., None]  # [B, Hkv, E]
-        own = row_slot >= heads.deficit[i][..., None]
-        visible = own[:, :, None, :] & (row_slot[:, :, None, :] < sees[:, None, :, None])
+        shift = heads.shift(cap)[i]  # [B, Hkv]
+        first = shift + heads.deficit[i]  # each head's first flat slot
+        ends = shift[:, :, None] + sees[:, None, :]  # [B, Hkv, T]: flat slots below it are seen
+        flat = torch.arange(extent, device=self.device)
+        visible = (flat >= first[:, :, None, None]) & (flat < ends[..., None])
+        if not padded:
+            return visible
         # A padding query (it sees nothing) attends the head's first slot: finite, never read.
-        first = row_slot == heads.deficit[i][..., None]
-        return visible | (~visible.any(-1, keepdim=True) & first[:, :, None, :])
+        blind = (ends <= first[:, :, None])[..., None]
+        return visible | (blind & (flat == first[:, :, None, None]))
 
     def flat_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat per-head layout: ``layer``'s keys ``[B, E, D]`` and values, every head in turn."""
