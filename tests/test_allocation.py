@@ -283,3 +283,18 @@ def test_the_reconstruction_metric_uses_each_layers_budget_and_heads():
     by_index = reconstruction_error(queries[:, :, -8:], keys, values, kept)
     by_mask = reconstruction_error(queries[:, :, -8:], keys, values, as_mask)
     assert abs(by_index - by_mask) < 1e-6
+
+
+def test_select_mode_attends_each_layers_own_budget():
+    policy = load_policy("pyramidkv@select", budget=24, recent=4, interval=8, window=4)
+    budgets = [s.budget for s in policy.layer_schedules(3)]
+    assert len(set(budgets)) == 3
+    cache = EvictingCache(policy, 3)
+    for step in range(70):
+        t = 10 if step == 0 else 1
+        for layer in range(3):
+            _, _, valid = cache.step(layer, torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8), torch.randn(2, 4, t, 8))
+            held = 10 + step
+            if held > budgets[layer]:  # a selection: the layer's budget plus the tokens since it chose
+                attended = valid.sum(-1)
+                assert bool((attended >= budgets[layer]).all()) and bool((attended < budgets[layer] + 8).all())
