@@ -1,4 +1,6 @@
-"""Start-up configuration and refusals, the slot ledger and paged compaction: no engine started."""
+"""Start-up configuration and refusals through vLLM's own ``EngineArgs``, and the CPU cache layout
+against vLLM's own cache writer: no engine started. (The settings, the ledger and the paged
+compaction themselves are tested without vLLM: tests/test_vllm_*.py.)"""
 
 from __future__ import annotations
 
@@ -11,12 +13,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvpolicy import load_policy  # noqa: E402
-from kvpolicy.vllm import additional_config  # noqa: E402
-from kvpolicy.vllm.ledger import SlotLedger  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder, tiny_qwen3_folder  # noqa: E402
 from kvpolicy.vllm.paged import compact, gather_slots  # noqa: E402
-from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, check_version, requested, resolve  # noqa: E402
+from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved  # noqa: E402
 
 
 def engine_config(model, kvpolicy=None, **kwargs):
@@ -35,61 +34,6 @@ def engine_config(model, kvpolicy=None, **kwargs):
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_qwen3_folder()
-
-
-# -- settings ---------------------------------------------------------------------------------
-def test_resolve_carries_validated_yaml_and_seed():
-    r = resolve({"policy": "snapkv", "budget": 128})
-    policy = r.policy()
-    assert policy.budget == 128 and policy.schedule.window == 64 and r.seed == 0
-    again = Resolved.from_additional_config({"kvpolicy": r.to_dict()})
-    assert again == r
-    assert additional_config("snapkv", budget=128) == {"kvpolicy": {"policy": "snapkv", "budget": 128}}
-
-
-def test_streamingllm_relative_recent_follows_budget():
-    assert resolve({"policy": "streamingllm", "budget": 128}).policy().schedule.recent == 124
-
-
-def test_unknown_policy_is_a_clear_error():
-    with pytest.raises(KVPolicyVLLMError, match="unknown policy 'no-such-policy'.*registered policies"):
-        resolve({"policy": "no-such-policy"})
-
-
-def test_invalid_policy_file_is_a_clear_error(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\nschedule: {budget: 64, recent: 8}\nselector: {type: greedy}\nscorer: {type: nope}\n")
-    with pytest.raises(KVPolicyVLLMError, match="does not load"):
-        resolve({"policy": str(bad)})
-
-
-def test_unknown_setting_and_select_mode_are_refused():
-    with pytest.raises(KVPolicyVLLMError, match="unknown setting"):
-        resolve({"policy": "snapkv", "budgte": 3})
-    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
-        resolve({"policy": "snapkv@select"})
-    for bad in (["budget", 64], "budget=64"):
-        with pytest.raises(KVPolicyVLLMError, match='"overrides" must be a mapping'):
-            resolve({"policy": "snapkv", "overrides": bad})
-
-
-def test_environment_variables(monkeypatch):
-    monkeypatch.setenv("KVPOLICY_VLLM_POLICY", "streamingllm")
-    monkeypatch.setenv("KVPOLICY_VLLM_OVERRIDES", json.dumps({"budget": 256}))
-    entry = requested({})
-    assert entry == {"policy": "streamingllm", "overrides": {"budget": 256}}
-    assert resolve(entry).policy().budget == 256
-    assert requested({"kvpolicy": {"policy": "snapkv"}}) == {"policy": "snapkv"}  # additional_config wins
-    monkeypatch.setenv("KVPOLICY_VLLM_OVERRIDES", "{budget")
-    with pytest.raises(KVPolicyVLLMError, match="not valid JSON"):
-        requested({})
-
-
-def test_version_range():
-    check_version("0.32.0")
-    for bad in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(KVPolicyVLLMError, match="not supported"):
-            check_version(bad)
 
 
 # -- start-up through vLLM's own EngineArgs ---------------------------------------------------
@@ -148,19 +92,6 @@ def test_refuses_sliding_window_models(tiny, tmp_path):
 def test_unknown_policy_refused_at_engine_start(tiny):
     with pytest.raises(KVPolicyVLLMError, match="unknown policy"):
         engine_config(tiny, {"policy": "nope"})
-
-
-# -- the ledger -------------------------------------------------------------------------------
-def test_ledger_follows_the_schedule_per_request():
-    sched = load_policy("snapkv", budget=128).schedule  # interval 64
-    led = SlotLedger(sched)
-    assert not led.advance("a", 300, 300)  # a long prompt never evicts (no compress_prompt)
-    fired = [t for t in range(301, 600) if led.advance("a", t, 300) and led.evicted("a")]
-    assert fired[0] == 320 and all(b - a == 64 for a, b in zip(fired, fired[1:], strict=False))
-    assert led.get("a").offset == 599 - led.get("a").slots
-    # Chunked prefill: chunks never evict; the decode steps after it do.
-    assert not led.advance("b", 100, 150) and not led.advance("b", 150, 150)
-    assert [t for t in range(151, 260) if led.advance("b", t, 150) and led.evicted("b")] == [192, 256]
 
 
 # -- paged gather and compaction against vLLM's own cache writer ------------------------------
