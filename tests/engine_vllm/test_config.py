@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, layer_views  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder, tiny_qwen3_folder  # noqa: E402
 from kvpolicy.vllm.paged import compact, gather_slots  # noqa: E402
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved  # noqa: E402
@@ -94,27 +95,51 @@ def test_unknown_policy_refused_at_engine_start(tiny):
         engine_config(tiny, {"policy": "nope"})
 
 
-# -- paged gather and compaction against vLLM's own cache writer ------------------------------
-def test_compaction_inside_blocks_matches_gathering():
+# -- the cache layouts against vLLM's own code -------------------------------------------------
+def test_layout_table_is_vllms_and_layer_views_have_vllms_strides():
+    """``kvpolicy.vllm.layout`` mirrors vLLM's layout enum and its allocation's strides (the fast
+    suite's layout tests build their caches with ``layer_views``)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, compute_layout_strides
+
+    assert STRIDE_ORDERS == {m.name: m.value for m in KVCacheLayout}
+    lyr, nb, h, bs, d = 3, 5, 2, 32, 64
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=h, head_size=d, dtype=torch.float32)
+    for member in KVCacheLayout:
+        views = layer_views(torch.zeros(lyr * nb * h * bs * 2 * d), member.name, lyr, nb, h, bs, 2 * d)
+        layer_stride = views[1].data_ptr() - views[0].data_ptr()  # bytes
+        assert views[0].stride(3) == 1  # vLLM counts the content axis in bytes: its stride is 1 byte
+        ours = (layer_stride, *(4 * s for s in views[0].stride()[:3]), 1)
+        assert ours == compute_layout_strides(spec, nb, lyr, member), member.name
+
+
+def test_cpu_backend_declares_the_layout_the_adapter_reads():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert [m.name for m in CPUAttentionBackend.supported_kv_cache_layouts()] == ["LBHNC"]
+    assert BlockLayout.for_backend(CPUAttentionBackend.get_name(), "LBHNC", 64).interior == "cpu_pages"
+
+
+def test_compaction_inside_blocks_matches_vllms_cpu_cache_writer():
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     torch.manual_seed(0)
     bs, nb, h, d, t = 32, 8, 2, 64, 90
     cache = torch.zeros(nb, h, bs, 2 * d)
-    kc, vc = cache.view(nb, h, 2 * bs, d).chunk(2, dim=2)
+    kc, vc = cache.view(nb, h, 2 * bs, d).chunk(2, dim=2)  # as CPUAttentionBackendImpl views it
     key, val = torch.randn(t, h, d), torch.randn(t, h, d)
     table = torch.tensor([[6, 2, 4], [1, 3, 7]])
     slots = table[0, torch.arange(t) // bs] * bs + torch.arange(t) % bs
     isa = _get_attn_isa(torch.float32, bs, d)
     ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    kv = BlockLayout("LBHNC", "cpu_pages", d).split(cache)
     blocks = table[:1, torch.arange(t) // bs].long()
-    k, v = gather_slots(cache, blocks, (torch.arange(t) % bs)[None])
+    k, v = gather_slots(kv, blocks, (torch.arange(t) % bs)[None])
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], val.transpose(0, 1))
     kept = torch.stack([torch.randperm(t)[:40].sort().values for _ in range(h)])
     other = cache[table[1]].clone()
-    compact([cache], table[:1], [(k, v)], kept[None, None], bs)
-    k2, v2 = gather_slots(cache, table[:1, torch.arange(40) // bs].long(), (torch.arange(40) % bs)[None])
+    compact([kv], table[:1], [(k, v)], kept[None, None], bs)
+    k2, v2 = gather_slots(kv, table[:1, torch.arange(40) // bs].long(), (torch.arange(40) % bs)[None])
     for head in range(h):
         assert torch.equal(k2[0, head], key[kept[head], head])
         assert torch.equal(v2[0, head], val[kept[head], head])

@@ -10,7 +10,13 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots after an eviction |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward |
-| worker | ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``do_kv_cache_update`` | capture the window of post-RoPE queries; check the cache layout once |
+| worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
+
+Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
+the layer's backend: every backend receives the same post-RoPE query there, and the op is opaque
+to ``torch.compile`` (vLLM's CPU build compiles the model unless ``enforce_eager``), so the capture
+runs eagerly at every step. ``Attention.forward`` itself is traced when the model is compiled: a
+capture there would be baked into the graph.
 """
 
 from __future__ import annotations
@@ -132,7 +138,6 @@ def _install_scheduler() -> None:
 
 
 def _install_worker() -> None:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from . import worker
@@ -176,6 +181,17 @@ def _install_worker() -> None:
 
         return execute_model
 
+    _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
+    _wrap(GPUModelRunner, "_update_states", make_update_states)
+    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
+    _wrap(GPUModelRunner, "execute_model", make_execute)
+
+
+def install_backend(impl_cls: type) -> None:
+    """Wrap an attention backend's ``AttentionImpl`` (once per class and process): capture the
+    query window before its ``forward``, check the cache layout after its first cache write."""
+    from . import worker
+
     def make_forward(original):
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args: Any, **kwargs: Any):
             state = worker.active()
@@ -195,9 +211,6 @@ def _install_worker() -> None:
 
         return do_kv_cache_update
 
-    _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
-    _wrap(GPUModelRunner, "_update_states", make_update_states)
-    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
-    _wrap(GPUModelRunner, "execute_model", make_execute)
-    _wrap(CPUAttentionBackendImpl, "forward", make_forward)
-    _wrap(CPUAttentionBackendImpl, "do_kv_cache_update", make_kv_update)
+    _wrap(impl_cls, "forward", make_forward)
+    if hasattr(impl_cls, "do_kv_cache_update"):
+        _wrap(impl_cls, "do_kv_cache_update", make_kv_update)

@@ -159,8 +159,9 @@ def refusals(vllm_config: Any) -> list[str]:
     sc = vllm_config.scheduler_config
     if not current_platform.is_cpu():
         out.append(
-            f"platform {current_platform.device_name!r}: only vLLM's CPU backend (cpu_attn, KV layout "
-            "[blocks, kv_heads, block_size, 2*head_dim]) is supported so far"
+            f"platform {current_platform.device_name!r}: GPU backends are refused until a GPU run has passed "
+            "kvpolicy's vLLM engine tests (tests/engine_vllm); their cache layouts are implemented "
+            "(kvpolicy.vllm.layout) and tested on CPU tensors only. Only vLLM's CPU backend (cpu_attn) runs"
         )
     if cc.enable_prefix_caching:
         out.append(

@@ -6,8 +6,9 @@ its model runner. Per step it
 1. before the forward (``GPUModelRunner._prepare_inputs``, wrapped): leaves RoPE positions
    counting real tokens, and makes the attention length the slots held (``seq_lens``) and the
    slot each new token is written to (``slot_mapping``) follow each request's slot count;
-2. during the forward (``CPUAttentionBackendImpl.forward``, wrapped): copies the last ``window``
-   post-RoPE queries of each request into a per-request, per-layer ring;
+2. during the forward (the ``forward`` of each layer's attention backend, wrapped: where the
+   attention op hands every backend its post-RoPE queries; see ``kvpolicy.vllm.hooks``): copies
+   the last ``window`` queries of each request and layer into a per-request, per-layer ring;
 3. after the forward (``GPUModelRunner.execute_model``, wrapped): advances each request on the
    policy's schedule; the due requests are evicted together: their slots are read from the paged
    cache for every layer, ``Policy.select`` runs once over ``[layers x requests, Hkv, N, D]``
@@ -15,7 +16,9 @@ its model runner. Per step it
    request's blocks, and the blocks past the kept slots leave the request's block table (the
    scheduler returns the same blocks to vLLM's pool: see ``kvpolicy.vllm.scheduler``).
 
-The ring and the per-slot positions are the only state kept beside vLLM's own.
+The ring and the per-slot positions are the only state kept beside vLLM's own; both live on the
+KV cache's device. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
+from the layout vLLM resolved for the server and the backend's block interior.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from ..policy import Policy
+from .layout import BlockLayout, LayoutError
 from .ledger import SlotLedger
 from .paged import compact, gather_slots, slot_address
 from .settings import KVPolicyVLLMError, Resolved
@@ -86,10 +90,22 @@ class WorkerEviction:
         self.caches: list[torch.Tensor] = [ctx[n].kv_cache for n in names]
         if len({c.data_ptr() for c in self.caches}) != len(self.caches):
             raise KVPolicyVLLMError("layers sharing one KV cache tensor (KV sharing) are not supported")
-        _, self.kv_heads, _, d2 = self.caches[0].shape
-        self.head_dim = d2 // 2
+        _, self.kv_heads, _, _ = self.caches[0].shape
         impl = ctx[names[0]].impl
         self.q_heads = int(impl.num_heads)
+        self.head_dim = int(impl.head_size)
+        backends = {ctx[n].attn_backend.get_name() for n in names}
+        if len(backends) != 1:
+            raise KVPolicyVLLMError(f"layers on different attention backends are not supported: {sorted(backends)}")
+        try:
+            self.layout = BlockLayout.for_backend(backends.pop(), runner.vllm_config.cache_config.kv_cache_layout,
+                                                  self.head_dim)
+            # [num_blocks, block_size, Hkv, D] views of every layer's keys and values
+            self.kv = [self.layout.split(c) for c in self.caches]
+        except LayoutError as exc:
+            raise KVPolicyVLLMError(f"KV cache layout: {exc}") from None
+        self.impl_classes = {type(ctx[n].impl) for n in names}
+        self.device = self.caches[0].device
         self.window = self.schedule.window
         self.dtype = self.caches[0].dtype
         self.ring: torch.Tensor | None = None  # [rows, layers, W, Hq, D]
@@ -143,7 +159,8 @@ class WorkerEviction:
         if not self.free_rows:
             old = 0 if self.ring is None else self.ring.shape[0]
             new = max(8, 2 * old)
-            grown = torch.zeros(new, len(self.caches), self.window, self.q_heads, self.head_dim, dtype=self.dtype)
+            grown = torch.zeros(new, len(self.caches), self.window, self.q_heads, self.head_dim, dtype=self.dtype,
+                                device=self.device)
             if self.ring is not None:
                 grown[:old] = self.ring
             self.ring = grown
@@ -165,9 +182,9 @@ class WorkerEviction:
         if offsets.any():
             total = int(n.sum())
             off_rows = torch.from_numpy(offsets)
-            runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.dtype)
+            runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.device, runner.seq_lens.dtype)
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off_rows.to(runner.optimistic_seq_lens_cpu.dtype)
-            per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.dtype)
+            per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
             slots = runner.positions[:total] - per_token
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
         self.capture = None
@@ -182,7 +199,9 @@ class WorkerEviction:
             flat = ends[rep] - take[rep] + j
             pos = (before[rep] + n[rep] - take[rep] + j) % w
             rows = np.array([self._row(r) for r in req_ids], dtype=np.int64)[rep]
-            self.capture = QueryCapture(torch.from_numpy(rows), torch.from_numpy(pos), torch.from_numpy(flat))
+            dev = self.device
+            self.capture = QueryCapture(torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
+                                        torch.from_numpy(flat).to(dev))
 
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer_name: str, query: torch.Tensor) -> None:
@@ -202,14 +221,15 @@ class WorkerEviction:
             self.layout_checked = False
             return
         slot = int(slot_mapping[0])
-        blocks = torch.tensor([[slot // self.block_size]])
-        offs = torch.tensor([[slot % self.block_size]])
-        k, v = gather_slots(kv_cache, blocks, offs)
+        blocks = torch.tensor([[slot // self.block_size]], device=self.device)
+        offs = torch.tensor([[slot % self.block_size]], device=self.device)
+        k, v = gather_slots(self.layout.split(kv_cache), blocks, offs)
         if not (torch.equal(k[0, :, 0], key[0].view(self.kv_heads, -1).to(k.dtype))
                 and torch.equal(v[0, :, 0], value[0].view(self.kv_heads, -1).to(v.dtype))):
             raise KVPolicyVLLMError(
-                "the KV cache layout is not the one this integration reads (a packed ISA layout?); "
-                f"cache dtype {kv_cache.dtype}: use dtype float32 or bfloat16 without AMX packing"
+                f"the KV cache does not hold the first keys where layout {self.layout.name} "
+                f"({self.layout.interior}) puts them (a packed ISA layout?); cache dtype {kv_cache.dtype}: "
+                "use dtype float32 or bfloat16 without AMX packing"
             )
 
     # -- after the forward ------------------------------------------------------------------
@@ -239,23 +259,23 @@ class WorkerEviction:
         req_ids = [r for _, r in group]
         r = len(group)
         lyr = len(self.caches)
-        bt = table.get_cpu_tensor()[rows]
+        bt = table.get_cpu_tensor()[rows].to(self.device)
         blocks, offs = slot_address(bt, n, self.block_size)
-        gathered = [gather_slots(cache, blocks, offs) for cache in self.caches]
+        gathered = [gather_slots(kv, blocks, offs) for kv in self.kv]
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
         positions = torch.stack([self._positions(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)], dim=1)
         queries, query_valid = self._window(req_ids, [s.tokens for s in states], keys)
-        layer_idx = torch.tensor(self.layer_ids, dtype=torch.long).repeat_interleave(r)
-        evictions = torch.tensor([s.evictions for s in states], dtype=torch.long).repeat(lyr)
+        layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
+        evictions = torch.tensor([s.evictions for s in states], dtype=torch.long, device=self.device).repeat(lyr)
         flat_pos = positions.flatten(0, 1)
         kept = self.policy.select(
             keys, values, queries, query_valid=query_valid, positions=flat_pos,
             layer_idx=layer_idx, evictions=evictions, seed=self.resolved.seed, head_offset=self.head_offset,
         )
         k = kept.shape[-1]
-        compact(self.caches, bt, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
+        compact(self.kv, bt, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
         new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         keep_blocks = -(-k // self.block_size)
         for j, req_id in enumerate(req_ids):
@@ -278,20 +298,21 @@ class WorkerEviction:
         lyr, r, w = len(self.caches), len(req_ids), self.window
         if w == 0 or self.ring is None:
             return keys.new_zeros(lyr * r, self.q_heads, 0, self.head_dim), None
-        ring_rows = torch.tensor([self.ring_row[q] for q in req_ids], dtype=torch.long)
-        seen = torch.tensor(tokens, dtype=torch.long)
-        order = (seen[:, None] + torch.arange(w)) % w
+        ring_rows = torch.tensor([self.ring_row[q] for q in req_ids], dtype=torch.long, device=self.device)
+        seen = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        steps = torch.arange(w, device=self.device)
+        order = (seen[:, None] + steps) % w
         win = self.ring[ring_rows]  # [R, Lyr, W, Hq, D]
         win = win.gather(2, order[:, None, :, None, None].expand_as(win))
         queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)
-        valid = (seen[:, None] - w + torch.arange(w)) >= 0
+        valid = (seen[:, None] - w + steps) >= 0
         return queries, valid.repeat(lyr, 1)
 
     def _positions(self, req_id: str, offset: int, n: int) -> torch.Tensor:
         """``[Lyr, Hkv, N]`` token index of each slot of the request."""
         kept = self.kept_pos.get(req_id)
         start = 0 if kept is None else kept.shape[-1]
-        fresh = (torch.arange(start, n) + offset).expand(len(self.caches), self.kv_heads, n - start)
+        fresh = (torch.arange(start, n, device=self.device) + offset).expand(len(self.caches), self.kv_heads, n - start)
         return fresh.clone() if kept is None else torch.cat([kept, fresh], dim=-1)
 
     def _write_trace(self, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx, evictions, kept) -> None:
@@ -326,6 +347,10 @@ def init_runner(runner: Any) -> None:
     if resolved is None:
         return
     state = WorkerEviction(runner, resolved)
+    from .hooks import install_backend
+
+    for impl_cls in state.impl_classes:
+        install_backend(impl_cls)
     runner.__dict__["_kvpolicy"] = state
     _ACTIVE = state
 
