@@ -7,6 +7,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | process | class.method (vllm 0.32) | what kvpolicy adds |
 | --- | --- | --- |
 | front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, default prefix caching and async scheduling off, refuse what cannot run |
+| front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots after an eviction |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward |
@@ -83,6 +84,34 @@ def _install_frontend() -> None:
         return create_engine_config
 
     _wrap(EngineArgs, "create_engine_config", make)
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def make_process(original):
+        def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
+            extra = getattr(params, "extra_args", None)
+            try:
+                resolved_args = settings.resolve_request(extra)
+                if resolved_args is not None and settings.Resolved.from_additional_config(
+                    self.vllm_config.additional_config
+                ) is None:
+                    raise settings.KVPolicyVLLMError(
+                        "this server runs without kvpolicy, so requests cannot choose a policy; start it with "
+                        '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
+                        "asks) or with a default policy"
+                    )
+            except settings.KVPolicyVLLMError as exc:
+                raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
+            request = original(self, request_id, prompt, params, *args, **kwargs)
+            if resolved_args is not None:
+                # The request's private copy of its params: the caller's object is not changed.
+                request.sampling_params.extra_args = resolved_args
+            return request
+
+        return process_inputs
+
+    _wrap(InputProcessor, "process_inputs", make_process)
 
 
 def _install_scheduler() -> None:

@@ -5,6 +5,9 @@ never exchange eviction results. They do not need to: when eviction fires depend
 policy's schedule and on each request's token counts, and every rank keeps exactly ``budget``
 slots per request, so each process replays the same ``SlotLedger`` and agrees on every request's
 slot count, and so on its number of blocks, at every step.
+
+Each request carries its own schedule (requests may name their own policies); ``None`` for a
+request that never evicts.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ..schedule import Schedule
 
 @dataclass
 class RequestSlots:
+    schedule: Schedule | None = None  # the request's policy's schedule; None: it never evicts
     tokens: int = 0  # tokens whose keys and values were computed (RoPE positions 0 .. tokens-1)
     slots: int = 0  # slots held in the request's blocks
     evictions: int = 0
@@ -27,17 +31,24 @@ class RequestSlots:
 
 
 class SlotLedger:
-    """Per-request slot accounting under a schedule (no tensors, no vLLM)."""
+    """Per-request slot accounting, each request under its own schedule (no tensors, no vLLM)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self) -> None:
         self.requests: dict[str, RequestSlots] = {}
+
+    def track(self, req_id: str, schedule: Schedule | None) -> RequestSlots:
+        """Start counting a request (again, after a reset) under ``schedule``."""
+        state = self.requests[req_id] = RequestSlots(schedule)
+        return state
 
     def get(self, req_id: str) -> RequestSlots:
         state = self.requests.get(req_id)
         if state is None:
-            state = self.requests[req_id] = RequestSlots()
+            raise KeyError(f"request {req_id} is not tracked (SlotLedger.track it first)")
         return state
+
+    def tracks(self, req_id: str) -> bool:
+        return req_id in self.requests
 
     def offset(self, req_id: str) -> int:
         state = self.requests.get(req_id)
@@ -61,7 +72,9 @@ class SlotLedger:
             raise RuntimeError(f"request {req_id}: token count went back from {before} to {tokens_after}")
         state.slots += added
         state.tokens = tokens_after
-        sched = self.schedule
+        sched = state.schedule
+        if sched is None:
+            return False
         if before < prompt_len:  # a prompt chunk (or a resumed request replaying its tokens)
             return tokens_after >= prompt_len and sched.compress_prompt and state.slots > sched.budget
         return sched.fires(state.slots, state.tokens)
@@ -69,6 +82,8 @@ class SlotLedger:
     def evicted(self, req_id: str) -> int:
         """Record an eviction; returns the slots kept."""
         state = self.requests[req_id]
-        state.slots = min(state.slots, self.schedule.budget)
+        if state.schedule is None:
+            raise RuntimeError(f"request {req_id} has no schedule: it never evicts")
+        state.slots = min(state.slots, state.schedule.budget)
         state.evictions += 1
         return state.slots

@@ -5,7 +5,8 @@ The scheduler replays the workers' ``SlotLedger`` (``kvpolicy.vllm.ledger``): af
 blocks past its kept slots to vLLM's ``BlockPool``; and every later allocation for it
 (``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks``, wrapped)
 counts its slots, ``num_computed_tokens`` minus the tokens evicted so far. A request's entry goes
-when vLLM frees its blocks (finished, aborted or preempted).
+when vLLM frees its blocks (finished, aborted or preempted). Each request runs its own policy's
+schedule (``settings.request_policy``: its own, else the server's).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..schedule import Schedule
 from .ledger import SlotLedger
-from .settings import Resolved
+from .settings import Resolved, request_policy
 
 #: The ledger of this engine-core process (one scheduler per engine core), None when inactive.
 _LEDGER: SlotLedger | None = None
@@ -32,14 +34,21 @@ class SchedulerEviction:
         global _LEDGER
         self.scheduler = scheduler
         self.resolved = resolved
-        policy = resolved.policy()
-        self.ledger = SlotLedger(policy.schedule)
+        self.ledger = SlotLedger()
+        self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         _LEDGER = self.ledger
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
         if self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.blocks_freed = 0
+
+    def _schedule(self, request: Any) -> Schedule | None:
+        r = request_policy(request.sampling_params.extra_args, self.resolved)
+        if r.policy_yaml not in self.schedules:
+            policy = r.policy()
+            self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
+        return self.schedules[r.policy_yaml]
 
     def after_update(self, scheduler_output: Any) -> None:
         sched = self.scheduler
@@ -49,6 +58,8 @@ class SchedulerEviction:
             request = sched.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
+            if not self.ledger.tracks(req_id):
+                self.ledger.track(req_id, self._schedule(request))
             if not self.ledger.advance(req_id, request.num_computed_tokens, request.num_prompt_tokens):
                 continue
             kept = self.ledger.evicted(req_id)
