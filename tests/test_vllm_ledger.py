@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpolicy import load_policy
-from kvpolicy.vllm.ledger import SlotLedger
+from kvpolicy.vllm.ledger import SlotLedger, prefix_hit_cap
 
 
 def test_ledger_follows_the_schedule_per_request():
@@ -90,3 +90,26 @@ def test_each_request_follows_its_own_schedule_and_none_never_evicts():
     assert mixed.get("stream64").slots <= 64 + scheds["stream64"].interval
     with pytest.raises(RuntimeError, match="never evicts"):
         mixed.evicted("full")
+
+
+def test_would_fire_records_nothing():
+    led = SlotLedger()
+    led.track("r", load_policy("snapkv", budget=128).schedule)
+    led.advance("r", 100, 100)
+    before = led.get("r")
+    assert led.would_fire("r", 192, 100) and not led.would_fire("r", 150, 100)
+    assert led.get("r") == before and led.get("r").tokens == 100
+
+
+def test_prefix_hit_cap_keeps_the_first_evictions_queries_computed():
+    snap = load_policy("snapkv", budget=128).schedule  # window 64, interval 64
+    # prompt 250: the first eviction is at 256 tokens; its window starts at 192
+    assert prefix_hit_cap(snap, 250) == 192
+    # prompt 100: first eviction at 192, window from 128 > the prompt: any hit is fine
+    assert prefix_hit_cap(snap, 100) is None
+    # prompt compression: the prompt itself is evicted, its last 64 queries are needed
+    comp = load_policy("snapkv", budget=128, compress_prompt=True).schedule
+    assert prefix_hit_cap(comp, 300) == 236
+    # no window (streamingllm) or no policy: no limit
+    assert prefix_hit_cap(load_policy("streamingllm", budget=64).schedule, 250) is None
+    assert prefix_hit_cap(None, 250) is None

@@ -12,7 +12,7 @@ request that never evicts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..schedule import Schedule
 
@@ -79,6 +79,15 @@ class SlotLedger:
             return tokens_after >= prompt_len and sched.compress_prompt and state.slots > sched.budget
         return sched.fires(state.slots, state.tokens)
 
+    def would_fire(self, req_id: str, tokens_after: int, prompt_len: int) -> bool:
+        """Whether ``advance`` to ``tokens_after`` would make the request due, without recording it."""
+        state = self.get(req_id)
+        saved = replace(state)
+        try:
+            return self.advance(req_id, tokens_after, prompt_len)
+        finally:
+            state.__dict__.update(saved.__dict__)  # in place: callers may hold the entry
+
     def evicted(self, req_id: str) -> int:
         """Record an eviction; returns the slots kept."""
         state = self.requests[req_id]
@@ -87,3 +96,23 @@ class SlotLedger:
         state.slots = min(state.slots, state.schedule.budget)
         state.evictions += 1
         return state.slots
+
+
+def prefix_hit_cap(schedule: Schedule | None, prompt_len: int) -> int | None:
+    """The most prompt tokens a request may take from vLLM's prefix cache (None: no limit).
+
+    A request attends with queries it computed itself: a prefix-cache hit skips computing the
+    hit tokens, so their queries never reach the request's query window. Its first eviction must
+    find its last ``window`` queries computed, as they are when the request runs without prefix
+    caching: the hit may not reach into them. Only a first eviction at most ``window`` tokens
+    after the prompt can be affected, so the schedule is probed that far.
+    """
+    if schedule is None or schedule.window == 0:
+        return None
+    w = schedule.window
+    probe = SlotLedger()
+    probe.track("probe", schedule)
+    for tokens in (prompt_len, *range(prompt_len + 1, prompt_len + w + 1)):
+        if probe.advance("probe", tokens, prompt_len):
+            return max(0, tokens - w)
+    return None
