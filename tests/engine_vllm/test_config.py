@@ -40,7 +40,7 @@ def tiny():
 # -- start-up through vLLM's own EngineArgs ---------------------------------------------------
 def test_engine_config_defaults_and_resolution(tiny):
     cfg = engine_config(tiny, {"policy": "snapkv", "budget": 128})
-    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.enable_prefix_caching is True  # vLLM's default: kvpolicy works with it
     assert cfg.scheduler_config.async_scheduling is False
     assert Resolved.from_additional_config(cfg.additional_config).policy().budget == 128
 
@@ -54,7 +54,6 @@ def test_engine_without_kvpolicy_is_untouched(tiny):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"enable_prefix_caching": True}, "prefix caching is on"),
         ({"async_scheduling": True}, "async scheduling is on"),
         ({"kv_cache_dtype": "fp8"}, "quantised KV cache"),
         ({"tensor_parallel_size": 4}, "tensor_parallel_size 4 does not divide the 2 KV heads"),

@@ -276,11 +276,6 @@ def refusals(vllm_config: Any) -> list[str]:
             "kvpolicy's vLLM engine tests (tests/engine_vllm); their cache layouts are implemented "
             "(kvpolicy.vllm.layout) and tested on CPU tensors only. Only vLLM's CPU backend (cpu_attn) runs"
         )
-    if cc.enable_prefix_caching:
-        out.append(
-            "prefix caching is on: evicted blocks would be shared with other requests; "
-            "pass enable_prefix_caching=False (--no-enable-prefix-caching)"
-        )
     if sc.async_scheduling:
         out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
     if vllm_config.speculative_config is not None:

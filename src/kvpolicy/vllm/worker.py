@@ -151,6 +151,7 @@ class WorkerEviction:
             raise KVPolicyVLLMError(f"KV cache layout: {exc}") from None
         self.impl_classes = {type(ctx[n].impl) for n in names}
         self.device = self.caches[0].device
+        self.prefix_caching = bool(runner.vllm_config.cache_config.enable_prefix_caching)
         self.dtype = self.caches[0].dtype
         self.rings: dict[int, QueryRing] = {}  # by window size
         self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
@@ -315,7 +316,12 @@ class WorkerEviction:
     def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]]) -> None:
         """Evict the requests of ``group`` (batch row, request id), which all run ``rp`` and hold
         ``n`` slots: one ``Policy.select`` over every layer and request, the kept slots compacted
-        in place, and the blocks past them dropped from the requests' block tables."""
+        to the front of the request's blocks, and the blocks past them dropped from its block table.
+
+        Under prefix caching a request's first eviction writes the kept slots into the fresh
+        blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
+        blocks, which other requests may read or the prefix cache hand out again; the request's
+        block table becomes those fresh blocks."""
         policy = rp.policy
         assert policy is not None  # the ledger never makes a request without a schedule due
         runner = self.runner
@@ -340,21 +346,37 @@ class WorkerEviction:
             layer_idx=layer_idx, evictions=evictions, seed=rp.resolved.seed, head_offset=self.head_offset,
         )
         k = kept.shape[-1]
-        compact(self.kv, bt, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
-        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         keep_blocks = -(-k // self.block_size)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+                      for j, req_id in enumerate(req_ids)]
+        dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        compact(self.kv, dst, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
+        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         for j, req_id in enumerate(req_ids):
             self.kept_pos[req_id] = new_pos[:, j].clone()
             self.ledger.evicted(req_id)
-            row = int(rows[j])
-            table.num_blocks_per_row[row] = min(int(table.num_blocks_per_row[row]), keep_blocks)
+            table.add_row(new_tables[j], int(rows[j]))
             state = runner.requests.get(req_id)
             if state is not None:
-                for ids in state.block_ids:
-                    del ids[keep_blocks:]
+                state.block_ids[0][:] = new_tables[j]
         if self.trace is not None:
             self._write_trace(rp, req_ids, states, n, keys, values, queries, query_valid, flat_pos, layer_idx,
                               evictions, kept)
+
+    def _kept_blocks(self, table: Any, row: int, req_id: str, first: bool, n: int, keep: int) -> list[int]:
+        """The blocks a request's ``keep`` blocks of kept slots go to: the fresh blocks appended
+        for its first eviction under prefix caching, then its own first blocks (in place)."""
+        held = int(table.num_blocks_per_row[row])
+        ids = [int(b) for b in table.get_cpu_tensor()[row, :held]]
+        needed = -(-n // self.block_size)
+        copies = held - needed
+        expected = keep if self.prefix_caching and first else 0
+        if copies != expected:
+            raise KVPolicyVLLMError(
+                f"request {req_id} holds {held} blocks for {n} slots; expected {needed} + {expected} fresh "
+                "(the scheduler and this worker disagree)"
+            )
+        return ids[needed:] + ids[copies:keep]
 
     def _window(
         self, w: int, req_ids: list[str], tokens: list[int], keys: torch.Tensor
