@@ -408,7 +408,8 @@ class WorkerEviction:
                      evictions, kept) -> None:
         assert self.trace is not None
         record = {
-            "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "policy": rp.resolved.source,
+            "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
+            "policy": rp.resolved.source,
             "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
