@@ -69,9 +69,10 @@ def test_refusals(tiny, kwargs, message):
         engine_config(tiny, {"policy": "snapkv", "budget": 128}, **kwargs)
 
 
-def test_refuses_pipeline_parallelism(tiny):
-    with pytest.raises(Exception, match="pipeline"):
-        engine_config(tiny, {"policy": "snapkv", "budget": 128}, pipeline_parallel_size=2)
+def test_accepts_pipeline_parallelism(tiny):
+    cfg = engine_config(tiny, {"policy": "snapkv", "budget": 128}, pipeline_parallel_size=2,
+                        distributed_executor_backend="mp")
+    assert cfg.parallel_config.pipeline_parallel_size == 2
 
 
 def test_refuses_sliding_window_models(tiny, tmp_path):

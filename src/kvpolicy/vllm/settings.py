@@ -280,8 +280,6 @@ def refusals(vllm_config: Any) -> list[str]:
         out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
-    if pc.pipeline_parallel_size > 1:
-        out.append("pipeline parallelism is not supported (pipeline_parallel_size must be 1)")
     if pc.data_parallel_size > 1:
         out.append("data parallelism is not supported (data_parallel_size must be 1)")
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
