@@ -63,7 +63,7 @@ $(VLLM_VENV)/.kvpolicy-setup: pyproject.toml
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.kvpolicy-setup
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm -m vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engine_vllm -m vllm
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -1,11 +1,18 @@
 """Throughput and memory of a vLLM server with and without kvpolicy eviction, at a fixed KV-cache size.
 
 Each configuration starts its own engine (in turn), runs the same batch of long greedy
-generations, and reports output tokens/s, wall time, the peak number of requests running at
-once, and the peak KV blocks in use (from kvpolicy's scheduler trace). "full" is the same engine
-with a budget above every request's length: the plugin is active but never evicts, which the
-tests show gives vLLM's own tokens. "vllm" is the engine without kvpolicy at all (no trace: its
-throughput only), so "full" against "vllm" is the plugin's own overhead.
+generations, and reports output tokens/s, wall time, the mean number of requests decoding per
+engine step (counted from the engine's own per-step outputs, so for every configuration), and,
+from kvpolicy's scheduler trace, the requests running, the peak KV blocks in use and the prefix
+cache's hits. "full" is the same engine with a budget above every request's length: the plugin
+is active but never evicts, which the tests show gives vLLM's own tokens. "vllm" is the engine
+without kvpolicy at all, so "full" against "vllm" is the plugin's own overhead.
+
+With ``--shared-prefix N`` every prompt starts with the same N tokens (a system prompt), and
+``--prefix-caching`` turns vLLM's prefix cache on for every configuration::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,snapkv --shared-prefix 200 \
+        --prefix-caching --requests 12 --new 384 --blocks 48
 
 CPU (here; the bundled SmolLM2-135M, float32)::
 
@@ -33,10 +40,11 @@ from pathlib import Path
 
 POLICIES: dict[str, dict | None] = {
     "vllm": None,  # kvpolicy not switched on
-    "full": {"policy": "snapkv", "budget": 1 << 20},
+    "full": {"policy": "none"},
     "snapkv": {"policy": "snapkv", "budget": 128},
     "streamingllm": {"policy": "streamingllm", "budget": 128},
     "rkv": {"policy": "rkv", "budget": 128},
+    "vase-attnv": {"policy": "vase-attnv", "budget": 128},
 }
 
 
@@ -72,16 +80,27 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
     llm = LLM(
         model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
         block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
-        enable_prefix_caching=False, async_scheduling=False, seed=0, **extra,
+        enable_prefix_caching=args.prefix_caching, async_scheduling=False, seed=0, **extra,
     )
     rng = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randint(100, 3000) for _ in range(args.prompt)])
+    prefix = [rng.randint(100, 3000) for _ in range(args.shared_prefix)]
+    prompts = [TokensPrompt(prompt_token_ids=prefix + [rng.randint(100, 3000) for _ in range(args.prompt)])
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=0.0)
+    engine = llm.llm_engine
     t0 = time.time()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"bench-{i}", p, params)
+    tokens, decoding, finished = 0, [], 0
+    while finished < len(prompts):
+        outs = engine.step()
+        # requests that produced a token this step: what the engine actually ran at once
+        decoding.append(sum(1 for o in outs if o.outputs and o.outputs[0].token_ids))
+        for o in outs:
+            if o.finished:
+                finished += 1
+                tokens += len(o.outputs[0].token_ids)
     wall = time.time() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = []
     for path in trace.glob("scheduler-*.jsonl"):
         steps += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -91,15 +110,20 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
         pass
     del llm
     shutil.rmtree(trace, ignore_errors=True)
+    last = steps[-1] if steps else {}
     return {
         "config": name, "policy": POLICIES[name], "requests": args.requests, "output_tokens": tokens,
         "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
+        "mean_decoding": round(sum(decoding) / len(decoding), 2), "engine_steps": len(decoding),
         "peak_running": max((s["running"] for s in steps), default=None),
         "mean_running": round(sum(s["running"] for s in steps) / len(steps), 2) if steps else None,
-        "engine_steps": len(steps) if steps else None,
         "peak_blocks_in_use": max((s["held_blocks"] for s in steps), default=None),
         "kv_blocks": args.blocks, "block_size": args.block_size,
         "evictions": sum(s["evicted"] for s in steps) if steps else None,
+        "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching,
+        "prefix_hit_rate": round(last["prefix_hit_total"] / last["prefix_queried_total"], 3)
+        if last.get("prefix_queried_total") else None,
+        "blocks_copied": last.get("blocks_copied_total"),
     }
 
 
@@ -108,7 +132,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), qwen3-4b-random, or a folder")
     parser.add_argument("--configs", default="vllm,full,snapkv,streamingllm,rkv")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per request (after the shared prefix)")
+    parser.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                        help="vLLM's prefix cache on for every configuration")
     parser.add_argument("--new", type=int, default=512, help="generated tokens per request")
     parser.add_argument("--blocks", type=int, default=64, help="KV-cache blocks (fixed size for every config)")
     parser.add_argument("--block-size", type=int, default=32)
@@ -135,16 +162,24 @@ def main() -> None:
         except Exception as exc:  # a refusal (e.g. a GPU platform) is recorded, not fatal
             results.append({"config": name, "error": str(exc).splitlines()[0][:300]})
         print(json.dumps(results[-1]), flush=True)
-    print("\n| config | output tok/s | wall s | engine steps | mean running | peak running | peak blocks in use | evictions |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| config | output tok/s | wall s | engine steps | mean decoding | mean running | peak running "
+          "| peak blocks in use | evictions | prefix hit rate | blocks copied |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
-            print(f"| {r['config']} | refused: {r['error']} | | | | | | |")
+            print(f"| {r['config']} | refused: {r['error']} |" + " |" * 10)
         else:
-            cells = [r["output_tok_per_s"], r["wall_s"], r["engine_steps"], r["mean_running"], r["peak_running"],
+            cells = [r["output_tok_per_s"], r["wall_s"], r["engine_steps"], r["mean_decoding"], r["mean_running"],
+                     r["peak_running"],
                      f"{r['peak_blocks_in_use']} / {r['kv_blocks']}" if r["peak_blocks_in_use"] else None,
-                     r["evictions"]]
+                     r["evictions"], r["prefix_hit_rate"], r["blocks_copied"]]
             print(f"| {r['config']} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    base = next((r for r in results if r["config"] == "vllm" and "error" not in r), None)
+    if base is not None:
+        for r in results:
+            if r is not base and "error" not in r:
+                print(f"{r['config']} / vllm: output tok/s x{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}, "
+                      f"mean decoding x{r['mean_decoding'] / base['mean_decoding']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -5,17 +5,21 @@ never exchange eviction results. They do not need to: when eviction fires depend
 policy's schedule and on each request's token counts, and every rank keeps exactly ``budget``
 slots per request, so each process replays the same ``SlotLedger`` and agrees on every request's
 slot count, and so on its number of blocks, at every step.
+
+Each request carries its own schedule (requests may name their own policies); ``None`` for a
+request that never evicts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..schedule import Schedule
 
 
 @dataclass
 class RequestSlots:
+    schedule: Schedule | None = None  # the request's policy's schedule; None: it never evicts
     tokens: int = 0  # tokens whose keys and values were computed (RoPE positions 0 .. tokens-1)
     slots: int = 0  # slots held in the request's blocks
     evictions: int = 0
@@ -27,17 +31,24 @@ class RequestSlots:
 
 
 class SlotLedger:
-    """Per-request slot accounting under a schedule (no tensors, no vLLM)."""
+    """Per-request slot accounting, each request under its own schedule (no tensors, no vLLM)."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self) -> None:
         self.requests: dict[str, RequestSlots] = {}
+
+    def track(self, req_id: str, schedule: Schedule | None) -> RequestSlots:
+        """Start counting a request (again, after a reset) under ``schedule``."""
+        state = self.requests[req_id] = RequestSlots(schedule)
+        return state
 
     def get(self, req_id: str) -> RequestSlots:
         state = self.requests.get(req_id)
         if state is None:
-            state = self.requests[req_id] = RequestSlots()
+            raise KeyError(f"request {req_id} is not tracked (SlotLedger.track it first)")
         return state
+
+    def tracks(self, req_id: str) -> bool:
+        return req_id in self.requests
 
     def offset(self, req_id: str) -> int:
         state = self.requests.get(req_id)
@@ -61,13 +72,48 @@ class SlotLedger:
             raise RuntimeError(f"request {req_id}: token count went back from {before} to {tokens_after}")
         state.slots += added
         state.tokens = tokens_after
-        if before < prompt_len:  # a prompt chunk (or a resumed request replaying its tokens)
-            return tokens_after >= prompt_len and self.schedule.due(state.slots, state.tokens, prompt=True)
-        return self.schedule.fires(state.slots, state.tokens)
+        sched = state.schedule
+        if sched is None:
+            return False
+        # Schedule.due is the one rule, shared with the transformers caches.
+        return bool(sched.due(state.slots, state.tokens, prompt=before < prompt_len)) and (
+            before >= prompt_len or tokens_after >= prompt_len  # a prompt chunk evicts only once the prompt is in
+        )
+
+    def would_fire(self, req_id: str, tokens_after: int, prompt_len: int) -> bool:
+        """Whether ``advance`` to ``tokens_after`` would make the request due, without recording it."""
+        state = self.get(req_id)
+        saved = replace(state)
+        try:
+            return self.advance(req_id, tokens_after, prompt_len)
+        finally:
+            state.__dict__.update(saved.__dict__)  # in place: callers may hold the entry
 
     def evicted(self, req_id: str) -> int:
         """Record an eviction; returns the slots kept."""
         state = self.requests[req_id]
-        state.slots = min(state.slots, self.schedule.budget)
+        if state.schedule is None:
+            raise RuntimeError(f"request {req_id} has no schedule: it never evicts")
+        state.slots = min(state.slots, state.schedule.budget)
         state.evictions += 1
         return state.slots
+
+
+def prefix_hit_cap(schedule: Schedule | None, prompt_len: int) -> int | None:
+    """The most prompt tokens a request may take from vLLM's prefix cache (None: no limit).
+
+    A request attends with queries it computed itself: a prefix-cache hit skips computing the
+    hit tokens, so their queries never reach the request's query window. Its first eviction must
+    find its last ``window`` queries computed, as they are when the request runs without prefix
+    caching: the hit may not reach into them. Only a first eviction at most ``window`` tokens
+    after the prompt can be affected, so the schedule is probed that far.
+    """
+    if schedule is None or schedule.window == 0:
+        return None
+    w = schedule.window
+    probe = SlotLedger()
+    probe.track("probe", schedule)
+    for tokens in (prompt_len, *range(prompt_len + 1, prompt_len + w + 1)):
+        if probe.advance("probe", tokens, prompt_len):
+            return max(0, tokens - w)
+    return None

@@ -12,6 +12,14 @@ directly (``budget``, ``recent``, ``interval``, ``window``, ``count``, ``compres
 ``seed``), and ``trace``. The front end resolves them once (``resolve``): the policy is loaded and
 validated there, and the engine and worker processes receive the resolved YAML, seed included, so
 every process and every tensor-parallel rank runs the same policy with the same random streams.
+The policy ``none`` switches the plugin on without evicting by default (requests choose).
+
+A request may name its own policy (``resolve_request``) in ``SamplingParams.extra_args`` (the
+OpenAI server's ``vllm_xargs``): ``{"kvpolicy": "snapkv", "kvpolicy_budget": 128}`` (flat keys,
+as ``vllm_xargs`` takes only strings and numbers), ``{"kvpolicy": {"policy": "snapkv", "budget":
+128}}``, or the same object as JSON text; ``"none"`` keeps that request's full cache. Requests
+naming nothing run the server's policy. The front end resolves each request's settings before it
+reaches the engine, and a bad one fails that request alone.
 
 This module imports nothing from vLLM at import time and nothing from ``kvpolicy.hf``.
 """
@@ -35,6 +43,11 @@ ENV_OVERRIDES = "KVPOLICY_VLLM_OVERRIDES"
 ENV_TRACE = "KVPOLICY_VLLM_TRACE"
 _OVERRIDE_KEYS = ("budget", "recent", "interval", "window", "count", "compress_prompt", "seed")
 _ALLOWED_KEYS = {"policy", "overrides", "trace", *_OVERRIDE_KEYS}
+#: The policy that never evicts: the plugin on, every request's full cache unless it asks otherwise.
+NO_POLICY = "none"
+#: ``extra_args`` keys of a request: ``kvpolicy`` and flat overrides ``kvpolicy_budget`` etc.
+REQUEST_KEY = "kvpolicy"
+REQUEST_PREFIX = "kvpolicy_"
 
 
 class KVPolicyVLLMError(ValueError):
@@ -46,9 +59,10 @@ class KVPolicyVLLMError(ValueError):
 
 @dataclass(frozen=True)
 class Resolved:
-    """What every engine process needs: the policy as validated YAML (overrides and seed applied)."""
+    """What every engine process needs: the policy as validated YAML (overrides and seed applied);
+    ``policy_yaml`` None for the policy ``none`` (no eviction)."""
 
-    policy_yaml: str
+    policy_yaml: str | None
     source: str
     seed: int
     trace: str | None = None
@@ -67,8 +81,8 @@ class Resolved:
         r = entry["resolved"]
         return cls(r["policy_yaml"], r["source"], int(r["seed"]), r.get("trace"))
 
-    def policy(self) -> Policy:
-        return load_policy(self.policy_yaml, seed=self.seed)
+    def policy(self) -> Policy | None:
+        return None if self.policy_yaml is None else load_policy(self.policy_yaml, seed=self.seed)
 
 
 def requested(additional: Any) -> dict[str, Any] | None:
@@ -102,26 +116,56 @@ def requested(additional: Any) -> dict[str, Any] | None:
     return entry
 
 
-def resolve(entry: dict[str, Any]) -> Resolved:
-    """Load and validate the requested policy: every error names what is wrong."""
-    if "resolved" in entry:  # already resolved by a front end (a config passed through twice)
+def resolve(entry: dict[str, Any], *, per_request: bool = False) -> Resolved:
+    """Load and validate the requested policy: every error names what is wrong.
+
+    ``per_request``: settings a client sent with one request: no ``trace``, and no policy file
+    (a client must not make the server read its files); names, YAML text and mappings only.
+    """
+    if "resolved" in entry and not per_request:  # already resolved by a front end (a config passed through twice)
         r = Resolved.from_additional_config({KEY: entry})
         assert r is not None
         return r
-    unknown = sorted(set(entry) - _ALLOWED_KEYS)
+    allowed = _ALLOWED_KEYS - {"trace"} if per_request else _ALLOWED_KEYS
+    unknown = sorted(set(entry) - allowed)
     if unknown:
-        raise KVPolicyVLLMError(f"unknown setting(s) {unknown}; allowed: {sorted(_ALLOWED_KEYS)}")
+        raise KVPolicyVLLMError(f"unknown setting(s) {unknown}; allowed: {sorted(allowed)}")
     source = entry.get("policy")
-    if not isinstance(source, str) or not source:
+    if not (isinstance(source, str) and source) and not (per_request and isinstance(source, dict)):
         raise KVPolicyVLLMError('no policy given: set {"policy": NAME_OR_FILE} (or KVPOLICY_VLLM_POLICY)')
     if not isinstance(entry.get("overrides") or {}, dict):
         raise KVPolicyVLLMError(f'"overrides" must be a mapping, got {entry["overrides"]!r}')
     overrides = dict(entry.get("overrides") or {})
     overrides.update({k: entry[k] for k in _OVERRIDE_KEYS if k in entry})
+    trace = entry.get("trace")
+    trace = str(trace) if trace else None
+    if source == NO_POLICY:
+        if overrides:
+            raise KVPolicyVLLMError(f"policy {NO_POLICY!r} (no eviction) takes no overrides, got {sorted(overrides)}")
+        return Resolved(None, NO_POLICY, 0, trace)
+    label = source if isinstance(source, str) else "<mapping>"
+    if per_request and isinstance(source, str) and _is_file(source):
+        raise KVPolicyVLLMError(
+            f"policy {label!r}: a request may name a registered policy or send one as YAML text or a mapping, "
+            "not a file of the server"
+        )
     try:
         policy = load_policy(source, **overrides)
     except PolicyError as exc:
-        raise KVPolicyVLLMError(f"policy {source!r} does not load:\n{exc}") from None
+        raise KVPolicyVLLMError(f"policy {label!r} does not load:\n{exc}") from None
+    except (TypeError, ValueError) as exc:  # an override of the wrong kind (a list for a budget, ...)
+        raise KVPolicyVLLMError(f"policy {label!r}: invalid override: {exc}") from None
+    refuse_unservable(policy)
+    seed = policy.resolve_seed()  # a `seed: null` policy draws once here: every rank shares it
+    return Resolved(policy.with_overrides(seed=seed).to_yaml(), label, seed, trace)
+
+
+def refuse_unservable(policy: Policy) -> None:
+    """Refuse a policy that loads but that vLLM serving cannot run (for a server or one request).
+
+    Every request keeps exactly its budget on every layer and head: the scheduler's block
+    accounting and the block table shared by all layers (and tensor-parallel ranks) rely on it.
+    """
     if policy.allocation.uneven:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}): "
@@ -132,9 +176,78 @@ def resolve(entry: dict[str, Any]) -> Resolved:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
-    seed = policy.resolve_seed()  # a `seed: null` policy draws once here: every rank shares it
-    trace = entry.get("trace")
-    return Resolved(policy.with_overrides(seed=seed).to_yaml(), source, seed, str(trace) if trace else None)
+
+
+def _is_file(source: str) -> bool:
+    from pathlib import Path
+
+    try:
+        return Path(source).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def request_entry(extra_args: Any) -> dict[str, Any] | None:
+    """The kvpolicy settings a request sent in ``extra_args``, as a ``resolve`` entry; None when it
+    sent none. ``kvpolicy`` is a name or YAML text, JSON text of a settings object, or a mapping;
+    ``kvpolicy_<override>`` keys add overrides."""
+    if not isinstance(extra_args, dict):
+        return None
+    flat = {k[len(REQUEST_PREFIX):]: v for k, v in extra_args.items() if k.startswith(REQUEST_PREFIX)}
+    if REQUEST_KEY not in extra_args:
+        if flat:
+            raise KVPolicyVLLMError(
+                f"{sorted(REQUEST_PREFIX + k for k in flat)} given without {REQUEST_KEY!r}: name the policy too "
+                f'(e.g. {{"{REQUEST_KEY}": "snapkv", "{REQUEST_PREFIX}budget": 128}})'
+            )
+        return None
+    value = extra_args[REQUEST_KEY]
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None  # YAML flow text of a policy, not a settings object
+        if isinstance(parsed, dict) and "policy" in parsed:
+            value = parsed
+    if isinstance(value, str):
+        entry: dict[str, Any] = {"policy": value}
+    elif isinstance(value, dict):
+        entry = dict(value)
+    else:
+        raise KVPolicyVLLMError(
+            f"{REQUEST_KEY!r} must be a policy name, YAML text or a settings mapping, got {type(value).__name__}"
+        )
+    clash = sorted(set(flat) & set(entry))
+    if clash:
+        raise KVPolicyVLLMError(f"{clash} given twice (in {REQUEST_KEY!r} and as {REQUEST_PREFIX}<key>)")
+    entry.update(flat)
+    return entry
+
+
+def resolve_request(extra_args: Any) -> dict[str, Any] | None:
+    """A request's ``extra_args`` with its kvpolicy settings resolved (the form engine processes
+    read: ``request_policy``), or None when it sent none. Raises ``KVPolicyVLLMError`` for a bad one."""
+    try:
+        entry = request_entry(extra_args)
+        if entry is None:
+            return None
+        resolved = resolve(entry, per_request=True)
+    except KVPolicyVLLMError as exc:
+        raise KVPolicyVLLMError(f"this request's kvpolicy settings: {str(exc).removeprefix('kvpolicy[vllm]: ')}") from None
+    assert isinstance(extra_args, dict)  # request_entry returned an entry
+    rest = {k: v for k, v in extra_args.items() if k != REQUEST_KEY and not k.startswith(REQUEST_PREFIX)}
+    return {**rest, REQUEST_KEY: resolved.to_dict()}
+
+
+def request_policy(extra_args: Any, server: Resolved) -> Resolved:
+    """The policy a request runs, in an engine process: its own as the front end resolved it, else
+    the server's."""
+    if not isinstance(extra_args, dict) or REQUEST_KEY not in extra_args:
+        return server
+    r = Resolved.from_additional_config({KEY: extra_args[REQUEST_KEY]})
+    if r is None:
+        raise KVPolicyVLLMError(f"a request reached the engine with unresolved kvpolicy settings: {extra_args[REQUEST_KEY]!r}")
+    return r
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -165,20 +278,14 @@ def refusals(vllm_config: Any) -> list[str]:
     sc = vllm_config.scheduler_config
     if not current_platform.is_cpu():
         out.append(
-            f"platform {current_platform.device_name!r}: only vLLM's CPU backend (cpu_attn, KV layout "
-            "[blocks, kv_heads, block_size, 2*head_dim]) is supported so far"
-        )
-    if cc.enable_prefix_caching:
-        out.append(
-            "prefix caching is on: evicted blocks would be shared with other requests; "
-            "pass enable_prefix_caching=False (--no-enable-prefix-caching)"
+            f"platform {current_platform.device_name!r}: GPU backends are refused until a GPU run has passed "
+            "kvpolicy's vLLM engine tests (tests/engine_vllm); their cache layouts are implemented "
+            "(kvpolicy.vllm.layout) and tested on CPU tensors only. Only vLLM's CPU backend (cpu_attn) runs"
         )
     if sc.async_scheduling:
         out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
-    if pc.pipeline_parallel_size > 1:
-        out.append("pipeline parallelism is not supported (pipeline_parallel_size must be 1)")
     if pc.data_parallel_size > 1:
         out.append("data parallelism is not supported (data_parallel_size must be 1)")
     if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:

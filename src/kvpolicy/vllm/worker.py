@@ -6,8 +6,9 @@ its model runner. Per step it
 1. before the forward (``GPUModelRunner._prepare_inputs``, wrapped): leaves RoPE positions
    counting real tokens, and makes the attention length the slots held (``seq_lens``) and the
    slot each new token is written to (``slot_mapping``) follow each request's slot count;
-2. during the forward (``CPUAttentionBackendImpl.forward``, wrapped): copies the last ``window``
-   post-RoPE queries of each request into a per-request, per-layer ring;
+2. during the forward (the ``forward`` of each layer's attention backend, wrapped: where the
+   attention op hands every backend its post-RoPE queries; see ``kvpolicy.vllm.hooks``): copies
+   the last ``window`` queries of each request and layer into a per-request, per-layer ring;
 3. after the forward (``GPUModelRunner.execute_model``, wrapped): advances each request on the
    policy's schedule; the due requests are evicted together: their slots are read from the paged
    cache for every layer, ``Policy.select`` runs once over ``[layers x requests, Hkv, N, D]``
@@ -15,7 +16,13 @@ its model runner. Per step it
    request's blocks, and the blocks past the kept slots leave the request's block table (the
    scheduler returns the same blocks to vLLM's pool: see ``kvpolicy.vllm.scheduler``).
 
-The ring and the per-slot positions are the only state kept beside vLLM's own.
+Each request runs its own policy (``settings.request_policy``: its own, else the server's); due
+requests are grouped by policy and slot count, one ``Policy.select`` per group. Requests whose
+policies look at different numbers of queries have rings of different widths.
+
+The rings and the per-slot positions are the only state kept beside vLLM's own; both live on the
+KV cache's device. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
+from the layout vLLM resolved for the server and the backend's block interior.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ import numpy as np
 import torch
 
 from ..policy import Policy
+from .layout import BlockLayout, LayoutError
 from .ledger import SlotLedger
 from .paged import compact, gather_slots, slot_address
-from .settings import KVPolicyVLLMError, Resolved
+from .settings import KVPolicyVLLMError, Resolved, request_policy
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +61,52 @@ class StepRequests:
 
 @dataclass(frozen=True)
 class QueryCapture:
-    """Where this step's last ``window`` queries of each request go in the ring (``[T]`` each)."""
+    """Where this step's last ``window`` queries of each request go in its ring (``[T]`` each)."""
 
+    ring: QueryRing
     ring_rows: torch.Tensor  # the request's ring row
     ring_pos: torch.Tensor  # the position in the ring: token index modulo window
     token_idx: torch.Tensor  # the query's row in this step's flattened tokens
+
+
+class QueryRing:
+    """The last ``window`` post-RoPE queries of each request using it, per layer:
+    ``tensor [rows, layers, window, Hq, D]``, on the cache's device; rows are reused."""
+
+    def __init__(self, window: int, layers: int, q_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.window, self.layers, self.q_heads, self.head_dim = window, layers, q_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.tensor = torch.zeros(0, layers, window, q_heads, head_dim, dtype=dtype, device=device)
+        self.row_of: dict[str, int] = {}
+        self.free_rows: list[int] = []
+
+    def row(self, req_id: str) -> int:
+        row = self.row_of.get(req_id)
+        if row is not None:
+            return row
+        if not self.free_rows:
+            old = self.tensor.shape[0]
+            new = max(8, 2 * old)
+            grown = self.tensor.new_zeros(new, self.layers, self.window, self.q_heads, self.head_dim)
+            grown[:old] = self.tensor
+            self.tensor = grown
+            self.free_rows.extend(range(new - 1, old - 1, -1))
+        row = self.row_of[req_id] = self.free_rows.pop()
+        return row
+
+    def drop(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """A policy as this worker runs it: loaded once per distinct resolved policy."""
+
+    resolved: Resolved
+    policy: Policy | None  # None: the request never evicts
 
 #: The worker state of this process (one model runner per worker process).
 _ACTIVE: WorkerEviction | None = None
@@ -70,10 +119,10 @@ class WorkerEviction:
         from vllm.model_executor.models.utils import extract_layer_index
 
         self.runner = runner
-        self.resolved = resolved
-        self.policy: Policy = resolved.policy()
-        self.schedule = self.policy.schedule
-        self.ledger = SlotLedger(self.schedule)
+        self.resolved = resolved  # the server's policy: requests naming none run it
+        self.policies: dict[str | None, RequestPolicy] = {}  # by resolved policy YAML
+        self.policy_of: dict[str, RequestPolicy] = {}  # by request
+        self.ledger = SlotLedger()
         groups = runner.kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise KVPolicyVLLMError(f"expected one KV cache group (full attention everywhere), got {len(groups)}")
@@ -86,18 +135,28 @@ class WorkerEviction:
         self.caches: list[torch.Tensor] = [ctx[n].kv_cache for n in names]
         if len({c.data_ptr() for c in self.caches}) != len(self.caches):
             raise KVPolicyVLLMError("layers sharing one KV cache tensor (KV sharing) are not supported")
-        _, self.kv_heads, _, d2 = self.caches[0].shape
-        self.head_dim = d2 // 2
+        _, self.kv_heads, _, _ = self.caches[0].shape
         impl = ctx[names[0]].impl
         self.q_heads = int(impl.num_heads)
-        self.window = self.schedule.window
+        self.head_dim = int(impl.head_size)
+        backends = {ctx[n].attn_backend.get_name() for n in names}
+        if len(backends) != 1:
+            raise KVPolicyVLLMError(f"layers on different attention backends are not supported: {sorted(backends)}")
+        try:
+            self.layout = BlockLayout.for_backend(backends.pop(), runner.vllm_config.cache_config.kv_cache_layout,
+                                                  self.head_dim)
+            # [num_blocks, block_size, Hkv, D] views of every layer's keys and values
+            self.kv = [self.layout.split(c) for c in self.caches]
+        except LayoutError as exc:
+            raise KVPolicyVLLMError(f"KV cache layout: {exc}") from None
+        self.impl_classes = {type(ctx[n].impl) for n in names}
+        self.device = self.caches[0].device
+        self.prefix_caching = bool(runner.vllm_config.cache_config.enable_prefix_caching)
         self.dtype = self.caches[0].dtype
-        self.ring: torch.Tensor | None = None  # [rows, layers, W, Hq, D]
-        self.ring_row: dict[str, int] = {}
-        self.free_rows: list[int] = []
+        self.rings: dict[int, QueryRing] = {}  # by window size
         self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
         self.plan: StepRequests | None = None
-        self.capture: QueryCapture | None = None
+        self.captures: list[QueryCapture] = []
         self.layout_checked = False
         # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
         # the model's (start-up refuses a TP size that does not divide them): it evicts those
@@ -108,6 +167,7 @@ class WorkerEviction:
         self.head_offset = self.rank * self.kv_heads
         self.trace = Path(resolved.trace) if resolved.trace else None
         self.saves = 0
+        self.step = 0  # forward passes run (the trace's step number)
         if self.trace is not None:
             self.trace.mkdir(parents=True, exist_ok=True)
 
@@ -132,24 +192,32 @@ class WorkerEviction:
     def _drop(self, req_id: str) -> None:
         self.ledger.reset(req_id)
         self.kept_pos.pop(req_id, None)
-        row = self.ring_row.pop(req_id, None)
-        if row is not None:
-            self.free_rows.append(row)
+        self.policy_of.pop(req_id, None)
+        for ring in self.rings.values():
+            ring.drop(req_id)
 
-    def _row(self, req_id: str) -> int:
-        row = self.ring_row.get(req_id)
-        if row is not None:
-            return row
-        if not self.free_rows:
-            old = 0 if self.ring is None else self.ring.shape[0]
-            new = max(8, 2 * old)
-            grown = torch.zeros(new, len(self.caches), self.window, self.q_heads, self.head_dim, dtype=self.dtype)
-            if self.ring is not None:
-                grown[:old] = self.ring
-            self.ring = grown
-            self.free_rows.extend(range(new - 1, old - 1, -1))
-        row = self.ring_row[req_id] = self.free_rows.pop()
-        return row
+    def _policy(self, req_id: str) -> RequestPolicy:
+        """The request's policy (looked up once per request), tracked in the ledger from here on."""
+        known = self.policy_of.get(req_id)
+        if known is not None:
+            return known
+        state = self.runner.requests.get(req_id)
+        params = None if state is None else state.sampling_params
+        r = request_policy(None if params is None else params.extra_args, self.resolved)
+        rp = self.policies.get(r.policy_yaml)
+        if rp is None:
+            rp = self.policies[r.policy_yaml] = RequestPolicy(r, r.policy())
+        self.policy_of[req_id] = rp
+        if not self.ledger.tracks(req_id):
+            self.ledger.track(req_id, None if rp.policy is None else rp.policy.schedule)
+        return rp
+
+    def _ring(self, window: int) -> QueryRing:
+        ring = self.rings.get(window)
+        if ring is None:
+            ring = self.rings[window] = QueryRing(window, len(self.caches), self.q_heads, self.head_dim,
+                                                  self.dtype, self.device)
+        return ring
 
     # -- before the forward -----------------------------------------------------------------
     def after_prepare_inputs(self, num_scheduled: np.ndarray) -> None:
@@ -165,35 +233,46 @@ class WorkerEviction:
         if offsets.any():
             total = int(n.sum())
             off_rows = torch.from_numpy(offsets)
-            runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.dtype)
+            runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.device, runner.seq_lens.dtype)
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off_rows.to(runner.optimistic_seq_lens_cpu.dtype)
-            per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.dtype)
+            per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
             slots = runner.positions[:total] - per_token
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
-        self.capture = None
-        w = self.window
-        if w > 0 and num_reqs:
-            # The last min(n, w) tokens of each request in this step; a query of token t goes to
-            # ring position t % w, so the ring always holds the request's last w queries.
-            take = np.minimum(n, w)
-            ends = np.cumsum(n)
-            rep = np.repeat(np.arange(num_reqs), take)
+        self.captures = []
+        if not num_reqs:
+            return
+        # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
+        # position t % w, so the ring always holds the request's last w queries.
+        windows = np.array([self._window_size(r) for r in req_ids], dtype=np.int64)
+        ends = np.cumsum(n)
+        for w in sorted(set(windows.tolist()) - {0}):
+            idx = np.flatnonzero(windows == w)
+            take = np.minimum(n[idx], w)
+            rep = np.repeat(idx, take)
             j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
-            flat = ends[rep] - take[rep] + j
-            pos = (before[rep] + n[rep] - take[rep] + j) % w
-            rows = np.array([self._row(r) for r in req_ids], dtype=np.int64)[rep]
-            self.capture = QueryCapture(torch.from_numpy(rows), torch.from_numpy(pos), torch.from_numpy(flat))
+            flat = ends[rep] - np.repeat(take, take) + j
+            pos = (before[rep] + n[rep] - np.repeat(take, take) + j) % w
+            ring = self._ring(w)
+            rows = np.array([ring.row(req_ids[i]) for i in idx], dtype=np.int64)
+            rows = np.repeat(rows, take)
+            dev = self.device
+            self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
+                                              torch.from_numpy(flat).to(dev)))
+
+    def _window_size(self, req_id: str) -> int:
+        policy = self._policy(req_id).policy
+        return 0 if policy is None else policy.schedule.window
 
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer_name: str, query: torch.Tensor) -> None:
-        if self.capture is None or self.ring is None:
+        if not self.captures:
             return
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        cap = self.capture
         q = query.view(query.shape[0], self.q_heads, self.head_dim)
-        self.ring[cap.ring_rows, layer, cap.ring_pos] = q[cap.token_idx].to(self.dtype)
+        for cap in self.captures:
+            cap.ring.tensor[cap.ring_rows, layer, cap.ring_pos] = q[cap.token_idx].to(self.dtype)
 
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once: the cache holds what this module assumes (a plain, unpacked layout)."""
@@ -202,14 +281,15 @@ class WorkerEviction:
             self.layout_checked = False
             return
         slot = int(slot_mapping[0])
-        blocks = torch.tensor([[slot // self.block_size]])
-        offs = torch.tensor([[slot % self.block_size]])
-        k, v = gather_slots(kv_cache, blocks, offs)
+        blocks = torch.tensor([[slot // self.block_size]], device=self.device)
+        offs = torch.tensor([[slot % self.block_size]], device=self.device)
+        k, v = gather_slots(self.layout.split(kv_cache), blocks, offs)
         if not (torch.equal(k[0, :, 0], key[0].view(self.kv_heads, -1).to(k.dtype))
                 and torch.equal(v[0, :, 0], value[0].view(self.kv_heads, -1).to(v.dtype))):
             raise KVPolicyVLLMError(
-                "the KV cache layout is not the one this integration reads (a packed ISA layout?); "
-                f"cache dtype {kv_cache.dtype}: use dtype float32 or bfloat16 without AMX packing"
+                f"the KV cache does not hold the first keys where layout {self.layout.name} "
+                f"({self.layout.interior}) puts them (a packed ISA layout?); cache dtype {kv_cache.dtype}: "
+                "use dtype float32 or bfloat16 without AMX packing"
             )
 
     # -- after the forward ------------------------------------------------------------------
@@ -217,87 +297,120 @@ class WorkerEviction:
         plan, self.plan = self.plan, None
         if plan is None:
             return
+        self.step += 1
         due: list[tuple[int, str]] = []
         for i, req_id in enumerate(plan.req_ids):
+            self._policy(req_id)  # tracked in the ledger under its policy's schedule
             if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
                 due.append((i, req_id))
         if not due:
             return
-        by_count: dict[int, list[tuple[int, str]]] = {}
+        # One select call per policy and slot count: a request evicts exactly as it would alone.
+        groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
         for i, req_id in due:
-            by_count.setdefault(self.ledger.get(req_id).slots, []).append((i, req_id))
-        for count, group in sorted(by_count.items()):
-            self._evict(count, group)
+            key = (self.policy_of[req_id].resolved.policy_yaml or "", self.ledger.get(req_id).slots)
+            groups.setdefault(key, []).append((i, req_id))
+        for (_, count), group in sorted(groups.items()):
+            self._evict(self.policy_of[group[0][1]], count, group)
 
-    def _evict(self, n: int, group: list[tuple[int, str]]) -> None:
-        """Evict the requests of ``group`` (batch row, request id), which all hold ``n`` slots:
-        one ``Policy.select`` over every layer and request, the kept slots compacted in place, and
-        the blocks past them dropped from the requests' block tables."""
+    def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]]) -> None:
+        """Evict the requests of ``group`` (batch row, request id), which all run ``rp`` and hold
+        ``n`` slots: one ``Policy.select`` over every layer and request, the kept slots compacted
+        to the front of the request's blocks, and the blocks past them dropped from its block table.
+
+        Under prefix caching a request's first eviction writes the kept slots into the fresh
+        blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
+        blocks, which other requests may read or the prefix cache hand out again; the request's
+        block table becomes those fresh blocks."""
+        policy = rp.policy
+        assert policy is not None  # the ledger never makes a request without a schedule due
         runner = self.runner
         table = runner.input_batch.block_table.block_tables[0]
         rows = torch.tensor([i for i, _ in group], dtype=torch.long)
         req_ids = [r for _, r in group]
         r = len(group)
         lyr = len(self.caches)
-        bt = table.get_cpu_tensor()[rows]
+        bt = table.get_cpu_tensor()[rows].to(self.device)
         blocks, offs = slot_address(bt, n, self.block_size)
-        gathered = [gather_slots(cache, blocks, offs) for cache in self.caches]
+        gathered = [gather_slots(kv, blocks, offs) for kv in self.kv]
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
         positions = torch.stack([self._positions(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)], dim=1)
-        queries, query_valid = self._window(req_ids, [s.tokens for s in states], keys)
-        layer_idx = torch.tensor(self.layer_ids, dtype=torch.long).repeat_interleave(r)
-        evictions = torch.tensor([s.evictions for s in states], dtype=torch.long).repeat(lyr)
+        queries, query_valid = self._window(policy.schedule.window, req_ids, [s.tokens for s in states], keys)
+        layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
+        evictions = torch.tensor([s.evictions for s in states], dtype=torch.long, device=self.device).repeat(lyr)
         flat_pos = positions.flatten(0, 1)
-        kept = self.policy.select(
+        kept = policy.select(
             keys, values, queries, query_valid=query_valid, positions=flat_pos,
-            layer_idx=layer_idx, evictions=evictions, seed=self.resolved.seed, head_offset=self.head_offset,
+            layer_idx=layer_idx, evictions=evictions, seed=rp.resolved.seed, head_offset=self.head_offset,
         )
         k = kept.shape[-1]
-        compact(self.caches, bt, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
-        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         keep_blocks = -(-k // self.block_size)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+                      for j, req_id in enumerate(req_ids)]
+        dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        compact(self.kv, dst, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
+        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
         for j, req_id in enumerate(req_ids):
             self.kept_pos[req_id] = new_pos[:, j].clone()
             self.ledger.evicted(req_id)
-            row = int(rows[j])
-            table.num_blocks_per_row[row] = min(int(table.num_blocks_per_row[row]), keep_blocks)
+            table.add_row(new_tables[j], int(rows[j]))
             state = runner.requests.get(req_id)
             if state is not None:
-                for ids in state.block_ids:
-                    del ids[keep_blocks:]
+                state.block_ids[0][:] = new_tables[j]
         if self.trace is not None:
-            self._write_trace(req_ids, states, n, keys, values, queries, query_valid, flat_pos, layer_idx, evictions, kept)
+            self._write_trace(rp, req_ids, states, n, keys, values, queries, query_valid, flat_pos, layer_idx,
+                              evictions, kept)
+
+    def _kept_blocks(self, table: Any, row: int, req_id: str, first: bool, n: int, keep: int) -> list[int]:
+        """The blocks a request's ``keep`` blocks of kept slots go to: the fresh blocks appended
+        for its first eviction under prefix caching, then its own first blocks (in place)."""
+        held = int(table.num_blocks_per_row[row])
+        ids = [int(b) for b in table.get_cpu_tensor()[row, :held]]
+        needed = -(-n // self.block_size)
+        copies = held - needed
+        expected = keep if self.prefix_caching and first else 0
+        if copies != expected:
+            raise KVPolicyVLLMError(
+                f"request {req_id} holds {held} blocks for {n} slots; expected {needed} + {expected} fresh "
+                "(the scheduler and this worker disagree)"
+            )
+        return ids[needed:] + ids[copies:keep]
 
     def _window(
-        self, req_ids: list[str], tokens: list[int], keys: torch.Tensor
+        self, w: int, req_ids: list[str], tokens: list[int], keys: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The requests' query windows ``[Lyr * R, Hq, W, D]``, layer-major like the keys, oldest
+        """The requests' last ``w`` queries ``[Lyr * R, Hq, W, D]``, layer-major like the keys, oldest
         query first (as ``EvictingCache`` keeps them), and which entries hold a query ``[Lyr * R, W]``."""
-        lyr, r, w = len(self.caches), len(req_ids), self.window
-        if w == 0 or self.ring is None:
+        lyr, r = len(self.caches), len(req_ids)
+        if w == 0:
             return keys.new_zeros(lyr * r, self.q_heads, 0, self.head_dim), None
-        ring_rows = torch.tensor([self.ring_row[q] for q in req_ids], dtype=torch.long)
-        seen = torch.tensor(tokens, dtype=torch.long)
-        order = (seen[:, None] + torch.arange(w)) % w
-        win = self.ring[ring_rows]  # [R, Lyr, W, Hq, D]
+        ring = self.rings[w]
+        ring_rows = torch.tensor([ring.row_of[q] for q in req_ids], dtype=torch.long, device=self.device)
+        seen = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        steps = torch.arange(w, device=self.device)
+        order = (seen[:, None] + steps) % w
+        win = ring.tensor[ring_rows]  # [R, Lyr, W, Hq, D]
         win = win.gather(2, order[:, None, :, None, None].expand_as(win))
         queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)
-        valid = (seen[:, None] - w + torch.arange(w)) >= 0
+        valid = (seen[:, None] - w + steps) >= 0
         return queries, valid.repeat(lyr, 1)
 
     def _positions(self, req_id: str, offset: int, n: int) -> torch.Tensor:
         """``[Lyr, Hkv, N]`` token index of each slot of the request."""
         kept = self.kept_pos.get(req_id)
         start = 0 if kept is None else kept.shape[-1]
-        fresh = (torch.arange(start, n) + offset).expand(len(self.caches), self.kv_heads, n - start)
+        fresh = (torch.arange(start, n, device=self.device) + offset).expand(len(self.caches), self.kv_heads, n - start)
         return fresh.clone() if kept is None else torch.cat([kept, fresh], dim=-1)
 
-    def _write_trace(self, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx, evictions, kept) -> None:
+    def _write_trace(self, rp, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx,
+                     evictions, kept) -> None:
         assert self.trace is not None
         record = {
-            "rank": self.rank, "head_offset": self.head_offset, "requests": req_ids, "slots_before": n,
+            "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
+            "policy": rp.resolved.source,
+            "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
         }
@@ -308,7 +421,7 @@ class WorkerEviction:
             torch.save(
                 {"keys": keys, "values": values, "queries": queries, "query_valid": query_valid,
                  "positions": positions, "layer_idx": layer_idx, "evictions": evictions, "kept": kept,
-                 "requests": req_ids, "seed": self.resolved.seed, "policy_yaml": self.resolved.policy_yaml,
+                 "requests": req_ids, "seed": rp.resolved.seed, "policy_yaml": rp.resolved.policy_yaml,
                  "head_offset": self.head_offset},
                 self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
             )
@@ -326,6 +439,10 @@ def init_runner(runner: Any) -> None:
     if resolved is None:
         return
     state = WorkerEviction(runner, resolved)
+    from .hooks import install_backend
+
+    for impl_cls in state.impl_classes:
+        install_backend(impl_cls)
     runner.__dict__["_kvpolicy"] = state
     _ACTIVE = state
 

@@ -67,12 +67,13 @@ def close(llm) -> None:
 
 def generate_in_subprocess(
     folder: Path, model: str | Path, prompts: list[list[int]], max_tokens: int,
-    kvpolicy: dict[str, Any] | None = None, env: dict[str, str] | None = None, **llm_kwargs: Any,
+    kvpolicy: dict[str, Any] | None = None, env: dict[str, str | None] | None = None, **llm_kwargs: Any,
 ) -> list[list[int]]:
     """Greedy tokens of ``prompts`` from an engine started in a process of its own.
 
     For engines that need their own environment (``VLLM_PLUGINS``, thread binding): vLLM caches
     its environment, so setting it in the test process would stick to the engines started after.
+    An ``env`` value None removes that variable.
     """
     out = folder / "tokens.json"
     code = (
@@ -88,7 +89,8 @@ def generate_in_subprocess(
     script.write_text(code)
     log = folder / "engine.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, str(script)], env={**os.environ, **(env or {})},
+        merged = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        proc = subprocess.run([sys.executable, str(script)], env=merged,
                               timeout=1200, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"engine process failed ({proc.returncode}); its log ends:\n{log.read_text()[-3000:]}")

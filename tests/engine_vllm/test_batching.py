@@ -154,3 +154,65 @@ def test_chunked_prefill_equals_one_shot_prefill(tmp_path):
         assert sorted(first.values()) == sorted(len(ids) for ids, _ in reqs)
     for i, (a, b) in enumerate(zip(got[64], got[4096], strict=True)):
         assert a == b, f"request {i}: first divergence at {first_divergence(a, b)}"
+
+
+MIXED = [  # (extra_args, budget the request keeps; None: never evicts)
+    ({"kvpolicy": "none"}, None),  # the full cache
+    ({"kvpolicy": {"policy": "snapkv", "budget": 128}}, 128),
+    ({"kvpolicy": "streamingllm", "kvpolicy_budget": 64}, 64),  # the flat form vllm_xargs carries
+    ({"kvpolicy": {"policy": "vase-attnv", "budget": 256}}, 256),
+    (None, POLICY["budget"]),  # names nothing: the server's policy
+]
+
+
+def test_mixed_policies_in_one_batch_equal_each_request_alone(engine):
+    """Requests naming different policies and budgets (and one naming none) decode together, each
+    evicting on its own schedule: every request gives exactly its tokens alone."""
+    llm, trace = engine
+    rng = random.Random(6)
+    reqs = []
+    for i in range(10):
+        extra, budget = MIXED[i % len(MIXED)]
+        # Prompt lengths equal modulo 64 (every interval here divides 64): the policies' evictions
+        # fall on the same steps, so one step evicts requests of several policies.
+        ids = [rng.randint(3, 4000) for _ in range(rng.choice([32, 96]))]
+        reqs.append((ids, rng.randint(330, 420), extra, budget))
+    for f in trace.glob("worker-*.jsonl"):
+        f.unlink()
+    alone = []
+    for ids, n, extra, _ in reqs:
+        out = llm.generate([tokens_prompt(ids)], greedy(n, extra_args=extra), use_tqdm=False)
+        alone.append(list(out[0].outputs[0].token_ids))
+    alone_evictions = read_jsonl(trace, "worker-")
+    for f in trace.glob("worker-*.jsonl"):
+        f.unlink()
+    together = llm.generate([tokens_prompt(ids) for ids, *_ in reqs],
+                            [greedy(n, extra_args=extra) for _, n, extra, _ in reqs], use_tqdm=False)
+    for i, out in enumerate(together):
+        got = list(out.outputs[0].token_ids)
+        assert got == alone[i], f"request {i} ({reqs[i][2]}): first divergence at {first_divergence(got, alone[i])}"
+    evictions = read_jsonl(trace, "worker-")
+    # Every evicting policy evicted, keeping its own budget; several policies evicted in one step.
+    kept = {(e["policy"], e["kept"]) for e in evictions}
+    assert kept == {("snapkv", 128), ("streamingllm", 64), ("vase-attnv", 256), ("snapkv", POLICY["budget"])}
+    assert {(e["policy"], e["kept"]) for e in alone_evictions} == kept
+    steps: dict[int, set[str]] = {}
+    for e in evictions:
+        steps.setdefault(e["step"], set()).add(e["policy"])
+    assert max(len(p) for p in steps.values()) > 1, "no step evicted requests of different policies"
+
+
+def test_a_bad_per_request_setting_fails_that_request_only(engine):
+    from vllm.exceptions import VLLMValidationError
+
+    llm, _ = engine
+    ids = list(range(10, 40))
+    for extra, message in (
+        ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
+        ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+        ({"kvpolicy": "snapkv", "kvpolicy_budget": 0}, "does not load"),
+    ):
+        with pytest.raises(VLLMValidationError, match=message):
+            llm.generate([tokens_prompt(ids)], greedy(8, extra_args=extra), use_tqdm=False)
+    out = llm.generate([tokens_prompt(ids)], greedy(8), use_tqdm=False)  # the engine goes on serving
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -1,6 +1,7 @@
 """``vllm serve`` (the OpenAI-compatible server) with kvpolicy switched on from its command line
-or its environment: concurrent requests evict and give the tokens of the offline ``LLM`` API;
-a bad policy stops the server at start-up with kvpolicy's message."""
+or its environment: concurrent requests, some naming their own policy in ``vllm_xargs``, evict and
+give the tokens of the offline ``LLM`` API; a request with a bad policy gets an HTTP 400 with
+kvpolicy's message while the others are served; a bad server policy stops the server at start-up."""
 
 from __future__ import annotations
 
@@ -70,9 +71,22 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log) -> None:
     raise RuntimeError(f"the server did not become healthy in {STARTUP_S} s:\n{log.read_text()[-3000:]}")
 
 
+#: Per-request policies, as vllm_xargs carries them (strings and numbers only); None: the server's.
+XARGS = [None, {"kvpolicy": "streamingllm", "kvpolicy_budget": 48}, {"kvpolicy": "none"},
+         {"kvpolicy": '{"policy": "vase-attnv", "budget": 48, "recent": 8, "interval": 16, "window": 8}'}]
+
+
 def _requests():
     rng = random.Random(11)
-    return [([rng.randint(3, 4000) for _ in range(rng.randint(10, 100))], rng.randint(60, 120)) for _ in range(8)]
+    return [([rng.randint(3, 4000) for _ in range(rng.randint(10, 100))], rng.randint(60, 120), XARGS[i % 4])
+            for i in range(8)]
+
+
+def _post_status(port: int, body: dict) -> tuple[int, dict]:
+    try:
+        return 200, _post(port, body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
@@ -88,23 +102,40 @@ def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
     try:
         _wait_healthy(proc, port, log)
         body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        # All at once: the server batches them, each on its own eviction schedule.
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            answers = list(pool.map(
-                lambda r: _post(port, {**body, "prompt": r[0], "max_tokens": r[1], "min_tokens": r[1]}), reqs
-            ))
+
+        def one(r):
+            ids, n, xargs = r
+            return _post_status(port, {**body, "prompt": ids, "max_tokens": n, "min_tokens": n,
+                                       **({"vllm_xargs": xargs} if xargs else {})})
+
+        bad = (list(range(5, 30)), 20, {"kvpolicy": "no-such-policy"})
+        # All at once, a bad request among them: the server batches the good ones, each on its own
+        # policy's schedule, and answers the bad one with an error.
+        with ThreadPoolExecutor(len(reqs) + 1) as pool:
+            answers = list(pool.map(one, [*reqs[:4], bad, *reqs[4:]]))
+        bad_status, bad_answer = answers.pop(4)
+        after_status, after = one((list(range(5, 30)), 20, None))  # and it goes on serving
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-    served = [a["choices"][0]["token_ids"] for a in answers]
-    assert [len(t) for t in served] == [n for _, n in reqs]
+    assert bad_status == 400, bad_answer
+    assert "unknown policy 'no-such-policy'" in json.dumps(bad_answer), bad_answer
+    assert after_status == 200 and len(after["choices"][0]["token_ids"]) == 20
+    assert all(status == 200 for status, _ in answers), answers
+    served = [a["choices"][0]["token_ids"] for _, a in answers]
+    assert [len(t) for t in served] == [n for _, n, _ in reqs]
     evictions = read_jsonl(trace, "worker-")
     assert evictions, "the server did not evict"
-    assert max(len(e["requests"]) for e in evictions) > 1, "no step evicted several requests together"
+    per_step: dict[int, int] = {}
+    for e in evictions:
+        per_step[e["step"]] = per_step.get(e["step"], 0) + len(e["requests"])
+    assert max(per_step.values()) > 1, "no step evicted several requests together"
+    assert {e["policy"] for e in evictions} == {"snapkv", "streamingllm", "vase-attnv"}
 
     llm = make_llm(model, POLICY, block_size=BLOCK)
     try:
-        outs = llm.generate([tokens_prompt(ids) for ids, _ in reqs], [greedy(n) for _, n in reqs], use_tqdm=False)
+        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in reqs],
+                            [greedy(n, extra_args=xargs) for _, n, xargs in reqs], use_tqdm=False)
     finally:
         close(llm)
     assert served == [list(o.outputs[0].token_ids) for o in outs]

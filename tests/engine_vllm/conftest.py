@@ -1,0 +1,28 @@
+"""vLLM engine tests: run in their own venv (``make test-vllm``), skipped elsewhere.
+
+Engines start slowly (20-90 s on two cores): each module starts the few it needs once. The
+plugin's pure parts (ledger, paged compaction, layouts, settings) are tested in the main suite
+(``tests/test_vllm_*.py``), without vLLM. This folder is not named ``vllm``: pytest puts test
+folders on ``sys.path``, and a folder of that name would shadow the package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+collect_ignore_glob: list[str] = []
+if importlib.util.find_spec("vllm") is None:
+    # The main venv has no vLLM: nothing here is collected (the main suite stays fast).
+    collect_ignore_glob = ["test_*.py"]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/engine_vllm/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.vllm)

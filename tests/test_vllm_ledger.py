@@ -1,0 +1,115 @@
+"""kvpolicy.vllm's slot ledger: the schedule per request, as the scheduler and workers replay it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpolicy import load_policy
+from kvpolicy.vllm.ledger import SlotLedger, prefix_hit_cap
+
+
+def test_ledger_follows_the_schedule_per_request():
+    sched = load_policy("snapkv", budget=128).schedule  # interval 64
+    led = SlotLedger()
+    led.track("a", sched)
+    led.track("b", sched)
+    assert not led.advance("a", 300, 300)  # a long prompt never evicts (no compress_prompt)
+    fired = [t for t in range(301, 600) if led.advance("a", t, 300) and led.evicted("a")]
+    assert fired[0] == 320 and all(b - a == 64 for a, b in zip(fired, fired[1:], strict=False))
+    assert led.get("a").offset == 599 - led.get("a").slots
+    # Chunked prefill: chunks never evict; the decode steps after it do.
+    assert not led.advance("b", 100, 150) and not led.advance("b", 150, 150)
+    assert [t for t in range(151, 260) if led.advance("b", t, 150) and led.evicted("b")] == [192, 256]
+
+
+def test_offsets_count_evicted_tokens_and_reset_forgets_a_request():
+    led = SlotLedger()
+    led.track("r", load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule)
+    for t in range(1, 49):
+        if led.advance("r", t, 1):
+            assert led.evicted("r") == 32
+    state = led.get("r")
+    assert (state.tokens, state.slots, state.evictions) == (48, 32, 1)  # fired at 48 slots
+    assert led.offset("r") == 16 and led.offset("unknown") == 0
+    led.reset("r")
+    assert led.offset("r") == 0 and not led.tracks("r")
+    with pytest.raises(KeyError, match="not tracked"):
+        led.advance("r", 49, 1)
+
+
+def test_compress_prompt_evicts_with_the_last_chunk_only():
+    led = SlotLedger()
+    led.track("p", load_policy("snapkv", budget=64, recent=16, compress_prompt=True).schedule)
+    assert not led.advance("p", 100, 300)
+    assert not led.advance("p", 200, 300)
+    assert led.advance("p", 300, 300) and led.evicted("p") == 64
+    short = SlotLedger()
+    short.track("s", load_policy("snapkv", budget=64, recent=16, compress_prompt=True).schedule)
+    assert not short.advance("s", 40, 40)  # a prompt under the budget is not compressed
+
+
+def test_token_count_going_back_is_an_error():
+    led = SlotLedger()
+    led.track("r", load_policy("snapkv", budget=128).schedule)
+    led.advance("r", 10, 10)
+    with pytest.raises(RuntimeError, match="went back"):
+        led.advance("r", 5, 10)
+
+
+def test_each_request_follows_its_own_schedule_and_none_never_evicts():
+    """Requests under different policies in one ledger: each fires exactly where it fires alone."""
+    scheds = {
+        "snap128": load_policy("snapkv", budget=128).schedule,
+        "stream64": load_policy("streamingllm", budget=64).schedule,
+        "vase256": load_policy("vase-attnv", budget=256).schedule,
+        "full": None,
+    }
+
+    def fires(ledger, req, prompt, upto):
+        return [t for t in range(prompt + 1, upto) if ledger.advance(req, t, prompt) and ledger.evicted(req)]
+
+    alone = {}
+    for name, sched in scheds.items():
+        led = SlotLedger()
+        led.track(name, sched)
+        led.advance(name, 40, 40)
+        alone[name] = fires(led, name, 40, 700)
+    mixed = SlotLedger()
+    for name, sched in scheds.items():
+        mixed.track(name, sched)
+        mixed.advance(name, 40, 40)
+    got = {name: [] for name in scheds}
+    for t in range(41, 700):  # one step at a time, all requests interleaved
+        for name in scheds:
+            if mixed.advance(name, t, 40):
+                mixed.evicted(name)
+                got[name].append(t)
+    assert got == alone
+    assert alone["full"] == [] and mixed.get("full").slots == 699 and mixed.offset("full") == 0
+    assert alone["snap128"][0] == 192 and alone["stream64"] and alone["vase256"]
+    assert mixed.get("stream64").slots <= 64 + scheds["stream64"].interval
+    with pytest.raises(RuntimeError, match="never evicts"):
+        mixed.evicted("full")
+
+
+def test_would_fire_records_nothing():
+    led = SlotLedger()
+    led.track("r", load_policy("snapkv", budget=128).schedule)
+    led.advance("r", 100, 100)
+    before = led.get("r")
+    assert led.would_fire("r", 192, 100) and not led.would_fire("r", 150, 100)
+    assert led.get("r") == before and led.get("r").tokens == 100
+
+
+def test_prefix_hit_cap_keeps_the_first_evictions_queries_computed():
+    snap = load_policy("snapkv", budget=128).schedule  # window 64, interval 64
+    # prompt 250: the first eviction is at 256 tokens; its window starts at 192
+    assert prefix_hit_cap(snap, 250) == 192
+    # prompt 100: first eviction at 192, window from 128 > the prompt: any hit is fine
+    assert prefix_hit_cap(snap, 100) is None
+    # prompt compression: the prompt itself is evicted, its last 64 queries are needed
+    comp = load_policy("snapkv", budget=128, compress_prompt=True).schedule
+    assert prefix_hit_cap(comp, 300) == 236
+    # no window (streamingllm) or no policy: no limit
+    assert prefix_hit_cap(load_policy("streamingllm", budget=64).schedule, 250) is None
+    assert prefix_hit_cap(None, 250) is None

@@ -1,0 +1,156 @@
+"""kvpolicy.vllm's block layouts, paged gather and compaction on tensors laid out as vLLM 0.32's
+caches: no vLLM needed.
+
+The reference writers below place each key and value element by the layout's definition (the
+physical axis order of ``[L, B, H, N, C]``; the CPU backend's transposed key pages), one element
+at a time, independently of the views ``BlockLayout.split`` takes. The engine tests
+(tests/engine_vllm/test_config.py) check the same layouts against vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
+from kvpolicy.vllm.paged import compact, gather_slots, slot_address
+
+CPU = "LBHNC"
+
+
+def write_cell(buffer, layout, sizes, layer, slot, key, value):
+    """``cells`` interior: key then value in the (layer, block, head, slot) cell; the flat buffer
+    holds the axes in the layout's physical order."""
+    order = STRIDE_ORDERS[layout]
+    phys = buffer[: torch.Size(sizes).numel()].view([sizes[a] for a in order])
+    bs, d = sizes[3], key.shape[-1]
+    block, off = divmod(slot, bs)
+    for head in range(key.shape[0]):
+        for c in range(2 * d):
+            logical = (layer, block, head, off, c)
+            phys[tuple(logical[a] for a in order)] = key[head, c] if c < d else value[head, c - d]
+
+
+def write_cpu_page(buffer, sizes, layer, slot, key, value):
+    """``cpu_pages`` interior (LBHNC): per (layer, block, head) page of ``N * 2D`` elements, the
+    keys transposed (element d of offset o at ``d * N + o``), then the values (``N * D + o * D + d``)."""
+    _, nb, h, bs, c = sizes
+    d = c // 2
+    pages = buffer[: torch.Size(sizes).numel()].view(-1, h, bs * c)
+    block, off = divmod(slot, bs)
+    for head in range(h):
+        page = pages[layer * nb + block, head]
+        for i in range(d):
+            page[i * bs + off] = key[head, i]
+            page[bs * d + off * d + i] = value[head, i]
+
+
+def _data(layers, tokens, h, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, tokens, h, d, generator=g), torch.randn(layers, tokens, h, d, generator=g)
+
+
+def _build(layout, interior, sizes, tables, keys, values):
+    """A buffer in ``layout`` whose every slot holds garbage (the same garbage slot for slot in any
+    layout), with row ``r``'s tokens then written into its blocks by the reference writer."""
+    lyr, nb, h, bs, c = sizes
+    buffer = torch.zeros(torch.Size(sizes).numel())
+    bl = BlockLayout(layout, interior, c // 2)
+    kv = [bl.split(v) for v in layer_views(buffer, layout, lyr, nb, h, bs, c)]
+    g = torch.Generator().manual_seed(100)
+    for k_view, v_view in kv:
+        k_view.copy_(torch.randn(nb, bs, h, c // 2, generator=g))
+        v_view.copy_(torch.randn(nb, bs, h, c // 2, generator=g))
+    for layer in range(lyr):
+        for r, table in enumerate(tables):
+            for s in range(keys.shape[2]):
+                slot = int(table[s // bs]) * bs + s % bs
+                if interior == "cells":
+                    write_cell(buffer, layout, sizes, layer, slot, keys[layer, r, s], values[layer, r, s])
+                else:
+                    write_cpu_page(buffer, sizes, layer, slot, keys[layer, r, s], values[layer, r, s])
+    return buffer, kv
+
+
+def test_slot_address():
+    blocks, offs = slot_address(torch.tensor([[5, 1, 3], [0, 2, 7]]), 7, 3)
+    assert blocks.tolist() == [[5, 5, 5, 1, 1, 1, 3], [0, 0, 0, 2, 2, 2, 7]]
+    assert offs.tolist() == [[0, 1, 2, 0, 1, 2, 0]] * 2
+
+
+def test_the_layouts_are_vllm_0_32s():
+    # Every KVCacheLayout member, outermost axis first (vllm/v1/kv_cache_layout.py; the engine
+    # tests compare with the enum itself).
+    assert {n: "".join("LBHNC"[a] for a in o) for n, o in STRIDE_ORDERS.items()} == {n: n for n in STRIDE_ORDERS}
+    assert len(STRIDE_ORDERS) == 6
+
+
+@pytest.mark.parametrize(("layout", "interior"), [(name, "cells") for name in STRIDE_ORDERS] + [(CPU, "cpu_pages")])
+def test_gather_reads_what_the_reference_writer_wrote(layout, interior):
+    sizes, tables = (2, 8, 2, 4, 6), torch.tensor([[6, 2, 4], [1, 3, 7]])
+    keys, values = _data(2, 10, 2, 3, 0)
+    keys, values = keys[:, None].expand(2, 2, 10, 2, 3).clone(), values[:, None].expand(2, 2, 10, 2, 3).clone()
+    keys[:, 1] += 1  # the two rows differ
+    _, kv = _build(layout, interior, sizes, tables, keys, values)
+    blocks, offs = slot_address(tables, 10, 4)
+    for layer in range(2):
+        k, v = gather_slots(kv[layer], blocks, offs)
+        assert k.shape == (2, 2, 10, 3)
+        assert torch.equal(k, keys[layer].transpose(1, 2)) and torch.equal(v, values[layer].transpose(1, 2))
+
+
+@pytest.mark.parametrize("layout", list(STRIDE_ORDERS))
+def test_compaction_in_every_layout_equals_compaction_in_the_cpu_layout(layout):
+    """Two requests, three layers, per-head kept sets: after compaction every slot of every block
+    (the requests' and the others', every layer's) holds what the CPU layout's compaction leaves."""
+    lyr, nb, h, bs, d, t, k = 3, 10, 2, 4, 3, 11, 6
+    sizes = (lyr, nb, h, bs, 2 * d)
+    tables = torch.tensor([[6, 2, 9], [1, 3, 7]])
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(lyr, 2, t, h, d, generator=g), torch.randn(lyr, 2, t, h, d, generator=g)
+    kept = torch.rand(lyr, 2, h, t, generator=g).argsort(-1)[..., :k].sort(-1).values  # [Lyr, R, Hkv, K]
+    every = torch.arange(nb)[None]  # one "row" holding every block: reads the whole cache
+    spare = torch.tensor([0, 4, 5, 8])  # the blocks no request owns
+    results = []
+    for lay, interior in ((layout, "cells"), (CPU, "cpu_pages")):
+        _, kv = _build(lay, interior, sizes, tables, keys, values)
+        blocks, offs = slot_address(tables, t, bs)
+        gathered = [gather_slots(x, blocks, offs) for x in kv]
+        before = [gather_slots(x, *slot_address(every, nb * bs, bs)) for x in kv]
+        compact(kv, tables, gathered, kept, bs)
+        after = [gather_slots(x, *slot_address(every, nb * bs, bs)) for x in kv]
+        results.append((before, after, kv))
+    (before_l, after_l, kv_l), (before_c, after_c, _) = results
+    for layer in range(lyr):
+        for a, b in zip(after_l[layer], after_c[layer], strict=True):
+            assert torch.equal(a, b)  # slot for slot, the whole cache
+        # and it is the compaction asked for: kept slots first, in order, per head
+        k2, v2 = gather_slots(kv_l[layer], *slot_address(tables, k, bs))
+        for r in range(2):
+            for head in range(h):
+                assert torch.equal(k2[r, head], keys[layer, r, kept[layer, r, head], head])
+                assert torch.equal(v2[r, head], values[layer, r, kept[layer, r, head], head])
+        # blocks outside the tables are not written
+        for x, y in zip(before_l[layer], after_l[layer], strict=True):
+            slots = (spare[:, None] * bs + torch.arange(bs)).flatten()
+            assert torch.equal(x[0, :, slots], y[0, :, slots])
+
+
+def test_layout_refusals():
+    with pytest.raises(LayoutError, match="unknown KV cache layout 'NHD'"):
+        BlockLayout("NHD", "cells", 64)
+    with pytest.raises(LayoutError, match="need layout LBHNC"):
+        BlockLayout("LBNHC", "cpu_pages", 64)
+    with pytest.raises(LayoutError, match="not key \\+ value of head size 64"):
+        BlockLayout(CPU, "cells", 64).split(torch.zeros(2, 2, 4, 96))
+    with pytest.raises(LayoutError, match=r"\[blocks, kv_heads, block_size, content\]"):
+        BlockLayout(CPU, "cells", 2).split(torch.zeros(2, 4, 4))
+    # a CPU page needs its [N, C] contiguous: a layer view of an interleaved layout is refused
+    view = layer_views(torch.zeros(2 * 2 * 2 * 4 * 6), "LBNHC", 2, 2, 2, 4, 6)[0]
+    with pytest.raises(LayoutError, match="contiguous"):
+        BlockLayout(CPU, "cpu_pages", 3).split(view)
+
+
+def test_backend_names_pick_the_interior():
+    assert BlockLayout.for_backend("CPU_ATTN", CPU, 64).interior == "cpu_pages"
+    assert BlockLayout.for_backend("FLASH_ATTN", "LBNHC", 64).interior == "cells"

@@ -1,0 +1,178 @@
+"""kvpolicy.vllm's settings (policy resolution, environment, version range): no vLLM needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpolicy import load_policy
+from kvpolicy.vllm import additional_config
+from kvpolicy.vllm.settings import (
+    KVPolicyVLLMError,
+    Resolved,
+    check_version,
+    refuse_unservable,
+    request_policy,
+    requested,
+    resolve,
+    resolve_request,
+)
+
+
+def test_resolve_carries_validated_yaml_and_seed():
+    r = resolve({"policy": "snapkv", "budget": 128})
+    policy = r.policy()
+    assert policy.budget == 128 and policy.schedule.window == 64 and r.seed == 0
+    again = Resolved.from_additional_config({"kvpolicy": r.to_dict()})
+    assert again == r
+    assert additional_config("snapkv", budget=128) == {"kvpolicy": {"policy": "snapkv", "budget": 128}}
+
+
+def test_a_null_seed_is_drawn_once_at_resolution():
+    r = resolve({"policy": "snapkv", "seed": None})
+    assert isinstance(r.seed, int)
+    assert r.policy().resolve_seed() == r.seed  # every process loads the same drawn seed
+
+
+def test_streamingllm_relative_recent_follows_budget():
+    assert resolve({"policy": "streamingllm", "budget": 128}).policy().schedule.recent == 124
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(KVPolicyVLLMError, match="unknown policy 'no-such-policy'.*registered policies"):
+        resolve({"policy": "no-such-policy"})
+
+
+def test_invalid_policy_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nschedule: {budget: 64, recent: 8}\nselector: {type: greedy}\nscorer: {type: nope}\n")
+    with pytest.raises(KVPolicyVLLMError, match="does not load"):
+        resolve({"policy": str(bad)})
+
+
+def test_unknown_setting_and_select_mode_are_refused():
+    with pytest.raises(KVPolicyVLLMError, match="unknown setting"):
+        resolve({"policy": "snapkv", "budgte": 3})
+    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
+        resolve({"policy": "snapkv@select"})
+    for bad in (["budget", 64], "budget=64"):
+        with pytest.raises(KVPolicyVLLMError, match='"overrides" must be a mapping'):
+            resolve({"policy": "snapkv", "overrides": bad})
+    with pytest.raises(KVPolicyVLLMError, match="no policy given"):
+        resolve({"budget": 64})
+
+
+def test_environment_variables(monkeypatch):
+    monkeypatch.delenv("KVPOLICY_VLLM_TRACE", raising=False)
+    monkeypatch.delenv("KVPOLICY_VLLM_POLICY", raising=False)
+    assert requested({}) is None  # not switched on
+    monkeypatch.setenv("KVPOLICY_VLLM_POLICY", "streamingllm")
+    monkeypatch.setenv("KVPOLICY_VLLM_OVERRIDES", json.dumps({"budget": 256}))
+    entry = requested({})
+    assert entry == {"policy": "streamingllm", "overrides": {"budget": 256}}
+    assert resolve(entry).policy().budget == 256
+    assert requested({"kvpolicy": {"policy": "snapkv"}}) == {"policy": "snapkv"}  # additional_config wins
+    assert requested({"kvpolicy": "snapkv"}) == {"policy": "snapkv"}
+    monkeypatch.setenv("KVPOLICY_VLLM_OVERRIDES", "{budget")
+    with pytest.raises(KVPolicyVLLMError, match="not valid JSON"):
+        requested({})
+    monkeypatch.setenv("KVPOLICY_VLLM_OVERRIDES", "[1]")
+    with pytest.raises(KVPolicyVLLMError, match="must be a JSON object"):
+        requested({})
+
+
+def test_non_mapping_additional_config_entry_is_refused():
+    with pytest.raises(KVPolicyVLLMError, match="must be a mapping"):
+        requested({"kvpolicy": 3})
+
+
+def test_version_range():
+    check_version("0.32.0")
+    check_version("0.32.1+cpu")
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "garbage"):
+        with pytest.raises(KVPolicyVLLMError, match="not supported"):
+            check_version(bad)
+
+
+# -- a policy per request ---------------------------------------------------------------------
+SERVER = resolve({"policy": "snapkv", "budget": 128})
+
+
+def test_requests_naming_nothing_run_the_servers_policy():
+    for extra in (None, {}, {"other_extension": 1}):
+        assert resolve_request(extra) is None
+        assert request_policy(extra, SERVER) == SERVER
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kvpolicy": {"policy": "streamingllm", "budget": 64}},  # SamplingParams.extra_args
+        {"kvpolicy": "streamingllm", "kvpolicy_budget": 64},  # vllm_xargs: flat keys
+        {"kvpolicy": json.dumps({"policy": "streamingllm", "budget": 64})},  # vllm_xargs: JSON text
+        {"kvpolicy": {"policy": "streamingllm", "overrides": {"budget": 64}}},
+    ],
+)
+def test_a_request_names_its_own_policy(extra):
+    out = resolve_request({**extra, "session": "x"})
+    assert out is not None and out["session"] == "x"  # other extensions' keys stay
+    assert not any(k.startswith("kvpolicy_") for k in out)
+    mine = request_policy(out, SERVER)
+    assert mine != SERVER and mine.source == "streamingllm"
+    policy = mine.policy()
+    assert policy is not None and policy.budget == 64 and policy.schedule.recent == 60
+    assert mine == resolve({"policy": "streamingllm", "budget": 64})  # what a server of that policy runs
+
+
+def test_yaml_text_and_none_per_request():
+    text = load_policy("snapkv", budget=96).to_yaml()
+    assert request_policy(resolve_request({"kvpolicy": text}), SERVER).policy().budget == 96
+    full = request_policy(resolve_request({"kvpolicy": "none"}), SERVER)
+    assert full.policy_yaml is None and full.policy() is None
+
+
+def test_the_none_server_policy():
+    r = resolve({"policy": "none"})
+    assert r.policy() is None and Resolved.from_additional_config({"kvpolicy": r.to_dict()}) == r
+    with pytest.raises(KVPolicyVLLMError, match="takes no overrides"):
+        resolve({"policy": "none", "budget": 64})
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
+        ({"kvpolicy": "snapkv", "kvpolicy_budget": -3}, "does not load"),
+        ({"kvpolicy": "snapkv", "kvpolicy_budget": [1, 2]}, "does not load|invalid override"),
+        ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+        ({"kvpolicy": {"policy": "snapkv", "trace": "/tmp/x"}}, r"unknown setting\(s\) \['trace'\]"),
+        ({"kvpolicy": {"resolved": {"policy_yaml": "x", "source": "x", "seed": 0}}}, r"unknown setting\(s\) \['resolved'\]"),
+        ({"kvpolicy_budget": 64}, "without 'kvpolicy'"),
+        ({"kvpolicy": {"policy": "snapkv", "budget": 64}, "kvpolicy_budget": 32}, "given twice"),
+        ({"kvpolicy": 7}, "must be a policy name"),
+    ],
+)
+def test_bad_per_request_settings_are_clear_errors(extra, message):
+    with pytest.raises(KVPolicyVLLMError, match="this request's kvpolicy settings") as info:
+        resolve_request(extra)
+    assert __import__("re").search(message, str(info.value)), str(info.value)
+
+
+def test_a_request_cannot_make_the_server_read_a_file(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text(load_policy("snapkv", budget=64, recent=16).to_yaml())
+    assert resolve({"policy": str(f)}).policy().budget == 64  # the server's own settings may
+    with pytest.raises(KVPolicyVLLMError, match="not a file of the server"):
+        resolve_request({"kvpolicy": str(f)})
+
+
+def test_refuse_unservable_is_the_one_place_for_unservable_policies():
+    refuse_unservable(load_policy("snapkv"))
+    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
+        refuse_unservable(load_policy("snapkv@select"))
+
+
+def test_unresolved_request_settings_in_an_engine_process_are_an_error():
+    with pytest.raises(KVPolicyVLLMError, match="unresolved"):
+        request_policy({"kvpolicy": "snapkv"}, SERVER)
