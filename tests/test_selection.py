@@ -273,3 +273,45 @@ def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction():
                     assert torch.equal(group.select.selection[i, row:row + 1], want)
                     checked += 1
     assert checked > 20
+
+
+# -- memory ----------------------------------------------------------------------------------------
+def _full_bytes(layers, heads, n, d, dtype_bytes=4):
+    return layers * heads * n * d * dtype_bytes * 2
+
+
+@pytest.mark.parametrize("name", ["oracle-topk", "quest"])
+def test_select_mode_holds_the_full_cache_plus_a_bounded_margin(name):
+    """Every token is kept, in buffers that grow geometrically: from 512 tokens on the cache holds
+    at most 1.25x a full cache's keys and values (page summaries, positions and the selection
+    included), and reallocates O(log N) times, not at every step."""
+    layers, heads, d = 2, 2, 64
+    cache = EvictingCache(load_policy(name, budget=64), num_layers=layers)
+    g = torch.Generator().manual_seed(10)
+    capacities, n = set(), 0
+    while n < 3000:
+        # A prompt, one decode step (the first choice: the selection is allocated), then chunks
+        # of 3 tokens (attended densely: growth is what is tested, and choosing is slow).
+        t = 100 if n == 0 else 1 if n == 100 else 3
+        k, q = torch.randn(1, heads, t, d, generator=g), torch.randn(1, 2 * heads, t, d, generator=g)
+        for layer in range(layers):
+            cache.attend(layer, q, k, k)
+        n += t
+        group = cache.layers[0].group
+        capacities.add(group.buffers.capacity)
+        assert group.buffers.capacity >= n
+        if n >= 512:
+            assert cache.memory_bytes() <= 1.25 * _full_bytes(layers, heads, n, d), n
+    assert len(capacities) <= 40  # 1.1x steps from 100 to 3,000 tokens: about 36
+    assert cache.layers[0].group.select._selection is not None
+
+
+def test_select_growth_is_configurable_and_checked():
+    k = torch.randn(1, 2, 1000, 8)
+    for growth, capacity in ((1.1, 1100), (2.0, 2000), (1.001, 1016)):
+        cache = EvictingCache(load_policy("quest", budget=64), num_layers=1, select_growth=growth)
+        cache.step(0, k, k, torch.randn(1, 4, 1000, 8))
+        assert cache.layers[0].group.buffers.capacity == capacity  # at least 16 slots of headroom
+    for bad in (1.0, 0.5, float("nan"), float("inf"), 17, "2", True):
+        with pytest.raises(ValueError, match="select_growth"):
+            EvictingCache(load_policy("quest"), num_layers=1, select_growth=bad)

@@ -13,7 +13,8 @@ from .slots import StepPlan
 
 
 class SelectionState:
-    """Per layer ``selection [Lyr, B, Hkv, budget]``; per row the count it held when it chose
+    """Per layer ``selection [Lyr, B, Hkv, budget]`` (allocated at the first choice: a cache that
+    never holds more than ``budget`` slots never chooses); per row the count it held when it chose
     (``selected_at``, -1: none) and whether it chooses anew at this step (``reselect``); per
     page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``)."""
 
@@ -21,13 +22,22 @@ class SelectionState:
         self, num_layers: int, batch: int, kv_heads: int, budget: int, capacity: int,
         page_sizes: frozenset[int], like: torch.Tensor,
     ) -> None:
-        self.selection = torch.zeros((num_layers, batch, kv_heads, budget), dtype=torch.long, device=like.device)
+        self._selection_shape = (num_layers, batch, kv_heads, budget)
+        self._selection: torch.Tensor | None = None
+        self._device = like.device
         self.selected_at = torch.full((batch,), -1, dtype=torch.long)
         self.reselect = torch.zeros(batch, dtype=torch.bool)
         self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in sorted(page_sizes):
             shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
             self.key_pages[p] = (like.new_zeros(shape), like.new_zeros(shape))
+
+    @property
+    def selection(self) -> torch.Tensor:
+        """``[Lyr, B, Hkv, budget]`` long: each layer's chosen slots (ascending per row and head)."""
+        if self._selection is None:
+            self._selection = torch.zeros(self._selection_shape, dtype=torch.long, device=self._device)
+        return self._selection
 
     def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> torch.Tensor:
         """Which rows choose anew at a step of ``t`` tokens; returns the rows that chose at the
@@ -81,9 +91,13 @@ class SelectionState:
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         self.selected_at = self.selected_at[host]
         self.reselect = self.reselect[host]
-        self.selection = self.selection.index_select(1, dev)
+        lyr, _, hkv, budget = self._selection_shape
+        self._selection_shape = (lyr, host.numel(), hkv, budget)
+        if self._selection is not None:
+            self._selection = self._selection.index_select(1, dev)
         self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
 
     def nbytes(self) -> int:
-        tensors = [self.selection, *(t for pair in self.key_pages.values() for t in pair)]
+        chosen = [] if self._selection is None else [self._selection]
+        tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
