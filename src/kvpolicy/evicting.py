@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import guards
 from .attend import attend
 from .executor import Executor
 from .policy import Policy, load_policy
@@ -199,6 +200,8 @@ class EvictingCache:
     ) -> LayerGroup:
         self._check_index(layer_idx)
         _check_step(keys, values, queries, token_valid)
+        if self.policy.mode == "select":  # select mode checks tokens as they enter, not at each choice
+            guards.check_appended(layer_idx, keys, values, queries, token_valid, self.policy.schedule.window)
         if queries is None and self.policy.schedule.window > 0:
             raise ValueError(
                 f"policy {self.policy.name!r} keeps a window of {self.policy.schedule.window} queries: "

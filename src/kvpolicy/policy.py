@@ -138,8 +138,12 @@ class Policy:
         )
         return self.select_from(inp)
 
-    def select_from(self, inp: EvictionInput) -> torch.Tensor:
+    def select_from(self, inp: EvictionInput, *, inputs_checked: bool = False) -> torch.Tensor:
         """``select`` on an already assembled (and shape-checked) ``EvictionInput``.
+
+        ``inputs_checked``: the caller has refused non-finite keys, values and queries already
+        (select mode checks each token once, as it enters the cache: ``guards.check_appended``),
+        so they are not read again here.
 
         Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
         ``select`` or a ``SelectionError`` (a ``ValueError``) names what is at fault:
@@ -160,7 +164,10 @@ class Policy:
 
         cfg = self.config
         b, hkv, n, k_keep = inp.batch, inp.num_kv_heads, inp.num_slots, inp.budget
-        guards.check_inputs(inp)
+        if inputs_checked:
+            guards.check_recent(inp)
+        else:
+            guards.check_inputs(inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
         protected = (slot_idx >= inp.num_candidates).expand(b, hkv, n).clone()
         for reservation in cfg.reservations:
@@ -174,14 +181,22 @@ class Policy:
         priority = guards.run_selector(cfg.selector, scores, inp, eligible)
         priority = priority.clamp(-guards.F32_MAX, guards.F32_MAX)  # never ties with protection
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
-        if 2 * k_keep <= n:
-            kept = priority.topk(k_keep, dim=-1, sorted=False).indices
-            return kept.sort(dim=-1).values
-        # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
-        # read the kept ones off a mask, which comes out ascending without a sort.
-        drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
-        keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
-        return keep.nonzero()[:, -1].view(b, hkv, k_keep)
+        return keep_top(priority, k_keep)
+
+
+def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:
+    """The ``k_keep`` slots of largest ``priority [B, Hkv, N]``, ascending: ``[B, Hkv, k_keep]``.
+    The one place that ranks, for ``Policy.select_from`` and select mode's direct paths alike
+    (which of equal priorities are kept is up to ``topk``: the same call keeps the same ones)."""
+    b, hkv, n = priority.shape
+    if 2 * k_keep <= n:
+        kept = priority.topk(k_keep, dim=-1, sorted=False).indices
+        return kept.sort(dim=-1).values
+    # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
+    # read the kept ones off a mask, which comes out ascending without a sort.
+    drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
+    keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
+    return keep.nonzero()[:, -1].view(b, hkv, k_keep)
 
 
 def eviction_input(

@@ -6,10 +6,20 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from . import guards
 from .schedule import Schedule
 from .slots import StepPlan
+from .stages.base import EvictionInput
+from .stages.current_attention import CurrentAttentionScorer
+from .stages.greedy import GreedySelector
+from .stages.quest import QuestScorer
+
+if TYPE_CHECKING:
+    from .policy import Policy
 
 
 class SelectionState:
@@ -69,6 +79,9 @@ class SelectionState:
         """Recompute layer ``i``'s page summaries over the pages this step wrote into (one page
         when decoding), from its keys ``[B, Hkv, cap, D]``. Slots past a row's count (``counts``
         ``[B]``, or None when every row holds ``plan.written_to``) are left out (+inf / -inf)."""
+        if counts is None and plan.tokens == 1:  # a decode step of alike rows: fold in the one key
+            self._fold_in(i, plan.written_from, keys[:, :, plan.written_from])
+            return
         for p, (lo, hi) in self.key_pages.items():
             first, last = plan.written_from // p, -(-plan.written_to // p)
             block = keys[:, :, first * p : last * p]
@@ -88,6 +101,19 @@ class SelectionState:
             lo[i, :, :, first:last] = low.unflatten(2, (last - first, p)).amin(3)
             hi[i, :, :, first:last] = high.unflatten(2, (last - first, p)).amax(3)
 
+    def _fold_in(self, i: int, s: int, key: torch.Tensor) -> None:
+        """Layer ``i``'s page summaries after one key ``[B, Hkv, D]`` was appended at slot ``s``
+        of every row: min and max are exact, so folding the key into its page's summary gives
+        what reducing the page's keys gives, without reading them."""
+        for p, (lo, hi) in self.key_pages.items():
+            page = s // p
+            if s % p == 0:  # the first slot of a page
+                lo[i, :, :, page] = key
+                hi[i, :, :, page] = key
+            else:
+                lo[i, :, :, page] = torch.minimum(lo[i, :, :, page], key)
+                hi[i, :, :, page] = torch.maximum(hi[i, :, :, page], key)
+
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         self.selected_at = self.selected_at[host]
         self.reselect = self.reselect[host]
@@ -101,3 +127,45 @@ class SelectionState:
         chosen = [] if self._selection is None else [self._selection]
         tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
+    """What ``policy.select_from(inp)`` keeps, ``[B, Hkv, K]``, in fewer passes, for the
+    selection-native compositions (a ``quest`` or ``current_attention`` scorer, the ``greedy``
+    selector, no reservation); None for any other policy (it runs ``Policy.select_from``).
+
+    For select mode's packed rows only: every slot of ``inp`` is valid and every token was
+    checked as it entered the cache. The priorities are then the scorer's scores on the
+    candidates and +inf on the recent buffer, built here without the masks ``select_from``
+    combines, and ranked by the same ``keep_top`` call: the same slots come out, ties
+    included. Quest's scores are page-constant: the page scores (``C / P`` of them, from the
+    cache's page summaries) are written once into the priorities, and no key is read; oracle
+    top-k reads each key once (``q . K``).
+    """
+    from .policy import keep_top
+
+    cfg = policy.config
+    scorer = cfg.scorer
+    if cfg.reservations or type(cfg.selector) is not GreedySelector:
+        return None
+    if type(scorer) is not QuestScorer and type(scorer) is not CurrentAttentionScorer:
+        return None
+    guards.check_recent(inp)
+    b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
+    c = inp.num_candidates
+    priority = inp.keys.new_empty((b, hkv, n), dtype=torch.float32)
+    priority[..., c:] = float("inf")  # the recent buffer: always kept
+    if c and isinstance(scorer, QuestScorer):
+        pages = scorer.page_scores(inp, every_slot_valid=True)  # [B, Hkv, ceil(C / P)]
+        if not bool(torch.isfinite(pages).all()):
+            guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
+        pages = pages.clamp(-guards.F32_MAX, guards.F32_MAX)
+        p, full = scorer.page_size, c // scorer.page_size
+        priority[..., : full * p].unflatten(-1, (full, p)).copy_(pages[..., :full, None].expand(-1, -1, -1, p))
+        if full * p < c:
+            priority[..., full * p : c] = pages[..., full:]
+    elif c and isinstance(scorer, CurrentAttentionScorer):
+        # Softmax masses: finite by construction (nan_to_num), so nothing to check.
+        scores = scorer.attention_mass(inp, every_slot_valid=True)
+        priority[..., :c] = scores[..., :c].clamp(-guards.F32_MAX, guards.F32_MAX)
+    return keep_top(priority, inp.budget)

@@ -41,11 +41,18 @@ class CurrentAttentionScorer(Scorer):
             raise ValueError("current_attention reads the newest query: the window must hold at least one")
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
+        return self.attention_mass(inp, every_slot_valid=False)
+
+    def attention_mass(self, inp: EvictionInput, *, every_slot_valid: bool) -> torch.Tensor:
+        """``score``: ``[B, Hkv, N]`` float32, always finite (NaN from an overflow becomes 0).
+        ``every_slot_valid``: the caller knows ``inp.slot_valid`` is all True (a select-mode
+        cache's packed rows), so the mask is not applied: the same numbers, one pass fewer."""
         b, hkv, n, d = inp.keys.shape
         q, has_query = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
-        logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]
-        logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
+        logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]: the one pass over the keys
+        if not every_slot_valid:
+            logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a row of padding only has no mass
         scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
         return scores * has_query[:, None, None].to(scores.dtype)
