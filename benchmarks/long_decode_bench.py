@@ -7,8 +7,9 @@ attention is most of a step) prefills a random prompt of each length in one chun
 plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), for:
 
 - ``full``: transformers' ``DynamicCache``;
-- the eviction floor: ``streamingllm`` at the budget (evict mode, no scoring: what reading
-  ``budget`` slots costs; its first decode step evicts the prompt down to the budget);
+- the eviction floor: ``streamingllm`` at the budget with ``compress_prompt`` (evict mode, no
+  scoring: what reading ``budget`` to ``budget + interval`` slots costs; the prompt is evicted
+  down to the budget before the timed steps);
 - ``quest``, ``oracle-topk`` and ``vase-attnv@select`` (select mode: every token kept, each
   step attends ``budget`` chosen slots).
 
@@ -84,7 +85,10 @@ def make_cache(name: str, model, budget: int):
     if name == "full":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
-    return KVPolicyCache(kvpolicy.load_policy(name, budget=budget), model)
+    # The floor compresses the prompt once it is in: every timed step then reads at most
+    # budget + interval slots (without it the prompt stays whole until the next interval).
+    over = {"compress_prompt": True} if name == "streamingllm" else {}
+    return KVPolicyCache(kvpolicy.load_policy(name, budget=budget, **over), model)
 
 
 def time_decode(model, cache, prompt: torch.Tensor, steps: int, device: torch.device) -> tuple[float, float]:
