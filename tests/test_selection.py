@@ -4,6 +4,7 @@ stages choose (oracle top-k, Quest pages, or any eviction policy's stages)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from hf_util import fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from kvpolicy import EvictingCache, KVPolicyCache, PolicyError, load_policy  # noqa: E402
+from kvpolicy import EvictingCache, KVPolicyCache, PolicyError, SelectionError, load_policy  # noqa: E402
 from kvpolicy.stages import QuestScorer  # noqa: E402
 
 VOCAB = 512
@@ -236,17 +237,19 @@ def test_a_selection_is_policy_select_on_the_cache_state(name):
     assert checked >= 10
 
 
-def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction():
+@pytest.mark.parametrize("padded", [True, False])
+def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction(padded):
     """In select mode the cache keeps each page's min/max as tokens arrive (padded rows and a
-    page size that does not divide the chunk included); Quest reading them scores exactly as
-    Quest reducing the keys, so the cache's choice is ``Policy.select`` on its state."""
+    page size that does not divide the chunk included; unpadded rows fold each decoded key into
+    its page); Quest reading them scores exactly as Quest reducing the keys, so the cache's
+    choice is ``Policy.select`` on its state."""
     base = load_policy("quest", budget=40, recent=8).config.to_dict()
     policy = load_policy({**base, "scorer": {"type": "quest", "page_size": 7}})
     assert policy.key_page_sizes == frozenset({7})
     cache = EvictingCache(policy, num_layers=2)
     g = torch.Generator().manual_seed(9)
     token_valid = torch.ones(2, 12, dtype=torch.bool)
-    token_valid[1, :5] = False
+    token_valid[1, :5] = not padded
     checked = 0
     for step in range(70):
         t = 12 if step == 0 else 1
@@ -273,3 +276,139 @@ def test_quest_page_summaries_kept_by_the_cache_equal_the_keys_reduction():
                     assert torch.equal(group.select.selection[i, row:row + 1], want)
                     checked += 1
     assert checked > 20
+
+
+# -- memory ----------------------------------------------------------------------------------------
+def _full_bytes(layers, heads, n, d, dtype_bytes=4):
+    return layers * heads * n * d * dtype_bytes * 2
+
+
+@pytest.mark.parametrize("name", ["oracle-topk", "quest"])
+def test_select_mode_holds_the_full_cache_plus_a_bounded_margin(name):
+    """Every token is kept, in buffers that grow geometrically: from 512 tokens on the cache holds
+    at most 1.25x a full cache's keys and values (page summaries, positions and the selection
+    included), and reallocates O(log N) times, not at every step."""
+    layers, heads, d = 2, 2, 64
+    cache = EvictingCache(load_policy(name, budget=64), num_layers=layers)
+    g = torch.Generator().manual_seed(10)
+    capacities, n = set(), 0
+    while n < 3000:
+        # A prompt, one decode step (the first choice: the selection is allocated), then chunks
+        # of 3 tokens (attended densely: growth is what is tested, and choosing is slow).
+        t = 100 if n == 0 else 1 if n == 100 else 3
+        k, q = torch.randn(1, heads, t, d, generator=g), torch.randn(1, 2 * heads, t, d, generator=g)
+        for layer in range(layers):
+            cache.attend(layer, q, k, k)
+        n += t
+        group = cache.layers[0].group
+        capacities.add(group.buffers.capacity)
+        assert group.buffers.capacity >= n
+        if n >= 512:
+            assert cache.memory_bytes() <= 1.25 * _full_bytes(layers, heads, n, d), n
+    assert len(capacities) <= 40  # 1.1x steps from 100 to 3,000 tokens: about 36
+    assert cache.layers[0].group.select._selection is not None
+
+
+def test_select_growth_is_configurable_and_checked():
+    k = torch.randn(1, 2, 1000, 8)
+    for growth, capacity in ((1.1, 1100), (2.0, 2000), (1.001, 1016)):
+        cache = EvictingCache(load_policy("quest", budget=64), num_layers=1, select_growth=growth)
+        cache.step(0, k, k, torch.randn(1, 4, 1000, 8))
+        assert cache.layers[0].group.buffers.capacity == capacity  # at least 16 slots of headroom
+    for bad in (1.0, 0.5, float("nan"), float("inf"), 17, "2", True):
+        with pytest.raises(ValueError, match="select_growth"):
+            EvictingCache(load_policy("quest"), num_layers=1, select_growth=bad)
+
+
+# -- a step whose cost follows what it reads --------------------------------------------------------
+def _page_summaries(keys, p):
+    """``(min, max)`` of every whole page of ``keys [B, Hkv, N, D]``, as the cache keeps them."""
+    full = keys.shape[2] // p
+    pages = keys[:, :, : full * p].unflatten(2, (full, p))
+    return pages.amin(3), pages.amax(3)
+
+
+@given(
+    n=st.integers(20, 200), budget=st.integers(10, 60), recent=st.integers(1, 9), page=st.integers(1, 17),
+    g=st.integers(1, 3), dup=st.integers(0, 3), seed=st.integers(0, 2**16), oracle=st.booleans(),
+)
+def test_direct_choice_keeps_exactly_what_policy_select_keeps(n, budget, recent, page, g, dup, seed, oracle):
+    """Select mode's direct path (page scores written into the priorities, the oracle's single
+    ``q . K`` pass) keeps the very slots ``Policy.select_from`` keeps: ties too (repeated keys
+    give equal oracle masses; Quest's scores are equal within a page), since the same ``topk``
+    ranks the same priorities."""
+    from kvpolicy.policy import eviction_input
+    from kvpolicy.selection import choose_directly
+
+    budget = max(budget, recent + 1)
+    if oracle:
+        policy = load_policy("oracle-topk", budget=budget, recent=recent)
+    else:
+        base = load_policy("quest", budget=budget, recent=recent).config.to_dict()
+        policy = load_policy({**base, "scorer": {"type": "quest", "page_size": page}})
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 2, n, 8, generator=gen)
+    if dup:  # blocks of identical keys: exact ties
+        keys = keys[:, :, :: dup + 1].repeat_interleave(dup + 1, dim=2)[:, :, :n]
+    values, queries = torch.randn(2, 2, n, 8, generator=gen), torch.randn(2, 2 * g, 1, 8, generator=gen)
+    inp = eviction_input(keys, values, queries, budget=budget, recent=recent, seed=0,
+                         key_pages={page: _page_summaries(keys, page)})
+    want = policy.select_from(inp)
+    got = choose_directly(policy, inp)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_direct_choice_is_only_for_the_selection_native_compositions():
+    from kvpolicy.selection import choose_directly
+
+    keys, values, queries = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 4, 4, 8)
+    from kvpolicy.policy import eviction_input
+
+    inp = eviction_input(keys, values, queries, budget=20, recent=4, seed=0)
+    for name in ("vase-attnv", "snapkv"):
+        assert choose_directly(load_policy(name, budget=20, recent=4, window=4), inp) is None
+    assert choose_directly(load_policy("streamingllm", budget=20), inp) is None
+    with_sinks = load_policy({**load_policy("quest", budget=20, recent=4).config.to_dict(),
+                              "reservations": [{"type": "sinks", "n": 4}]})
+    assert choose_directly(with_sinks, inp) is None
+
+
+@pytest.mark.parametrize("target", ["keys", "values", "queries"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_select_mode_refuses_non_finite_input_at_append(target, bad):
+    """Select mode checks each token once, as it enters the cache (not the whole cache at each
+    choice): a NaN or inf key, value or window query is refused at the append that brings it,
+    naming the layer and the input, and the cache is left as it was."""
+    policy = load_policy("oracle-topk", budget=8)
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(11)
+
+    def step(t, poison=False):
+        k, v, q = torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 4, t, 8, generator=g)
+        for layer in range(2):
+            x = {"keys": k, "values": v, "queries": q}
+            if poison and layer == 1:
+                x[target] = x[target].clone()
+                x[target][0, 1, t - 1, 3] = bad
+            cache.attend(layer, x["queries"], x["keys"], x["values"])
+
+    step(12)
+    step(1)
+    held = cache.layers[1].keys.clone()
+    kind = "NaN" if bad != bad else "+inf"
+    with pytest.raises(SelectionError, match=rf"layer 1: .*{target}.* 1 non-finite entries \({re.escape(kind)}\), the first at \[row, head, token, channel\] = \[0, 1, 0, 3\]"):
+        step(1, poison=True)
+    assert torch.equal(cache.layers[1].keys, held)  # nothing of the refused step entered layer 1
+
+
+def test_select_mode_does_not_read_padding_it_never_stores():
+    """Padding tokens are never stored in select mode, so garbage in them is not refused."""
+    cache = EvictingCache(load_policy("quest", budget=8, recent=2), num_layers=1)
+    k, v, q = torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 4, 12, 8)
+    token_valid = torch.ones(2, 12, dtype=torch.bool)
+    token_valid[1, :3] = False
+    k[1, :, :3] = float("nan")
+    cache.attend(0, q, k, v, token_valid)
+    assert cache.layers[0].counts == [12, 9]
+    out = cache.attend(0, torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
+    assert bool(torch.isfinite(out).all())

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from . import guards
 from .attend import attend
 from .executor import Executor
 from .heads import attend_heads
 from .policy import Policy, load_policy
-from .state import CacheStateError, EvictionStats, LayerGroup
+from .state import SELECT_GROWTH, CacheStateError, EvictionStats, LayerGroup, check_select_growth
 
 
 class EvictingCache:
@@ -36,6 +37,10 @@ class EvictingCache:
         independent_rows: give batch row ``r`` random stream ``r`` (identical rows, e.g. several
             samples of one prompt, then draw independently). The default, False, keeps every
             row's draws a function of that row alone: a row evicts as it would alone.
+        select_growth: select mode only (every token kept): when a chunk does not fit, the
+            buffers grow to this many times the slots it needs (at least 16 more), a number in
+            ``(1, 16]``. The default, 1.1, keeps at most 10 % headroom and copies the cache once
+            per 10 % of growth; 2.0 copies less often and holds up to twice the cache.
 
     Typical use in a hand-written loop, per layer and step::
 
@@ -53,6 +58,7 @@ class EvictingCache:
         seed: int | None = None,
         independent_rows: bool = False,
         num_kv_heads: int | None = None,
+        select_growth: float = SELECT_GROWTH,
     ) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
@@ -64,6 +70,7 @@ class EvictingCache:
         self.seed = self.policy.resolve_seed(seed)
         self.executor = Executor(self.policy, self.seed)
         self.independent_rows = independent_rows
+        self.select_growth = check_select_growth(select_growth)
         if layer_devices is not None and len(layer_devices) != num_layers:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {num_layers} layers")
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
@@ -207,6 +214,8 @@ class EvictingCache:
     ) -> LayerGroup:
         self._check_index(layer_idx)
         _check_step(keys, values, queries, token_valid)
+        if self.policy.mode == "select":  # select mode checks tokens as they enter, not at each choice
+            guards.check_appended(layer_idx, keys, values, queries, token_valid, self.policy.schedule.window)
         if queries is None and self.policy.schedule.window > 0:
             raise ValueError(
                 f"policy {self.policy.name!r} keeps a window of {self.policy.schedule.window} queries: "
@@ -260,6 +269,7 @@ class EvictingCache:
             schedule, peers, keys, values, query_heads, token_valid,
             select_mode=self.policy.config.mode == "select", page_sizes=self.policy.key_page_sizes,
             per_head=self.policy.allocation.per_head,
+            select_growth=self.select_growth,
         )
         if self.independent_rows:
             group.rows.streams = torch.arange(group.batch)

@@ -21,8 +21,9 @@ import torch
 
 from .attend import attend
 from .policy import Policy, eviction_input
+from .selection import SelectionState, choose_directly
 from .slots import block, compact_rows, gather_slots
-from .state import LayerGroup
+from .state import CacheStateError, LayerGroup
 
 
 class Executor:
@@ -157,6 +158,7 @@ class Executor:
         self, group: LayerGroup, layer: int
     ) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
         i = group.member[layer]
+        select = _selection_state(group)
         budget = group.schedule.budget
         keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
         out: list[tuple[slice | torch.Tensor, int, torch.Tensor | None]] = []
@@ -167,15 +169,23 @@ class Executor:
                 continue
             if fresh:
                 window, window_valid = group.ring.windows(slice(i, i + 1), row_sel)
-                # In select mode nothing is evicted: slots are positions (the default).
+                held_keys = block(keys, row_sel, count)[0]
+                shape = (*held_keys.shape[:2], count)
+                # Rows are packed and nothing is evicted: every slot is valid and slots are
+                # positions (views, nothing computed).
                 inp = eviction_input(
-                    block(keys, row_sel, count)[0], block(values, row_sel, count)[0], window, budget=budget,
+                    held_keys, block(values, row_sel, count)[0], window, budget=budget,
                     recent=group.schedule.recent, seed=self.seed, query_valid=window_valid,
-                    layer_idx=layer, evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
-                    key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in group.select.key_pages.items()},
+                    slot_valid=torch.ones((), dtype=torch.bool, device=group.device).expand(shape),
+                    positions=torch.arange(count, device=group.device).expand(shape), layer_idx=layer,
+                    evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
+                    key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()},
                 )
-                group.select.selection[i, row_sel] = self.policy.select_from(inp)
-            chosen = group.select.selection[i, row_sel]
+                kept = choose_directly(self.policy, inp)
+                if kept is None:  # Every token was checked as it entered the cache (guards.check_appended).
+                    kept = self.policy.select_from(inp, inputs_checked=True)
+                select.selection[i, row_sel] = kept
+            chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
             out.append((row_sel, count, torch.cat([chosen, tail], dim=-1)))
         return out
@@ -199,7 +209,8 @@ class Executor:
 def _row_classes(group: LayerGroup) -> list[tuple[int, bool, int, torch.Tensor]]:
     """Select mode: rows that share a count and a selection state, ``(count, reselect,
     selected_at, rows [R])``; one class while every row is alike (the usual case)."""
-    reselect, selected_at = group.select.reselect, group.select.selected_at
+    select = _selection_state(group)
+    reselect, selected_at = select.reselect, select.selected_at
     if group.batch_alike and bool((reselect == reselect[0]).all() and (selected_at == selected_at[0]).all()):
         count = int(group.extent_now)
         return [(count, bool(reselect[0]), int(selected_at[0]), torch.arange(group.batch))]
@@ -209,3 +220,9 @@ def _row_classes(group: LayerGroup) -> list[tuple[int, bool, int, torch.Tensor]]
         rows = ((counts == count) & (reselect == bool(fresh)) & (selected_at == chosen_at)).nonzero().squeeze(1)
         classes.append((count, bool(fresh), chosen_at, rows))
     return classes
+
+
+def _selection_state(group: LayerGroup) -> SelectionState:
+    if group.select is None:
+        raise CacheStateError("a select-mode step on a group that is not in select mode")
+    return group.select

@@ -39,17 +39,55 @@ def check_inputs(inp: EvictionInput) -> None:
     is checked, padding slots and empty window entries included: scorers read them too (a
     padding key times a zero weight is still NaN).
     """
+    check_recent(inp)
+    named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
+    ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
+    for (label, t), good in zip(named, ok, strict=True):
+        if not good:
+            raise SelectionError(_bad_input_message(label, t))
+
+
+def check_recent(inp: EvictionInput) -> None:
+    """Refuse a recent buffer larger than the budget (host arithmetic only, no synchronisation)."""
     recent = inp.num_slots - inp.num_candidates
     if recent > inp.budget:
         raise SelectionError(
             f"the recent buffer ({recent} slots: N={inp.num_slots} - num_candidates={inp.num_candidates}) "
             f"is larger than the budget ({inp.budget} slots kept): it cannot be kept whole"
         )
-    named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
+
+
+def check_appended(
+    layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+    token_valid: torch.Tensor | None, window: int,
+) -> None:
+    """Select mode: refuse a step's keys or values (``[B, Hkv, T, D]``, its real tokens:
+    ``token_valid [B, T]``) or the queries it stores in the window (``[B, Hq, T, D]``, the last
+    ``window``, padding included: scorers read every window entry) that hold NaN or inf, or
+    float64 entries beyond float32's range. One synchronisation.
+
+    Why here: a select-mode cache keeps every token and chooses among them at every step, so
+    checking the whole cache at each choice (as an eviction does) would cost more than the
+    choice. Each token is checked once, as it enters, before the cache changes: an error
+    leaves the cache as it was. Padding tokens are never stored, so only real ones are checked.
+    """
+    named = [("keys", keys), ("values", values)]
+    if token_valid is not None and not bool(token_valid.all()):
+        pad = ~token_valid.to(keys.device)[:, None, :, None]
+        named = [(label, t.masked_fill(pad, 0.0)) for label, t in named]
+    if queries is not None and window > 0:
+        kept = min(window, queries.shape[2])
+        named.append((f"queries (the last {kept} of the step, which the window keeps)", queries[:, :, -kept:]))
     ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
     for (label, t), good in zip(named, ok, strict=True):
         if not good:
-            raise SelectionError(_bad_input_message(label, t))
+            raise SelectionError(
+                f"layer {layer}: a select-mode step is refused before it enters the cache (the cache is "
+                "unchanged): " + _bad_input_message(
+                    label, t, layout="[row, head, token, channel] =",
+                    why="selection scores every token it keeps, and NaN or inf scores cannot be ranked",
+                )
+            )
 
 
 def check_query_window(readers: list[str], inp: EvictionInput) -> None:
@@ -231,7 +269,13 @@ def _all_representable(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
-def _bad_input_message(label: str, t: torch.Tensor) -> str:
+_WHY_FINITE = (
+    "eviction needs finite keys, values and queries (padding slots and empty window entries included), "
+    "since NaN or inf scores cannot be ranked"
+)
+
+
+def _bad_input_message(label: str, t: torch.Tensor, layout: str = "index", why: str = _WHY_FINITE) -> str:
     nonfinite = ~torch.isfinite(t)
     if bool(nonfinite.any()):
         kinds = [
@@ -240,13 +284,12 @@ def _bad_input_message(label: str, t: torch.Tensor) -> str:
         ]
         return (
             f"{label} hold {int(nonfinite.sum())} non-finite entries ({', '.join(kinds)}), the first at "
-            f"index {nonfinite.nonzero()[0].tolist()}: eviction needs finite keys, values and queries "
-            "(padding slots and empty window entries included), since NaN or inf scores cannot be ranked"
+            f"{layout} {nonfinite.nonzero()[0].tolist()}: {why}"
         )
     beyond = t.abs() > F32_MAX
     return (
         f"{label} are float64 with {int(beyond.sum())} entries beyond float32's range (|x| > {F32_MAX:.4g}; "
-        f"the largest is {float(t.abs().max()):.4g}), the first at index {beyond.nonzero()[0].tolist()}: "
+        f"the largest is {float(t.abs().max()):.4g}), the first at {layout} {beyond.nonzero()[0].tolist()}: "
         "scores are computed in float32, so scale the inputs down"
     )
 

@@ -160,8 +160,12 @@ class Policy:
         )
         return self.select_from(inp)
 
-    def select_from(self, inp: EvictionInput) -> torch.Tensor:
+    def select_from(self, inp: EvictionInput, *, inputs_checked: bool = False) -> torch.Tensor:
         """``select`` on an already assembled (and shape-checked) ``EvictionInput``.
+
+        ``inputs_checked``: the caller has refused non-finite keys, values and queries already
+        (select mode checks each token once, as it enters the cache: ``guards.check_appended``),
+        so they are not read again here.
 
         Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
         ``select`` or a ``SelectionError`` (a ``ValueError``) names what is at fault:
@@ -179,18 +183,10 @@ class Policy:
         Protected slots are kept by construction: they rank at +inf, every eligible candidate at
         its priority clamped to float32's finite range, everything else at -inf.
         """
-        k_keep, n = inp.budget, inp.num_slots
-        priority, _ = self.priorities(inp)
-        if 2 * k_keep <= n:
-            kept = priority.topk(k_keep, dim=-1, sorted=False).indices
-            return kept.sort(dim=-1).values
-        # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
-        # read the kept ones off a mask, which comes out ascending without a sort.
-        drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
-        keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
-        return keep.nonzero()[:, -1].view(inp.batch, inp.num_kv_heads, k_keep)
+        priority, _ = self.priorities(inp, inputs_checked=inputs_checked)
+        return keep_top(priority, inp.budget)
 
-    def priorities(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def priorities(self, inp: EvictionInput, *, inputs_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranking of one eviction: ``[B, Hkv, N]`` float32 priorities (``+inf`` on protected
         slots, ``-inf`` on slots that may not be kept, the selector's clamped keys elsewhere) and
         the ``[B, Hkv, N]`` protected mask. Every stage call is checked (see ``select_from``)."""
@@ -198,7 +194,10 @@ class Policy:
 
         cfg = self.config
         b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
-        guards.check_inputs(inp)
+        if inputs_checked:
+            guards.check_recent(inp)
+        else:
+            guards.check_inputs(inp)
         if inp.queries.shape[2] == 0:
             guards.check_query_window(cfg.query_readers(), inp)
         slot_idx = torch.arange(n, device=inp.keys.device)
@@ -296,6 +295,21 @@ class Policy:
                 )
             schedules[budget] = self.schedule.model_copy(update={"budget": budget})
         return [schedules[b] for b in budgets]
+
+def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:
+    """The ``k_keep`` slots of largest ``priority [B, Hkv, N]``, ascending: ``[B, Hkv, k_keep]``.
+    The one place that ranks, for ``Policy.select_from`` and select mode's direct paths alike
+    (which of equal priorities are kept is up to ``topk``: the same call keeps the same ones)."""
+    b, hkv, n = priority.shape
+    if 2 * k_keep <= n:
+        kept = priority.topk(k_keep, dim=-1, sorted=False).indices
+        return kept.sort(dim=-1).values
+    # Keeping most slots (the usual case: N = budget + interval): find the few to drop, and
+    # read the kept ones off a mask, which comes out ascending without a sort.
+    drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
+    keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
+    return keep.nonzero()[:, -1].view(b, hkv, k_keep)
+
 
 def eviction_input(
     keys: torch.Tensor,

@@ -6,14 +6,25 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from . import guards
 from .schedule import Schedule
 from .slots import StepPlan
+from .stages.base import EvictionInput
+from .stages.current_attention import CurrentAttentionScorer
+from .stages.greedy import GreedySelector
+from .stages.quest import QuestScorer
+
+if TYPE_CHECKING:
+    from .policy import Policy
 
 
 class SelectionState:
-    """Per layer ``selection [Lyr, B, Hkv, budget]``; per row the count it held when it chose
+    """Per layer ``selection [Lyr, B, Hkv, budget]`` (allocated at the first choice: a cache that
+    never holds more than ``budget`` slots never chooses); per row the count it held when it chose
     (``selected_at``, -1: none) and whether it chooses anew at this step (``reselect``); per
     page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``)."""
 
@@ -21,13 +32,22 @@ class SelectionState:
         self, num_layers: int, batch: int, kv_heads: int, budget: int, capacity: int,
         page_sizes: frozenset[int], like: torch.Tensor,
     ) -> None:
-        self.selection = torch.zeros((num_layers, batch, kv_heads, budget), dtype=torch.long, device=like.device)
+        self._selection_shape = (num_layers, batch, kv_heads, budget)
+        self._selection: torch.Tensor | None = None
+        self._device = like.device
         self.selected_at = torch.full((batch,), -1, dtype=torch.long)
         self.reselect = torch.zeros(batch, dtype=torch.bool)
         self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in sorted(page_sizes):
             shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
             self.key_pages[p] = (like.new_zeros(shape), like.new_zeros(shape))
+
+    @property
+    def selection(self) -> torch.Tensor:
+        """``[Lyr, B, Hkv, budget]`` long: each layer's chosen slots (ascending per row and head)."""
+        if self._selection is None:
+            self._selection = torch.zeros(self._selection_shape, dtype=torch.long, device=self._device)
+        return self._selection
 
     def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> torch.Tensor:
         """Which rows choose anew at a step of ``t`` tokens; returns the rows that chose at the
@@ -59,6 +79,9 @@ class SelectionState:
         """Recompute layer ``i``'s page summaries over the pages this step wrote into (one page
         when decoding), from its keys ``[B, Hkv, cap, D]``. Slots past a row's count (``counts``
         ``[B]``, or None when every row holds ``plan.written_to``) are left out (+inf / -inf)."""
+        if counts is None and plan.tokens == 1:  # a decode step of alike rows: fold in the one key
+            self._fold_in(i, plan.written_from, keys[:, :, plan.written_from])
+            return
         for p, (lo, hi) in self.key_pages.items():
             first, last = plan.written_from // p, -(-plan.written_to // p)
             block = keys[:, :, first * p : last * p]
@@ -78,12 +101,72 @@ class SelectionState:
             lo[i, :, :, first:last] = low.unflatten(2, (last - first, p)).amin(3)
             hi[i, :, :, first:last] = high.unflatten(2, (last - first, p)).amax(3)
 
+    def _fold_in(self, i: int, s: int, key: torch.Tensor) -> None:
+        """Layer ``i``'s page summaries after one key ``[B, Hkv, D]`` was appended at slot ``s``
+        of every row: min and max are exact, so folding the key into its page's summary gives
+        what reducing the page's keys gives, without reading them."""
+        for p, (lo, hi) in self.key_pages.items():
+            page = s // p
+            if s % p == 0:  # the first slot of a page
+                lo[i, :, :, page] = key
+                hi[i, :, :, page] = key
+            else:
+                lo[i, :, :, page] = torch.minimum(lo[i, :, :, page], key)
+                hi[i, :, :, page] = torch.maximum(hi[i, :, :, page], key)
+
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         self.selected_at = self.selected_at[host]
         self.reselect = self.reselect[host]
-        self.selection = self.selection.index_select(1, dev)
+        lyr, _, hkv, budget = self._selection_shape
+        self._selection_shape = (lyr, host.numel(), hkv, budget)
+        if self._selection is not None:
+            self._selection = self._selection.index_select(1, dev)
         self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
 
     def nbytes(self) -> int:
-        tensors = [self.selection, *(t for pair in self.key_pages.values() for t in pair)]
+        chosen = [] if self._selection is None else [self._selection]
+        tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
+    """What ``policy.select_from(inp)`` keeps, ``[B, Hkv, K]``, in fewer passes, for the
+    selection-native compositions (a ``quest`` or ``current_attention`` scorer, the ``greedy``
+    selector, no reservation); None for any other policy (it runs ``Policy.select_from``).
+
+    For select mode's packed rows only: every slot of ``inp`` is valid and every token was
+    checked as it entered the cache. The priorities are then the scorer's scores on the
+    candidates and +inf on the recent buffer, built here without the masks ``select_from``
+    combines, and ranked by the same ``keep_top`` call: the same slots come out, ties
+    included. Quest's scores are page-constant: the page scores (``C / P`` of them, from the
+    cache's page summaries) are written once into the priorities, and no key is read; oracle
+    top-k reads each key once (``q . K``).
+    """
+    from .policy import keep_top
+
+    cfg = policy.config
+    scorer = cfg.scorer
+    if cfg.reservations or type(cfg.selector) is not GreedySelector:
+        return None
+    if type(scorer) is not QuestScorer and type(scorer) is not CurrentAttentionScorer:
+        return None
+    guards.check_recent(inp)
+    b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
+    c = inp.num_candidates
+    priority = inp.keys.new_empty((b, hkv, n), dtype=torch.float32)
+    priority[..., c:] = float("inf")  # the recent buffer: always kept
+    if c and isinstance(scorer, QuestScorer):
+        pages = scorer.page_scores(inp, every_slot_valid=True)  # [B, Hkv, ceil(C / P)]
+        if not bool(torch.isfinite(pages).all()):
+            guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
+        pages = pages.clamp(-guards.F32_MAX, guards.F32_MAX)
+        p, full = scorer.page_size, c // scorer.page_size
+        priority[..., : full * p].unflatten(-1, (full, p)).copy_(pages[..., :full, None].expand(-1, -1, -1, p))
+        if full * p < c:
+            priority[..., full * p : c] = pages[..., full:]
+    elif c and isinstance(scorer, CurrentAttentionScorer):
+        scores = scorer.attention_mass(inp, every_slot_valid=True)
+        if not bool(torch.isfinite(scores[..., :c]).all()):  # q . k overflowed float32
+            guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
+        priority[..., :c] = scores[..., :c].clamp(-guards.F32_MAX, guards.F32_MAX)
+    return keep_top(priority, inp.budget)

@@ -25,6 +25,7 @@ needs them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +38,13 @@ from .schedule import Schedule
 from .selection import SelectionState
 from .slots import SlotBuffers, StepPlan
 
-#: Select mode keeps every token: buffers grow by whole chunks of this many slots.
-SELECT_CHUNK = 1024
+#: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
+#: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
+#: ``SELECT_MIN_GROWTH`` slots: geometric growth, so the copies cost a bounded number of slot
+#: copies per appended token (``1 / (growth - 1)``, amortised) and the unused headroom stays
+#: below ``growth - 1`` of the cache.
+SELECT_GROWTH = 1.1
+SELECT_MIN_GROWTH = 16
 
 
 class CacheStateError(RuntimeError):
@@ -74,9 +80,11 @@ class LayerGroup:
         select_mode: bool = False,
         page_sizes: frozenset[int] = frozenset(),
         per_head: bool = False,
+        select_growth: float = SELECT_GROWTH,
     ) -> None:
         b, h, t, d = keys.shape
         self.schedule = schedule
+        self.select_growth = select_growth
         self.member = {layer: i for i, layer in enumerate(layer_ids)}  # global index -> buffer index
         self.layer_ids = torch.tensor(list(layer_ids), dtype=torch.long)
         self.select_mode = select_mode
@@ -273,10 +281,11 @@ class LayerGroup:
             setattr(buf, name, new)
 
     def _capacity(self, needed: int) -> int:
-        """Slots to allocate for ``needed``: the schedule's static capacity when evicting; whole
-        chunks of ``SELECT_CHUNK`` slots in select mode, where every token is kept."""
+        """Slots to allocate for ``needed``: the schedule's static capacity when evicting; in
+        select mode, where every token is kept, ``select_growth`` times ``needed`` (at least
+        ``SELECT_MIN_GROWTH`` more)."""
         if self.select_mode:
-            return -(-needed // SELECT_CHUNK) * SELECT_CHUNK
+            return select_capacity(needed, self.select_growth)
         return self.schedule.capacity_for(needed)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
@@ -457,6 +466,22 @@ class LayerGroup:
             slots_held=self.extent(layer),
             slots_evicted=self.slots_evicted,
         )
+
+
+def select_capacity(needed: int, growth: float) -> int:
+    """Select mode's allocation for ``needed`` slots: ``ceil(needed * growth)``, and at least
+    ``needed + SELECT_MIN_GROWTH``."""
+    return max(needed + SELECT_MIN_GROWTH, math.ceil(needed * growth))
+
+
+def check_select_growth(growth: object) -> float:
+    """``growth`` as a float in ``(1, 16]``, or a ``ValueError`` saying why not."""
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1.0 < growth <= 16.0:
+        raise ValueError(
+            f"select_growth must be a number in (1, 16] (select mode's buffers grow to that many times the "
+            f"slots needed; 1.1 keeps 10 % headroom), got {growth!r}"
+        )
+    return float(growth)
 
 
 def _added(token_valid: torch.Tensor | None, batch: int, t: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..evicting import EvictingCache, LayerView
 from ..policy import Policy, load_policy
-from ..state import EvictionStats
+from ..state import SELECT_GROWTH, EvictionStats
 from .attention import ATTN_IMPLEMENTATION, register, tag_keys
 
 
@@ -125,6 +125,8 @@ class KVPolicyCache(Cache):
         independent_rows: row ``r`` draws from random stream ``r`` (for several samples of one
             prompt, ``num_return_sequences``); by default a row's draws depend on that row alone,
             so a padded row decodes exactly as it would alone.
+        select_growth: select mode only: how the buffers grow when a chunk does not fit (to this
+            many times the slots needed; see ``EvictingCache``).
 
     ``get_seq_length()`` reports tokens seen (RoPE positions keep growing with it);
     ``stats()`` and ``memory_bytes()`` report eviction counters and static memory.
@@ -137,6 +139,7 @@ class KVPolicyCache(Cache):
         *,
         seed: int | None = None,
         independent_rows: bool = False,
+        select_growth: float = SELECT_GROWTH,
     ) -> None:
         register()
         model = None if isinstance(model_or_config, PreTrainedConfig) else model_or_config
@@ -152,6 +155,7 @@ class KVPolicyCache(Cache):
         self.evicting = EvictingCache(
             self.policy, num_layers, layer_devices=layer_devices, seed=seed, independent_rows=independent_rows,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads", None),
+            select_growth=select_growth,
         )
         # The layer whose update returned keys that kvpolicy attention has not taken yet.
         self._staged_layer: int | None = None

@@ -35,14 +35,23 @@ class CurrentAttentionScorer(Scorer):
     group_reduce: Literal["mean", "max"] = "mean"
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
+        return self.attention_mass(inp, every_slot_valid=False)
+
+    def attention_mass(self, inp: EvictionInput, *, every_slot_valid: bool) -> torch.Tensor:
+        """``score``: ``[B, Hkv, N]`` float32 (NaN where ``q . k`` overflowed float32: the guard
+        reports it). ``every_slot_valid``: the caller knows ``inp.slot_valid`` is all True (a select-mode
+        cache's packed rows), so the mask is not applied: the same numbers, one pass fewer."""
         b, hkv, n, d = inp.keys.shape
         q, has_query = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
-        logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]
-        logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
-        # A row and head of padding only has no mass (its softmax is NaN). Other NaN or inf,
-        # from logits that overflowed float32, stay for the guard to report.
-        has_slot = inp.slot_valid.any(-1)  # [B, Hkv]
-        probs = torch.softmax(logits, dim=-1).masked_fill_(~has_slot[:, :, None, None], 0.0)
+        logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]: the one pass over the keys
+        if not every_slot_valid:
+            logits.masked_fill_(~inp.slot_valid[:, :, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if not every_slot_valid:
+            # A row and head of padding only has no mass (its softmax is NaN). Other NaN or inf,
+            # from logits that overflowed float32, stay for the guard to report.
+            has_slot = inp.slot_valid.any(-1)  # [B, Hkv]
+            probs.masked_fill_(~has_slot[:, :, None, None], 0.0)
         scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
         return torch.where(has_query[:, None, None], scores, 0.0)

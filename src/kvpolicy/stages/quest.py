@@ -42,53 +42,77 @@ class QuestScorer(Scorer):
     def key_page_sizes(self) -> frozenset[int]:
         return frozenset({self.page_size})
 
-    def page_bounds(self, inp: EvictionInput) -> torch.Tensor:
+    def page_bounds(self, inp: EvictionInput, *, every_slot_valid: bool | None = None) -> torch.Tensor:
         """``[B, Hkv, G, ceil(C / P)]`` float32: each query head's bound of ``q . k`` per page
-        (``-inf`` for a page without a valid slot)."""
-        return self._page_bounds(inp)[0]
+        (``-inf`` for a page without a valid slot).
 
-    def _page_bounds(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """``page_bounds`` and the ``[B, Hkv, pages]`` bool mask of pages without a valid slot."""
+        ``every_slot_valid``: True when the caller knows every slot is valid (a select-mode
+        cache's packed rows): nothing is masked and no synchronisation is needed; None checks.
+        With the cache's page summaries (``inp.key_pages``) only the last, short page is reduced
+        from the keys: nothing reads all ``C`` keys.
+        """
+        return self._page_bounds(inp, every_slot_valid)[0]
+
+    def _page_bounds(
+        self, inp: EvictionInput, every_slot_valid: bool | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``page_bounds`` and the ``[B, Hkv, pages]`` bool mask of pages without a valid slot
+        (None when every slot is valid)."""
         b, hkv, _, d = inp.keys.shape
         c, p = inp.num_candidates, self.page_size
-        keys = inp.keys[:, :, :c].float()  # a view for float32 caches
         valid = inp.slot_valid[..., :c]
-        if bool(valid.all()):  # the usual case: reduce the keys as they are, no masked copies
-            lo = hi = keys
-        else:
-            lo = keys.masked_fill(~valid[..., None], float("inf"))
-            hi = keys.masked_fill(~valid[..., None], float("-inf"))
+        all_valid = bool(valid.all()) if every_slot_valid is None else every_slot_valid
+
+        def reduce(start: int, stop: int, pages: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Per-channel min and max of slots ``[start, stop)``: ``pages`` pages of ``length``."""
+            keys = inp.keys[:, :, start:stop].float()  # a view for float32 caches
+            if all_valid:  # the usual case: reduce the keys as they are, no masked copies
+                lo = hi = keys
+            else:
+                lo = keys.masked_fill(~valid[..., start:stop, None], float("inf"))
+                hi = keys.masked_fill(~valid[..., start:stop, None], float("-inf"))
+            return lo.unflatten(2, (pages, length)).amin(3), hi.unflatten(2, (pages, length)).amax(3)
+
         full = c // p
         cached = (inp.key_pages or {}).get(p)
-        if cached is not None and cached[0].shape[2] >= full and bool(valid.all()):
+        if cached is not None and cached[0].shape[2] >= full and all_valid:
             # Summaries the cache maintains as tokens arrive: no pass over the candidates' keys.
             kmin, kmax = cached[0][:, :, :full].float(), cached[1][:, :, :full].float()
         else:
-            kmin = lo[:, :, : full * p].unflatten(2, (full, p)).amin(3)  # [B, Hkv, pages, D]
-            kmax = hi[:, :, : full * p].unflatten(2, (full, p)).amax(3)
+            kmin, kmax = reduce(0, full * p, full, p)  # [B, Hkv, pages, D]
         if full * p < c:  # the last, short page
-            kmin = torch.cat([kmin, lo[:, :, full * p :].amin(2, keepdim=True)], dim=2)
-            kmax = torch.cat([kmax, hi[:, :, full * p :].amax(2, keepdim=True)], dim=2)
-        empty = torch.isinf(kmin[..., 0]) & (kmin[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
-        if bool(empty.any()):
-            kmin, kmax = kmin.masked_fill(empty[..., None], 0.0), kmax.masked_fill(empty[..., None], 0.0)
+            short_min, short_max = reduce(full * p, c, 1, c - full * p)
+            kmin, kmax = torch.cat([kmin, short_min], dim=2), torch.cat([kmax, short_max], dim=2)
+        empty = None
+        if not all_valid:
+            empty = torch.isinf(kmin[..., 0]) & (kmin[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
+            if bool(empty.any()):
+                kmin, kmax = kmin.masked_fill(empty[..., None], 0.0), kmax.masked_fill(empty[..., None], 0.0)
         q, _ = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d)
         bound = q.clamp(min=0) @ kmax.transpose(-1, -2) + q.clamp(max=0) @ kmin.transpose(-1, -2)
-        return bound.masked_fill(empty[:, :, None, :], float("-inf")), empty
+        return (bound if empty is None else bound.masked_fill(empty[:, :, None, :], float("-inf"))), empty
+
+    def page_scores(self, inp: EvictionInput, *, every_slot_valid: bool | None = None) -> torch.Tensor:
+        """``[B, Hkv, ceil(C / P)]`` float32: each page's score, which every slot of the page gets
+        (``score`` repeats it). Pages without a valid slot hold padding only, which later stages
+        never read: they score 0, as does every page of a row without a query. Needs ``C > 0``.
+        ``every_slot_valid`` as in ``page_bounds``."""
+        d = inp.keys.shape[-1]
+        bounds, empty = self._page_bounds(inp, every_slot_valid)
+        bounds = bounds * d**-0.5
+        per_page = bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
+        _, has_query = newest_query(inp)
+        # Only pages of padding (and rows without a query) are zeroed: an inf or NaN bound
+        # elsewhere is a float32 overflow, which the guard reports.
+        per_page = per_page.masked_fill(~has_query[:, None, None], 0.0)
+        return per_page if empty is None else per_page.masked_fill(empty, 0.0)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
-        b, hkv, n, d = inp.keys.shape
+        b, hkv, n, _ = inp.keys.shape
         c = inp.num_candidates
         out = inp.keys.new_zeros(b, hkv, n, dtype=torch.float32)
         if c == 0:
             return out
-        bounds, empty = self._page_bounds(inp)
-        bounds = bounds * d**-0.5
-        per_page = bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
-        _, has_query = newest_query(inp)
-        # Pages without a valid slot hold padding only, which later stages never read. Only those
-        # are zeroed: an inf or NaN bound elsewhere is a float32 overflow, which the guard reports.
-        per_page = per_page.masked_fill(empty | ~has_query[:, None, None], 0.0)
-        out[..., :c] = per_page.repeat_interleave(self.page_size, dim=-1)[..., :c]
+        out[..., :c] = self.page_scores(inp).repeat_interleave(self.page_size, dim=-1)[..., :c]
         return out

@@ -1,0 +1,186 @@
+"""Long-context decoding: selection's speed against the full cache and the eviction floor.
+
+The setting selection exists for: a long context prefilled densely, then decode steps that
+read only what the policy chooses. One run, side by side: an attention-heavy random Llama
+(hidden 512, 2 layers, 8 heads of 64, 8 KV heads, MLP 1024, vocab 1024: at long context
+attention is most of a step) prefills a random prompt of each length in one chunk, then a
+plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), for:
+
+- ``full``: transformers' ``DynamicCache``;
+- the eviction floor: ``streamingllm`` at the budget with ``compress_prompt`` (evict mode, no
+  scoring: what reading ``budget`` to ``budget + interval`` slots costs; the prompt is evicted
+  down to the budget before the timed steps);
+- ``quest``, ``oracle-topk`` and ``vase-attnv@select`` (select mode: every token kept, each
+  step attends ``budget`` chosen slots).
+
+Reported: decode tokens/s and its ratio to the full cache at each length, and for the selection
+policies the share of decode time spent choosing (``Executor.selected_slots``: scoring and
+top-k, timed by wrapping it). The caches alternate within one process, so machine noise hits
+them alike; each is timed ``--trials`` times and the best trial is kept.
+
+Usage::
+
+    python benchmarks/long_decode_bench.py                        # 2K, 8K, 32K (several minutes)
+    python benchmarks/long_decode_bench.py --lengths 8192 --steps 64
+    python benchmarks/long_decode_bench.py --device cuda --dtype bfloat16 --threads 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvpolicy  # noqa: E402
+from kvpolicy.executor import Executor  # noqa: E402
+from kvpolicy.hf import KVPolicyCache  # noqa: E402
+
+CACHES = ("full", "streamingllm", "quest", "oracle-topk", "vase-attnv@select")
+SELECTING = {"quest", "oracle-topk", "vase-attnv@select"}
+_CHOOSING = [0.0]
+
+
+def _timed(orig, device: torch.device):
+    def wrapped(self, *args):
+        _sync(device)
+        t0 = time.perf_counter()
+        try:
+            return orig(self, *args)
+        finally:
+            _sync(device)
+            _CHOOSING[0] += time.perf_counter() - t0
+
+    return wrapped
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(device: torch.device, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    """The attention-heavy random Llama of issue 16, on ``device`` in ``dtype``."""
+    cfg = LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, head_dim=64, vocab_size=1024, max_position_embeddings=max_positions,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.24 names the forward's cache argument ``cache``; older 5.x ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def make_cache(name: str, model, budget: int):
+    if name == "full":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    # The floor compresses the prompt once it is in: every timed step then reads at most
+    # budget + interval slots (without it the prompt stays whole until the next interval).
+    over = {"compress_prompt": True} if name == "streamingllm" else {}
+    return KVPolicyCache(kvpolicy.load_policy(name, budget=budget, **over), model)
+
+
+def time_decode(model, cache, prompt: torch.Tensor, steps: int, device: torch.device) -> tuple[float, float]:
+    """Prefill ``prompt`` densely, then time ``steps`` decode steps: ``(seconds, choosing seconds)``."""
+    kw = _cache_kwarg(model)
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        del out
+        # One untimed step: streamingllm's first step evicts the prompt; allocators warm up.
+        out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        _CHOOSING[0] = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
+            token = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        return time.perf_counter() - start, _CHOOSING[0]
+
+
+def run(
+    lengths: list[int], caches: list[str], budget: int, steps: int, trials: int, batch: int,
+    device: torch.device, dtype: torch.dtype, log=print,
+) -> dict[int, dict[str, dict[str, float]]]:
+    """``{length: {cache: {"tok_s", "ratio", "choosing"}}}``, measured side by side."""
+    model = build_model(device, dtype, max(lengths) + steps + 16)
+    vocab = model.config.vocab_size
+    original = Executor.selected_slots
+    Executor.selected_slots = _timed(original, device)  # type: ignore[method-assign]
+    try:
+        results: dict[int, dict[str, dict[str, float]]] = {}
+        for n in lengths:
+            prompt = torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
+            best: dict[str, tuple[float, float]] = {}
+            for _ in range(trials):
+                for name in caches:
+                    cache = make_cache(name, model, budget)
+                    seconds, choosing = time_decode(model, cache, prompt, steps, device)
+                    del cache
+                    if name not in best or seconds < best[name][0]:
+                        best[name] = (seconds, choosing)
+            full = best.get("full", (float("nan"), 0.0))[0]
+            results[n] = {
+                name: {
+                    "tok_s": batch * steps / s, "ratio": full / s,
+                    "choosing": c / s if name in SELECTING else 0.0,
+                }
+                for name, (s, c) in best.items()
+            }
+            log(f"{n} tokens: " + ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in results[n].items()))
+        return results
+    finally:
+        Executor.selected_slots = original  # type: ignore[method-assign]
+        model.set_attn_implementation("sdpa")
+
+
+def table(results: dict[int, dict[str, dict[str, float]]], title: str) -> str:
+    """A markdown table: tok/s (ratio to full) per length, and the share of a step spent choosing."""
+    lengths = list(results)
+    names = list(next(iter(results.values())))
+    lines = [title, "", "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | choosing (share of a step) |",
+             "|---|" + "---|" * (len(lengths) + 1)]
+    for name in names:
+        cells = [f"{results[n][name]['tok_s']:.1f} tok/s ({results[n][name]['ratio']:.2f}x)" for n in lengths]
+        share = " / ".join(f"{100 * results[n][name]['choosing']:.0f} %" for n in lengths) if name in SELECTING else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {share} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768])
+    ap.add_argument("--caches", nargs="*", default=list(CACHES))
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per cache and length")
+    ap.add_argument("--trials", type=int, default=1, help="timed runs per cache (the best is kept)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    results = run(args.lengths, args.caches, args.budget, args.steps, args.trials, args.batch, device, dtype)
+    print()
+    print(table(results, f"Llama (hidden 512, 2 layers, 8 heads of 64), {args.dtype} on {device}, batch {args.batch}, "
+                         f"budget {args.budget}, {args.steps} decode steps, {torch.get_num_threads()} thread(s), "
+                         f"torch {torch.__version__}"))
+
+
+if __name__ == "__main__":
+    main()
