@@ -46,8 +46,14 @@ def test_every_policy_end_to_end(name, shape):
     b, hkv, hq, n, budget = shape
     policy = small(name, budget)
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hq, n=n, d=8, w=8, seed=n)
-    kept = policy.select(k, v, q, seed=0)
     k_keep = min(n, budget)
+    if policy.allocation.per_head:  # heads keep different counts: a keep mask and counts
+        keep, counts = policy.select_heads(k, v, q, seed=0)
+        assert torch.equal(keep.sum(-1), counts) and bool((counts.sum(-1) == hkv * k_keep).all())
+        assert not bool((protected_mask(policy, b, hkv, n) & ~keep).any()), "protected slots dropped"
+        assert torch.equal(keep, policy.select_heads(k, v, q, seed=0)[0])
+        return
+    kept = policy.select(k, v, q, seed=0)
     assert_valid_selection(kept, n, k_keep, protected_mask(policy, b, hkv, n))
     if n <= budget:
         assert torch.equal(kept, torch.arange(n).expand(b, hkv, n))

@@ -323,7 +323,12 @@ def test_an_empty_query_window_is_refused_when_a_stage_reads_the_queries(name):
         *make_tensors(b=2, hkv=2, hq=4, n=16, d=8, w=0, seed=0)).shape == (2, 2, 8)
 
 
-POLICIES = {name: _load_small(name) for name in kvpolicy.available_policies()}
+# Policy.select's promises; per-head allocations answer through Policy.select_heads, whose
+# promises (counts, protected slots, reproducible draws) tests/test_allocation.py fuzzes.
+POLICIES = {
+    name: _load_small(name) for name in kvpolicy.available_policies()
+    if not kvpolicy.load_policy(name).allocation.per_head
+}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
