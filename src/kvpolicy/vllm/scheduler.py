@@ -167,7 +167,8 @@ class SchedulerEviction:
             "waiting": len(sched.waiting), "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks - 1, "evicted": evicted,
             "blocks_freed_total": self.blocks_freed, "blocks_copied_total": self.blocks_copied,
-            "held_blocks": sum(len(b) for m in managers for b in m.req_to_blocks.values()),
+            # distinct blocks: under prefix caching several requests may hold the same block
+            "held_blocks": len({id(b) for m in managers for bs in m.req_to_blocks.values() for b in bs}),
             "requests": len(sched.requests),
             "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
             "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
