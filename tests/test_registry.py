@@ -22,6 +22,9 @@ from kvpolicy.registry import (
 from kvpolicy.stages import BUILTIN_STAGES, Scorer
 
 BUILTIN_POLICIES = {
+    "ada-snapkv",
+    "ada-vase-attnv",
+    "pyramidkv",
     "curdkv",
     "evict-large-range",
     "oracle-topk",
@@ -106,6 +109,7 @@ def test_builtins_by_kind():
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
     assert set(registry.stages["selector"]) == {"greedy", "keep_protected", "stochastic"}
+    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile"}
 
 
 def test_every_builtin_policy_loads():
@@ -221,7 +225,7 @@ def test_non_stage_class_is_refused_with_a_warning():
         def kvpolicy_stages(self):
             return [dict]
 
-    with pytest.warns(PluginLoadWarning, match="not a Scorer, Reservation or Selector"):
+    with pytest.warns(PluginLoadWarning, match="not a Scorer, Reservation, Selector or Allocation"):
         registry.register_plugin(NotAStage(), name="not-a-stage")
 
 
