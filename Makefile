@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm docs demo bench lint typecheck clean-setup
+.PHONY: setup test test-oldest test-vllm docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
@@ -80,6 +80,34 @@ lint: setup
 # mypy over src/kvpolicy (the package ships py.typed), configured in pyproject.toml.
 typecheck: setup
 	$(VENV)/bin/mypy
+
+# The GPU check (docs/benchmarks.md, "On a GPU"). A GPU machine may have only torch and
+# transformers and no network: `make gpu-wheels` (here, online) downloads kvpolicy's other
+# runtime dependencies as wheels for its Python into $(GPU_WHEELS), a folder that travels with the
+# repository; `make gpu-check` (there) installs them into $(GPU_WHEELS)/site without network and
+# runs benchmarks/gpu_check.py with src and that folder on PYTHONPATH (kvpolicy is not installed).
+# PyYAML, tqdm and numpy come with transformers; rich is needed by the CLI only.
+GPU_WHEELS ?= .gpu-wheels
+GPU_PY_VERSION ?= 3.12
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+GPU_DEPS := pluggy==1.7.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0
+
+gpu-wheels: setup
+	$(PIP) download --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_DEPS)
+
+gpu-check:
+	@ls $(GPU_WHEELS)/*.whl > /dev/null 2>&1 || { echo "no wheels in $(GPU_WHEELS): run 'make gpu-wheels' on a machine with network first"; exit 1; }
+	rm -rf $(GPU_WHEELS)/site
+	$(GPU_PYTHON) -m pip install --no-index --no-deps --quiet --target $(GPU_WHEELS)/site $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/$(GPU_WHEELS)/site $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The same check on CPU at small sizes, from the project's env (CI runs it: .ci/run).
+gpu-check-cpu: setup
+	$(PY) benchmarks/gpu_check.py --device cpu --small --out runs/gpu-check-cpu
 
 # Forces the next `make setup` to reinstall (keeps the env itself).
 clean-setup:

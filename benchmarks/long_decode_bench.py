@@ -113,15 +113,19 @@ def time_decode(model, cache, prompt: torch.Tensor, steps: int, device: torch.de
 
 def run(
     lengths: list[int], caches: list[str], budget: int, steps: int, trials: int, batch: int,
-    device: torch.device, dtype: torch.dtype, log=print,
-) -> dict[int, dict[str, dict[str, float]]]:
-    """``{length: {cache: {"tok_s", "ratio", "choosing"}}}``, measured side by side."""
+    device: torch.device, dtype: torch.dtype, log=print, time_choosing: bool = True,
+) -> dict[int, dict[str, dict[str, float | None]]]:
+    """``{length: {cache: {"tok_s", "ratio", "choosing"}}}``, measured side by side.
+
+    ``time_choosing``: time ``Executor.selected_slots`` (on a GPU that synchronises at every
+    call, which slows the selection policies down: the GPU check turns it off)."""
     model = build_model(device, dtype, max(lengths) + steps + 16)
     vocab = model.config.vocab_size
     original = Executor.selected_slots
-    Executor.selected_slots = _timed(original, device)  # type: ignore[method-assign]
+    if time_choosing:
+        Executor.selected_slots = _timed(original, device)  # type: ignore[method-assign]
     try:
-        results: dict[int, dict[str, dict[str, float]]] = {}
+        results: dict[int, dict[str, dict[str, float | None]]] = {}
         for n in lengths:
             prompt = torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(n)).to(device)
             best: dict[str, tuple[float, float]] = {}
@@ -136,7 +140,7 @@ def run(
             results[n] = {
                 name: {
                     "tok_s": batch * steps / s, "ratio": full / s,
-                    "choosing": c / s if name in SELECTING else 0.0,
+                    "choosing": c / s if name in SELECTING and time_choosing else None,
                 }
                 for name, (s, c) in best.items()
             }
@@ -147,7 +151,7 @@ def run(
         model.set_attn_implementation("sdpa")
 
 
-def table(results: dict[int, dict[str, dict[str, float]]], title: str) -> str:
+def table(results: dict[int, dict[str, dict[str, float | None]]], title: str) -> str:
     """A markdown table: tok/s (ratio to full) per length, and the share of a step spent choosing."""
     lengths = list(results)
     names = list(next(iter(results.values())))
@@ -155,7 +159,8 @@ def table(results: dict[int, dict[str, dict[str, float]]], title: str) -> str:
              "|---|" + "---|" * (len(lengths) + 1)]
     for name in names:
         cells = [f"{results[n][name]['tok_s']:.1f} tok/s ({results[n][name]['ratio']:.2f}x)" for n in lengths]
-        share = " / ".join(f"{100 * results[n][name]['choosing']:.0f} %" for n in lengths) if name in SELECTING else "-"
+        shares = [results[n][name]["choosing"] for n in lengths]
+        share = " / ".join("-" if c is None else f"{100 * c:.0f} %" for c in shares) if name in SELECTING else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {share} |")
     return "\n".join(lines)
 
