@@ -59,6 +59,7 @@ import transformers  # noqa: E402
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import kvpolicy  # noqa: E402
+from kvpolicy.eval.cost import cache_bytes  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 
 EXACT_POLICIES = ("snapkv", "vase-attnv", "quest", "oracle-topk")
@@ -232,7 +233,7 @@ def _decode_at_context(model, cache, prompt: torch.Tensor, steps: int, device: t
         "seconds": seconds,
         "peak_gib": None if peak_prefill is None else max(peak_prefill, peak_decode or 0) / 2**30,
         "decode_peak_gib": None if peak_decode is None else peak_decode / 2**30,
-        "kv_gib": gpu_decode_bench.kv_bytes(cache) / 2**30,
+        "kv_gib": cache_bytes(cache) / 2**30,
     }
 
 
