@@ -6,14 +6,19 @@ read only what the policy chooses. One run, side by side: an attention-heavy ran
 attention is most of a step) prefills a random prompt of each length in one chunk, then a
 plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), for:
 
-- ``full``: transformers' ``DynamicCache``;
+- ``full``: transformers' ``DynamicCache`` (it concatenates each step's keys and values onto
+  the cache, copying all of it at every step: at long context that copy costs more than the
+  attention);
+- ``dense``: every slot attended from preallocated buffers, with no per-step copy (a
+  ``KVPolicyCache`` of ``oracle-topk`` at a budget above any length: select mode that never
+  chooses): what reading all ``N`` keys and values costs;
 - the eviction floor: ``streamingllm`` at the budget with ``compress_prompt`` (evict mode, no
   scoring: what reading ``budget`` to ``budget + interval`` slots costs; the prompt is evicted
   down to the budget before the timed steps);
 - ``quest``, ``oracle-topk`` and ``vase-attnv@select`` (select mode: every token kept, each
   step attends ``budget`` chosen slots).
 
-Reported: decode tokens/s and its ratio to the full cache at each length, and for the selection
+Reported: decode tokens/s, its ratio to the full cache and to ``dense`` at each length, and for the selection
 policies the share of decode time spent choosing (``Executor.selected_slots``: scoring and
 top-k, timed by wrapping it). The caches alternate within one process, so machine noise hits
 them alike; each is timed ``--trials`` times and the best trial is kept.
@@ -41,8 +46,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 import kvpolicy  # noqa: E402
 from kvpolicy.executor import Executor  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
+from kvpolicy.schedule import MAX_SLOTS  # noqa: E402
 
-CACHES = ("full", "streamingllm", "quest", "oracle-topk", "vase-attnv@select")
+CACHES = ("full", "dense", "streamingllm", "quest", "oracle-topk", "vase-attnv@select")
 SELECTING = {"quest", "oracle-topk", "vase-attnv@select"}
 _CHOOSING = [0.0]
 
@@ -85,6 +91,8 @@ def make_cache(name: str, model, budget: int):
     if name == "full":
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
+    if name == "dense":  # a budget above any length: nothing is ever chosen, every slot attended
+        return KVPolicyCache(kvpolicy.load_policy("oracle-topk", budget=MAX_SLOTS), model)
     # The floor compresses the prompt once it is in: every timed step then reads at most
     # budget + interval slots (without it the prompt stays whole until the next interval).
     over = {"compress_prompt": True} if name == "streamingllm" else {}
@@ -137,14 +145,16 @@ def run(
                     if name not in best or seconds < best[name][0]:
                         best[name] = (seconds, choosing)
             full = best.get("full", (float("nan"), 0.0))[0]
+            dense = best.get("dense", (float("nan"), 0.0))[0]
             results[n] = {
                 name: {
-                    "tok_s": batch * steps / s, "ratio": full / s,
+                    "tok_s": batch * steps / s, "ratio": full / s, "ratio_dense": dense / s,
                     "choosing": c / s if name in SELECTING and time_choosing else None,
                 }
                 for name, (s, c) in best.items()
             }
-            log(f"{n} tokens: " + ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in results[n].items()))
+            log(f"{n} tokens: " + ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in results[n].items())
+                + " (ratios to full)")
         return results
     finally:
         Executor.selected_slots = original  # type: ignore[method-assign]
@@ -155,10 +165,12 @@ def table(results: dict[int, dict[str, dict[str, float | None]]], title: str) ->
     """A markdown table: tok/s (ratio to full) per length, and the share of a step spent choosing."""
     lengths = list(results)
     names = list(next(iter(results.values())))
-    lines = [title, "", "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | choosing (share of a step) |",
+    lines = [title, "", "tok/s (ratio to full; to dense)", "",
+             "| cache | " + " | ".join(f"{n:,} tokens" for n in lengths) + " | choosing (share of a step) |",
              "|---|" + "---|" * (len(lengths) + 1)]
     for name in names:
-        cells = [f"{results[n][name]['tok_s']:.1f} tok/s ({results[n][name]['ratio']:.2f}x)" for n in lengths]
+        cells = [f"{r['tok_s']:.1f} ({r['ratio']:.2f}x; {r['ratio_dense']:.2f}x)"
+                 for r in (results[n][name] for n in lengths)]
         shares = [results[n][name]["choosing"] for n in lengths]
         share = " / ".join("-" if c is None else f"{100 * c:.0f} %" for c in shares) if name in SELECTING else "-"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {share} |")

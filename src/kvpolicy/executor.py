@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -182,8 +183,12 @@ class Executor:
                     key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()},
                 )
                 kept = choose_directly(self.policy, inp)
-                if kept is None:  # Every token was checked as it entered the cache (guards.check_appended).
-                    kept = self.policy.select_from(inp, inputs_checked=True)
+                if kept is None:
+                    # Any other policy's stages (plugins included) get the masks as tensors of
+                    # their own, as an eviction gives them; every token was checked as it
+                    # entered the cache (guards.check_appended).
+                    whole = replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
+                    kept = self.policy.select_from(whole, inputs_checked=True)
                 select.selection[i, row_sel] = kept
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
