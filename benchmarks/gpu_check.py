@@ -10,7 +10,7 @@ written to the outputs as soon as it is done (a part that fails is recorded, not
    ``KVPolicyCache`` gives the tokens ``DynamicCache`` gives when the budget exceeds the length
    (``snapkv``, ``vase-attnv``, ``quest``, ``oracle-topk``); each row of a left-padded batch
    decodes the tokens it decodes alone under eviction and selection (``snapkv``,
-   ``vase-attnv``, ``quest``, at a budget below the length);
+   ``vase-attnv``, ``ada-snapkv`` (per-head budgets), ``quest``, at a budget below the length);
 2. **speed**: a Qwen3-4B-shaped random model, bfloat16, batch 16, a 16K-token context
    prefilled, then decode steps timed, for the full cache, eviction policies (the prompt
    compressed once it is in, so every timed step reads ``budget`` to ``budget + interval``
@@ -63,7 +63,7 @@ from kvpolicy.eval.cost import cache_bytes  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 
 EXACT_POLICIES = ("snapkv", "vase-attnv", "quest", "oracle-topk")
-ALONE_POLICIES = ("snapkv", "vase-attnv", "quest")
+ALONE_POLICIES = ("snapkv", "vase-attnv", "ada-snapkv", "quest")  # ada-snapkv: uneven heads
 SPEED_CACHES = (
     "full", "streamingllm", "snapkv", "rkv", "vase-attnv", "vase-dkv", "quest", "oracle-topk", "vase-attnv@select",
 )

@@ -141,8 +141,11 @@ def _reference(out_q, all_k, all_v, positions, valid, t):
     return ref
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
 @pytest.mark.parametrize("name", ["ada-snapkv", "ada-vase-attnv", "pyramidkv"])
-def test_uneven_layout_attention_is_exact_and_memory_constant(name):
+def test_uneven_layout_attention_is_exact_and_memory_constant(name, chunk):
+    """Decode steps (``chunk`` 1: static memory once evicting) and chunks of 3 tokens every 7th
+    step on uneven heads (causal within the chunk; they may outgrow the append room)."""
     torch.manual_seed(0)
     policy = load_policy(name, budget=24, recent=4, interval=8, window=4)
     b, hkv, g, d, layers = 2, 3, 2, 8, 3
@@ -151,7 +154,7 @@ def test_uneven_layout_attention_is_exact_and_memory_constant(name):
     seen_v = [[] for _ in range(layers)]
     memory, uneven = set(), False
     for step in range(70):
-        t = 11 if step == 0 else 1
+        t = 11 if step == 0 else chunk if step % 7 == 0 else 1
         for layer in range(layers):
             q = torch.randn(b, hkv * g, t, d, dtype=torch.float64)
             k = torch.randn(b, hkv, t, d, dtype=torch.float64)
@@ -166,7 +169,8 @@ def test_uneven_layout_attention_is_exact_and_memory_constant(name):
             uneven |= bool((held != held[..., :1]).any())
         if cache.stats()[0].evictions:
             memory.add(cache.memory_bytes())
-    assert len(memory) == 1, "buffers grew or shrank after the first eviction"
+    if chunk == 1:
+        assert len(memory) == 1, "buffers grew or shrank after the first eviction"
     if policy.allocation.per_head:
         assert uneven, "the test should exercise heads holding different counts"
 

@@ -136,7 +136,7 @@ class EvictingCache:
             return self.executor.attend_selected(group, layer_idx, queries, scaling)
         if group.uneven:
             flat_keys, flat_values = group.flat_slots(layer_idx)
-            return attend_heads(queries, flat_keys, flat_values, group.visible(layer_idx), scaling=scaling)
+            return attend_heads(queries, flat_keys, flat_values, *group.head_band(layer_idx), scaling=scaling)
         held_keys, held_values = group.slots(layer_idx)
         return attend(queries, held_keys, held_values, scaling=scaling, mask=group.plan.mask)
 

@@ -61,7 +61,7 @@ class Executor:
             classes = counts[due].unique()[:, None]
             evict_rows = self._evict_rows
         else:
-            fullest = counts - group.heads.deficit.amin(dim=(0, 2)).cpu()
+            fullest = counts + group.heads.surplus().amax(0)
             classes = torch.stack([counts, fullest], 1)[due].unique(dim=0)
             evict_rows = self._evict_heads
         for count, *width in classes.tolist():

@@ -17,6 +17,7 @@ deficit 0 that is ``h * cap + s``: the even layout, slot for slot.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class HeadLayout:
@@ -26,12 +27,25 @@ class HeadLayout:
         self.deficit = torch.zeros(num_layers, batch, kv_heads, dtype=torch.long, device=device)
         self.even = True  # every deficit is 0 (before the first eviction): the even code paths apply
         self._shift: tuple[int, torch.Tensor] | None = None
+        self._surplus: torch.Tensor | None = None
+        self._reads: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
+
+    def _changed(self) -> None:
+        self._shift = self._surplus = self._reads = None
 
     def set_deficit(self, layers: slice, rows: slice | torch.Tensor, deficit: torch.Tensor) -> None:
         """After an eviction: the new deficits of ``rows`` on every layer."""
         self.deficit[layers, rows] = deficit
         self.even = False
-        self._shift = None
+        self._changed()
+
+    def surplus(self) -> torch.Tensor:
+        """``[Lyr, B]`` on the host: slots the fullest head of each (layer, row) holds beyond the
+        row's count. Constant between evictions (all heads grow together), so reading it syncs
+        once per eviction, not once per step."""
+        if self._surplus is None:
+            self._surplus = (-self.deficit).amax(-1).cpu()
+        return self._surplus
 
     def shift(self, capacity: int) -> torch.Tensor:
         """``[Lyr, B, Hkv]``: flat slot of row slot ``s`` of head ``h`` is ``shift[..., h] + s``."""
@@ -54,20 +68,72 @@ class HeadLayout:
         flat = torch.where(valid, shift[..., None] + row_slot[None, :, None, :], 0)
         return flat, valid
 
-    def width(self, counts: torch.Tensor, rows: slice | torch.Tensor = slice(None)) -> int:
-        """Slots held by the fullest head of these rows (``counts [R]``), on any layer (one sync)."""
-        return int((counts.to(self.deficit.device)[None, :, None] - self.deficit[:, rows]).max())
+    def width(
+        self, counts: torch.Tensor, rows: slice | torch.Tensor = slice(None), layers: slice = slice(None),
+    ) -> int:
+        """Slots held by the fullest head of these rows (``counts [R]``, on the host) on these layers."""
+        rows = rows.cpu() if isinstance(rows, torch.Tensor) else rows
+        return int((counts.cpu()[None, :] + self.surplus()[layers][:, rows]).max())
+
+    def _read_plan(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """What every step needs, fixed between evictions: as indices into the layer's
+        ``[B * Hkv * cap]`` slots, where row slot 0 of each head would be and its first held slot
+        (``[Lyr, B, Hkv]`` each), the column numbers ``0 .. Hkv * cap - 1``, and each layer's
+        largest surplus over its rows (host ints)."""
+        if self._reads is None or self._reads[0] != capacity:
+            b, hkv = self.deficit.shape[1:]
+            origin = self.shift(capacity) + torch.arange(b, device=self.deficit.device)[:, None] * (hkv * capacity)
+            cols = torch.arange(hkv * capacity, device=self.deficit.device)
+            self._reads = (capacity, origin, origin + self.deficit, cols, self.surplus().amax(1).tolist())
+        return self._reads[1:]
+
+    def append_index(self, capacity: int, layer: int, start: int, tokens: int) -> torch.Tensor:
+        """``[B * Hkv * T]``: where row slots ``start .. start + T - 1`` of every head of ``layer``
+        live in its ``[B * Hkv * cap]`` slots (a step appending the same slots to every row)."""
+        origin, _, cols, _ = self._read_plan(capacity)
+        return (origin[layer][..., None] + cols[start : start + tokens]).flatten()
+
+    def band(
+        self, capacity: int, layer: int, counts: torch.Tensor | int, sees: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention over ``layer`` reads: each head's slots in ``W`` columns (its fullest
+        head's count), ``(index [B, Hkv, W] into the layer's [B * Hkv * cap] slots, mask [B, Hkv,
+        T, W])``. Column ``p`` is the head's ``p``-th held slot (row slot ``d_h + p``).
+
+        ``counts``: each row's count, ``[B]`` on the host, or one int when every row holds the
+        same; ``sees [B, T]`` (device): row slots below ``sees[b, t]`` are visible to query ``t``
+        (None: a decode step, every held slot). Columns past a head's count point at its first
+        slot and are masked: what they gather is a held slot's data, which gets weight 0.
+        """
+        _, first, cols, most = self._read_plan(capacity)
+        first, deficit = first[layer], self.deficit[layer]
+        if isinstance(counts, int):
+            width = counts + most[layer]
+            held = counts - deficit  # [B, Hkv]
+        else:
+            width = int((counts + self.surplus()[layer]).max())
+            held = counts.to(deficit.device)[:, None] - deficit
+        cols = cols[:width]
+        valid = cols < held[..., None]  # [B, Hkv, W]
+        index = torch.where(valid, first[..., None] + cols, first[..., None])
+        if sees is None:
+            return index, valid[:, :, None, :]
+        row_slot = cols + deficit[..., None]  # [B, Hkv, W]
+        mask = valid[:, :, None, :] & (row_slot[:, :, None, :] < sees[:, None, :, None])  # [B, Hkv, T, W]
+        # A padding query (it sees nothing) attends its head's first slot: finite, never read.
+        return index, mask | (~mask.any(-1, keepdim=True) & (cols == 0))
 
     def select_rows(self, index: torch.Tensor) -> None:
         self.deficit = self.deficit.index_select(1, index)
-        self._shift = None
+        self._changed()
 
 
 def attend_heads(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    visible: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
     *,
     scaling: float | None = None,
 ) -> torch.Tensor:
@@ -75,18 +141,25 @@ def attend_heads(
 
     Args:
         query: ``[B, Hq, T, D]``; query head ``h*G + g`` reads KV head ``h``.
-        keys: ``[B, S, D]`` one row's slots, every head's in turn; values ``[B, S, Dv]``.
-        visible: ``[B, Hkv, T, S]`` bool, which flat slots each KV head's query ``t`` attends.
+        keys: ``[N, D]`` the layer's slots, row after row and head after head; values ``[N, Dv]``.
+        index: ``[B, Hkv, W]`` the slot (row into ``keys``) each KV head reads in column ``w``
+            (``HeadLayout.band``).
+        mask: ``[B, Hkv, T, W]`` bool, the columns each KV head's query ``t`` attends.
 
-    Returns ``[B, Hq, T, Dv]``. One matrix product scores every head's queries against the whole
-    row (the ragged heads cannot be batched as equal blocks), masked to the head's own slots.
+    Returns ``[B, Hq, T, Dv]``. Each head's columns are gathered into ``[B, Hkv, W, D]`` (rows of
+    ``D`` contiguous values, so the copy streams), then one attention call reads them: the work
+    follows the fullest head's count, not the ``Hkv`` times larger flat row that a masked product
+    over every slot would score.
     """
     b, hq, t, d = query.shape
-    s, hkv = keys.shape[1], visible.shape[1]
+    hkv, width = index.shape[1], index.shape[2]
     g = hq // hkv
-    scale = d**-0.5 if scaling is None else scaling
-    scores = torch.matmul(query.reshape(b, hq * t, d) * scale, keys.transpose(1, 2)).view(b, hkv, g, t, s)
-    scores = scores.masked_fill_(~visible[:, :, None], float("-inf"))
-    # Softmax in float32 at least (half-precision caches), as attention kernels do.
-    weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(values.dtype)
-    return torch.matmul(weights.view(b, hq * t, s), values).view(b, hq, t, values.shape[-1])
+    flat = index.flatten()
+    k = keys.index_select(0, flat).view(b, hkv, width, d)
+    v = values.index_select(0, flat).view(b, hkv, width, -1)
+    # A KV head's G query heads act as G * T query rows of it: no key or value repeat.
+    q = query.reshape(b, hkv, g * t, d)
+    if g > 1:
+        mask = mask[:, :, None].expand(b, hkv, g, t, width).reshape(b, hkv, g * t, width)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.view(b, hq, t, v.shape[-1])

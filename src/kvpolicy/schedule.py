@@ -17,10 +17,10 @@ class Schedule(BaseModel):
     """The decode-phase schedule of a policy.
 
     After each decoded token is appended, eviction fires when a layer holds ``L > budget`` slots
-    and ``L % interval == 0`` (``count="slots"``; ``count="tokens"`` tests the padded sequence
-    length instead, as R-KV does). It keeps ``budget`` slots: the ``recent`` newest slots are
-    never candidates and always kept; the ``L - recent`` older slots compete for the other
-    ``budget - recent``. Attention scorers see the last ``window`` post-RoPE queries.
+    and ``L % interval == 0`` (``count="slots"``; ``count="tokens"`` tests the tokens seen
+    instead, as R-KV does: each row's own real tokens, so a padded row evicts as it would alone).
+    It keeps ``budget`` slots: the ``recent`` newest slots are never candidates and always kept;
+    the ``L - recent`` older slots compete for the other ``budget - recent``. Attention scorers see the last ``window`` post-RoPE queries.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -82,7 +82,7 @@ class Schedule(BaseModel):
     def due(self, slots: Any, tokens: Any, *, prompt: bool = False) -> Any:
         """The one "is an eviction due" rule, for ints or ``[B]`` long tensors alike.
 
-        ``slots`` held after ``tokens`` (padded) positions; ``prompt``: this step completed the
+        ``slots`` held after ``tokens`` real tokens seen; ``prompt``: this step completed the
         prompt. Prefill never evicts unless the policy compresses a long prompt once it is in;
         after that, eviction fires when more than ``budget`` slots are held and the counted
         number (slots, or tokens for ``count="tokens"``) is a multiple of ``interval``. The

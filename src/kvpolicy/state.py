@@ -325,46 +325,42 @@ class LayerGroup:
 
     def _write_heads(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``write`` into a flat per-head layout: row slot ``s`` of head ``h`` at ``shift[h] + s``."""
-        plan, buf = self.plan, self.buffers
-        shift = self.heads.shift(buf.capacity)[i]  # type: ignore[union-attr]
-        b, hkv, t = keys.shape[:3]
-        for name, new in (("keys", keys), ("values", values)):
-            flat = getattr(buf, name)[i].flatten(1, 2)  # [B, Hkv * cap, D]
-            if plan.start is not None:
-                where = shift[:, :, None] + torch.arange(plan.start, plan.start + t, device=shift.device)
-                flat.scatter_(1, where.view(b, hkv * t, 1).expand(-1, -1, new.shape[-1]), new.reshape(b, hkv * t, -1))
-            elif plan.rows is not None and plan.slots is not None and plan.cols is not None:
-                where = shift[plan.rows] + plan.slots[:, None]  # [nnz, Hkv]
-                flat[plan.rows[:, None], where] = new[plan.rows, :, plan.cols]
-
-    def visible(self, layer: int) -> torch.Tensor:
-        """Flat per-head layout: ``[B, Hkv, T, E]`` bool, the flat slots (the first ``E`` of each
-        row) that each KV head's query ``t`` of the current step attends."""
-        plan, i = self.plan, self.member[layer]
-        heads, cap = self.heads, self.buffers.capacity
+        plan, buf, heads = self.plan, self.buffers, self.heads
         assert heads is not None
-        padded = plan.sees is not None  # only a padded step has queries that see nothing
+        if plan.start is not None:  # every row appends the same slots: one index for all
+            where = heads.append_index(buf.capacity, i, plan.start, plan.tokens)
+            buf.keys[i].flatten(0, 2).index_copy_(0, where, keys.flatten(0, 2))
+            buf.values[i].flatten(0, 2).index_copy_(0, where, values.flatten(0, 2))
+            return
+        shift = heads.shift(buf.capacity)[i]
+        if plan.rows is not None and plan.slots is not None and plan.cols is not None:
+            where = shift[plan.rows] + plan.slots[:, None]  # [nnz, Hkv]
+            for name, new in (("keys", keys), ("values", values)):
+                getattr(buf, name)[i].flatten(1, 2)[plan.rows[:, None], where] = new[plan.rows, :, plan.cols]
+
+    def head_band(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat per-head layout: what attention over ``layer`` reads this step (``HeadLayout.band``):
+        ``(index [B, Hkv, W], mask [B, Hkv, T, W])``."""
+        plan, heads = self.plan, self.heads
+        assert heads is not None
         if plan.sees is not None:
-            sees = plan.sees
+            sees = plan.sees  # a padded step: each query's own visible row slots
+        elif plan.tokens == 1:
+            sees = None  # a decode step sees every held slot
         else:
             sees = (torch.arange(plan.tokens, device=self.device) + (plan.start or 0) + 1).expand(plan.batch, -1)
-        extent = (self.buffers.keys.shape[2] - 1) * cap + self.extent(layer)
-        shift = heads.shift(cap)[i]  # [B, Hkv]
-        first = shift + heads.deficit[i]  # each head's first flat slot
-        ends = shift[:, :, None] + sees[:, None, :]  # [B, Hkv, T]: flat slots below it are seen
-        flat = torch.arange(extent, device=self.device)
-        visible = (flat >= first[:, :, None, None]) & (flat < ends[..., None])
-        if not padded:
-            return visible
-        # A padding query (it sees nothing) attends the head's first slot: finite, never read.
-        blind = (ends <= first[:, :, None])[..., None]
-        return visible | (blind & (flat == first[:, :, None, None]))
+        alike = self.rows.alike  # while rows are alike their count is one int (the fast path stays)
+        if alike is not None:
+            counts: torch.Tensor | int = alike[0] if self.written(layer) else alike[1]
+        else:
+            counts = self.counts_of(layer)
+        return heads.band(self.buffers.capacity, self.member[layer], counts, sees)
 
     def flat_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat per-head layout: ``layer``'s keys ``[B, E, D]`` and values, every head in turn."""
-        i, cap = self.member[layer], self.buffers.capacity
-        extent = (self.buffers.keys.shape[2] - 1) * cap + self.extent(layer)
-        return (self.buffers.keys[i].flatten(1, 2)[:, :extent], self.buffers.values[i].flatten(1, 2)[:, :extent])
+        """Flat per-head layout: ``layer``'s keys ``[B * Hkv * cap, D]`` and values, row after
+        row, every head in turn (what ``head_band``'s index addresses)."""
+        i = self.member[layer]
+        return self.buffers.keys[i].flatten(0, 2), self.buffers.values[i].flatten(0, 2)
 
     def head_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat per-head layout: copies of ``layer``'s keys, values and positions ``[B, Hkv, N,
