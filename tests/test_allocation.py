@@ -264,9 +264,55 @@ def test_vllm_refuses_uneven_budgets():
         resolve({"policy": "ada-snapkv"})
 
 
-def test_select_mode_refuses_per_head_allocations():
-    with pytest.raises(PolicyError, match="select mode does not support"):
-        kvpolicy.load_policy("ada-snapkv@select")
+def test_per_head_select_mode_needs_a_recent_buffer():
+    with pytest.raises(PolicyError, match="recent"):
+        kvpolicy.load_policy("ada-snapkv@select", recent=0)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_per_head_select_mode_attends_each_heads_own_choice_exactly(b):
+    """Select mode with per-head budgets: at each choice the layer's ``Hkv * budget`` slots go to
+    the heads as ``Policy.select_heads`` shares them on the full cache; each head then attends
+    its own chosen slots plus the tokens appended since, in float64 to rounding."""
+    torch.manual_seed(0)
+    policy = load_policy("ada-snapkv@select", budget=24, recent=4, interval=8, window=4)
+    hkv, g, d, layers = 3, 2, 8, 2
+    cache = EvictingCache(policy, layers)
+    seen = [{"k": [], "v": [], "q": []} for _ in range(layers)]
+    chosen: list[torch.Tensor | None] = [None] * layers
+    chosen_at = [0] * layers
+    uneven = choices = 0
+    for step in range(60):
+        t = 11 if step == 0 else 1
+        for layer in range(layers):
+            q = torch.randn(b, hkv * g, t, d, dtype=torch.float64)
+            k = torch.randn(b, hkv, t, d, dtype=torch.float64)
+            v = torch.randn(b, hkv, t, d, dtype=torch.float64)
+            out = cache.attend(layer, q, k, v)
+            for name, x in (("k", k), ("v", v), ("q", q)):
+                seen[layer][name].append(x)
+            if t > 1:
+                continue
+            keys, values, queries = (torch.cat(seen[layer][n], 2) for n in ("k", "v", "q"))
+            n = keys.shape[2]
+            if n > 24 and (chosen[layer] is None or n - chosen_at[layer] >= 8):
+                keep, counts = policy.select_heads(keys, values, queries[:, :, -4:], layer_idx=layer)
+                assert (counts.sum(-1) == hkv * 24).all()
+                uneven += int((counts != counts[..., :1]).any())
+                choices += 1
+                chosen[layer], chosen_at[layer] = keep, n
+            attended = torch.ones(b, hkv, n, dtype=torch.bool)
+            if chosen[layer] is not None and n > 24:
+                attended[..., : chosen_at[layer]] = chosen[layer]
+            ref = torch.empty_like(out)
+            for r in range(b):
+                for h in range(hkv):
+                    slots = attended[r, h].nonzero().squeeze(1)
+                    for j in range(g):
+                        weights = torch.softmax(keys[r, h, slots] @ q[r, h * g + j, 0] / d**0.5, 0)
+                        ref[r, h * g + j, 0] = weights @ values[r, h, slots]
+            torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    assert choices >= 10 and uneven, "the test should exercise heads choosing different counts"
 
 
 def test_the_reconstruction_metric_uses_each_layers_budget_and_heads():

@@ -40,6 +40,9 @@ SELECT_POLICIES = {
     "oracle-topk": {"budget": 24},
     "quest": {"budget": 32, "recent": 8, "page_size": None},
     "vase-attnv@select": {"budget": 32, "recent": 8, "interval": 4, "window": 8},
+    # Per-head budgets: each head chooses its own count out of the layer's pool.
+    "ada-snapkv@select": {"budget": 32, "recent": 8, "interval": 4, "window": 8},
+    "ada-vase-attnv@select": {"budget": 32, "recent": 8, "interval": 4, "window": 8},
 }
 
 
@@ -63,7 +66,7 @@ def test_mode_is_validated_like_any_field():
 
 
 # -- exactness ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select"])
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select", "ada-snapkv@select"])
 def test_budget_above_the_length_is_token_identical_to_the_full_cache(qwen3, name):
     ids, mask = _prompt(seed=1)
     ref_model, model = _fresh(qwen3), _fresh(qwen3)
@@ -166,7 +169,7 @@ def test_quest_chooses_whole_pages_by_their_bound():
 
 
 # -- select mode wherever eviction works --------------------------------------------------------------
-@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select"])
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select", "ada-snapkv@select", "ada-vase-attnv@select"])
 def test_select_mode_padded_rows_decode_as_alone(qwen3, name):
     model = _fresh(qwen3)
     ids, mask = _prompt(pads=(0, 7), seed=2)

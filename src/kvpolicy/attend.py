@@ -34,7 +34,8 @@ def attend(
         scaling: the softmax scale (default ``D ** -0.5``).
         mask: ``[B, 1, T, L]`` bool, which slots each query attends (shared by the heads), or
             ``None`` when every slot holds a real token and the new tokens are the last ``T``
-            slots (plain causal attention, aligned bottom-right).
+            slots (plain causal attention, aligned bottom-right). A one-token step (``T = 1``)
+            may also pass ``[B, Hkv, 1, L]``, a mask per KV head.
 
     Returns:
         ``[B, Hq, T, D]``. A query whose row attends no real slot gets a finite, meaningless output.

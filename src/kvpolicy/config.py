@@ -78,10 +78,10 @@ class PolicyConfig(BaseModel):
         sched = self.schedule
         if self.mode == "select" and sched.compress_prompt:
             raise ValueError("compress_prompt evicts the prompt: it has no meaning in select mode")
-        if self.mode == "select" and self.allocation.per_head:
+        if self.mode == "select" and self.allocation.per_head and sched.recent < 1:
             raise ValueError(
-                f"allocation {self.allocation.type_name!r} shares slots per head, which select mode does not "
-                "support yet: use it with mode: evict (per-layer allocations work in both modes)"
+                f"allocation {self.allocation.type_name!r} in select mode needs schedule.recent >= 1: a head "
+                "may choose few slots, and the recent buffer keeps each head attending its newest token"
             )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
         if sched.recent + reserved > sched.budget:

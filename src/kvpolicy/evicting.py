@@ -111,8 +111,8 @@ class EvictingCache:
         valid = group.valid(layer_idx).expand(-1, keys.shape[1], -1)
         if group.selecting:  # select mode: only the chosen slots are valid for this step
             valid = valid.clone()
-            for row_sel, _, index in self.executor.selected_slots(group, layer_idx):
-                if index is not None:
+            for row_sel, _, index, _ in self.executor.selected_slots(group, layer_idx):
+                if index is not None:  # columns past a head's count repeat a chosen slot
                     valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
         return view.keys, view.values, valid
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,6 +25,15 @@ from .policy import Policy, eviction_input
 from .selection import SelectionState, choose_directly
 from .slots import block, compact_rows, gather_slots
 from .state import CacheStateError, LayerGroup
+
+
+class ChosenSlots(NamedTuple):
+    """What one class of rows attends at a select-mode decode step of one layer."""
+
+    rows: slice | torch.Tensor  # the rows (a slice of all, or device indices)
+    held: int  # slots each of them holds
+    slots: torch.Tensor | None  # [R, Hkv, K] the slots attended; None: all ``held``
+    valid: torch.Tensor | None  # [R, Hkv, K] bool, which columns of ``slots`` count; None: all
 
 
 class Executor:
@@ -144,29 +153,29 @@ class Executor:
         heads.set_deficit(slice(None), row_sel, budget - kept_counts.view(n_layers, n_rows, hkv))
         group.evicted(rows, budget)
 
-    def selected_slots(self, group: LayerGroup, layer: int) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
-        """Select mode, one decode step of ``layer``: per class of rows ``(rows, count, index)``,
-        ``index [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the policy plus
-        the tokens appended since the choice), or None for rows holding ``budget`` slots or fewer
-        (they attend all). Rows that choose anew at this step run the policy on this layer's slots
-        first; rows holding different counts run apart, each as it would alone."""
+    def selected_slots(self, group: LayerGroup, layer: int) -> list[ChosenSlots]:
+        """Select mode, one decode step of ``layer``: per class of rows ``ChosenSlots(rows, held,
+        slots, valid)``, ``slots [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by
+        the policy plus the tokens appended since the choice), or None for rows holding
+        ``budget`` slots or fewer (they attend all). Under a per-head allocation heads choose
+        different counts and ``valid [R, Hkv, K]`` says which columns count (else None). Rows
+        that choose anew at this step run the policy on this layer's slots first; rows holding
+        different counts run apart, each as it would alone."""
         if self.timer is None:
             return self._selected_slots(group, layer)
         with self.timer("select"):
             return self._selected_slots(group, layer)
 
-    def _selected_slots(
-        self, group: LayerGroup, layer: int
-    ) -> list[tuple[slice | torch.Tensor, int, torch.Tensor | None]]:
+    def _selected_slots(self, group: LayerGroup, layer: int) -> list[ChosenSlots]:
         i = group.member[layer]
         select = _selection_state(group)
         budget = group.schedule.budget
         keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
-        out: list[tuple[slice | torch.Tensor, int, torch.Tensor | None]] = []
+        out: list[ChosenSlots] = []
         for count, fresh, chosen_at, rows in _row_classes(group):
             row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(group.device)
             if count <= budget:
-                out.append((row_sel, count, None))
+                out.append(ChosenSlots(row_sel, count, None, None))
                 continue
             if fresh:
                 window, window_valid = group.ring.windows(slice(i, i + 1), row_sel)
@@ -182,17 +191,27 @@ class Executor:
                     evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
                     key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()},
                 )
-                kept = choose_directly(self.policy, inp)
-                if kept is None:
-                    # Any other policy's stages (plugins included) get the masks as tensors of
-                    # their own, as an eviction gives them; every token was checked as it
-                    # entered the cache (guards.check_appended).
+                if select.per_head:  # each head chooses its own count out of the layer's pool
                     whole = replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
-                    kept = self.policy.select_from(whole, inputs_checked=True)
-                select.selection[i, row_sel] = kept
+                    select.store_heads(i, row_sel, *self.policy.select_heads_from(whole))
+                else:
+                    kept = choose_directly(self.policy, inp)
+                    if kept is None:
+                        # Any other policy's stages (plugins included) get the masks as tensors of
+                        # their own, as an eviction gives them; every token was checked as it
+                        # entered the cache (guards.check_appended).
+                        whole = replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
+                        kept = self.policy.select_from(whole, inputs_checked=True)
+                    select.selection[i, row_sel] = kept
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
-            out.append((row_sel, count, torch.cat([chosen, tail], dim=-1)))
+            index = torch.cat([chosen, tail], dim=-1)
+            valid = None
+            if select.per_head:  # columns past a head's count repeat its first chosen slot
+                cols = torch.arange(index.shape[-1], device=group.device)
+                counts = select.head_counts[i, row_sel][..., None]
+                valid = (cols < counts) | (cols >= chosen.shape[-1])
+            out.append(ChosenSlots(row_sel, count, index, valid))
         return out
 
     def attend_selected(
@@ -203,11 +222,12 @@ class Executor:
         i = group.member[layer]
         keys, values = group.buffers.keys[i : i + 1], group.buffers.values[i : i + 1]
         out = queries.new_empty(queries.shape)
-        for row_sel, count, index in self.selected_slots(group, layer):
+        for row_sel, count, index, valid in self.selected_slots(group, layer):
             k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
             if index is not None:
                 k, v = gather_slots(k, index), gather_slots(v, index)
-            out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling)
+            mask = None if valid is None else valid[:, :, None, :]  # per KV head (per-head allocations)
+            out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling, mask=mask)
         return out
 
 

@@ -26,14 +26,21 @@ class SelectionState:
     """Per layer ``selection [Lyr, B, Hkv, budget]`` (allocated at the first choice: a cache that
     never holds more than ``budget`` slots never chooses); per row the count it held when it chose
     (``selected_at``, -1: none) and whether it chooses anew at this step (``reselect``); per
-    page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``)."""
+    page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``).
+
+    Under a per-head allocation (``per_head``) a head may choose up to the layer's whole pool,
+    ``Hkv * budget`` slots: ``selection`` is ``[Lyr, B, Hkv, Hkv * budget]``, each head's chosen
+    slots first (ascending), the columns past its count (``head_counts [Lyr, B, Hkv]``) repeating
+    its first chosen slot, so that they gather real data and a mask leaves them out."""
 
     def __init__(
         self, num_layers: int, batch: int, kv_heads: int, budget: int, capacity: int,
-        page_sizes: frozenset[int], like: torch.Tensor,
+        page_sizes: frozenset[int], like: torch.Tensor, per_head: bool = False,
     ) -> None:
-        self._selection_shape = (num_layers, batch, kv_heads, budget)
+        self.per_head = per_head
+        self._selection_shape = (num_layers, batch, kv_heads, kv_heads * budget if per_head else budget)
         self._selection: torch.Tensor | None = None
+        self._head_counts: torch.Tensor | None = None
         self._device = like.device
         self.selected_at = torch.full((batch,), -1, dtype=torch.long)
         self.reselect = torch.zeros(batch, dtype=torch.bool)
@@ -48,6 +55,25 @@ class SelectionState:
         if self._selection is None:
             self._selection = torch.zeros(self._selection_shape, dtype=torch.long, device=self._device)
         return self._selection
+
+    @property
+    def head_counts(self) -> torch.Tensor:
+        """Per-head allocations: ``[Lyr, B, Hkv]`` long, the slots each head chose."""
+        if self._head_counts is None:
+            self._head_counts = torch.zeros(self._selection_shape[:3], dtype=torch.long, device=self._device)
+        return self._head_counts
+
+    def store_heads(self, i: int, rows: slice | torch.Tensor, keep: torch.Tensor, counts: torch.Tensor) -> None:
+        """Per-head allocations: layer ``i``'s choice for ``rows``, ``keep [R, Hkv, N]`` bool with
+        ``counts [R, Hkv]`` True per head (``Policy.select_heads_from``)."""
+        width = self._selection_shape[3]
+        # A stable sort of the keep flags puts each head's kept slots first, in ascending order.
+        order = torch.sort(keep.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :width]
+        if order.shape[-1] < width:  # fewer slots held than the pool: the rest is padding
+            order = torch.nn.functional.pad(order, (0, width - order.shape[-1]))
+        past = torch.arange(width, device=order.device) >= counts[..., None]
+        self.selection[i, rows] = torch.where(past, order[..., :1], order)
+        self.head_counts[i, rows] = counts
 
     def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> torch.Tensor:
         """Which rows choose anew at a step of ``t`` tokens; returns the rows that chose at the
@@ -121,10 +147,12 @@ class SelectionState:
         self._selection_shape = (lyr, host.numel(), hkv, budget)
         if self._selection is not None:
             self._selection = self._selection.index_select(1, dev)
+        if self._head_counts is not None:
+            self._head_counts = self._head_counts.index_select(1, dev)
         self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
 
     def nbytes(self) -> int:
-        chosen = [] if self._selection is None else [self._selection]
+        chosen = [t for t in (self._selection, self._head_counts) if t is not None]
         tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
 

@@ -93,13 +93,14 @@ class LayerGroup:
             len(layer_ids), b, h, self._capacity(int(added.max())), d, values.shape[-1], keys.dtype, keys.device
         )
         self.rows = RowCounters(b)
-        # Per-head allocations: heads of a row hold different counts after an eviction.
-        self.heads = HeadLayout(len(layer_ids), b, h, keys.device) if per_head else None
+        # Per-head allocations: heads of a row hold different counts after an eviction (select
+        # mode evicts nothing: its heads choose different counts, see SelectionState).
+        self.heads = HeadLayout(len(layer_ids), b, h, keys.device) if per_head and not select_mode else None
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         self.select: SelectionState | None = None
         if select_mode:
             self.select = SelectionState(
-                len(layer_ids), b, h, schedule.budget, self.buffers.capacity, page_sizes, keys
+                len(layer_ids), b, h, schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
             )
         self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
         self.tokens_seen = 0  # padded positions, after the current step
