@@ -125,12 +125,13 @@ def _responses(results) -> dict[int, list[str]]:
 
 
 # -- the model class ---------------------------------------------------------------------------------
-def test_batched_generation_gives_each_problem_its_batch_1_result(tiny_model, task_file, tmp_path):
+@pytest.mark.parametrize("policy", ["snapkv", "ada-snapkv"])  # ada-snapkv: per-head budgets
+def test_batched_generation_gives_each_problem_its_batch_1_result(tiny_model, task_file, tmp_path, policy):
     from kvpolicy.eval.lmeval import KVPolicyLM
 
     out = {}
     for batch in (1, 3):
-        lm = KVPolicyLM(str(tiny_model), policy="snapkv", budget=96, batch_size=batch,
+        lm = KVPolicyLM(str(tiny_model), policy=policy, budget=96, batch_size=batch,
                         records=str(tmp_path / f"b{batch}.jsonl"), progress_every=0)
         results = _evaluate(lm, task_file)
         out[batch] = (_responses(results), lm.cost.total)
