@@ -24,6 +24,7 @@ from .attend import attend
 from .policy import Policy, eviction_input
 from .selection import SelectionState, choose_directly
 from .slots import block, compact_rows, gather_slots
+from .stages.base import EvictionInput
 from .state import CacheStateError, LayerGroup
 
 
@@ -192,16 +193,11 @@ class Executor:
                     key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()},
                 )
                 if select.per_head:  # each head chooses its own count out of the layer's pool
-                    whole = replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
-                    select.store_heads(i, row_sel, *self.policy.select_heads_from(whole))
+                    select.store_heads(i, row_sel, *self.policy.select_heads_from(_with_own_masks(inp)))
                 else:
                     kept = choose_directly(self.policy, inp)
-                    if kept is None:
-                        # Any other policy's stages (plugins included) get the masks as tensors of
-                        # their own, as an eviction gives them; every token was checked as it
-                        # entered the cache (guards.check_appended).
-                        whole = replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
-                        kept = self.policy.select_from(whole, inputs_checked=True)
+                    if kept is None:  # every token was checked as it entered the cache
+                        kept = self.policy.select_from(_with_own_masks(inp), inputs_checked=True)
                     select.selection[i, row_sel] = kept
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=group.device).expand(*chosen.shape[:2], -1)
@@ -245,6 +241,12 @@ def _row_classes(group: LayerGroup) -> list[tuple[int, bool, int, torch.Tensor]]
         rows = ((counts == count) & (reselect == bool(fresh)) & (selected_at == chosen_at)).nonzero().squeeze(1)
         classes.append((count, bool(fresh), chosen_at, rows))
     return classes
+
+
+def _with_own_masks(inp: EvictionInput) -> EvictionInput:
+    """Select mode's input with ``slot_valid`` and ``positions`` as tensors of their own (they are
+    expanded views): a policy's stages, plugins included, get them as an eviction gives them."""
+    return replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
 
 
 def _selection_state(group: LayerGroup) -> SelectionState:
