@@ -212,11 +212,7 @@ def _decode_at_context(model, cache, prompt: torch.Tensor, steps: int, device: t
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
-        token = out.logits[:, -1:].argmax(-1)
-        del out
-        out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
-        token = out.logits[:, -1:].argmax(-1)
+        token = long_decode_bench.prefill(model, cache, prompt, kw)
         sync(device)
         peak_prefill = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         if device.type == "cuda":

@@ -99,16 +99,22 @@ def make_cache(name: str, model, budget: int):
     return KVPolicyCache(kvpolicy.load_policy(name, budget=budget, **over), model)
 
 
+def prefill(model, cache, prompt: torch.Tensor, kw: str) -> torch.Tensor:
+    """Prefill ``prompt`` densely, then one untimed decode step (a compressing policy evicts the
+    prompt there; allocators warm up); returns the next tokens ``[B, 1]``. Call under
+    ``torch.inference_mode``; ``kw``: the forward's cache argument (``_cache_kwarg``)."""
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
+    token = out.logits[:, -1:].argmax(-1)
+    del out
+    out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
+    return out.logits[:, -1:].argmax(-1)
+
+
 def time_decode(model, cache, prompt: torch.Tensor, steps: int, device: torch.device) -> tuple[float, float]:
     """Prefill ``prompt`` densely, then time ``steps`` decode steps: ``(seconds, choosing seconds)``."""
     kw = _cache_kwarg(model)
     with torch.inference_mode():
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{kw: cache})
-        token = out.logits[:, -1:].argmax(-1)
-        del out
-        # One untimed step: streamingllm's first step evicts the prompt; allocators warm up.
-        out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
-        token = out.logits[:, -1:].argmax(-1)
+        token = prefill(model, cache, prompt, kw)
         _sync(device)
         _CHOOSING[0] = 0.0
         start = time.perf_counter()
