@@ -175,6 +175,26 @@ def test_uneven_layout_attention_is_exact_and_memory_constant(name, chunk):
         assert uneven, "the test should exercise heads holding different counts"
 
 
+def test_what_locates_the_heads_is_computed_once_per_eviction():
+    """docs/allocation.md: the head layout's read plan (and its one host copy, each row's
+    surplus) is built after an eviction and reused by every step until the next one."""
+    torch.manual_seed(0)
+    cache = EvictingCache(load_policy("ada-snapkv", budget=24, recent=4, interval=8, window=4), 1)
+    plans, evictions, held = [], [], []  # held: keeps the objects alive, so ids are not reused
+    for step in range(40):
+        t = 11 if step == 0 else 1
+        cache.attend(0, torch.randn(1, 4, t, 8), torch.randn(1, 2, t, 8), torch.randn(1, 2, t, 8))
+        heads = cache.layers[0].group.heads
+        if not heads.even:
+            held.append((heads._reads, heads._surplus))
+            plans.append((id(heads._reads), id(heads._surplus)))
+            evictions.append(cache.stats()[0].evictions)
+    assert len(set(evictions)) >= 2, "the test should span several evictions"
+    # One plan per eviction: steps between evictions reuse it.
+    assert len(set(plans)) == len(set(evictions))
+    assert all(plans[i] == plans[i + 1] for i in range(len(plans) - 1) if evictions[i] == evictions[i + 1])
+
+
 def test_kv_bytes_are_the_kept_slots_plus_headroom_over_3000_tokens():
     policy = load_policy("ada-snapkv", budget=32, recent=8, interval=8, window=8)
     b, hkv, d = 2, 2, 4
