@@ -10,7 +10,9 @@ written to the outputs as soon as it is done (a part that fails is recorded, not
    ``KVPolicyCache`` gives the tokens ``DynamicCache`` gives when the budget exceeds the length
    (``snapkv``, ``vase-attnv``, ``quest``, ``oracle-topk``); each row of a left-padded batch
    decodes the tokens it decodes alone under eviction and selection (``snapkv``,
-   ``vase-attnv``, ``ada-snapkv`` (per-head budgets), ``quest``, at a budget below the length);
+   ``vase-attnv``, ``ada-snapkv`` (per-head budgets), ``quest``, at a budget below the length),
+   end to end where the full cache is batch-invariant on the device and dtype, else kvpolicy's
+   part on replayed inputs (``kvpolicy.hf.padded_rows``; each row says which and why);
 2. **speed**: a Qwen3-4B-shaped random model, bfloat16, batch 16, a 16K-token context
    prefilled, then decode steps timed, for the full cache, eviction policies (the prompt
    compressed once it is in, so every timed step reads ``budget`` to ``budget + interval``
@@ -61,6 +63,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E4
 import kvpolicy  # noqa: E402
 from kvpolicy.eval.cost import cache_bytes  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
+from kvpolicy.hf.padded_rows import check_padded_rows  # noqa: E402
 
 EXACT_POLICIES = ("snapkv", "vase-attnv", "quest", "oracle-topk")
 ALONE_POLICIES = ("snapkv", "vase-attnv", "ada-snapkv", "quest")  # ada-snapkv: uneven heads
@@ -157,13 +160,14 @@ def exactness(device: torch.device, log) -> list[dict[str, Any]]:
         for name in ALONE_POLICIES:
             over = {"budget": 32, "recent": 8} if name == "quest" else {"budget": 32, "recent": 8, "window": 8, "interval": 4}
             policy = kvpolicy.load_policy(name, **over)
-            batched = generate(model, KVPolicyCache(policy, model), ids, mask, 48)
-            for r in range(2):
-                keep = mask[r].bool()
-                alone = generate(model, KVPolicyCache(policy, model), ids[r : r + 1, keep], None, 48)
-                step = first_difference(batched[r, ids.shape[1]:], alone[0, int(keep.sum()):])
-                out.append({"check": f"left-padded row {r} = the row alone ({policy.mode})", "policy": name,
-                            "dtype": dtype_name, "passed": step is None, "first_difference": step})
+            # End to end where the full cache is batch-invariant on this hardware and dtype, else
+            # kvpolicy's part on replayed inputs (kvpolicy.hf.padded_rows).
+            for row in check_padded_rows(model, policy, ids, mask, 48):
+                out.append({"check": f"left-padded row {row.row} = the row alone ({policy.mode})", "policy": name,
+                            "dtype": dtype_name, "passed": row.passed, "method": row.method,
+                            "verdict": row.verdict, "first_difference": row.first_difference,
+                            "full_cache_parts_at": row.full_cache.tokens_from,
+                            "full_cache_logits_differ_from": row.full_cache.logits_from})
             model.set_attn_implementation("sdpa")
         del model
         log(f"exactness {dtype_name}: {sum(c['passed'] for c in out if c['dtype'] == dtype_name)} of "
@@ -266,7 +270,10 @@ def markdown(report: dict[str, Any]) -> str:
     if "exactness" in report:
         lines += ["## Exactness", "", "| check | policy | dtype | result |", "|---|---|---|---|"]
         for c in report["exactness"]:
-            result = "pass" if c["passed"] else f"FAIL (first differing token {c['first_difference']})"
+            if "verdict" in c:  # a padded-row check says which comparison applied, and why
+                result = ("pass: " if c["passed"] else "FAIL: ") + c["verdict"]
+            else:
+                result = "pass" if c["passed"] else f"FAIL (first differing token {c['first_difference']})"
             lines.append(f"| {c['check']} | {c['policy']} | {c['dtype']} | {result} |")
         lines.append("")
     if "speed" in report:

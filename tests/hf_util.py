@@ -52,3 +52,13 @@ def generate(model, cache, ids, mask, n: int, **kw):
             input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
             pad_token_id=0, **{CACHE_ARG: cache}, **kw,
         )
+
+
+def assert_rows_decode_as_alone(model, policy, ids, mask, n: int) -> None:
+    """Every row of the left-padded batch decodes under ``policy`` as it does alone: end to end
+    where the full cache is batch-invariant on this machine, else on replayed inputs (the rule
+    and its report: ``kvpolicy.hf.padded_rows``)."""
+    from kvpolicy.hf.padded_rows import check_padded_rows
+
+    rows = check_padded_rows(model, policy, ids, mask, n)
+    assert all(row.passed for row in rows), [f"row {row.row}: {row.verdict} ({row.detail})" for row in rows]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from hf_util import CACHE_ARG, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import CACHE_ARG, assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 
 import kvpolicy  # noqa: E402
@@ -146,14 +146,8 @@ def test_a_reset_cache_decodes_exactly_as_a_fresh_one(qwen3, name):
 def test_stochastic_padded_rows_decode_as_alone(qwen3, name, pad):
     """Each row draws from its own stream (keyed by its layer and its own evictions), so a
     stochastic policy gives a padded row the tokens it gets alone."""
-    model = _fresh(qwen3)
     ids, mask = _prompt(pads=(0, pad), seed=6)
-    n = 72
-    batched = _generate(model, KVPolicyCache(_small(name), model), ids, mask, n)
-    for r in range(2):
-        keep = mask[r].bool()
-        alone = _generate(model, KVPolicyCache(_small(name), model), ids[r : r + 1, keep], None, n)
-        assert torch.equal(batched[r, ids.shape[1] :], alone[0, keep.sum() :]), f"row {r}"
+    assert_rows_decode_as_alone(_fresh(qwen3), _small(name), ids, mask, 72)
 
 
 def test_independent_rows_draw_apart_and_reproduce():

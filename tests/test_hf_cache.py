@@ -11,7 +11,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from hf_util import CACHE_ARG, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import CACHE_ARG, assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
@@ -172,12 +172,7 @@ def test_padded_batch_rows_match_rows_alone(qwen3, name, pad):
     # the interval (5 is not: the rows then evict at different steps).
     ids, mask = _prompt(length=24, pads=(0, pad), seed=3)
     n = 96
-    model = _fresh(qwen3)
-    batched = _generate(model, KVPolicyCache(_policy(name), model), ids, mask, n)
-    for r in range(2):
-        keep = mask[r].bool()
-        alone = _generate(model, KVPolicyCache(_policy(name), model), ids[r : r + 1, keep], None, n)
-        assert torch.equal(batched[r, ids.shape[1] :], alone[0, keep.sum() :]), f"row {r}"
+    assert_rows_decode_as_alone(_fresh(qwen3), _policy(name), ids, mask, n)
 
 
 # -- (d) seeded stochastic policies reproduce ----------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 from helpers import make_input  # noqa: E402
-from hf_util import fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
+from hf_util import assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
@@ -171,14 +171,8 @@ def test_quest_chooses_whole_pages_by_their_bound():
 # -- select mode wherever eviction works --------------------------------------------------------------
 @pytest.mark.parametrize("name", ["oracle-topk", "quest", "vase-attnv@select", "ada-snapkv@select", "ada-vase-attnv@select"])
 def test_select_mode_padded_rows_decode_as_alone(qwen3, name):
-    model = _fresh(qwen3)
     ids, mask = _prompt(pads=(0, 7), seed=2)
-    n = 48
-    batched = _generate(model, KVPolicyCache(_select_policy(name), model), ids, mask, n)
-    for r in range(2):
-        keep = mask[r].bool()
-        alone = _generate(model, KVPolicyCache(_select_policy(name), model), ids[r : r + 1, keep], None, n)
-        assert torch.equal(batched[r, ids.shape[1]:], alone[0, keep.sum():]), f"row {r}"
+    assert_rows_decode_as_alone(_fresh(qwen3), _select_policy(name), ids, mask, 48)
 
 
 def test_select_mode_keeps_every_token_and_reuses_a_selection_between_intervals():
