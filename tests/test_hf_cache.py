@@ -22,10 +22,11 @@ from transformers import (  # noqa: E402
     LogitsProcessorList,
     Qwen3Config,
     Qwen3ForCausalLM,
+    StaticCache,
 )
 
 from kvpolicy import KVPolicyCache, load_policy  # noqa: E402
-from kvpolicy.hf import register  # noqa: E402
+from kvpolicy.hf import register, replaced_implementation  # noqa: E402
 
 VOCAB = 4096
 SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}  # eviction within ~100 tokens
@@ -318,17 +319,115 @@ def test_model_not_using_kvpolicy_attention_raises(qwen3):
     assert out.shape == (2, 29)
 
 
-def test_kvpolicy_attention_refuses_other_caches(qwen3):
-    model = _fresh(qwen3)
-    KVPolicyCache(_policy("snapkv"), model)  # switches the model
-    ids, mask = _prompt()
+# -- other caches on a model left on "kvpolicy" run as the replaced attention --------------------
+def _plain_generate(model, ids, mask, n=12, **kw):
+    """generate() as a new user calls it after a policy run: no cache given (a DynamicCache)."""
     with torch.no_grad():
-        plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # no cache: exact
-        ref = _fresh(qwen3)(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    valid = mask.bool()
-    torch.testing.assert_close(plain[valid], ref[valid], atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="KVPolicyCache"):
-        _generate(model, DynamicCache(config=model.config), ids, mask, 3)
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw,
+        )
+
+
+def _assert_same_run(out, ref):
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
+
+
+@pytest.mark.parametrize("replaced", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_other_caches_run_exactly_as_the_replaced_attention(request, arch, replaced):
+    base = _fresh(request.getfixturevalue(arch))
+    base.set_attn_implementation(replaced)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)  # ref never leaves `replaced`
+    ids, mask = _prompt(pads=(0, 8))
+    policy_run = _generate(model, KVPolicyCache(_policy("snapkv"), model), ids, mask, 40)  # evicts
+    assert model.config._attn_implementation == "kvpolicy"
+    assert replaced_implementation(model.config) == replaced
+    # Plain generate() on the same model: a left-padded batch, and one row with no padding (the
+    # mask is dropped, so sdpa takes its is_causal path); tokens and every step's logits exact.
+    _assert_same_run(_plain_generate(model, ids, mask), _plain_generate(ref, ids, mask))
+    _assert_same_run(_plain_generate(model, ids[:1, 8:], mask[:1, 8:]), _plain_generate(ref, ids[:1, 8:], mask[:1, 8:]))
+    # An explicit StaticCache, and a forward with no cache.
+    static = {CACHE_ARG: StaticCache(config=model.config, max_cache_len=48)}
+    ref_static = {CACHE_ARG: StaticCache(config=ref.config, max_cache_len=48)}
+    _assert_same_run(_plain_generate(model, ids, mask, **static), _plain_generate(ref, ids, mask, **ref_static))
+    with torch.no_grad():
+        no_cache = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert torch.equal(no_cache, ref(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+    # The model is still on kvpolicy attention, and a policy run decodes as before.
+    assert model.config._attn_implementation == "kvpolicy"
+    assert torch.equal(_generate(model, KVPolicyCache(_policy("snapkv"), model), ids, mask, 40), policy_run)
+
+
+def test_model_put_on_kvpolicy_directly_serves_other_caches_as_sdpa(qwen3):
+    register()
+    eager = _fresh(qwen3)
+    eager.set_attn_implementation("eager")
+    model = copy.deepcopy(eager)
+    model.set_attn_implementation("kvpolicy")  # not through KVPolicyCache: nothing replaced is recorded
+    assert replaced_implementation(model.config) == "sdpa"
+    ids, mask = _prompt(pads=(0, 8))
+    _assert_same_run(_plain_generate(model, ids, mask), _plain_generate(_fresh(qwen3), ids, mask))
+    # A model built on "kvpolicy" (as from_pretrained(..., attn_implementation="kvpolicy") does).
+    cfg = copy.deepcopy(qwen3.config)
+    cfg._attn_implementation = "kvpolicy"
+    built = type(qwen3)(cfg).eval()
+    built.load_state_dict(qwen3.state_dict())
+    assert built.config._attn_implementation == "kvpolicy"
+    _assert_same_run(_plain_generate(built, ids, mask), _plain_generate(_fresh(qwen3), ids, mask))
+    out = _generate(built, KVPolicyCache(_policy("snapkv"), built.config), ids, mask, 40)
+    assert torch.equal(out, _generate(model, KVPolicyCache(_policy("snapkv"), model), ids, mask, 40))
+
+
+def test_flash_replaced_attention_sees_its_own_name(qwen3, monkeypatch):
+    """Flash attention picks its kernel by ``module.config._attn_implementation``: a step of another
+    cache hands it the replaced name, with flash attention's own 2-D mask (a stand-in runs here)."""
+    from kvpolicy.hf.attention import record_replaced
+
+    model = _fresh(qwen3)
+    KVPolicyCache(_policy("snapkv"), model)
+    record_replaced(model.config, "flash_attention_2")  # as if it had replaced flash attention
+    seen = []
+
+    def stand_in(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.config._attn_implementation, module.layer_idx, attention_mask, kwargs.get("scaling")))
+        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flash_attention_2", stand_in)
+    ids, mask = _prompt(pads=(0, 8))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{CACHE_ARG: DynamicCache(config=model.config)})
+    assert [(name, layer) for name, layer, _, _ in seen] == [("flash_attention_2", i) for i in range(4)]
+    assert all(torch.equal(m, mask.bool()) and s == 32**-0.5 for _, _, m, s in seen)
+    assert model.config._attn_implementation == "kvpolicy"
+    # A static-size cache without a padding mask would make flash attention read unwritten slots.
+    with pytest.raises(NotImplementedError, match="static-size cache"), torch.no_grad():
+        model(input_ids=ids[:1], **{CACHE_ARG: StaticCache(config=model.config, max_cache_len=48)})
+
+
+def test_mask_function_tells_kvpolicy_caches_from_others(qwen3):
+    from transformers.masking_utils import (
+        causal_mask_function,
+        sdpa_mask,
+        sliding_window_causal_mask_function,
+    )
+
+    from kvpolicy.hf.attention import KVPOLICY_KV_OFFSET, kvpolicy_mask
+
+    _, mask = _prompt(pads=(0, 8))
+    mask = mask.bool()
+    config = _fresh(qwen3).config
+    args = {"batch_size": 2, "q_length": 24, "kv_length": 24, "q_offset": 0, "mask_function": causal_mask_function,
+            "attention_mask": mask, "config": config, "allow_is_causal_skip": True}
+    assert KVPOLICY_KV_OFFSET == 0
+    assert torch.equal(kvpolicy_mask(kv_offset=KVPOLICY_KV_OFFSET, **args), mask)  # [B, T] validity
+    assert torch.equal(kvpolicy_mask(kv_offset=0, **args), sdpa_mask(kv_offset=0, **args))  # [B, 1, T, T]
+    # The errors of the kvpolicy path stay; another cache gets the mask it asks for.
+    args["mask_function"] = sliding_window_causal_mask_function(4)
+    with pytest.raises(NotImplementedError, match="plain causal attention only"):
+        kvpolicy_mask(kv_offset=KVPOLICY_KV_OFFSET, **args)
+    assert torch.equal(kvpolicy_mask(kv_offset=0, **args), sdpa_mask(kv_offset=0, **args))
 
 
 def test_refuses_sliding_window_models():

@@ -2,9 +2,17 @@
 
 Importing this package imports transformers but registers nothing; ``register()`` (called by
 ``KVPolicyCache``) adds ``"kvpolicy"`` to ``AttentionInterface`` and ``AttentionMaskInterface``.
+A model on ``"kvpolicy"`` serves any other cache (or none) as the implementation it replaced
+(``replaced_implementation``), exactly.
 """
 
-from .attention import ATTN_IMPLEMENTATION, kvpolicy_attention, kvpolicy_mask, register
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    kvpolicy_attention,
+    kvpolicy_mask,
+    register,
+    replaced_implementation,
+)
 from .cache import KVPolicyCache, KVPolicyLayer
 
 __all__ = [
@@ -14,4 +22,5 @@ __all__ = [
     "kvpolicy_attention",
     "kvpolicy_mask",
     "register",
+    "replaced_implementation",
 ]

@@ -4,7 +4,11 @@ The cache is thin: its layers are ``CacheLayerMixin`` adapters over the layer vi
 internal ``EvictingCache``, which does all the work (static buffers, schedule, batched eviction,
 attention). ``update`` returns the new keys tagged with the cache; the ``"kvpolicy"`` attention
 function (``kvpolicy.hf.attention``), which ``KVPolicyCache(policy, model)`` switches the model
-to, finds the cache on them and calls ``KVPolicyCache.attend``.
+to, finds the cache on them and calls ``KVPolicyCache.attend``. The model stays switched, and
+serves any other cache too: a later plain ``model.generate(**inputs)`` (a ``DynamicCache``), a
+``StaticCache`` or a forward without cache runs as the attention implementation that the switch
+replaced (recorded on the model's configs), with the same logits as a model that was never
+switched.
 
 Usage::
 
@@ -30,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..evicting import EvictingCache, LayerView
 from ..policy import Policy, load_policy
 from ..state import SELECT_GROWTH, EvictionStats
-from .attention import ATTN_IMPLEMENTATION, register, tag_keys
+from .attention import ATTN_IMPLEMENTATION, KVPOLICY_KV_OFFSET, record_replaced, register, tag_keys
 
 
 class KVPolicyLayer(CacheLayerMixin):
@@ -85,8 +89,10 @@ class KVPolicyLayer(CacheLayerMixin):
         return self.state.tokens_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(tokens seen + query_length, 0)``: the 2-D padding mask covers every token seen."""
-        return self.get_seq_length() + query_length, 0
+        """``(tokens seen + query_length, 0)``: the 2-D padding mask covers every token seen. The 0
+        is ``KVPOLICY_KV_OFFSET``, which tells the ``"kvpolicy"`` mask function that it serves a
+        ``KVPolicyCache`` (for any other cache it builds the replaced implementation's mask)."""
+        return self.get_seq_length() + query_length, KVPOLICY_KV_OFFSET
 
     def get_max_length(self) -> int:
         return -1
@@ -116,10 +122,13 @@ class KVPolicyCache(Cache):
         policy: a ``Policy``, a registered policy name, a YAML path or a mapping (see
             ``load_policy``; use ``load_policy(name, budget=...)`` for overrides).
         model_or_config: the model (preferred) or its config. Given a model, the cache switches
-            it to the ``"kvpolicy"`` attention implementation (``model.set_attn_implementation``;
-            switch back with ``model.set_attn_implementation("sdpa")``) and records each layer's
-            device. Given a config, load the model with ``attn_implementation="kvpolicy"`` after
-            ``kvpolicy.hf.register()``; a model not using it makes the cache raise.
+            it to the ``"kvpolicy"`` attention implementation (``model.set_attn_implementation``),
+            records on its configs the implementation it replaced, and records each layer's
+            device. The model stays switched and needs no switching back: steps with any other
+            cache, or none, run as the replaced implementation (bit for bit). Given a config,
+            load the model with ``attn_implementation="kvpolicy"`` after
+            ``kvpolicy.hf.register()`` (other caches then run as ``"sdpa"``); a model not using
+            it makes the cache raise.
         seed: overrides the policy's ``seed`` (kept by ``reset()``: a reset cache decodes exactly
             as a fresh one).
         independent_rows: row ``r`` draws from random stream ``r`` (for several samples of one
@@ -295,14 +304,32 @@ def _layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device
 
 
 def _use_kvpolicy_attention(model: Any) -> None:
+    """Switch ``model`` to ``"kvpolicy"``, recording on every config it switches the implementation
+    that config had (what steps of other caches then run)."""
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"{type(model).__name__} cannot switch its attention implementation")
+    before = [(config, config._attn_implementation) for config in _configs(model)]
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for config, implementation in before:
+        if implementation not in (None, ATTN_IMPLEMENTATION) and config._attn_implementation == ATTN_IMPLEMENTATION:
+            record_replaced(config, implementation)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise RuntimeError(
             f"{type(model).__name__} did not switch to kvpolicy attention (it does not dispatch attention through "
             "transformers' AttentionInterface), so it cannot be served exactly by KVPolicyCache"
         )
+
+
+def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
+    """Every config of ``model``: its submodels' and modules' configs, and their sub-configs."""
+    found: dict[int, PreTrainedConfig] = {}
+    todo = [getattr(model, "config", None)] + [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        config = todo.pop()
+        if isinstance(config, PreTrainedConfig) and id(config) not in found:
+            found[id(config)] = config
+            todo.extend(getattr(config, key, None) for key in getattr(config, "sub_configs", {}) or {})
+    return list(found.values())
 
