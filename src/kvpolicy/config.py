@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -188,6 +189,41 @@ def parse_policy(data: Any, source: str = "<policy>", lines: dict[tuple, int] | 
         raise PolicyError([f"invalid value: {type(exc).__name__}: {exc}"], source) from exc
 
 
+def load_config(
+    document: PolicyConfig | Mapping[str, Any] | str | bytes | bytearray | os.PathLike | Traversable,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+) -> tuple[PolicyConfig, Any]:
+    """Validate a policy document, with ``overrides`` applied: ``(config, data)``, ``data`` the
+    mapping the config was validated from (overrides re-apply to it later).
+
+    ``document`` is a ``PolicyConfig``, a mapping (the policy as data), YAML text (a ``str``, or
+    ``bytes`` in UTF-8) or a policy file (an ``os.PathLike`` or an ``importlib.resources``
+    ``Traversable``). ``name`` names it in errors (default: ``<mapping>``, ``<bytes>``,
+    ``<text>``, the file's path). Anything wrong with it is a ``PolicyError``.
+    """
+    lines: dict[tuple, int] = {}
+    if isinstance(document, PolicyConfig):
+        document = document.to_dict()
+    if isinstance(document, Mapping):
+        data: Any = dict(document)
+        name = name or "<mapping>"
+    else:
+        text: str | bytes
+        if isinstance(document, (bytes, bytearray)):
+            text, name = bytes(document), name or "<bytes>"
+        elif isinstance(document, str):
+            text, name = document, name or "<text>"
+        else:
+            text, name = read_source(Path(document) if isinstance(document, os.PathLike) else document, name)
+        data, lines = read_policy_text(text, name)
+    if overrides and isinstance(data, Mapping):
+        data = apply_overrides(data, overrides)
+    return parse_policy(data, name, lines), data
+
+
+
 def read_policy_text(text: str | bytes, source: str) -> tuple[Any, dict[tuple, int]]:
     """Parse YAML text (``bytes``: UTF-8); return the data and the 1-based line of every mapping key path.
 
@@ -227,9 +263,10 @@ def load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
     return node, data
 
 
-def read_source(source: str | Path | Traversable) -> tuple[str, str]:
-    """Text and display name of a policy file (UTF-8); a file that cannot be read is a ``PolicyError``."""
-    name = str(source)
+def read_source(source: str | Path | Traversable, name: str | None = None) -> tuple[str, str]:
+    """Text and display name of a policy file (UTF-8; ``name``, else the path, names it in errors);
+    a file that cannot be read is a ``PolicyError``."""
+    name = str(source) if name is None else name
     try:
         if isinstance(source, (str, Path)):
             path = Path(source)
