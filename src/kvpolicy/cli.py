@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from . import __version__
-from .config import PolicyError, load_yaml
+from .documents import PolicyError, load_yaml
 from .policy import load_policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
