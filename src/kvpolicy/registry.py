@@ -21,6 +21,7 @@ import pluggy
 from . import builtin, hookspecs
 from .hookspecs import CONTRACTS, PLUGIN_CONTRACT
 from .stages.base import Stage, StageKind
+from .stages.spec import set_stage_builder
 
 ENTRY_POINT_GROUP = "kvpolicy"
 AUTOLOAD_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
@@ -206,3 +207,12 @@ def reset_registry() -> None:
     """Forget the registry so that the next use rediscovers plugins (tests, after installs)."""
     global _REGISTRY
     _REGISTRY = None
+
+
+def _build_stage(kind: StageKind, spec: Any) -> Stage:
+    return get_registry().build_stage(kind, spec)
+
+
+# Nested stages (``ScorerSpec`` fields: a policy's scorer, combination's terms) are built by the
+# process-wide registry; the stages below it cannot import it (see ``kvpolicy.stages.spec``).
+set_stage_builder(_build_stage)
