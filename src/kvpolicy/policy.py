@@ -13,6 +13,7 @@ from . import seeds
 from .config import PolicyConfig, PolicyError, load_config
 from .registry import get_registry
 from .schedule import Schedule
+from .stages import guards
 from .stages.base import EvictionInput
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -167,7 +168,7 @@ class Policy:
         (select mode checks each token once, as it enters the cache: ``guards.check_appended``),
         so they are not read again here.
 
-        Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
+        Every stage call is checked (``kvpolicy.stages.guards``): the result keeps every promise of
         ``select`` or a ``SelectionError`` (a ``ValueError``) names what is at fault:
 
         - inputs: keys, values or queries holding NaN or inf (padding included), or float64
@@ -190,8 +191,6 @@ class Policy:
         """The ranking of one eviction: ``[B, Hkv, N]`` float32 priorities (``+inf`` on protected
         slots, ``-inf`` on slots that may not be kept, the selector's clamped keys elsewhere) and
         the ``[B, Hkv, N]`` protected mask. Every stage call is checked (see ``select_from``)."""
-        from . import guards
-
         cfg = self.config
         b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
         if inputs_checked:
@@ -219,11 +218,9 @@ class Policy:
         """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
 
         The allocation's ``head_counts`` says how many slots each head keeps (checked by
-        ``kvpolicy.guards.run_allocation``); each head keeps that many of its highest
+        ``kvpolicy.stages.guards.run_allocation``); each head keeps that many of its highest
         priorities, so protected slots always (they rank at ``+inf``).
         """
-        from . import guards
-
         priority, protected = self.priorities(inp)
         counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
         order = priority.sort(dim=-1, descending=True, stable=True).indices

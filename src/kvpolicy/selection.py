@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import guards
 from .schedule import Schedule
 from .slots import StepPlan
+from .stages import guards
 from .stages.base import EvictionInput
 from .stages.current_attention import CurrentAttentionScorer
 from .stages.greedy import GreedySelector

@@ -231,7 +231,7 @@ class Scorer(Stage):
 
         Only the entries of valid candidate slots (``inp.candidate_mask``) are read by later
         stages; a scorer may put anything finite elsewhere. Checked at every call
-        (``kvpolicy.guards.run_scorer``): a result of another shape (``[B, N]`` is never
+        (``kvpolicy.stages.guards.run_scorer``): a result of another shape (``[B, N]`` is never
         broadcast), not floating or on another device, or NaN/inf on a valid candidate, is a
         ``SelectionError`` naming the scorer. The inputs are finite when a policy calls it, so
         compute in float32 (not float16, which overflows near 65504) and mind float32's range.
@@ -251,7 +251,7 @@ class Reservation(Stage):
 
     - at load, where the count is knowable: ``recent + sum(reserved_count(budget)) <= budget``
       over the policy's reservations;
-    - at every eviction (``kvpolicy.guards.run_reservation``): the protected slots of each row
+    - at every eviction (``kvpolicy.stages.guards.run_reservation``): the protected slots of each row
       and head, recent buffer and earlier reservations included, must not exceed the budget,
       and a stage that overrides ``reserved_count`` must not add more candidate slots than it
       declares.
@@ -279,7 +279,7 @@ class Reservation(Stage):
 
         Override it whenever the bound is known (``sinks``: ``n``; ``top_scores``: its ``n``).
         The default declares nothing: it counts as 0 at load, and the stage is then only
-        checked at run time against the budget itself (``kvpolicy.guards.declared_count`` is
+        checked at run time against the budget itself (``kvpolicy.stages.guards.declared_count`` is
         None for it).
         """
         return 0
@@ -339,6 +339,6 @@ class Allocation(Stage):
         ``priority [B, Hkv, N]`` float32 ranks slots within a head (``+inf``: protected,
         ``-inf``: not eligible, padding included); ``protected [B, Hkv, N]`` bool. Each row's
         counts must add up to ``Hkv * inp.budget``, and each head's count must lie between its
-        protected slots and its valid ones (``kvpolicy.guards.run_allocation`` checks it).
+        protected slots and its valid ones (``kvpolicy.stages.guards.run_allocation`` checks it).
         """
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
