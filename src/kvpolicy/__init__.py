@@ -8,7 +8,7 @@ from .hookspecs import PLUGIN_CONTRACT, hookimpl
 from .policy import Policy, load_policy
 from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
-from .stages import EvictionInput, Reservation, Scorer, Selector
+from .stages import Allocation, EvictionInput, Reservation, Scorer, Selector
 from .stages.guards import SelectionError
 from .state import CacheStateError
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .hf import KVPolicyCache
 
 __all__ = [
+    "Allocation",
     "CacheStateError",
     "EvictingCache",
     "EvictionInput",

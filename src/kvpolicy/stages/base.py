@@ -1,4 +1,4 @@
-"""The three kinds of stage and the input they all read.
+"""The four kinds of stage and the input they all read.
 
 A stage is a small, frozen pydantic model: its fields are its hyperparameters (validated, with the
 published defaults), and it has exactly one abstract method. Stages are pure tensor functions over
@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -22,7 +22,10 @@ from .. import seeds
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
+#: The kinds of stage. This is the one list of them: ``STAGE_KINDS``, ``STAGE_BASES`` (below), the
+#: registry's tables, the JSON schema and ``kvpolicy policies`` all follow it, in this order.
 StageKind = Literal["scorer", "reservation", "selector", "allocation"]
+STAGE_KINDS: tuple[StageKind, ...] = get_args(StageKind)
 
 #: Attributes of ``EvictionInput`` that plugin contract 1 (kvpolicy 0.1) had, and what replaced
 #: them: reading one raises an ``AttributeError`` that says so, not a bare "no attribute".
@@ -342,3 +345,7 @@ class Allocation(Stage):
         protected slots and its valid ones (``kvpolicy.stages.guards.run_allocation`` checks it).
         """
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
+
+
+#: The base class of each kind of stage, in ``STAGE_KINDS`` order.
+STAGE_BASES: dict[StageKind, type[Stage]] = {base.kind: base for base in (Scorer, Reservation, Selector, Allocation)}
