@@ -241,7 +241,7 @@ def test_alias_bomb_is_refused_at_its_first_anchor(tmp_path):
 
 def test_line_index_visits_shared_nodes_once():
     # The line index of an alias bomb (9**9 leaves once expanded) takes one pass over its nodes.
-    from kvpolicy.config import _index_lines
+    from kvpolicy.documents import _index_lines
 
     node = yaml.compose(BOMB, Loader=yaml.SafeLoader)
     lines: dict[tuple, int] = {}

@@ -4,12 +4,12 @@ from typing import TYPE_CHECKING, Any
 
 from .config import PolicyConfig, PolicyError
 from .evicting import EvictingCache
-from .guards import SelectionError
 from .hookspecs import PLUGIN_CONTRACT, hookimpl
 from .policy import Policy, load_policy
 from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
-from .stages import EvictionInput, Reservation, Scorer, Selector
+from .stages import Allocation, EvictionInput, Reservation, Scorer, Selector
+from .stages.guards import SelectionError
 from .state import CacheStateError
 
 __version__ = "0.2.0"  # also in pyproject.toml; CHANGELOG.md says what changed
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .hf import KVPolicyCache
 
 __all__ = [
+    "Allocation",
     "CacheStateError",
     "EvictingCache",
     "EvictionInput",

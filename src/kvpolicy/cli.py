@@ -20,17 +20,14 @@ from typing import Any
 import yaml
 
 from . import __version__
-from .config import PolicyError, load_yaml
+from .documents import PolicyError, load_yaml
 from .policy import load_policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
-from .stages.base import StageKind
+from .stages.base import STAGE_KINDS
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
-_KIND_TITLES: dict[StageKind, str] = {
-    "scorer": "Scorers", "reservation": "Reservations", "selector": "Selectors", "allocation": "Allocations"
-}
 _LINE_PREFIX = re.compile(r"^line (\d+)(?:, column (\d+))?: ")
 
 
@@ -122,8 +119,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
         summary = first_sentence(policy.config.description)
         table.add_row(name, registered.plugin, str(policy.budget), _escape(summary))
     console.print(table)
-    for kind, title in _KIND_TITLES.items():
-        table = Table(title=title, title_justify="left")
+    for kind in STAGE_KINDS:
+        table = Table(title=f"{kind.capitalize()}s", title_justify="left")
         table.add_column("type", no_wrap=True, style="bold")
         table.add_column("plugin", no_wrap=True)
         table.add_column("description")

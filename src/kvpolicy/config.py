@@ -1,8 +1,15 @@
-"""Policy files: pydantic models, YAML loading, and errors that point at file, line and field."""
+"""Policy files: the pydantic model of a policy, overrides, and validation with errors that point
+at file, line and field.
+
+Reading the YAML (and ``PolicyError``) is ``kvpolicy.documents``'s job; ``load_config`` is the one
+way from a document (text, file, mapping) to a validated ``PolicyConfig``.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -10,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import documents
+from .documents import PolicyError, read_policy_text, read_source
 from .schedule import Schedule
 from .stages.spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stages.uniform import UniformAllocation
@@ -19,27 +28,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 has it in importlib.abc only
     from importlib.abc import Traversable
 
-
-class PolicyError(ValueError):
-    """A policy that cannot be loaded: each problem names where it is (file:line) and the field.
-
-    Each problem is one line (whitespace runs, newlines included, are collapsed), so that the
-    command line can print it as ``FILE:LINE: field: problem``.
-    """
-
-    def __init__(self, problems: list[str], source: str = "<policy>") -> None:
-        self.problems = [" ".join(str(p).split()) for p in problems]
-        self.source = source
-        problems = self.problems
-        lines = "\n".join(f"  {p}" for p in problems)
-        super().__init__(f"invalid policy {source}:\n{lines}")
-
-
 #: Largest ``seed``: seeds travel as int64 tensors (per layer and row), so they must fit one.
 SEED_MAX = 2**63 - 1
-#: Deepest nesting of mappings and lists a policy file may have (real ones nest under 20 levels;
-#: the bound keeps the YAML composer and the line index far from Python's recursion limit).
-MAX_YAML_DEPTH = 64
 
 
 class PolicyConfig(BaseModel):
@@ -188,189 +178,39 @@ def parse_policy(data: Any, source: str = "<policy>", lines: dict[tuple, int] | 
         raise PolicyError([f"invalid value: {type(exc).__name__}: {exc}"], source) from exc
 
 
-def read_policy_text(text: str | bytes, source: str) -> tuple[Any, dict[tuple, int]]:
-    """Parse YAML text (``bytes``: UTF-8); return the data and the 1-based line of every mapping key path.
+def load_config(
+    document: PolicyConfig | Mapping[str, Any] | str | bytes | bytearray | os.PathLike | Traversable,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+) -> tuple[PolicyConfig, Any]:
+    """Validate a policy document, with ``overrides`` applied: ``(config, data)``, ``data`` the
+    mapping the config was validated from (overrides re-apply to it later).
 
-    Policy files are plain YAML with three restrictions, each reported as a ``PolicyError`` that
-    names the line: no anchors or aliases (``&name``, ``*name``: a policy has no use for them,
-    and refusing them rules out recursive documents and "billion laughs" alias bombs), no
-    duplicate keys in a mapping (YAML would silently keep the last one), and no nesting deeper
-    than ``MAX_YAML_DEPTH`` levels. Scalars that cannot be constructed (an integer of more than
-    4,300 digits, an impossible date) are errors too.
+    ``document`` is a ``PolicyConfig``, a mapping (the policy as data), YAML text (a ``str``, or
+    ``bytes`` in UTF-8) or a policy file (an ``os.PathLike`` or an ``importlib.resources``
+    ``Traversable``). ``name`` names it in errors (default: ``<mapping>``, ``<bytes>``,
+    ``<text>``, the file's path). Anything wrong with it is a ``PolicyError``.
     """
-    if isinstance(text, (bytes, bytearray)):
-        text = decode_policy_bytes(bytes(text), source)
-    try:
-        node, data = load_yaml(text)
-    except yaml.YAMLError as exc:
-        problem = f"{_yaml_error_where(exc, text)}not valid YAML: {_yaml_error_problem(exc)}"
-        raise PolicyError([problem], source) from None
     lines: dict[tuple, int] = {}
-    if node is not None:
-        _index_lines(node, lines)
-    return data, lines
-
-
-def load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
-    """The node tree and the data of one YAML document, under the rules of policy files.
-
-    Raises only ``yaml.YAMLError`` (a marked one where the position is known).
-    """
-    loader = _PolicyLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = None if node is None else loader.construct_document(node)
-    except RecursionError:  # not expected with the depth bound; a last line of defence
-        raise yaml.YAMLError(f"nested too deeply (more than {MAX_YAML_DEPTH} levels)") from None
-    finally:
-        loader.dispose()
-    return node, data
-
-
-def read_source(source: str | Path | Traversable) -> tuple[str, str]:
-    """Text and display name of a policy file (UTF-8); a file that cannot be read is a ``PolicyError``."""
-    name = str(source)
-    try:
-        if isinstance(source, (str, Path)):
-            path = Path(source)
-            if not path.is_file():
-                raise PolicyError([f"no such policy file: {path}"], name)
-            raw = path.read_bytes()
-        elif hasattr(source, "read_bytes"):
-            raw = source.read_bytes()  # a Traversable (importlib.resources)
+    if isinstance(document, PolicyConfig):
+        document = document.to_dict()
+    if isinstance(document, Mapping):
+        data: Any = dict(document)
+        name = name or "<mapping>"
+    else:
+        text: str | bytes
+        if isinstance(document, (bytes, bytearray)):
+            text, name = bytes(document), name or "<bytes>"
+        elif isinstance(document, str):
+            text, name = document, name or "<text>"
         else:
-            raise PolicyError([f"not a policy file: a {type(source).__name__}"], name)
-    except OSError as exc:
-        raise PolicyError([f"cannot read the policy file: {exc.strerror or exc}"], name) from None
-    except ValueError as exc:  # a path with a NUL byte, say
-        raise PolicyError([f"no such policy file: {exc}"], name) from None
-    return decode_policy_bytes(raw, name), name
+            text, name = read_source(Path(document) if isinstance(document, os.PathLike) else document, name)
+        data, lines = read_policy_text(text, name)
+    if overrides and isinstance(data, Mapping):
+        data = apply_overrides(data, overrides)
+    return parse_policy(data, name, lines), data
 
-
-def decode_policy_bytes(raw: bytes, source: str) -> str:
-    """A policy file's bytes as text: UTF-8 (a leading byte-order mark is dropped), else ``PolicyError``."""
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise PolicyError(
-            [f"line {line}: not UTF-8 text: byte {raw[exc.start]:#04x} at offset {exc.start} ({exc.reason})"],
-            source,
-        ) from None
-
-
-class _PolicyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` without anchors and aliases, duplicate keys or unbounded nesting."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
-            what = f"alias *{event.anchor}" if isinstance(event, yaml.AliasEvent) else f"anchor &{event.anchor}"
-            raise yaml.composer.ComposerError(
-                None, None, f"{what}: anchors and aliases are not allowed in policy files", event.start_mark
-            )
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise yaml.composer.ComposerError(
-                    None, None, f"nested more than {MAX_YAML_DEPTH} levels deep", event.start_mark
-                )
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_object(self, node, deep=False):
-        try:
-            return super().construct_object(node, deep=deep)
-        except yaml.YAMLError:
-            raise
-        except Exception as exc:  # a scalar that cannot be built: 5000 digits, month 13, ...
-            raise yaml.constructor.ConstructorError(
-                None, None, f"cannot read {_preview(node)}: {_construct_problem(exc)}", node.start_mark
-            ) from None
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.get(key)
-                except TypeError:
-                    continue  # an unhashable key: SafeConstructor reports it
-                if first is not None:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark
-                    )
-                seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def _preview(node: yaml.ScalarNode | yaml.SequenceNode | yaml.MappingNode) -> str:
-    if isinstance(node, yaml.ScalarNode):
-        value = node.value if len(node.value) <= 40 else f"{node.value[:20]}...({len(node.value)} characters)"
-        return f"the value {value!r}"
-    return f"the {node.id}"
-
-
-def _construct_problem(exc: Exception) -> str:
-    message = str(exc)
-    if isinstance(exc, ValueError) and "integer string conversion" in message:
-        return f"an integer of more than {sys.get_int_max_str_digits()} digits"
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-def _yaml_error_where(exc: yaml.YAMLError, text: str) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    if mark is not None:
-        return f"line {mark.line + 1}, column {mark.column + 1}: "
-    position = getattr(exc, "position", None)  # a ReaderError: a character YAML does not allow
-    if isinstance(position, int):
-        line = text.count("\n", 0, position) + 1
-        return f"line {line}: "
-    return ""
-
-
-def _yaml_error_problem(exc: yaml.YAMLError) -> str:
-    if isinstance(exc, yaml.reader.ReaderError):
-        char = exc.character
-        code = f"#x{char:04x}" if isinstance(char, int) else repr(char)
-        return f"unacceptable character {code}: {exc.reason}"
-    return str(getattr(exc, "problem", None) or exc)
-
-
-def _index_lines(root: yaml.Node, out: dict[tuple, int]) -> None:
-    """Record the line of every key path under ``root``, visiting each node once.
-
-    Iterative, in document order, and each node is indexed at the first path that reaches it
-    (where its anchor is): even a node tree that shares nodes (what aliases make) costs time
-    linear in the number of nodes, never in the size of its expansion.
-    """
-    seen: set[int] = set()
-    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
-    while stack:
-        node, path = stack.pop()
-        out.setdefault(path, node.start_mark.line + 1)
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        children: list[tuple[yaml.Node, tuple]] = []
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                if not isinstance(key, yaml.ScalarNode):
-                    continue  # a complex key cannot be a field name
-                child = (*path, key.value)
-                out.setdefault(child, key.start_mark.line + 1)
-                children.append((value, child))
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(item, (*path, i)) for i, item in enumerate(node.value)]
-        stack.extend(reversed(children))
 
 
 def _format_error(err: Mapping[str, Any], lines: dict[tuple, int]) -> str:
@@ -386,3 +226,15 @@ def _format_error(err: Mapping[str, Any], lines: dict[tuple, int]) -> str:
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     where = f"line {line}: " if line is not None else ""
     return f"{where}{field}: {msg}"
+
+
+#: Moved to ``kvpolicy.documents`` (with ``PolicyError``, ``read_policy_text`` and
+#: ``read_source``, which this module still uses and so still has).
+_MOVED_TO_DOCUMENTS = ("MAX_YAML_DEPTH", "decode_policy_bytes", "load_yaml")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_DOCUMENTS:
+        warnings.warn(f"kvpolicy.config.{name} moved to kvpolicy.documents.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(documents, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

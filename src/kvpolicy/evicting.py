@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from . import guards
 from .attend import attend
 from .executor import Executor
 from .heads import attend_heads
 from .policy import Policy, load_policy
+from .stages import guards
 from .state import SELECT_GROWTH, CacheStateError, EvictionStats, LayerGroup, check_select_growth
 
 

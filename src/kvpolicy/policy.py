@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from . import seeds
-from .config import PolicyConfig, PolicyError, apply_overrides, parse_policy, read_policy_text, read_source
+from .config import PolicyConfig, PolicyError, load_config
 from .registry import get_registry
 from .schedule import Schedule
+from .stages import guards
 from .stages.base import EvictionInput
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -87,8 +88,8 @@ class Policy:
 
     def with_overrides(self, **overrides: Any) -> Policy:
         """A new policy with schedule or top-level fields replaced (``budget=512``)."""
-        data = apply_overrides(self._source if self._source is not None else self.config.to_dict(), overrides)
-        return Policy(parse_policy(data, self.name), data)
+        return Policy(*load_config(self._source if self._source is not None else self.config, overrides,
+                                   name=self.name))
 
     def resolve_seed(self, seed: int | None = None) -> int:
         """``seed``, else the policy file's ``seed``, else a fresh one from the OS (``seed: null``
@@ -167,7 +168,7 @@ class Policy:
         (select mode checks each token once, as it enters the cache: ``guards.check_appended``),
         so they are not read again here.
 
-        Every stage call is checked (``kvpolicy.guards``): the result keeps every promise of
+        Every stage call is checked (``kvpolicy.stages.guards``): the result keeps every promise of
         ``select`` or a ``SelectionError`` (a ``ValueError``) names what is at fault:
 
         - inputs: keys, values or queries holding NaN or inf (padding included), or float64
@@ -190,8 +191,6 @@ class Policy:
         """The ranking of one eviction: ``[B, Hkv, N]`` float32 priorities (``+inf`` on protected
         slots, ``-inf`` on slots that may not be kept, the selector's clamped keys elsewhere) and
         the ``[B, Hkv, N]`` protected mask. Every stage call is checked (see ``select_from``)."""
-        from . import guards
-
         cfg = self.config
         b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
         if inputs_checked:
@@ -219,11 +218,9 @@ class Policy:
         """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
 
         The allocation's ``head_counts`` says how many slots each head keeps (checked by
-        ``kvpolicy.guards.run_allocation``); each head keeps that many of its highest
+        ``kvpolicy.stages.guards.run_allocation``); each head keeps that many of its highest
         priorities, so protected slots always (they rank at ``+inf``).
         """
-        from . import guards
-
         priority, protected = self.priorities(inp)
         counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
         order = priority.sort(dim=-1, descending=True, stable=True).indices
@@ -427,48 +424,34 @@ def load_policy(
 
     if isinstance(source, Policy):
         return source.with_overrides(**overrides) if overrides else source
-    if isinstance(source, PolicyConfig):
-        source = source.to_dict()
-    text: str | bytes | None = None
-    lines: dict[tuple, int] = {}
-    if isinstance(source, Mapping):
-        data, name = dict(source), "<mapping>"
-    elif isinstance(source, (bytes, bytearray)):
-        text, name = bytes(source), "<bytes>"
-    elif isinstance(source, os.PathLike):
-        text, name = read_source(Path(source))
-    elif isinstance(source, str):
+    if isinstance(source, str):
         registry = get_registry()
         if source in registry.policies:
             registered = registry.policies[source].obj  # a plugin's: a file, YAML text or data
             if isinstance(registered, (Mapping, PolicyConfig, Policy, bytes, bytearray)):
                 return load_policy(registered, **overrides)
             if isinstance(registered, str) and not is_file(registered):
-                text, name = registered, f"<{source}>"
-            else:
-                text, name = read_source(Path(registered) if isinstance(registered, os.PathLike) else registered)
-        elif source.rpartition("@")[0] in registry.policies and not is_file(source):
+                return Policy(*load_config(registered, overrides, name=f"<{source}>"))
+            if isinstance(registered, str):
+                return Policy(*load_config(Path(registered), overrides, name=registered))
+            return Policy(*load_config(registered, overrides))  # a path, or a Traversable (importlib.resources)
+        if source.rpartition("@")[0] in registry.policies and not is_file(source):
             base, _, mode = source.rpartition("@")
             return load_policy(base, **{"mode": mode, "name": source, **overrides})
-        elif is_file(source):
-            text, name = read_source(source)
-        elif "\n" in source or ":" in source:
-            text, name = source, "<text>"
-        elif Path(source).suffix or len(Path(source).parts) > 1:
+        if is_file(source):
+            return Policy(*load_config(Path(source), overrides, name=source))
+        if "\n" in source or ":" in source:
+            return Policy(*load_config(source, overrides, name="<text>"))
+        if Path(source).suffix or len(Path(source).parts) > 1:
             raise PolicyError([f"no such policy file: {source}"], source)
-        else:
-            known = ", ".join(sorted(registry.policies))
-            raise PolicyError([f"unknown policy {source!r}; registered policies: {known}"], source)
-    else:
+        known = ", ".join(sorted(registry.policies))
+        raise PolicyError([f"unknown policy {source!r}; registered policies: {known}"], source)
+    if not isinstance(source, (PolicyConfig, Mapping, bytes, bytearray, os.PathLike)):
         raise TypeError(
             "load_policy takes a registered policy name, a path, YAML text (str or bytes), a mapping, "
             f"a PolicyConfig or a Policy; got {type(source).__name__}"
         )
-    if text is not None:
-        data, lines = read_policy_text(text, name)
-    if overrides and isinstance(data, Mapping):
-        data = apply_overrides(data, overrides)
-    return Policy(parse_policy(data, name, lines), data if isinstance(data, Mapping) else None)
+    return Policy(*load_config(source, overrides))
 
 
 def _check_inputs(keys, values, queries, slot_valid, query_valid, positions) -> None:

@@ -20,11 +20,11 @@ import pluggy
 
 from . import builtin, hookspecs
 from .hookspecs import CONTRACTS, PLUGIN_CONTRACT
-from .stages.base import Stage, StageKind
+from .stages.base import STAGE_KINDS, Stage, StageKind
+from .stages.spec import set_stage_builder
 
 ENTRY_POINT_GROUP = "kvpolicy"
 AUTOLOAD_ENV = "KVPOLICY_DISABLE_PLUGIN_AUTOLOAD"
-_KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector", "allocation")
 
 
 class PluginLoadWarning(UserWarning):
@@ -50,7 +50,7 @@ class Registry:
     def __init__(self, autoload: bool | None = None) -> None:
         self.pm = pluggy.PluginManager("kvpolicy")
         self.pm.add_hookspecs(hookspecs)
-        self.stages: dict[StageKind, dict[str, Registered]] = {k: {} for k in _KINDS}
+        self.stages: dict[StageKind, dict[str, Registered]] = {k: {} for k in STAGE_KINDS}
         self.policies: dict[str, Registered] = {}
         #: Plugins not registered, by name: why (failed to import, another plugin contract).
         self.skipped: dict[str, str] = {}
@@ -206,3 +206,12 @@ def reset_registry() -> None:
     """Forget the registry so that the next use rediscovers plugins (tests, after installs)."""
     global _REGISTRY
     _REGISTRY = None
+
+
+def _build_stage(kind: StageKind, spec: Any) -> Stage:
+    return get_registry().build_stage(kind, spec)
+
+
+# Nested stages (``ScorerSpec`` fields: a policy's scorer, combination's terms) are built by the
+# process-wide registry; the stages below it cannot import it (see ``kvpolicy.stages.spec``).
+set_stage_builder(_build_stage)

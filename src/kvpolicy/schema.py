@@ -22,20 +22,13 @@ from pydantic.json_schema import GenerateJsonSchema
 from .config import PolicyConfig
 from .registry import Registry, get_registry
 from .schedule import _RELATIVE, Schedule
-from .stages.base import Allocation, Reservation, Scorer, Selector, StageKind
+from .stages.base import STAGE_BASES, STAGE_KINDS, StageKind
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-KINDS: tuple[StageKind, ...] = ("scorer", "reservation", "selector", "allocation")
-#: The ``$defs`` entry holding the union of every registered stage of a kind.
-UNION_DEFS: dict[StageKind, str] = {
-    "scorer": "ScorerSpec",
-    "reservation": "ReservationSpec",
-    "selector": "SelectorSpec",
-    "allocation": "AllocationSpec",
-}
-_BASES: dict[type, StageKind] = {
-    Scorer: "scorer", Reservation: "reservation", Selector: "selector", Allocation: "allocation"
-}
+#: The ``$defs`` entry holding the union of every registered stage of a kind (``ScorerSpec``, ...:
+#: named after the field types of ``kvpolicy.stages.spec``).
+UNION_DEFS: dict[StageKind, str] = {kind: f"{kind.capitalize()}Spec" for kind in STAGE_KINDS}
+_BASES: dict[type, StageKind] = {base: kind for kind, base in STAGE_BASES.items()}
 _KIND_MARKER = "x-kvpolicy-stage-kind"
 
 
@@ -58,7 +51,7 @@ def policy_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     """
     registry = registry or get_registry()
     defs: dict[str, Any] = {}
-    for kind in KINDS:
+    for kind in STAGE_KINDS:
         variants: dict[str, str] = {}
         shorthand: list[str] = []
         for type_name, registered in sorted(registry.stages[kind].items()):

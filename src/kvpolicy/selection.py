@@ -6,20 +6,16 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from . import guards
+from .policy import Policy, keep_top
 from .schedule import Schedule
 from .slots import StepPlan
+from .stages import guards
 from .stages.base import EvictionInput
 from .stages.current_attention import CurrentAttentionScorer
 from .stages.greedy import GreedySelector
 from .stages.quest import QuestScorer
-
-if TYPE_CHECKING:
-    from .policy import Policy
 
 
 class SelectionState:
@@ -170,8 +166,6 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
     cache's page summaries) are written once into the priorities, and no key is read; oracle
     top-k reads each key once (``q . K``).
     """
-    from .policy import keep_top
-
     cfg = policy.config
     scorer = cfg.scorer
     if cfg.reservations or type(cfg.selector) is not GreedySelector:

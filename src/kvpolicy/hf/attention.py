@@ -45,12 +45,9 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .cache import KVPolicyCache
 
 ATTN_IMPLEMENTATION = "kvpolicy"
 # What a model on "kvpolicy" with no recorded implementation runs for steps of other caches.
@@ -59,14 +56,24 @@ _CACHE_TAG = "_kvpolicy_cache"
 _REPLACED_ATTR = "_kvpolicy_replaced_attn_implementation"
 
 
-def tag_keys(keys: torch.Tensor, cache: KVPolicyCache) -> torch.Tensor:
+class StagedCache(Protocol):
+    """What the attention function calls on the cache that staged the keys: ``KVPolicyCache``
+    (``kvpolicy.hf.cache``, which imports this module, so it is not named here)."""
+
+    def unstage(self) -> None: ...
+
+    def attend(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               token_valid: torch.Tensor | None, *, scaling: float | None = None) -> torch.Tensor: ...
+
+
+def tag_keys(keys: torch.Tensor, cache: StagedCache) -> torch.Tensor:
     """A view of ``keys`` that carries ``cache`` to the attention function (``staged_cache``)."""
     tagged = keys.view(keys.shape)
     setattr(tagged, _CACHE_TAG, cache)
     return tagged
 
 
-def staged_cache(keys: torch.Tensor) -> KVPolicyCache | None:
+def staged_cache(keys: torch.Tensor) -> StagedCache | None:
     """The ``KVPolicyCache`` whose ``update`` returned ``keys``, or None (no kvpolicy cache)."""
     return getattr(keys, _CACHE_TAG, None)
 

@@ -32,9 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
+from transformers import DynamicCache
 
 from ..evicting import EvictingCache
 from ..policy import Policy
+from .cache import KVPolicyCache
 
 END_TO_END = "end to end"
 REPLAYED = "replayed inputs"
@@ -128,8 +131,6 @@ def check_padded_rows(
     ``KVPolicyCache`` (default: ``KVPolicyCache(policy, model)``); ``seed`` seeds the padding's
     random filler in the replay. The model is left on the attention it had on entry.
     """
-    from .cache import KVPolicyCache
-
     build = make_cache or (lambda p, m: KVPolicyCache(p, m))
     if ids.dim() != 2 or mask.shape != ids.shape:
         raise ValueError(f"ids and mask must both be [B, T], got {tuple(ids.shape)} and {tuple(mask.shape)}")
@@ -252,8 +253,6 @@ def _same(a: Any, b: Any) -> bool:
 
 # -- internals -----------------------------------------------------------------------------------
 def _full_cache_runs(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int) -> list[FullCacheRun]:
-    from transformers import DynamicCache
-
     batched = _generate(model, DynamicCache(config=model.config), ids, mask, n, logits=True)
     runs = []
     for r in range(ids.shape[0]):
@@ -268,8 +267,6 @@ def _full_cache_runs(model: Any, ids: torch.Tensor, mask: torch.Tensor, n: int) 
 
 def _generate(model: Any, cache: Any, ids: torch.Tensor, mask: torch.Tensor | None, n: int, logits: bool = False):
     """Greedy generation of exactly ``n`` tokens through ``cache`` (its logits too, if asked)."""
-    import transformers
-
     # generate() names the cache argument `cache` from transformers 5.24 on, `past_key_values` before.
     kw = "cache" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24) else "past_key_values"
     with torch.inference_mode():

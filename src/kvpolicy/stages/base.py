@@ -1,4 +1,4 @@
-"""The three kinds of stage and the input they all read.
+"""The four kinds of stage and the input they all read.
 
 A stage is a small, frozen pydantic model: its fields are its hyperparameters (validated, with the
 published defaults), and it has exactly one abstract method. Stages are pure tensor functions over
@@ -12,7 +12,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -22,7 +22,10 @@ from .. import seeds
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
+#: The kinds of stage. This is the one list of them: ``STAGE_KINDS``, ``STAGE_BASES`` (below), the
+#: registry's tables, the JSON schema and ``kvpolicy policies`` all follow it, in this order.
 StageKind = Literal["scorer", "reservation", "selector", "allocation"]
+STAGE_KINDS: tuple[StageKind, ...] = get_args(StageKind)
 
 #: Attributes of ``EvictionInput`` that plugin contract 1 (kvpolicy 0.1) had, and what replaced
 #: them: reading one raises an ``AttributeError`` that says so, not a bare "no attribute".
@@ -231,7 +234,7 @@ class Scorer(Stage):
 
         Only the entries of valid candidate slots (``inp.candidate_mask``) are read by later
         stages; a scorer may put anything finite elsewhere. Checked at every call
-        (``kvpolicy.guards.run_scorer``): a result of another shape (``[B, N]`` is never
+        (``kvpolicy.stages.guards.run_scorer``): a result of another shape (``[B, N]`` is never
         broadcast), not floating or on another device, or NaN/inf on a valid candidate, is a
         ``SelectionError`` naming the scorer. The inputs are finite when a policy calls it, so
         compute in float32 (not float16, which overflows near 65504) and mind float32's range.
@@ -251,7 +254,7 @@ class Reservation(Stage):
 
     - at load, where the count is knowable: ``recent + sum(reserved_count(budget)) <= budget``
       over the policy's reservations;
-    - at every eviction (``kvpolicy.guards.run_reservation``): the protected slots of each row
+    - at every eviction (``kvpolicy.stages.guards.run_reservation``): the protected slots of each row
       and head, recent buffer and earlier reservations included, must not exceed the budget,
       and a stage that overrides ``reserved_count`` must not add more candidate slots than it
       declares.
@@ -279,7 +282,7 @@ class Reservation(Stage):
 
         Override it whenever the bound is known (``sinks``: ``n``; ``top_scores``: its ``n``).
         The default declares nothing: it counts as 0 at load, and the stage is then only
-        checked at run time against the budget itself (``kvpolicy.guards.declared_count`` is
+        checked at run time against the budget itself (``kvpolicy.stages.guards.declared_count`` is
         None for it).
         """
         return 0
@@ -339,6 +342,10 @@ class Allocation(Stage):
         ``priority [B, Hkv, N]`` float32 ranks slots within a head (``+inf``: protected,
         ``-inf``: not eligible, padding included); ``protected [B, Hkv, N]`` bool. Each row's
         counts must add up to ``Hkv * inp.budget``, and each head's count must lie between its
-        protected slots and its valid ones (``kvpolicy.guards.run_allocation`` checks it).
+        protected slots and its valid ones (``kvpolicy.stages.guards.run_allocation`` checks it).
         """
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
+
+
+#: The base class of each kind of stage, in ``STAGE_KINDS`` order.
+STAGE_BASES: dict[StageKind, type[Stage]] = {base.kind: base for base in (Scorer, Reservation, Selector, Allocation)}

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Annotated, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..guards import run_scorer
 from .base import EvictionInput, Scorer
+from .guards import run_scorer
 from .spec import ScorerSpec
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
+from ..profile_format import HeadProfile
 from .adaptive import share_the_rest
 from .base import Allocation, EvictionInput
 from .layer_list import largest_remainder
@@ -35,8 +36,6 @@ class ProfileAllocation(Allocation):
 
     @model_validator(mode="after")
     def _load(self) -> ProfileAllocation:
-        from ..profiles import HeadProfile  # late: profiles imports the config layer
-
         try:
             self._profile = HeadProfile.load(self.path)
         except ValueError as exc:  # ProfileError: one line per problem, with the file's lines

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from pydantic import Field
 
-from ..guards import run_scorer
 from .base import EvictionInput, Reservation
+from .guards import run_scorer
 from .spec import ScorerSpec
 
 if TYPE_CHECKING:

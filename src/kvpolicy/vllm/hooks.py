@@ -196,14 +196,17 @@ def _install_worker() -> None:
     def make_init_kv(original):
         def initialize_kv_cache(self, *args: Any, **kwargs: Any):
             out = original(self, *args, **kwargs)
-            worker.init_runner(self)
+            state = worker.init_runner(self)
+            if state is not None:
+                for impl_cls in state.impl_classes:
+                    install_backend(impl_cls)
             return out
 
         return initialize_kv_cache
 
     def make_update_states(original):
         def _update_states(self, scheduler_output):
-            state = worker.state_of(self)
+            state = worker.runner_eviction(self)
             if state is not None:
                 state.on_update_states(scheduler_output)
             return original(self, scheduler_output)
@@ -213,7 +216,7 @@ def _install_worker() -> None:
     def make_prepare(original):
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
             out = original(self, scheduler_output, num_scheduled_tokens)
-            state = worker.state_of(self)
+            state = worker.runner_eviction(self)
             if state is not None:
                 state.after_prepare_inputs(num_scheduled_tokens)
             return out
@@ -222,7 +225,7 @@ def _install_worker() -> None:
 
     def make_execute(original):
         def execute_model(self, *args: Any, **kwargs: Any):
-            state = worker.state_of(self)
+            state = worker.runner_eviction(self)
             if state is not None:
                 state.plan = None
             out = original(self, *args, **kwargs)

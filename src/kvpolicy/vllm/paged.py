@@ -9,6 +9,9 @@ Slot ``s`` of a request lives in block ``block_table[s // block_size]`` at offse
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -21,8 +24,10 @@ def slot_address(block_tables: torch.Tensor, n: int, block_size: int) -> tuple[t
     return blocks, (slot % block_size).expand_as(blocks)
 
 
-def gather_slots(kv: KV, blocks: torch.Tensor, offsets: torch.Tensor) -> KV:
-    """Keys and values ``[R, Hkv, n, D]`` (copies) of the slots at ``(blocks, offsets) [R, n]``."""
+def gather_paged(kv: KV, blocks: torch.Tensor, offsets: torch.Tensor) -> KV:
+    """Keys and values ``[R, Hkv, n, D]`` (copies) of the slots at ``(blocks, offsets) [R, n]``.
+
+    (Not ``kvpolicy.slots.gather_slots``, which gathers slots of a cache's own buffers.)"""
     keys, values = kv
     return keys[blocks, offsets].transpose(1, 2), values[blocks, offsets].transpose(1, 2)
 
@@ -33,7 +38,7 @@ def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], ke
     Args:
         layers: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views).
         block_tables: ``[R, max_blocks]`` the rows' block tables.
-        gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_slots``
+        gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_paged``
             read them (copies: writing the cache does not change them).
         kept: ``[Lyr, R, Hkv, K]`` ascending indices into ``gathered``'s slots, per layer, row and head.
     """
@@ -43,3 +48,11 @@ def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], ke
         idx = idx.unsqueeze(-1).expand(r, h, k, ks.shape[-1])
         keys[dst_blocks, dst_off] = ks.gather(2, idx).transpose(1, 2)  # [R, K, Hkv, D]
         values[dst_blocks, dst_off] = vs.gather(2, idx).transpose(1, 2)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "gather_slots":  # its name in kvpolicy 0.2; kvpolicy.slots.gather_slots is another function
+        warnings.warn("kvpolicy.vllm.paged.gather_slots is now kvpolicy.vllm.paged.gather_paged",
+                      DeprecationWarning, stacklevel=2)
+        return gather_paged
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

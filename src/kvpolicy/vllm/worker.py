@@ -40,7 +40,7 @@ import torch
 from ..policy import Policy
 from .layout import BlockLayout, LayoutError
 from .ledger import SlotLedger
-from .paged import compact, gather_slots, slot_address
+from .paged import compact, gather_paged, slot_address
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
 logger = logging.getLogger(__name__)
@@ -63,15 +63,16 @@ class StepRequests:
 class QueryCapture:
     """Where this step's last ``window`` queries of each request go in its ring (``[T]`` each)."""
 
-    ring: QueryRing
+    ring: RequestQueryRing
     ring_rows: torch.Tensor  # the request's ring row
     ring_pos: torch.Tensor  # the position in the ring: token index modulo window
     token_idx: torch.Tensor  # the query's row in this step's flattened tokens
 
 
-class QueryRing:
+class RequestQueryRing:
     """The last ``window`` post-RoPE queries of each request using it, per layer:
-    ``tensor [rows, layers, window, Hq, D]``, on the cache's device; rows are reused."""
+    ``tensor [rows, layers, window, Hq, D]``, on the cache's device; a row per request, rows are
+    reused. (Not ``kvpolicy.query_ring.QueryRing``, the ring of a cache's layer group.)"""
 
     def __init__(self, window: int, layers: int, q_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -153,7 +154,7 @@ class WorkerEviction:
         self.device = self.caches[0].device
         self.prefix_caching = bool(runner.vllm_config.cache_config.enable_prefix_caching)
         self.dtype = self.caches[0].dtype
-        self.rings: dict[int, QueryRing] = {}  # by window size
+        self.rings: dict[int, RequestQueryRing] = {}  # by window size
         self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
@@ -212,11 +213,11 @@ class WorkerEviction:
             self.ledger.track(req_id, None if rp.policy is None else rp.policy.schedule)
         return rp
 
-    def _ring(self, window: int) -> QueryRing:
+    def _ring(self, window: int) -> RequestQueryRing:
         ring = self.rings.get(window)
         if ring is None:
-            ring = self.rings[window] = QueryRing(window, len(self.caches), self.q_heads, self.head_dim,
-                                                  self.dtype, self.device)
+            ring = self.rings[window] = RequestQueryRing(window, len(self.caches), self.q_heads, self.head_dim,
+                                                         self.dtype, self.device)
         return ring
 
     # -- before the forward -----------------------------------------------------------------
@@ -283,7 +284,7 @@ class WorkerEviction:
         slot = int(slot_mapping[0])
         blocks = torch.tensor([[slot // self.block_size]], device=self.device)
         offs = torch.tensor([[slot % self.block_size]], device=self.device)
-        k, v = gather_slots(self.layout.split(kv_cache), blocks, offs)
+        k, v = gather_paged(self.layout.split(kv_cache), blocks, offs)
         if not (torch.equal(k[0, :, 0], key[0].view(self.kv_heads, -1).to(k.dtype))
                 and torch.equal(v[0, :, 0], value[0].view(self.kv_heads, -1).to(v.dtype))):
             raise KVPolicyVLLMError(
@@ -332,7 +333,7 @@ class WorkerEviction:
         lyr = len(self.caches)
         bt = table.get_cpu_tensor()[rows].to(self.device)
         blocks, offs = slot_address(bt, n, self.block_size)
-        gathered = [gather_slots(kv, blocks, offs) for kv in self.kv]
+        gathered = [gather_paged(kv, blocks, offs) for kv in self.kv]
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
@@ -428,23 +429,24 @@ class WorkerEviction:
 
 
 # -- wrappers installed on vLLM's classes at plugin load (see kvpolicy.vllm.hooks) ------------------
-def state_of(runner: Any) -> WorkerEviction | None:
+def runner_eviction(runner: Any) -> WorkerEviction | None:
+    """The ``WorkerEviction`` of a model runner, None when it does not evict."""
     return runner.__dict__.get("_kvpolicy")
 
 
-def init_runner(runner: Any) -> None:
-    """After ``initialize_kv_cache``: switch eviction on for this runner if the server asked."""
+def init_runner(runner: Any) -> WorkerEviction | None:
+    """After ``initialize_kv_cache``: switch eviction on for this runner if the server asked.
+
+    Returns the runner's state (None: no eviction); the caller (``kvpolicy.vllm.hooks``) then
+    wraps its attention backends (``WorkerEviction.impl_classes``)."""
     global _ACTIVE
     resolved = Resolved.from_additional_config(runner.vllm_config.additional_config)
     if resolved is None:
-        return
+        return None
     state = WorkerEviction(runner, resolved)
-    from .hooks import install_backend
-
-    for impl_cls in state.impl_classes:
-        install_backend(impl_cls)
     runner.__dict__["_kvpolicy"] = state
     _ACTIVE = state
+    return state
 
 
 def active() -> WorkerEviction | None:

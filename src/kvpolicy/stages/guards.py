@@ -1,0 +1,312 @@
+"""Run-time guards around every stage call: ``Policy.select`` keeps its promises or says why not.
+
+``select`` promises ``[B, Hkv, K]`` ascending, duplicate-free slot indices that contain every
+protected slot. Stages are third-party code (plugins) fed whatever tensors the caller passes, so
+each stage call goes through one of the functions below. A stage that breaks its contract (a
+``[B, N]`` result that torch would silently broadcast, a reservation that protects more than the
+budget keeps) or inputs that no float32 score can rank (NaN, inf) raise a ``SelectionError``
+naming the input or the stage at fault, instead of a silently wrong selection (a dropped recent
+buffer) or a bare torch error. Each check costs at most one host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Reservation
+
+if TYPE_CHECKING:
+    from .base import Allocation, EvictionInput, Scorer, Selector
+
+#: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
+#: strictly above every candidate's priority (clamped to this).
+F32_MAX = torch.finfo(torch.float32).max
+
+
+class SelectionError(ValueError):
+    """An eviction refused at run time; the message names the input (``keys``, ``values``,
+    ``queries``) or the stage (``scorer 'attention'``, ``reservation 'sinks'``, ...) at fault."""
+
+
+def check_inputs(inp: EvictionInput) -> None:
+    """Refuse keys, values or queries holding NaN or inf, or float64 entries beyond float32's range;
+    and a recent buffer larger than the budget. One synchronisation.
+
+    Why: scores are computed in float32, and a NaN or inf input gives NaN or inf scores, which
+    cannot be ranked (an inf score would tie with the priority of protected slots). Every entry
+    is checked, padding slots and empty window entries included: scorers read them too (a
+    padding key times a zero weight is still NaN).
+    """
+    check_recent(inp)
+    named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
+    ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
+    for (label, t), good in zip(named, ok, strict=True):
+        if not good:
+            raise SelectionError(_bad_input_message(label, t))
+
+
+def check_recent(inp: EvictionInput) -> None:
+    """Refuse a recent buffer larger than the budget (host arithmetic only, no synchronisation)."""
+    recent = inp.num_slots - inp.num_candidates
+    if recent > inp.budget:
+        raise SelectionError(
+            f"the recent buffer ({recent} slots: N={inp.num_slots} - num_candidates={inp.num_candidates}) "
+            f"is larger than the budget ({inp.budget} slots kept): it cannot be kept whole"
+        )
+
+
+def check_appended(
+    layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+    token_valid: torch.Tensor | None, window: int,
+) -> None:
+    """Select mode: refuse a step's keys or values (``[B, Hkv, T, D]``, its real tokens:
+    ``token_valid [B, T]``) or the queries it stores in the window (``[B, Hq, T, D]``, the last
+    ``window``, padding included: scorers read every window entry) that hold NaN or inf, or
+    float64 entries beyond float32's range. One synchronisation.
+
+    Why here: a select-mode cache keeps every token and chooses among them at every step, so
+    checking the whole cache at each choice (as an eviction does) would cost more than the
+    choice. Each token is checked once, as it enters, before the cache changes: an error
+    leaves the cache as it was. Padding tokens are never stored, so only real ones are checked.
+    """
+    named = [("keys", keys), ("values", values)]
+    if token_valid is not None and not bool(token_valid.all()):
+        pad = ~token_valid.to(keys.device)[:, None, :, None]
+        named = [(label, t.masked_fill(pad, 0.0)) for label, t in named]
+    if queries is not None and window > 0:
+        kept = min(window, queries.shape[2])
+        named.append((f"queries (the last {kept} of the step, which the window keeps)", queries[:, :, -kept:]))
+    ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
+    for (label, t), good in zip(named, ok, strict=True):
+        if not good:
+            raise SelectionError(
+                f"layer {layer}: a select-mode step is refused before it enters the cache (the cache is "
+                "unchanged): " + _bad_input_message(
+                    label, t, layout="[row, head, token, channel] =",
+                    why="selection scores every token it keeps, and NaN or inf scores cannot be ranked",
+                )
+            )
+
+
+def check_query_window(readers: list[str], inp: EvictionInput) -> None:
+    """Refuse an empty query window (``W = 0``) when some stage reads the queries.
+
+    ``readers`` names those stages (``PolicyConfig.query_readers``). Load already refuses
+    ``schedule.window = 0`` for them; this catches ``select`` called with ``[B, Hq, 0, D]``
+    queries, which such a stage cannot score (there is no newest query to read).
+    """
+    if readers and inp.queries.shape[2] == 0:
+        raise SelectionError(
+            f"queries hold no window entry (shape {tuple(inp.queries.shape)}, W = 0), but "
+            f"{' and '.join(readers)} {'reads' if len(readers) == 1 else 'read'} them: pass the window of "
+            "recent queries (W >= 1; query_valid=False marks entries that hold no query yet)"
+        )
+
+
+def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.Tensor:
+    """``scorer.score(inp)`` as checked ``[B, Hkv, N]`` float32 scores. One synchronisation.
+
+    Refuses (``SelectionError`` naming the scorer, and ``where`` it runs, e.g. ``" (in
+    reservation 'top_scores')"``) a result that is not a floating ``[B, Hkv, N]`` tensor on the
+    inputs' device, and scores that are NaN or inf on a valid candidate slot (the only entries
+    read): those could not be ranked. If the inputs themselves are not finite, the error names
+    them instead; if they are finite, it says that the scores overflowed and how to avoid it.
+    """
+    name = f"scorer {scorer.type_name!r}{where}"
+    scores = scorer.score(inp)
+    _check_output(name, "scores", scores, inp, want_bool=False)
+    scores = scores.float()
+    bad = ~torch.isfinite(scores) & inp.candidate_mask
+    if bool(bad.any()):
+        check_inputs(inp)  # the error path only: name the inputs if they are at fault
+        raise SelectionError(_non_finite_scores_message(name, bad, inp))
+    return scores
+
+
+def _non_finite_scores_message(name: str, bad: torch.Tensor, inp: EvictionInput) -> str:
+    """Why finite inputs gave NaN or inf scores: a float32 overflow when a dot product of the
+    inputs can exceed float32's range (``|x|^2 * D``), else an overflow or 0/0 in the scorer."""
+    inputs = (inp.keys, inp.values, inp.queries)
+    dtypes = "/".join(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in inputs))
+    largest = max(float(t.abs().max()) if t.numel() else 0.0 for t in inputs)
+    dot = largest * largest * inp.head_dim  # the largest |q . k| (or ||k||^2) the inputs allow
+    head = (f"{name} produced non-finite scores (NaN or inf) for {int(bad.sum())} valid candidate slot(s), "
+            f"the first at [row, head, slot] = {bad.nonzero()[0].tolist()}")
+    if dot > F32_MAX:
+        return (
+            f"{head}: the scores overflowed float32 from finite inputs. The inputs are {dtypes} and finite, "
+            f"but their entries reach {largest:.3g}, so a dot product of two of them (up to |x|^2 * D = "
+            f"{dot:.3g} with D = {inp.head_dim}) exceeds float32's largest value, {F32_MAX:.3g}. Rescale "
+            "the keys, values and queries (divide them by a common factor) so that |x|^2 * D stays far "
+            "below it; scores are always computed in float32, so a wider dtype does not help"
+        )
+    return (
+        f"{head}, from finite inputs ({dtypes}, entries up to {largest:.3g}): the scorer's arithmetic most "
+        f"likely overflowed (float32 ends at {F32_MAX:.3g}, float16 at 65504; a product of several "
+        "entries grows fast) or computed 0/0 or inf - inf. Rescale the inputs to smaller magnitudes, or "
+        "make the scorer compute in float32 within its range"
+    )
+
+
+def run_reservation(reservation: Reservation, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
+    """``protected | reservation.reserve(inp, protected)``, checked. One synchronisation.
+
+    Refuses (``SelectionError`` naming the reservation) a mask that is not ``[B, Hkv, N]`` bool
+    on the inputs' device; one that adds more candidate slots in some row and head than the
+    stage declares with ``reserved_count(budget)`` (the bound ``load_policy`` checked against
+    the budget); and one that leaves more slots protected in some row and head than the budget
+    keeps, which would drop protected slots.
+    """
+    name = f"reservation {reservation.type_name!r}"
+    mask = reservation.reserve(inp, protected)
+    _check_output(name, "a protection mask", mask, inp, want_bool=True)
+    result = protected | mask
+    if result.numel() == 0:
+        return result
+    in_candidates = torch.arange(inp.num_slots, device=mask.device) < inp.num_candidates
+    added = (mask & ~protected & in_candidates).sum(-1)
+    total = result.sum(-1)
+    added_max, total_max = torch.stack([added.max(), total.max()]).tolist()
+    declared = declared_count(reservation, inp.budget)
+    if declared is not None and added_max > declared:
+        raise SelectionError(
+            f"{name} protects {added_max} more candidate slots in some row/head but declares at most "
+            f"reserved_count({inp.budget}) = {declared}: load_policy checks recent + reserved <= budget "
+            "with that bound, so the stage must keep to it (or declare a larger one)"
+        )
+    if total_max > inp.budget:
+        before = int(protected.sum(-1).max())
+        raise SelectionError(
+            f"{name} protects {total_max} slots in some row/head but the budget keeps {inp.budget}: "
+            f"up to {before} were protected before it (recent buffer {inp.num_slots - inp.num_candidates}, "
+            f"earlier reservations) and it adds up to {added_max}, so protected slots would be dropped. "
+            "A reservation must protect a bounded number of slots; declare the bound with "
+            "reserved_count(budget) so that load_policy checks it"
+        )
+    return result
+
+
+def run_selector(
+    selector: Selector, scores: torch.Tensor | None, inp: EvictionInput, eligible: torch.Tensor
+) -> torch.Tensor:
+    """``selector.priority(scores, inp)`` as checked ``[B, Hkv, N]`` float32 priorities. One synchronisation.
+
+    Refuses (``SelectionError`` naming the selector) a result that is not a floating
+    ``[B, Hkv, N]`` tensor on the inputs' device, and NaN on an ``eligible`` slot (NaN cannot be
+    ranked). Infinite priorities are allowed: the caller clamps them below protected slots.
+    """
+    name = f"selector {selector.type_name!r}"
+    priority = selector.priority(scores, inp)
+    _check_output(name, "priorities", priority, inp, want_bool=False)
+    priority = priority.float()
+    nan = torch.isnan(priority) & eligible
+    if bool(nan.any()):
+        raise SelectionError(
+            f"{name} produced NaN priorities for {int(nan.sum())} eligible candidate slot(s), the first "
+            f"at [row, head, slot] = {nan.nonzero()[0].tolist()}"
+            + (", from finite scores" if scores is not None else "")
+        )
+    return priority
+
+
+def run_allocation(
+    allocation: Allocation, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput
+) -> torch.Tensor:
+    """``allocation.head_counts(...)`` as checked ``[B, Hkv]`` long counts. One synchronisation.
+
+    Refuses (``SelectionError`` naming the allocation) a result of another shape, dtype or
+    device, a head given fewer slots than it protects or more than it holds, and a row whose
+    counts do not add up to ``Hkv * budget`` (or to every slot it holds, when it holds fewer).
+    """
+    name = f"allocation {allocation.type_name!r}"
+    counts = allocation.head_counts(priority, protected, inp)
+    want = (inp.batch, inp.num_kv_heads)
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
+        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
+    if counts.device != priority.device:
+        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+    held = (priority > float("-inf")).sum(-1)
+    floor = protected.sum(-1)
+    total = torch.minimum(held.sum(-1), torch.tensor(inp.num_kv_heads * inp.budget, device=held.device))
+    bad = (counts < floor) | (counts > held)
+    if bool(bad.any()) or bool((counts.sum(-1) != total).any()):
+        if bool(bad.any()):
+            r, h = bad.nonzero()[0].tolist()
+            problem = (f"gave row {r}, head {h} {int(counts[r, h])} slots, outside [{int(floor[r, h])} protected, "
+                       f"{int(held[r, h])} held]")
+        else:
+            r = int((counts.sum(-1) != total).nonzero()[0])
+            problem = f"gave row {r} {int(counts[r].sum())} slots in all where {int(total[r])} are due"
+        raise SelectionError(f"{name} {problem}")
+    return counts
+
+
+def declared_count(reservation: Reservation, budget: int) -> int | None:
+    """The stage's ``reserved_count(budget)``, or None when it does not override the default.
+
+    Why None: the base method returns 0 so that ``load_policy`` can still add up the declared
+    counts, but a stage that declares nothing only promises to stay within the budget, which is
+    checked at run time; holding it to 0 would refuse every slot it protects.
+    """
+    if type(reservation).reserved_count is Reservation.reserved_count:
+        return None
+    return reservation.reserved_count(budget)
+
+
+def _all_representable(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool: every entry of ``t`` is finite, and within float32's range for float64 (scores are
+    computed in float32). One pass with no
+    temporary as large as ``t`` (the minimum and maximum; NaN propagates through both): cheap
+    enough to run on the whole cache at every step of select mode."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    if t.dtype == torch.float64:
+        return (lo >= -F32_MAX) & (hi <= F32_MAX)  # False for NaN
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+_WHY_FINITE = (
+    "eviction needs finite keys, values and queries (padding slots and empty window entries included), "
+    "since NaN or inf scores cannot be ranked"
+)
+
+
+def _bad_input_message(label: str, t: torch.Tensor, layout: str = "index", why: str = _WHY_FINITE) -> str:
+    nonfinite = ~torch.isfinite(t)
+    if bool(nonfinite.any()):
+        kinds = [
+            kind for kind, mask in (("NaN", torch.isnan(t)), ("+inf", t == float("inf")), ("-inf", t == float("-inf")))
+            if bool(mask.any())
+        ]
+        return (
+            f"{label} hold {int(nonfinite.sum())} non-finite entries ({', '.join(kinds)}), the first at "
+            f"{layout} {nonfinite.nonzero()[0].tolist()}: {why}"
+        )
+    beyond = t.abs() > F32_MAX
+    return (
+        f"{label} are float64 with {int(beyond.sum())} entries beyond float32's range (|x| > {F32_MAX:.4g}; "
+        f"the largest is {float(t.abs().max()):.4g}), the first at {layout} {beyond.nonzero()[0].tolist()}: "
+        "scores are computed in float32, so scale the inputs down"
+    )
+
+
+def _check_output(stage: str, what: str, t: object, inp: EvictionInput, *, want_bool: bool) -> None:
+    """A stage's result must be one entry per row, KV head and slot: never broadcast, never cast."""
+    expected = (inp.batch, inp.num_kv_heads, inp.num_slots)
+    if not isinstance(t, torch.Tensor):
+        raise SelectionError(f"{stage} returned {type(t).__name__}, expected {what} as a [B, Hkv, N] = {expected} tensor")
+    if tuple(t.shape) != expected:
+        raise SelectionError(
+            f"{stage} returned {what} of shape {tuple(t.shape)}, expected [B, Hkv, N] = {expected} "
+            "(one entry per row, KV head and slot: a result is never broadcast)"
+        )
+    if want_bool and t.dtype != torch.bool:
+        raise SelectionError(f"{stage} returned {what} of dtype {t.dtype}, expected torch.bool")
+    if not want_bool and not t.is_floating_point():
+        raise SelectionError(f"{stage} returned {what} of dtype {t.dtype}, expected a floating dtype (float32)")
+    if t.device != inp.keys.device:
+        raise SelectionError(f"{stage} returned {what} on {t.device}, expected the inputs' device {inp.keys.device}")
