@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
-from kvpolicy.vllm.paged import compact, gather_slots, slot_address
+from kvpolicy.vllm.paged import compact, gather_paged, slot_address
 
 CPU = "LBHNC"
 
@@ -94,7 +94,7 @@ def test_gather_reads_what_the_reference_writer_wrote(layout, interior):
     _, kv = _build(layout, interior, sizes, tables, keys, values)
     blocks, offs = slot_address(tables, 10, 4)
     for layer in range(2):
-        k, v = gather_slots(kv[layer], blocks, offs)
+        k, v = gather_paged(kv[layer], blocks, offs)
         assert k.shape == (2, 2, 10, 3)
         assert torch.equal(k, keys[layer].transpose(1, 2)) and torch.equal(v, values[layer].transpose(1, 2))
 
@@ -115,17 +115,17 @@ def test_compaction_in_every_layout_equals_compaction_in_the_cpu_layout(layout):
     for lay, interior in ((layout, "cells"), (CPU, "cpu_pages")):
         _, kv = _build(lay, interior, sizes, tables, keys, values)
         blocks, offs = slot_address(tables, t, bs)
-        gathered = [gather_slots(x, blocks, offs) for x in kv]
-        before = [gather_slots(x, *slot_address(every, nb * bs, bs)) for x in kv]
+        gathered = [gather_paged(x, blocks, offs) for x in kv]
+        before = [gather_paged(x, *slot_address(every, nb * bs, bs)) for x in kv]
         compact(kv, tables, gathered, kept, bs)
-        after = [gather_slots(x, *slot_address(every, nb * bs, bs)) for x in kv]
+        after = [gather_paged(x, *slot_address(every, nb * bs, bs)) for x in kv]
         results.append((before, after, kv))
     (before_l, after_l, kv_l), (before_c, after_c, _) = results
     for layer in range(lyr):
         for a, b in zip(after_l[layer], after_c[layer], strict=True):
             assert torch.equal(a, b)  # slot for slot, the whole cache
         # and it is the compaction asked for: kept slots first, in order, per head
-        k2, v2 = gather_slots(kv_l[layer], *slot_address(tables, k, bs))
+        k2, v2 = gather_paged(kv_l[layer], *slot_address(tables, k, bs))
         for r in range(2):
             for head in range(h):
                 assert torch.equal(k2[r, head], keys[layer, r, kept[layer, r, head], head])

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, layer_views  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder, tiny_qwen3_folder  # noqa: E402
-from kvpolicy.vllm.paged import compact, gather_slots  # noqa: E402
+from kvpolicy.vllm.paged import compact, gather_paged  # noqa: E402
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved  # noqa: E402
 
 
@@ -134,12 +134,12 @@ def test_compaction_inside_blocks_matches_vllms_cpu_cache_writer():
     ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     kv = BlockLayout("LBHNC", "cpu_pages", d).split(cache)
     blocks = table[:1, torch.arange(t) // bs].long()
-    k, v = gather_slots(kv, blocks, (torch.arange(t) % bs)[None])
+    k, v = gather_paged(kv, blocks, (torch.arange(t) % bs)[None])
     assert torch.equal(k[0], key.transpose(0, 1)) and torch.equal(v[0], val.transpose(0, 1))
     kept = torch.stack([torch.randperm(t)[:40].sort().values for _ in range(h)])
     other = cache[table[1]].clone()
     compact([kv], table[:1], [(k, v)], kept[None, None], bs)
-    k2, v2 = gather_slots(kv, table[:1, torch.arange(40) // bs].long(), (torch.arange(40) % bs)[None])
+    k2, v2 = gather_paged(kv, table[:1, torch.arange(40) // bs].long(), (torch.arange(40) % bs)[None])
     for head in range(h):
         assert torch.equal(k2[0, head], key[kept[head], head])
         assert torch.equal(v2[0, head], val[kept[head], head])
