@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from . import guards
-from .attend import attend
+from .attend import attend, attend_heads
 from .executor import Executor
-from .heads import attend_heads
 from .policy import Policy, load_policy
 from .state import SELECT_GROWTH, CacheStateError, EvictionStats, LayerGroup, check_select_growth
 

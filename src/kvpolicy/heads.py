@@ -17,7 +17,8 @@ deficit 0 that is ``h * cap + s``: the even layout, slot for slot.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .attend import attend_heads  # noqa: F401  (its documented home before kvpolicy.attend)
 
 
 class HeadLayout:
@@ -127,39 +128,3 @@ class HeadLayout:
         self.deficit = self.deficit.index_select(1, index)
         self._changed()
 
-
-def attend_heads(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    index: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    scaling: float | None = None,
-) -> torch.Tensor:
-    """Exact attention over a flat per-head layout.
-
-    Args:
-        query: ``[B, Hq, T, D]``; query head ``h*G + g`` reads KV head ``h``.
-        keys: ``[N, D]`` the layer's slots, row after row and head after head; values ``[N, Dv]``.
-        index: ``[B, Hkv, W]`` the slot (row into ``keys``) each KV head reads in column ``w``
-            (``HeadLayout.band``).
-        mask: ``[B, Hkv, T, W]`` bool, the columns each KV head's query ``t`` attends.
-
-    Returns ``[B, Hq, T, Dv]``. Each head's columns are gathered into ``[B, Hkv, W, D]`` (rows of
-    ``D`` contiguous values, so the copy streams), then one attention call reads them: the work
-    follows the fullest head's count, not the ``Hkv`` times larger flat row that a masked product
-    over every slot would score.
-    """
-    b, hq, t, d = query.shape
-    hkv, width = index.shape[1], index.shape[2]
-    g = hq // hkv
-    flat = index.flatten()
-    k = keys.index_select(0, flat).view(b, hkv, width, d)
-    v = values.index_select(0, flat).view(b, hkv, width, -1)
-    # A KV head's G query heads act as G * T query rows of it: no key or value repeat.
-    q = query.reshape(b, hkv, g * t, d)
-    if g > 1:
-        mask = mask[:, :, None].expand(b, hkv, g, t, width).reshape(b, hkv, g * t, width)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.view(b, hq, t, v.shape[-1])
