@@ -16,9 +16,21 @@ deficit 0 that is ``h * cap + s``: the even layout, slot for slot.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .attend import attend_heads  # noqa: F401  (its documented home before kvpolicy.attend)
+
+
+class ReadPlan(NamedTuple):
+    """What every step of a per-head group needs, fixed between evictions (``HeadLayout``)."""
+
+    capacity: int  # the slots per head it was built for
+    origin: torch.Tensor  # [Lyr, B, Hkv]: where row slot 0 of each head would be, in the layer's [B * Hkv * cap]
+    first: torch.Tensor  # [Lyr, B, Hkv]: each head's first held slot, likewise
+    cols: torch.Tensor  # 0 .. Hkv * cap - 1
+    most: list[int]  # each layer's largest surplus over its rows (host ints)
 
 
 class HeadLayout:
@@ -29,7 +41,7 @@ class HeadLayout:
         self.even = True  # every deficit is 0 (before the first eviction): the even code paths apply
         self._shift: tuple[int, torch.Tensor] | None = None
         self._surplus: torch.Tensor | None = None
-        self._reads: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._reads: ReadPlan | None = None
 
     def _changed(self) -> None:
         self._shift = self._surplus = self._reads = None
@@ -76,23 +88,20 @@ class HeadLayout:
         rows = rows.cpu() if isinstance(rows, torch.Tensor) else rows
         return int((counts.cpu()[None, :] + self.surplus()[layers][:, rows]).max())
 
-    def _read_plan(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """What every step needs, fixed between evictions: as indices into the layer's
-        ``[B * Hkv * cap]`` slots, where row slot 0 of each head would be and its first held slot
-        (``[Lyr, B, Hkv]`` each), the column numbers ``0 .. Hkv * cap - 1``, and each layer's
-        largest surplus over its rows (host ints)."""
-        if self._reads is None or self._reads[0] != capacity:
+    def _read_plan(self, capacity: int) -> ReadPlan:
+        """What every step needs, fixed between evictions (built once after each)."""
+        if self._reads is None or self._reads.capacity != capacity:
             b, hkv = self.deficit.shape[1:]
             origin = self.shift(capacity) + torch.arange(b, device=self.deficit.device)[:, None] * (hkv * capacity)
             cols = torch.arange(hkv * capacity, device=self.deficit.device)
-            self._reads = (capacity, origin, origin + self.deficit, cols, self.surplus().amax(1).tolist())
-        return self._reads[1:]
+            self._reads = ReadPlan(capacity, origin, origin + self.deficit, cols, self.surplus().amax(1).tolist())
+        return self._reads
 
     def append_index(self, capacity: int, layer: int, start: int, tokens: int) -> torch.Tensor:
         """``[B * Hkv * T]``: where row slots ``start .. start + T - 1`` of every head of ``layer``
         live in its ``[B * Hkv * cap]`` slots (a step appending the same slots to every row)."""
-        origin, _, cols, _ = self._read_plan(capacity)
-        return (origin[layer][..., None] + cols[start : start + tokens]).flatten()
+        reads = self._read_plan(capacity)
+        return (reads.origin[layer][..., None] + reads.cols[start : start + tokens]).flatten()
 
     def band(
         self, capacity: int, layer: int, counts: torch.Tensor | int, sees: torch.Tensor | None,
@@ -106,10 +115,10 @@ class HeadLayout:
         (None: a decode step, every held slot). Columns past a head's count point at its first
         slot and are masked: what they gather is a held slot's data, which gets weight 0.
         """
-        _, first, cols, most = self._read_plan(capacity)
-        first, deficit = first[layer], self.deficit[layer]
+        reads = self._read_plan(capacity)
+        first, deficit, cols = reads.first[layer], self.deficit[layer], reads.cols
         if isinstance(counts, int):
-            width = counts + most[layer]
+            width = counts + reads.most[layer]
             held = counts - deficit  # [B, Hkv]
         else:
             width = int((counts + self.surplus()[layer]).max())

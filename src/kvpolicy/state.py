@@ -181,7 +181,7 @@ class LayerGroup:
         if self.select is not None:
             alike = self.rows.alike
             # While rows are alike, their count is one int (reading .counts would leave the fast path).
-            counts = alike[0] if alike is not None else self.rows.counts
+            counts = alike.held if alike is not None else self.rows.counts
             self.rows.evictions += self.select.plan(t, counts, self.tokens_seen_before, self.schedule)
 
     def _due(self, after, tokens, is_prompt: bool):
@@ -236,7 +236,9 @@ class LayerGroup:
 
     def _plan_alike(self, t: int) -> StepPlan:
         """``_plan`` when every row holds the same slots and every new token is real: ints only."""
-        count, _, tokens, _ = self.rows.alike  # type: ignore[misc]
+        alike = self.rows.alike
+        assert alike is not None
+        count, tokens = alike.held, alike.tokens
         after = count + t
         if after > self.buffers.capacity:
             self._grow(self._capacity(after))
@@ -352,7 +354,7 @@ class LayerGroup:
             sees = (torch.arange(plan.tokens, device=self.device) + (plan.start or 0) + 1).expand(plan.batch, -1)
         alike = self.rows.alike  # while rows are alike their count is one int (the fast path stays)
         if alike is not None:
-            counts: torch.Tensor | int = alike[0] if self.written(layer) else alike[1]
+            counts: torch.Tensor | int = alike.held if self.written(layer) else alike.before
         else:
             counts = self.counts_of(layer)
         return heads.band(self.buffers.capacity, self.member[layer], counts, sees)
