@@ -316,8 +316,10 @@ class LayerView:
 
     @property
     def evictions(self) -> torch.Tensor:
-        """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes)."""
-        return self._group().rows.evictions.clone()
+        """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes;
+        in select mode, the choices it made before this step)."""
+        group = self._group()
+        return (group.rows.evictions if group.select is None else group.select.choices).clone()
 
     @property
     def streams(self) -> torch.Tensor:

@@ -189,7 +189,7 @@ class Executor:
                     recent=group.schedule.recent, seed=self.seed, query_valid=window_valid,
                     slot_valid=torch.ones((), dtype=torch.bool, device=group.device).expand(shape),
                     positions=torch.arange(count, device=group.device).expand(shape), layer_idx=layer,
-                    evictions=group.rows.evictions[rows], streams=group.rows.streams[rows],
+                    evictions=select.choices[rows], streams=group.rows.streams[rows],
                     key_pages={p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()},
                 )
                 if select.per_head:  # each head chooses its own count out of the layer's pool

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 class SelectionState:
     """Per layer ``selection [Lyr, B, Hkv, budget]`` (allocated at the first choice: a cache that
     never holds more than ``budget`` slots never chooses); per row the count it held when it chose
-    (``selected_at``, -1: none) and whether it chooses anew at this step (``reselect``); per
-    page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``).
+    (``selected_at``, -1: none), whether it chooses anew at this step (``reselect``) and how many
+    choices it made before this step (``choices``: what keys its random draws, as evictions do
+    when evicting); per page of ``P`` slots the per-channel min and max of each layer's keys
+    (``key_pages``).
 
     Under a per-head allocation (``per_head``) a head may choose up to the layer's whole pool,
     ``Hkv * budget`` slots: ``selection`` is ``[Lyr, B, Hkv, Hkv * budget]``, each head's chosen
@@ -44,6 +46,7 @@ class SelectionState:
         self._device = like.device
         self.selected_at = torch.full((batch,), -1, dtype=torch.long)
         self.reselect = torch.zeros(batch, dtype=torch.bool)
+        self.choices = torch.zeros(batch, dtype=torch.long)
         self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in sorted(page_sizes):
             shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
@@ -75,23 +78,22 @@ class SelectionState:
         self.selection[i, rows] = torch.where(past, order[..., :1], order)
         self.head_counts[i, rows] = counts
 
-    def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> torch.Tensor:
-        """Which rows choose anew at a step of ``t`` tokens; returns the rows that chose at the
-        previous step (their choice keyed that step's draws: they count as an eviction).
+    def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> None:
+        """Which rows choose anew at a step of ``t`` tokens; the rows that chose at the previous
+        step count that choice (it keyed that step's draws).
 
         A decode step of a row holding more than ``budget`` slots chooses when it has no choice
         yet or chose ``interval`` or more tokens ago; a multi-token chunk (prompt, later turn) is
         attended densely and makes the next decode step choose anew."""
-        previous = self.reselect
-        batch = previous.shape[0]
+        self.choices += self.reselect
+        batch = self.reselect.shape[0]
         if t > 1 or tokens_seen_before == 0:
             self.selected_at.fill_(-1)
             self.reselect = torch.zeros(batch, dtype=torch.bool)
-            return previous
+            return
         stale = (self.selected_at < 0) | (counts - self.selected_at >= schedule.interval)
         self.reselect = (counts > schedule.budget) & stale
         self.selected_at = torch.where(self.reselect, counts, self.selected_at)
-        return previous
 
     def grow(self, capacity: int) -> None:
         for p, (lo, hi) in list(self.key_pages.items()):
@@ -143,6 +145,7 @@ class SelectionState:
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         self.selected_at = self.selected_at[host]
         self.reselect = self.reselect[host]
+        self.choices = self.choices[host]
         lyr, _, hkv, budget = self._selection_shape
         self._selection_shape = (lyr, host.numel(), hkv, budget)
         if self._selection is not None:

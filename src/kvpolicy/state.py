@@ -182,7 +182,7 @@ class LayerGroup:
             alike = self.rows.alike
             # While rows are alike, their count is one int (reading .counts would leave the fast path).
             counts = alike.held if alike is not None else self.rows.counts
-            self.rows.evictions += self.select.plan(t, counts, self.tokens_seen_before, self.schedule)
+            self.select.plan(t, counts, self.tokens_seen_before, self.schedule)
 
     def _due(self, after, tokens, is_prompt: bool):
         """``Schedule.due`` for this step (ints or ``[B]`` tensors); select mode never evicts."""
