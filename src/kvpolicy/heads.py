@@ -12,6 +12,9 @@ One number per (layer, row, head) says where everything is: the head's **deficit
 (the index a slot would have if every head held ``L``) of head ``h`` lives at flat slot
 ``shift_h + s`` with ``shift_h = h * cap - (d_0 + ... + d_h)``, for ``s`` in ``[d_h, L)``. With every
 deficit 0 that is ``h * cap + s``: the even layout, slot for slot.
+
+``HeadLayout`` is that addressing, and the only code that computes flat slots; the per-head
+layout (``kvpolicy.layouts.HeadRuns``) reads and moves slots through it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class ReadPlan(NamedTuple):
     first: torch.Tensor  # [Lyr, B, Hkv]: each head's first held slot, likewise
     cols: torch.Tensor  # 0 .. Hkv * cap - 1
     most: list[int]  # each layer's largest surplus over its rows (host ints)
+
+
+class FlatMove(NamedTuple):
+    """Slot moves within each (layer, row) flat run of ``Hkv * cap`` slots: ``[M]`` device
+    indices, slot ``src[m]`` of layer ``layers[m]``, row ``rows[m]`` goes to slot ``dst[m]``."""
+
+    layers: torch.Tensor
+    rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def apply(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Move the slots of ``source [Lyr, B, Hkv, cap, ...]`` into ``target`` (``source``
+        itself to move in place: every moved slot is read before any is written)."""
+        target.flatten(2, 3)[self.layers, self.rows, self.dst] = source.flatten(2, 3)[self.layers, self.rows, self.src]
 
 
 class HeadLayout:
@@ -102,6 +120,39 @@ class HeadLayout:
         live in its ``[B * Hkv * cap]`` slots (a step appending the same slots to every row)."""
         reads = self._read_plan(capacity)
         return (reads.origin[layer][..., None] + reads.cols[start : start + tokens]).flatten()
+
+    def runs_index(self, capacity: int, row_slots: torch.Tensor) -> torch.Tensor:
+        """``[Lyr, B, Hkv, n]``: where row slots ``row_slots [n]`` (device) of every head live in
+        its row's ``[Hkv * cap]`` slots."""
+        return self.shift(capacity)[..., None] + row_slots
+
+    def scatter_index(self, capacity: int, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``[nnz, Hkv]``: where row slot ``slots[i]`` of row ``rows[i]`` lives in each head's run
+        of ``layer`` (within the row's ``[Hkv * cap]`` slots)."""
+        return self.shift(capacity)[layer][rows] + slots[:, None]
+
+    def regrown(self, capacity: int, new_capacity: int, counts: torch.Tensor) -> FlatMove:
+        """Where every held slot goes when each head's run grows from ``capacity`` to
+        ``new_capacity`` slots (rows holding ``counts [B]``): head ``h``'s slots move by
+        ``h * (new_capacity - capacity)``."""
+        flat, valid = self.slots(capacity, counts, self.width(counts))
+        moved = flat + torch.arange(flat.shape[2], device=flat.device)[:, None] * (new_capacity - capacity)
+        lyr, row, _, _ = valid.nonzero(as_tuple=True)
+        return FlatMove(lyr, row, flat[valid], moved[valid])
+
+    def compaction(
+        self, capacity: int, budget: int, flat: torch.Tensor, keep: torch.Tensor, row_of: torch.Tensor,
+    ) -> FlatMove:
+        """Where the kept slots go after an eviction of some rows: ``flat [Lyr, R, Hkv, W]`` the
+        slots the policy saw (``slots``), ``keep`` (same shape) the ones it kept, ``row_of [R]``
+        their batch rows (device). A kept slot's new place is its rank among its row's kept slots
+        plus the free room ``cap - budget`` of every head before it (the rows then hold
+        ``budget``)."""
+        hkv = keep.shape[2]
+        rank = keep.flatten(2).long().cumsum(-1).view(keep.shape) - 1
+        dest = rank + torch.arange(hkv, device=keep.device)[:, None] * (capacity - budget)
+        l_idx, r_idx, _, _ = keep.nonzero(as_tuple=True)
+        return FlatMove(l_idx, row_of[r_idx], flat[keep], dest[keep])
 
     def band(
         self, capacity: int, layer: int, counts: torch.Tensor | int, sees: torch.Tensor | None,

@@ -6,6 +6,7 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,15 @@ from .stages.quest import QuestScorer
 
 if TYPE_CHECKING:
     from .policy import Policy
+
+
+#: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
+#: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
+#: ``SELECT_MIN_GROWTH`` slots: geometric growth, so the copies cost a bounded number of slot
+#: copies per appended token (``1 / (growth - 1)``, amortised) and the unused headroom stays
+#: below ``growth - 1`` of the cache.
+SELECT_GROWTH = 1.1
+SELECT_MIN_GROWTH = 16
 
 
 class SelectionState:
@@ -201,3 +211,19 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
             guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
         priority[..., :c] = scores[..., :c].clamp(-guards.F32_MAX, guards.F32_MAX)
     return keep_top(priority, inp.budget)
+
+
+def select_capacity(needed: int, growth: float) -> int:
+    """Select mode's allocation for ``needed`` slots: ``ceil(needed * growth)``, and at least
+    ``needed + SELECT_MIN_GROWTH``."""
+    return max(needed + SELECT_MIN_GROWTH, math.ceil(needed * growth))
+
+
+def check_select_growth(growth: object) -> float:
+    """``growth`` as a float in ``(1, 16]``, or a ``ValueError`` saying why not."""
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1.0 < growth <= 16.0:
+        raise ValueError(
+            f"select_growth must be a number in (1, 16] (select mode's buffers grow to that many times the "
+            f"slots needed; 1.1 keeps 10 % headroom), got {growth!r}"
+        )
+    return float(growth)
