@@ -73,6 +73,7 @@ class EvictingCache:
         self.independent_rows = independent_rows
         self.select_growth = check_select_growth(select_growth)
         self._layout = layout_for(self.policy, self.executor, self.select_growth)
+        self._admit = self._layout.kind.admit  # refuses a step's input before anything is stored
         if layer_devices is not None and len(layer_devices) != num_layers:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {num_layers} layers")
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
@@ -192,10 +193,11 @@ class EvictingCache:
     ) -> LayerGroup:
         self._check_index(layer_idx)
         _check_step(keys, values, queries, token_valid)
-        self._layout.admit(layer_idx, keys, values, queries, token_valid, self.policy.schedule.window)
-        if queries is None and self.policy.schedule.window > 0:
+        window = self.policy.schedule.window
+        self._admit(layer_idx, keys, values, queries, token_valid, window)
+        if queries is None and window > 0:
             raise ValueError(
-                f"policy {self.policy.name!r} keeps a window of {self.policy.schedule.window} queries: "
+                f"policy {self.policy.name!r} keeps a window of {window} queries: "
                 "pass the step's post-RoPE queries"
             )
         group = self._groups[layer_idx]

@@ -62,23 +62,28 @@ class Executor:
 
     def eviction_input(
         self, group: LayerGroup, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, *,
-        layers: slice = slice(None), key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layer: int | None = None, key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> EvictionInput:
         """What the policy sees of ``rows`` (host ``[R]``; ``row_sel``: all rows, or them on the
-        device) on ``layers``, stacked layer-major on the batch axis: their ``held`` slots (the
-        layout's), the query window, the schedule's budget, and each stacked row's layer, draw
-        count and stream (its seeds). The one builder of an eviction's or a choice's input."""
-        layer_ids = group.layer_ids[layers]
-        n_layers, n_rows = layer_ids.numel(), rows.numel()
+        device) on every layer of ``group`` stacked layer-major on the batch axis (an eviction),
+        or on one ``layer`` (select mode's choice): their ``held`` slots (the layout's), the query
+        window, the schedule's budget, and each stacked row's layer, draw count and stream (its
+        seeds). The one builder of an eviction's or a choice's input."""
+        draws, streams = group.layout.draw_counts()[rows], group.rows.streams[rows]
+        layer_idx: int | torch.Tensor
+        if layer is None:
+            layers, n_layers = slice(None), group.layer_ids.numel()
+            layer_idx = group.layer_ids.repeat_interleave(rows.numel())
+            draws, streams = draws.repeat(n_layers), streams.repeat(n_layers)
+        else:
+            i = group.member[layer]
+            layers, layer_idx = slice(i, i + 1), layer
         queries, query_valid = group.ring.windows(layers, row_sel)
         schedule = group.schedule
         return eviction_input(
             held.fields["keys"], held.fields["values"], queries, budget=schedule.budget, recent=schedule.recent,
             seed=self.seed, slot_valid=held.valid, query_valid=query_valid, positions=held.fields["positions"],
-            layer_idx=layer_ids.repeat_interleave(n_rows),
-            evictions=group.layout.draw_counts()[rows].repeat(n_layers),
-            streams=group.rows.streams[rows].repeat(n_layers),
-            key_pages=key_pages,
+            layer_idx=layer_idx, evictions=draws, streams=streams, key_pages=key_pages,
         )
 
     def selected_slots(self, group: LayerGroup, layer: int) -> list[ChosenSlots]:

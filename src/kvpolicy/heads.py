@@ -48,7 +48,9 @@ class FlatMove(NamedTuple):
     def apply(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Move the slots of ``source [Lyr, B, Hkv, cap, ...]`` into ``target`` (``source``
         itself to move in place: every moved slot is read before any is written)."""
-        target.flatten(2, 3)[self.layers, self.rows, self.dst] = source.flatten(2, 3)[self.layers, self.rows, self.src]
+        flat = target.flatten(2, 3)
+        src = flat if source is target else source.flatten(2, 3)
+        flat[self.layers, self.rows, self.dst] = src[self.layers, self.rows, self.src]
 
 
 class HeadLayout:

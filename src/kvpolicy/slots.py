@@ -17,46 +17,37 @@ from .query_ring import RingClaim
 
 
 class SlotBuffers:
-    """The per-slot buffers of the layers of one group, by name in ``fields``: keys ``[Lyr, B,
-    Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap, Dv]`` and positions ``[Lyr, B, Hkv, cap]`` (-1:
-    no token). Layouts move every field together (grow, compact, reorder rows, count bytes), so a
-    field added here is carried along by each of them; ``fill`` is what an empty slot holds."""
+    """The per-slot buffers of the layers of one group, each an attribute named in ``fill``
+    (with what an empty slot holds): keys ``[Lyr, B, Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap,
+    Dv]`` and positions ``[Lyr, B, Hkv, cap]`` (-1: no token). Layouts move every one of them
+    together (write, grow, compact, reorder rows, count bytes), so a field added here is carried
+    along by each layout."""
 
     def __init__(
         self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         shape = (num_layers, batch, kv_heads, capacity)
-        self.fields: dict[str, torch.Tensor] = {
-            "keys": torch.zeros(*shape, head_dim, dtype=dtype, device=device),
-            "values": torch.zeros(*shape, value_dim, dtype=dtype, device=device),
-            "positions": torch.full(shape, -1, dtype=torch.long, device=device),
-        }
+        self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
+        self.positions = torch.full(shape, -1, dtype=torch.long, device=device)
         self.fill: dict[str, float] = {"keys": 0, "values": 0, "positions": -1}
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.fields["keys"]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.fields["values"]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.fields["positions"]
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    def replace(self, name: str, tensor: torch.Tensor) -> None:
+        """Field ``name`` is ``tensor`` from now on (grown, reordered)."""
+        setattr(self, name, tensor)
+
     def tensors(self) -> tuple[tuple[str, torch.Tensor], ...]:
         """Every per-slot buffer, ``(name, tensor)``."""
-        return tuple(self.fields.items())
+        return tuple((name, getattr(self, name)) for name in self.fill)
 
     def empty(self, name: str, capacity: int) -> torch.Tensor:
         """A new buffer for field ``name`` with ``capacity`` slots, every slot empty."""
-        old = self.fields[name]
+        old: torch.Tensor = getattr(self, name)
         return old.new_full((*old.shape[:3], capacity, *old.shape[4:]), self.fill[name])
 
     def grow(self, capacity: int) -> None:
@@ -65,7 +56,7 @@ class SlotBuffers:
         for name, old in self.tensors():
             new = self.empty(name, capacity)
             new[:, :, :, : old.shape[3]] = old
-            self.fields[name] = new
+            self.replace(name, new)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors())
@@ -77,7 +68,7 @@ class SlotBuffers:
             if new.shape == old.shape:
                 old.copy_(new)
             else:
-                self.fields[name] = new
+                self.replace(name, new)
 
 
 @dataclass(frozen=True)

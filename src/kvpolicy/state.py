@@ -88,6 +88,7 @@ class LayerGroup:
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         added = _added(token_valid, b, t)
         self.layout: SlotLayout = layout.build(self, keys, values, int(added.max()))
+        self.buffers: SlotBuffers = self.layout.buffers  # the layout's (one object for the group's life)
         self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
         self.tokens_seen = 0  # padded positions, after the current step
         self.tokens_seen_before = 0
@@ -98,11 +99,6 @@ class LayerGroup:
         self.plan = self._plan(t, token_valid, added)
 
     # -- properties ---------------------------------------------------------------------------
-    @property
-    def buffers(self) -> SlotBuffers:
-        """The slot buffers (the layout's)."""
-        return self.layout.buffers
-
     @property
     def heads(self) -> HeadLayout | None:
         """Per-head runs' addressing, for inspection (None under another layout)."""

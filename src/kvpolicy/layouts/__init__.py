@@ -57,13 +57,6 @@ class LayoutChoice:
         ``values``: the first step's, for shapes, dtype and device)."""
         return self.kind(group, keys, values, needed, self.executor, **self.options)
 
-    def admit(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
-        token_valid: torch.Tensor | None, window: int,
-    ) -> None:
-        """Refuse a step's input before anything is stored (``SlotLayout.admit``)."""
-        self.kind.admit(layer, keys, values, queries, token_valid, window)
-
 
 def layout_for(policy: Policy, executor: Executor, select_growth: float = SELECT_GROWTH) -> LayoutChoice:
     """The layout of ``policy``'s groups: select mode's, per-head runs for a per-head

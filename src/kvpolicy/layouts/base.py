@@ -29,8 +29,8 @@ class SlotView(NamedTuple):
 
 class HeldSlots(NamedTuple):
     """Some rows' slots as the policy sees them at an eviction or a choice, layers stacked on
-    the batch axis: every per-slot buffer by name (``SlotBuffers.fields``), ``[Lyr * R, Hkv, N,
-    ...]``, and which slots hold a token (None: all of them)."""
+    the batch axis: every per-slot buffer by name (``SlotBuffers.tensors``), ``[Lyr * R, Hkv,
+    N, ...]``, and which slots hold a token (None: all of them)."""
 
     fields: Mapping[str, torch.Tensor]
     valid: torch.Tensor | None

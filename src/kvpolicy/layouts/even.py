@@ -36,14 +36,14 @@ class EvenRows(SlotLayout):
 
     # -- storage --------------------------------------------------------------------------------
     def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
-        fields, place = self.buffers.fields, plan.placement
+        buffers, place = self.buffers, plan.placement
         if isinstance(place, Contiguous):
             where = slice(place.start, place.start + plan.tokens)
             for name, x in new.items():
-                fields[name][i, :, :, where] = x
+                getattr(buffers, name)[i, :, :, where] = x
         else:  # [nnz, Hkv, ...] real tokens scattered to each row's next free slots
             for name, x in new.items():
-                fields[name][i][place.rows, :, place.slots] = x[place.rows, :, place.cols]
+                getattr(buffers, name)[i][place.rows, :, place.slots] = x[place.rows, :, place.cols]
 
     def grow(self, capacity: int) -> None:
         self.buffers.grow(capacity)

@@ -23,8 +23,9 @@ class HeadRuns(EvenRows):
     its own count, and each row's ``[Hkv, cap]`` slots are read as one flat run, head after head
     (``HeadLayout``: every flat address is computed there).
 
-    Until the first eviction every head holds the row's tokens: the memory is then the even
-    layout's slot for slot, and the even rows' code runs (``heads_differ`` is False).
+    Until the first eviction every head holds the row's tokens (``heads.even``): the memory is
+    then the even layout's slot for slot, and the even rows' code runs (called as
+    ``EvenRows.method(self, ...)``: one call less than ``super()`` on the decode path).
     """
 
     heads: HeadLayout
@@ -34,11 +35,6 @@ class HeadRuns(EvenRows):
     ) -> None:
         super().__init__(group, keys, values, needed, executor)
         self.heads = HeadLayout(len(group.member), keys.shape[0], keys.shape[1], keys.device)
-
-    @property
-    def heads_differ(self) -> bool:
-        """Whether heads of a row may hold different counts now (after the first eviction)."""
-        return not self.heads.even
 
     def _counts(self, layer: int) -> torch.Tensor | int:
         """Each row's count on ``layer`` (``[B]`` host), or one int while rows are alike."""
@@ -51,36 +47,36 @@ class HeadRuns(EvenRows):
     # -- storage --------------------------------------------------------------------------------
     def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
         """Row slot ``s`` of head ``h`` goes to flat slot ``shift[h] + s``."""
-        if not self.heads_differ:
-            super().write(i, new, plan)
+        if self.heads.even:
+            EvenRows.write(self, i, new, plan)
             return
-        fields, place, cap = self.buffers.fields, plan.placement, self.buffers.capacity
+        buffers, place, cap = self.buffers, plan.placement, self.buffers.capacity
         if isinstance(place, Contiguous):  # every row appends the same slots: one index for all
             where = self.heads.append_index(cap, i, place.start, plan.tokens)
             for name, x in new.items():
-                fields[name][i].flatten(0, 2).index_copy_(0, where, x.flatten(0, 2))
+                getattr(buffers, name)[i].flatten(0, 2).index_copy_(0, where, x.flatten(0, 2))
         else:
             at = self.heads.scatter_index(cap, i, place.rows, place.slots)  # [nnz, Hkv]
             for name, x in new.items():
-                fields[name][i].flatten(1, 2)[place.rows[:, None], at] = x[place.rows, :, place.cols]
+                getattr(buffers, name)[i].flatten(1, 2)[place.rows[:, None], at] = x[place.rows, :, place.cols]
 
     def grow(self, capacity: int) -> None:
         """Each head's run grows by ``capacity - cap`` slots: head ``h``'s slots move by
         ``h * (capacity - cap)``."""
-        if not self.heads_differ:
-            super().grow(capacity)
+        if self.heads.even:
+            EvenRows.grow(self, capacity)
             return
         buffers = self.buffers
         move = self.heads.regrown(buffers.capacity, capacity, self.group.rows.counts)
         for name, old in buffers.tensors():
             new = buffers.empty(name, capacity)
             move.apply(old, new)
-            buffers.fields[name] = new
+            buffers.replace(name, new)
 
     def materialise_positions(self) -> None:
         """As the even rows', at each head's flat slots (slots past a count are not reset)."""
-        if not self.heads_differ:
-            super().materialise_positions()
+        if self.heads.even:
+            EvenRows.materialise_positions(self)
             return
         rows, dev, cap = self.group.rows, self.buffers.keys.device, self.buffers.capacity
         first, last = int(rows.stored.min()), int(rows.counts.max())
@@ -100,8 +96,8 @@ class HeadRuns(EvenRows):
     # -- reading --------------------------------------------------------------------------------
     def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Each head's own slots, read in place through ``HeadLayout.band`` (``attend_heads``)."""
-        if not self.heads_differ:
-            return super().attend(layer, queries, scaling)
+        if self.heads.even:
+            return EvenRows.attend(self, layer, queries, scaling)
         group, plan = self.group, self.group.plan
         place = plan.placement
         if not isinstance(place, Contiguous):
@@ -139,14 +135,14 @@ class HeadRuns(EvenRows):
     def slots(self, layer: int) -> SlotView:
         """Copies with each head's slots right-aligned in as many columns as its fullest head
         holds (``attend`` reads in place)."""
-        if not self.heads_differ:
-            return super().slots(layer)
+        if self.heads.even:
+            return EvenRows.slots(self, layer)
         fields, valid = self._gathered(layer)
         return SlotView(fields["keys"], fields["values"], valid)
 
     def positions(self, layer: int) -> torch.Tensor:
-        if not self.heads_differ:
-            return super().positions(layer)
+        if self.heads.even:
+            return EvenRows.positions(self, layer)
         return self._gathered(layer)[0]["positions"]
 
     # -- eviction -------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class SelectRows(EvenRows):
                 out.append(ChosenSlots(row_sel, count, None, None))
                 continue
             if fresh:
-                self._choose(i, RowClass(rows, count), row_sel)
+                self._choose(layer, RowClass(rows, count), row_sel)
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=device).expand(*chosen.shape[:2], -1)
             index = torch.cat([chosen, tail], dim=-1)
@@ -176,13 +176,12 @@ class SelectRows(EvenRows):
             out.append(ChosenSlots(row_sel, count, index, valid))
         return out
 
-    def _choose(self, i: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:
-        """Run the policy on layer ``i``'s slots of ``rows`` and store its choice."""
+    def _choose(self, layer: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:
+        """Run the policy on ``layer``'s slots of ``rows`` and store its choice."""
         select, executor, count = self.select, self.executor, rows.held
-        layer = slice(i, i + 1)
+        i = self.group.member[layer]
         fields = {
-            name: block(t[layer], row_sel, count).flatten(0, 1) for name, t in self.buffers.tensors()
-            if name != "positions"
+            name: block(t[i : i + 1], row_sel, count)[0] for name, t in self.buffers.tensors() if name != "positions"
         }
         shape = (*fields["keys"].shape[:2], count)
         device = self.buffers.keys.device
@@ -191,7 +190,7 @@ class SelectRows(EvenRows):
         fields["positions"] = torch.arange(count, device=device).expand(shape)
         held = HeldSlots(fields, torch.ones((), dtype=torch.bool, device=device).expand(shape))
         key_pages = {p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()}
-        inp = executor.eviction_input(self.group, rows.rows, row_sel, held, layers=layer, key_pages=key_pages)
+        inp = executor.eviction_input(self.group, rows.rows, row_sel, held, layer=layer, key_pages=key_pages)
         policy = executor.policy
         if select.per_head:  # each head chooses its own count out of the layer's pool
             select.store_heads(i, row_sel, *policy.select_heads_from(_with_own_masks(inp)))
