@@ -66,7 +66,7 @@ class SlotLayout(ABC):
         self.group = group
         self.executor = executor
         self.buffers = SlotBuffers(
-            len(group.member), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device
+            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device
         )
 
     @classmethod  # noqa: B027  (a hook: most layouts refuse nothing)

@@ -34,7 +34,7 @@ class HeadRuns(EvenRows):
         self, group: LayerGroup, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: Executor,
     ) -> None:
         super().__init__(group, keys, values, needed, executor)
-        self.heads = HeadLayout(len(group.member), keys.shape[0], keys.shape[1], keys.device)
+        self.heads = HeadLayout(len(group.layer_ids), keys.shape[0], keys.shape[1], keys.device)
 
     def _counts(self, layer: int) -> torch.Tensor | int:
         """Each row's count on ``layer`` (``[B]`` host), or one int while rows are alike."""

@@ -59,7 +59,7 @@ class SelectRows(EvenRows):
         super().__init__(group, keys, values, needed, executor)
         b, h = keys.shape[:2]
         self.select = SelectionState(
-            len(group.member), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
+            len(group.layer_ids), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
         )
 
     @classmethod
