@@ -1,10 +1,19 @@
-"""The attention kernel over a cache's slots: the one used by ``EvictingCache.attend``, the
-transformers integration, the evaluation harness and the docs examples.
+"""The two attention kernels over a cache's slots; each layout attends through one of them.
 
 After eviction, slots are not positions: a layer holds a different subset of tokens per head,
 rows of a batch hold different numbers of slots, and a multi-token chunk must be causal by token
-order, not by slot index. ``LayerGroup`` plans one ``[B, 1, T, L]`` mask per step that says all of
-that (shared by every layer and head, since rows are packed); this kernel applies it.
+order, not by slot index.
+
+- ``attend``: slots as ``[B, Hkv, L, D]`` tensors. Even rows attend their buffers' views with the
+  ``[B, 1, T, L]`` mask the step's plan holds (shared by every layer and head, since rows are
+  packed), or none; select mode attends the slots it gathered, with a mask per KV head. It is
+  also what transformers' attention function, the evaluation harness and the docs examples call.
+- ``attend_heads``: per-head runs (heads of a row holding different counts), read in place
+  through an index per head (``HeadLayout.band``): it gathers each head's own slots, then
+  attends them in one call.
+
+Both compute exact softmax attention over the slots they are given; they differ in how the
+slots are addressed.
 """
 
 from __future__ import annotations
@@ -68,3 +77,40 @@ def attend(
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
         return out.reshape(b, hq, 1, d)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
+
+
+def attend_heads(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over a flat per-head layout (``kvpolicy.heads``).
+
+    Args:
+        query: ``[B, Hq, T, D]``; query head ``h*G + g`` reads KV head ``h``.
+        keys: ``[N, D]`` the layer's slots, row after row and head after head; values ``[N, Dv]``.
+        index: ``[B, Hkv, W]`` the slot (row into ``keys``) each KV head reads in column ``w``
+            (``HeadLayout.band``).
+        mask: ``[B, Hkv, T, W]`` bool, the columns each KV head's query ``t`` attends.
+
+    Returns ``[B, Hq, T, Dv]``. Each head's columns are gathered into ``[B, Hkv, W, D]`` (rows of
+    ``D`` contiguous values, so the copy streams), then one attention call reads them: the work
+    follows the fullest head's count, not the ``Hkv`` times larger flat row that a masked product
+    over every slot would score.
+    """
+    b, hq, t, d = query.shape
+    hkv, width = index.shape[1], index.shape[2]
+    g = hq // hkv
+    flat = index.flatten()
+    k = keys.index_select(0, flat).view(b, hkv, width, d)
+    v = values.index_select(0, flat).view(b, hkv, width, -1)
+    # A KV head's G query heads act as G * T query rows of it: no key or value repeat.
+    q = query.reshape(b, hkv, g * t, d)
+    if g > 1:
+        mask = mask[:, :, None].expand(b, hkv, g, t, width).reshape(b, hkv, g * t, width)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return out.view(b, hq, t, v.shape[-1])

@@ -12,19 +12,20 @@ from typing import Any
 
 import torch
 
-from .attend import attend
 from .executor import Executor
-from .heads import attend_heads
+from .layouts import layout_for
 from .policy import Policy, load_policy
-from .stages import guards
-from .state import SELECT_GROWTH, CacheStateError, EvictionStats, LayerGroup, check_select_growth
+from .selection import SELECT_GROWTH, check_select_growth
+from .state import CacheStateError, EvictionStats, LayerGroup
 
 
 class EvictingCache:
     """Static, evicting KV storage for ``num_layers`` attention layers under one policy.
 
     Layers of one shape, dtype and device form one ``LayerGroup`` (static buffers with a layer
-    axis, allocated at the first append of the first of them), evicted together.
+    axis, allocated at the first append of the first of them), evicted together. The policy
+    decides the groups' layout once (``kvpolicy.layouts.layout_for``): even rows, per-head runs
+    or select mode.
 
     Args:
         policy: a ``Policy``, or anything ``load_policy`` takes.
@@ -71,6 +72,8 @@ class EvictingCache:
         self.executor = Executor(self.policy, self.seed)
         self.independent_rows = independent_rows
         self.select_growth = check_select_growth(select_growth)
+        self._layout = layout_for(self.policy, self.executor, self.select_growth)
+        self._admit = self._layout.kind.admit  # refuses a step's input before anything is stored
         if layer_devices is not None and len(layer_devices) != num_layers:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {num_layers} layers")
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
@@ -104,17 +107,8 @@ class EvictingCache:
             token_valid: ``[B, T]`` bool, False for padding tokens.
         """
         group = self._append(layer_idx, keys, values, queries, token_valid)
-        if group.uneven:  # heads hold different counts: padded copies (attend() reads in place)
-            held_keys, held_values, _, valid = group.head_view(layer_idx)
-            return held_keys, held_values, valid
-        view = self.layers[layer_idx]
-        valid = group.valid(layer_idx).expand(-1, keys.shape[1], -1)
-        if group.selecting:  # select mode: only the chosen slots are valid for this step
-            valid = valid.clone()
-            for row_sel, _, index, _ in self.executor.selected_slots(group, layer_idx):
-                if index is not None:  # columns past a head's count repeat a chosen slot
-                    valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
-        return view.keys, view.values, valid
+        held = group.layout.attended(layer_idx)
+        return held.keys, held.values, held.valid
 
     def attend(
         self,
@@ -132,13 +126,7 @@ class EvictingCache:
         (a padding query's output is finite and meaningless) and for chunks of any length.
         """
         group = self._append(layer_idx, keys, values, queries, token_valid)
-        if group.selecting:
-            return self.executor.attend_selected(group, layer_idx, queries, scaling)
-        if group.uneven:
-            flat_keys, flat_values = group.flat_slots(layer_idx)
-            return attend_heads(queries, flat_keys, flat_values, *group.head_band(layer_idx), scaling=scaling)
-        held_keys, held_values = group.slots(layer_idx)
-        return attend(queries, held_keys, held_values, scaling=scaling, mask=group.plan.mask)
+        return group.layout.attend(layer_idx, queries, scaling)
 
     def evict_due(self) -> int:
         """Run every pending eviction now (they otherwise run when the next step begins);
@@ -153,16 +141,7 @@ class EvictingCache:
         groups = self._unique_groups()
         if not groups:
             return None
-        if groups[0].select_mode:
-            # Chunks attend densely: exact up to the budget, then every decode step selects.
-            return min(max(1, g.schedule.budget - int(g.counts.max())) for g in groups)
-        if any(g.any_due for g in groups):
-            return 0
-        return min(
-            g.schedule.tokens_to_eviction(int(c), int(t))
-            for g in groups
-            for c, t in zip(g.counts.tolist(), g.rows.tokens.tolist(), strict=True)
-        )
+        return min(g.layout.tokens_to_next_eviction() for g in groups)
 
     def select_rows(self, index: torch.Tensor | Sequence[int]) -> None:
         """Keep batch rows ``index [B']`` of every layer, in that order (beam reordering,
@@ -214,11 +193,11 @@ class EvictingCache:
     ) -> LayerGroup:
         self._check_index(layer_idx)
         _check_step(keys, values, queries, token_valid)
-        if self.policy.mode == "select":  # select mode checks tokens as they enter, not at each choice
-            guards.check_appended(layer_idx, keys, values, queries, token_valid, self.policy.schedule.window)
-        if queries is None and self.policy.schedule.window > 0:
+        window = self.policy.schedule.window
+        self._admit(layer_idx, keys, values, queries, token_valid, window)
+        if queries is None and window > 0:
             raise ValueError(
-                f"policy {self.policy.name!r} keeps a window of {self.policy.schedule.window} queries: "
+                f"policy {self.policy.name!r} keeps a window of {window} queries: "
                 "pass the step's post-RoPE queries"
             )
         group = self._groups[layer_idx]
@@ -265,12 +244,7 @@ class EvictingCache:
         if layer_idx not in peers:
             peers.insert(0, layer_idx)
         query_heads = keys.shape[1] if queries is None else queries.shape[1]
-        group = LayerGroup(
-            schedule, peers, keys, values, query_heads, token_valid,
-            select_mode=self.policy.config.mode == "select", page_sizes=self.policy.key_page_sizes,
-            per_head=self.policy.allocation.per_head,
-            select_growth=self.select_growth,
-        )
+        group = LayerGroup(schedule, peers, keys, values, query_heads, token_valid, self._layout)
         if self.independent_rows:
             group.rows.streams = torch.arange(group.batch)
         for i in peers:
@@ -317,8 +291,9 @@ class LayerView:
 
     @property
     def evictions(self) -> torch.Tensor:
-        """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes)."""
-        return self._group().rows.evictions.clone()
+        """``[B]`` long: evictions each row has had (what ``Policy.select(evictions=...)`` takes;
+        in select mode, the choices it made before this step)."""
+        return self._group().layout.draw_counts().clone()
 
     @property
     def streams(self) -> torch.Tensor:
@@ -335,35 +310,22 @@ class LayerView:
         """``[B, Hkv, L, D]`` view of the held slots (``L`` = the longest row's count). When heads
         hold different counts (a per-head allocation), a copy with each head's slots
         right-aligned in ``L`` columns (its fullest head's count); ``valid`` says which."""
-        group = self._group()
-        if group.uneven:
-            return group.head_view(self.layer_idx)[0]
-        return group.slots(self.layer_idx)[0]
+        return self._group().layout.slots(self.layer_idx).keys
 
     @property
     def values(self) -> torch.Tensor:
-        group = self._group()
-        if group.uneven:
-            return group.head_view(self.layer_idx)[1]
-        return group.slots(self.layer_idx)[1]
+        return self._group().layout.slots(self.layer_idx).values
 
     @property
     def valid(self) -> torch.Tensor:
         """``[B, Hkv, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``
         (per-head allocations: see ``keys``)."""
-        group = self._group()
-        if group.uneven:
-            return group.head_view(self.layer_idx)[3]
-        return group.valid(self.layer_idx).expand(-1, group.buffers.keys.shape[2], -1)
+        return self._group().layout.slots(self.layer_idx).valid
 
     @property
     def positions(self) -> torch.Tensor:
         """``[B, Hkv, L]`` long: each slot's token index among its row's real tokens (-1: empty)."""
-        group = self._group()
-        if group.uneven:
-            return group.head_view(self.layer_idx)[2]
-        group.materialise_positions()
-        return group.buffers.positions[group.member[self.layer_idx], :, :, : group.extent(self.layer_idx)]
+        return self._group().layout.positions(self.layer_idx)
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""

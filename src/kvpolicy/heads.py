@@ -12,12 +12,45 @@ One number per (layer, row, head) says where everything is: the head's **deficit
 (the index a slot would have if every head held ``L``) of head ``h`` lives at flat slot
 ``shift_h + s`` with ``shift_h = h * cap - (d_0 + ... + d_h)``, for ``s`` in ``[d_h, L)``. With every
 deficit 0 that is ``h * cap + s``: the even layout, slot for slot.
+
+``HeadLayout`` is that addressing, and the only code that computes flat slots; the per-head
+layout (``kvpolicy.layouts.HeadRuns``) reads and moves slots through it.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
+
+from .attend import attend_heads  # noqa: F401  (its documented home before kvpolicy.attend)
+
+
+class ReadPlan(NamedTuple):
+    """What every step of a per-head group needs, fixed between evictions (``HeadLayout``)."""
+
+    capacity: int  # the slots per head it was built for
+    origin: torch.Tensor  # [Lyr, B, Hkv]: where row slot 0 of each head would be, in the layer's [B * Hkv * cap]
+    first: torch.Tensor  # [Lyr, B, Hkv]: each head's first held slot, likewise
+    cols: torch.Tensor  # 0 .. Hkv * cap - 1
+    most: list[int]  # each layer's largest surplus over its rows (host ints)
+
+
+class FlatMove(NamedTuple):
+    """Slot moves within each (layer, row) flat run of ``Hkv * cap`` slots: ``[M]`` device
+    indices, slot ``src[m]`` of layer ``layers[m]``, row ``rows[m]`` goes to slot ``dst[m]``."""
+
+    layers: torch.Tensor
+    rows: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def apply(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Move the slots of ``source [Lyr, B, Hkv, cap, ...]`` into ``target`` (``source``
+        itself to move in place: every moved slot is read before any is written)."""
+        flat = target.flatten(2, 3)
+        src = flat if source is target else source.flatten(2, 3)
+        flat[self.layers, self.rows, self.dst] = src[self.layers, self.rows, self.src]
 
 
 class HeadLayout:
@@ -28,7 +61,7 @@ class HeadLayout:
         self.even = True  # every deficit is 0 (before the first eviction): the even code paths apply
         self._shift: tuple[int, torch.Tensor] | None = None
         self._surplus: torch.Tensor | None = None
-        self._reads: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._reads: ReadPlan | None = None
 
     def _changed(self) -> None:
         self._shift = self._surplus = self._reads = None
@@ -75,23 +108,53 @@ class HeadLayout:
         rows = rows.cpu() if isinstance(rows, torch.Tensor) else rows
         return int((counts.cpu()[None, :] + self.surplus()[layers][:, rows]).max())
 
-    def _read_plan(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """What every step needs, fixed between evictions: as indices into the layer's
-        ``[B * Hkv * cap]`` slots, where row slot 0 of each head would be and its first held slot
-        (``[Lyr, B, Hkv]`` each), the column numbers ``0 .. Hkv * cap - 1``, and each layer's
-        largest surplus over its rows (host ints)."""
-        if self._reads is None or self._reads[0] != capacity:
+    def _read_plan(self, capacity: int) -> ReadPlan:
+        """What every step needs, fixed between evictions (built once after each)."""
+        if self._reads is None or self._reads.capacity != capacity:
             b, hkv = self.deficit.shape[1:]
             origin = self.shift(capacity) + torch.arange(b, device=self.deficit.device)[:, None] * (hkv * capacity)
             cols = torch.arange(hkv * capacity, device=self.deficit.device)
-            self._reads = (capacity, origin, origin + self.deficit, cols, self.surplus().amax(1).tolist())
-        return self._reads[1:]
+            self._reads = ReadPlan(capacity, origin, origin + self.deficit, cols, self.surplus().amax(1).tolist())
+        return self._reads
 
     def append_index(self, capacity: int, layer: int, start: int, tokens: int) -> torch.Tensor:
         """``[B * Hkv * T]``: where row slots ``start .. start + T - 1`` of every head of ``layer``
         live in its ``[B * Hkv * cap]`` slots (a step appending the same slots to every row)."""
-        origin, _, cols, _ = self._read_plan(capacity)
-        return (origin[layer][..., None] + cols[start : start + tokens]).flatten()
+        reads = self._read_plan(capacity)
+        return (reads.origin[layer][..., None] + reads.cols[start : start + tokens]).flatten()
+
+    def runs_index(self, capacity: int, row_slots: torch.Tensor) -> torch.Tensor:
+        """``[Lyr, B, Hkv, n]``: where row slots ``row_slots [n]`` (device) of every head live in
+        its row's ``[Hkv * cap]`` slots."""
+        return self.shift(capacity)[..., None] + row_slots
+
+    def scatter_index(self, capacity: int, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``[nnz, Hkv]``: where row slot ``slots[i]`` of row ``rows[i]`` lives in each head's run
+        of ``layer`` (within the row's ``[Hkv * cap]`` slots)."""
+        return self.shift(capacity)[layer][rows] + slots[:, None]
+
+    def regrown(self, capacity: int, new_capacity: int, counts: torch.Tensor) -> FlatMove:
+        """Where every held slot goes when each head's run grows from ``capacity`` to
+        ``new_capacity`` slots (rows holding ``counts [B]``): head ``h``'s slots move by
+        ``h * (new_capacity - capacity)``."""
+        flat, valid = self.slots(capacity, counts, self.width(counts))
+        moved = flat + torch.arange(flat.shape[2], device=flat.device)[:, None] * (new_capacity - capacity)
+        lyr, row, _, _ = valid.nonzero(as_tuple=True)
+        return FlatMove(lyr, row, flat[valid], moved[valid])
+
+    def compaction(
+        self, capacity: int, budget: int, flat: torch.Tensor, keep: torch.Tensor, row_of: torch.Tensor,
+    ) -> FlatMove:
+        """Where the kept slots go after an eviction of some rows: ``flat [Lyr, R, Hkv, W]`` the
+        slots the policy saw (``slots``), ``keep`` (same shape) the ones it kept, ``row_of [R]``
+        their batch rows (device). A kept slot's new place is its rank among its row's kept slots
+        plus the free room ``cap - budget`` of every head before it (the rows then hold
+        ``budget``)."""
+        hkv = keep.shape[2]
+        rank = keep.flatten(2).long().cumsum(-1).view(keep.shape) - 1
+        dest = rank + torch.arange(hkv, device=keep.device)[:, None] * (capacity - budget)
+        l_idx, r_idx, _, _ = keep.nonzero(as_tuple=True)
+        return FlatMove(l_idx, row_of[r_idx], flat[keep], dest[keep])
 
     def band(
         self, capacity: int, layer: int, counts: torch.Tensor | int, sees: torch.Tensor | None,
@@ -105,10 +168,10 @@ class HeadLayout:
         (None: a decode step, every held slot). Columns past a head's count point at its first
         slot and are masked: what they gather is a held slot's data, which gets weight 0.
         """
-        _, first, cols, most = self._read_plan(capacity)
-        first, deficit = first[layer], self.deficit[layer]
+        reads = self._read_plan(capacity)
+        first, deficit, cols = reads.first[layer], self.deficit[layer], reads.cols
         if isinstance(counts, int):
-            width = counts + most[layer]
+            width = counts + reads.most[layer]
             held = counts - deficit  # [B, Hkv]
         else:
             width = int((counts + self.surplus()[layer]).max())
@@ -127,39 +190,3 @@ class HeadLayout:
         self.deficit = self.deficit.index_select(1, index)
         self._changed()
 
-
-def attend_heads(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    index: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    scaling: float | None = None,
-) -> torch.Tensor:
-    """Exact attention over a flat per-head layout.
-
-    Args:
-        query: ``[B, Hq, T, D]``; query head ``h*G + g`` reads KV head ``h``.
-        keys: ``[N, D]`` the layer's slots, row after row and head after head; values ``[N, Dv]``.
-        index: ``[B, Hkv, W]`` the slot (row into ``keys``) each KV head reads in column ``w``
-            (``HeadLayout.band``).
-        mask: ``[B, Hkv, T, W]`` bool, the columns each KV head's query ``t`` attends.
-
-    Returns ``[B, Hq, T, Dv]``. Each head's columns are gathered into ``[B, Hkv, W, D]`` (rows of
-    ``D`` contiguous values, so the copy streams), then one attention call reads them: the work
-    follows the fullest head's count, not the ``Hkv`` times larger flat row that a masked product
-    over every slot would score.
-    """
-    b, hq, t, d = query.shape
-    hkv, width = index.shape[1], index.shape[2]
-    g = hq // hkv
-    flat = index.flatten()
-    k = keys.index_select(0, flat).view(b, hkv, width, d)
-    v = values.index_select(0, flat).view(b, hkv, width, -1)
-    # A KV head's G query heads act as G * T query rows of it: no key or value repeat.
-    q = query.reshape(b, hkv, g * t, d)
-    if g > 1:
-        mask = mask[:, :, None].expand(b, hkv, g, t, width).reshape(b, hkv, g * t, width)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    return out.view(b, hq, t, v.shape[-1])

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class RingClaim(NamedTuple):
+    """The ring entries a step's queries take: its last ``take = min(T, W)`` queries go to
+    ``entries`` (a slice for one entry, else ``[take]`` device indices)."""
+
+    entries: slice | torch.Tensor
+    take: int
 
 
 class QueryRing:
@@ -18,8 +28,8 @@ class QueryRing:
     def window(self) -> int:
         return self.queries.shape[3]
 
-    def advance(self, t: int, token_valid: torch.Tensor | None) -> tuple[slice | torch.Tensor, int]:
-        """Claim the ring entries of a step's last ``min(T, W)`` queries: ``(entries, count)``."""
+    def advance(self, t: int, token_valid: torch.Tensor | None) -> RingClaim:
+        """Claim the ring entries of a step's last ``min(T, W)`` queries."""
         w = self.window
         take = min(t, w)
         if take == 1:
@@ -29,11 +39,12 @@ class QueryRing:
         if take:
             self.valid[:, entries] = True if token_valid is None else token_valid[:, t - take:].to(self.valid.device)
             self.next = (self.next + take) % w
-        return entries, take
+        return RingClaim(entries, take)
 
-    def write(self, layer: int, queries: torch.Tensor, entries: slice | torch.Tensor, take: int) -> None:
-        """Store the last ``take`` of ``queries [B, Hq, T, D]`` at the claimed ``entries``."""
-        self.queries[layer, :, :, entries] = queries[:, :, queries.shape[2] - take:].to(self.queries.dtype)
+    def write(self, layer: int, queries: torch.Tensor, claim: RingClaim) -> None:
+        """Store the last ``claim.take`` of ``queries [B, Hq, T, D]`` at the claimed entries."""
+        take = claim.take
+        self.queries[layer, :, :, claim.entries] = queries[:, :, queries.shape[2] - take:].to(self.queries.dtype)
 
     def windows(self, layers: slice, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows of ``layers`` and ``rows``, stacked layer-major on the batch axis, in time

@@ -8,7 +8,18 @@ filled in only when read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Alike(NamedTuple):
+    """What every row shares while the rows are alike (the decoding hot path)."""
+
+    held: int  # slots held, after the current step
+    before: int  # ... before it
+    tokens: int  # real tokens seen
+    due: bool  # an eviction is due
 
 
 class RowCounters:
@@ -21,7 +32,7 @@ class RowCounters:
         self._counts_before = zeros.clone()  # ... before it (what layers that did not write it yet hold)
         self._tokens = zeros.clone()  # real tokens seen per row
         self._due = torch.zeros(batch, dtype=torch.bool)  # evict before the next step
-        self._alike: tuple[int, int, int, bool] | None = (0, 0, 0, False)  # count, before, tokens, due
+        self._alike: Alike | None = Alike(0, 0, 0, False)
         self.stored = zeros.clone()  # slots [0, stored) have their positions written out
         self.evictions = zeros.clone()  # evictions each row has had (keys its random draws)
         self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
@@ -41,11 +52,11 @@ class RowCounters:
         """Back to the fast path when every row holds the same slots after the same tokens."""
         c, t, b, d = self._counts, self._tokens, self._counts_before, self._due
         if bool((c == c[0]).all() and (t == t[0]).all() and (b == b[0]).all() and (d == d[0]).all()):
-            self._alike = (int(c[0]), int(b[0]), int(t[0]), bool(d[0]))
+            self._alike = Alike(int(c[0]), int(b[0]), int(t[0]), bool(d[0]))
 
     @property
-    def alike(self) -> tuple[int, int, int, bool] | None:
-        """``(count, count_before, tokens, due)`` shared by every row, or None."""
+    def alike(self) -> Alike | None:
+        """What every row shares, or None (rows differ)."""
         return self._alike
 
     @property
@@ -73,13 +84,14 @@ class RowCounters:
 
     @property
     def any_due(self) -> bool:
-        return self._alike[3] if self._alike is not None else bool(self._due.any())
+        return self._alike.due if self._alike is not None else bool(self._due.any())
 
     # -- writing ------------------------------------------------------------------------------
     def advance_alike(self, t: int, due: bool) -> None:
         """Every row appended ``t`` real tokens (the fast path stays)."""
-        count, _, tokens, _ = self._alike  # type: ignore[misc]
-        self._alike = (count + t, count, tokens + t, due)
+        alike = self._alike
+        assert alike is not None
+        self._alike = Alike(alike.held + t, alike.held, alike.tokens + t, due)
 
     def advance(self, after: torch.Tensor, added: torch.Tensor, due: torch.Tensor) -> None:
         """Rows now hold ``after [B]`` slots after ``added [B]`` more real tokens."""

@@ -6,6 +6,8 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .policy import Policy, keep_top
@@ -17,12 +19,22 @@ from .stages.current_attention import CurrentAttentionScorer
 from .stages.greedy import GreedySelector
 from .stages.quest import QuestScorer
 
+#: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
+#: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
+#: ``SELECT_MIN_GROWTH`` slots: geometric growth, so the copies cost a bounded number of slot
+#: copies per appended token (``1 / (growth - 1)``, amortised) and the unused headroom stays
+#: below ``growth - 1`` of the cache.
+SELECT_GROWTH = 1.1
+SELECT_MIN_GROWTH = 16
+
 
 class SelectionState:
     """Per layer ``selection [Lyr, B, Hkv, budget]`` (allocated at the first choice: a cache that
     never holds more than ``budget`` slots never chooses); per row the count it held when it chose
-    (``selected_at``, -1: none) and whether it chooses anew at this step (``reselect``); per
-    page of ``P`` slots the per-channel min and max of each layer's keys (``key_pages``).
+    (``selected_at``, -1: none), whether it chooses anew at this step (``reselect``) and how many
+    choices it made before this step (``choices``: what keys its random draws, as evictions do
+    when evicting); per page of ``P`` slots the per-channel min and max of each layer's keys
+    (``key_pages``).
 
     Under a per-head allocation (``per_head``) a head may choose up to the layer's whole pool,
     ``Hkv * budget`` slots: ``selection`` is ``[Lyr, B, Hkv, Hkv * budget]``, each head's chosen
@@ -40,6 +52,7 @@ class SelectionState:
         self._device = like.device
         self.selected_at = torch.full((batch,), -1, dtype=torch.long)
         self.reselect = torch.zeros(batch, dtype=torch.bool)
+        self.choices = torch.zeros(batch, dtype=torch.long)
         self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for p in sorted(page_sizes):
             shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
@@ -71,23 +84,22 @@ class SelectionState:
         self.selection[i, rows] = torch.where(past, order[..., :1], order)
         self.head_counts[i, rows] = counts
 
-    def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> torch.Tensor:
-        """Which rows choose anew at a step of ``t`` tokens; returns the rows that chose at the
-        previous step (their choice keyed that step's draws: they count as an eviction).
+    def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> None:
+        """Which rows choose anew at a step of ``t`` tokens; the rows that chose at the previous
+        step count that choice (it keyed that step's draws).
 
         A decode step of a row holding more than ``budget`` slots chooses when it has no choice
         yet or chose ``interval`` or more tokens ago; a multi-token chunk (prompt, later turn) is
         attended densely and makes the next decode step choose anew."""
-        previous = self.reselect
-        batch = previous.shape[0]
+        self.choices += self.reselect
+        batch = self.reselect.shape[0]
         if t > 1 or tokens_seen_before == 0:
             self.selected_at.fill_(-1)
             self.reselect = torch.zeros(batch, dtype=torch.bool)
-            return previous
+            return
         stale = (self.selected_at < 0) | (counts - self.selected_at >= schedule.interval)
         self.reselect = (counts > schedule.budget) & stale
         self.selected_at = torch.where(self.reselect, counts, self.selected_at)
-        return previous
 
     def grow(self, capacity: int) -> None:
         for p, (lo, hi) in list(self.key_pages.items()):
@@ -139,6 +151,7 @@ class SelectionState:
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         self.selected_at = self.selected_at[host]
         self.reselect = self.reselect[host]
+        self.choices = self.choices[host]
         lyr, _, hkv, budget = self._selection_shape
         self._selection_shape = (lyr, host.numel(), hkv, budget)
         if self._selection is not None:
@@ -192,3 +205,19 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
             guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
         priority[..., :c] = scores[..., :c].clamp(-guards.F32_MAX, guards.F32_MAX)
     return keep_top(priority, inp.budget)
+
+
+def select_capacity(needed: int, growth: float) -> int:
+    """Select mode's allocation for ``needed`` slots: ``ceil(needed * growth)``, and at least
+    ``needed + SELECT_MIN_GROWTH``."""
+    return max(needed + SELECT_MIN_GROWTH, math.ceil(needed * growth))
+
+
+def check_select_growth(growth: object) -> float:
+    """``growth`` as a float in ``(1, 16]``, or a ``ValueError`` saying why not."""
+    if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 1.0 < growth <= 16.0:
+        raise ValueError(
+            f"select_growth must be a number in (1, 16] (select mode's buffers grow to that many times the "
+            f"slots needed; 1.1 keeps 10 % headroom), got {growth!r}"
+        )
+    return float(growth)

@@ -1,10 +1,10 @@
-"""Slot storage: the static key/value/position buffers of a group of layers, what one step writes
-into them, and the gathers that compact them. Pure tensor code: no schedule, no policy.
+"""Slot storage: the static per-slot buffers of a group of layers, what one step writes into
+them, and the gathers that compact them. Pure tensor code: no schedule, no policy.
 
-Keys are ``[Lyr, B, Hkv, cap, D]``: every head of a row has ``cap`` slots. Under a per-head
-allocation heads of a row hold different counts, and each layer's ``[B, Hkv * cap]`` slots are
-then read as one flat run per row, head after head (``kvpolicy.heads.HeadLayout``): the same
-memory, so nothing is padded up to the largest head.
+Every per-slot buffer is ``[Lyr, B, Hkv, cap, ...]``: every head of a row has ``cap`` slots. How a
+group's rows and heads use those slots is its layout's business (``kvpolicy.layouts``): even
+rows, per-head runs (each layer's ``[B, Hkv * cap]`` slots read as one flat run per row, head
+after head: the same memory), or select mode's full rows.
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .query_ring import RingClaim
+
 
 class SlotBuffers:
-    """Keys ``[Lyr, B, Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap, Dv]`` and positions
-    ``[Lyr, B, Hkv, cap]`` of the layers of one group."""
+    """The per-slot buffers of the layers of one group, each an attribute named in ``fill``
+    (with what an empty slot holds): keys ``[Lyr, B, Hkv, cap, D]``, values ``[Lyr, B, Hkv, cap,
+    Dv]`` and positions ``[Lyr, B, Hkv, cap]`` (-1: no token). Layouts move every one of them
+    together (write, grow, compact, reorder rows, count bytes), so a field added here is carried
+    along by each layout."""
 
     def __init__(
         self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int,
@@ -26,20 +31,32 @@ class SlotBuffers:
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=device)
+        self.fill: dict[str, float] = {"keys": 0, "values": 0, "positions": -1}
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    def replace(self, name: str, tensor: torch.Tensor) -> None:
+        """Field ``name`` is ``tensor`` from now on (grown, reordered)."""
+        setattr(self, name, tensor)
+
     def tensors(self) -> tuple[tuple[str, torch.Tensor], ...]:
-        return (("keys", self.keys), ("values", self.values), ("positions", self.positions))
+        """Every per-slot buffer, ``(name, tensor)``."""
+        return tuple((name, getattr(self, name)) for name in self.fill)
+
+    def empty(self, name: str, capacity: int) -> torch.Tensor:
+        """A new buffer for field ``name`` with ``capacity`` slots, every slot empty."""
+        old: torch.Tensor = getattr(self, name)
+        return old.new_full((*old.shape[:3], capacity, *old.shape[4:]), self.fill[name])
 
     def grow(self, capacity: int) -> None:
-        """Reallocate to ``capacity`` slots (only for a chunk that cannot fit; never per token)."""
+        """Reallocate to ``capacity`` slots, each slot where it was (only for a chunk that cannot
+        fit; never per token)."""
         for name, old in self.tensors():
-            new = old.new_full((*old.shape[:3], capacity, *old.shape[4:]), -1 if name == "positions" else 0)
+            new = self.empty(name, capacity)
             new[:, :, :, : old.shape[3]] = old
-            setattr(self, name, new)
+            self.replace(name, new)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors())
@@ -51,34 +68,79 @@ class SlotBuffers:
             if new.shape == old.shape:
                 old.copy_(new)
             else:
-                setattr(self, name, new)
+                self.replace(name, new)
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """Every row appends the step's ``T`` tokens, all real, at row slots ``[start, start + T)``:
+    one slice for every row (the decoding hot path). Every held slot is a real token and the new
+    ones are the last ``T``, so queries attend plainly causally (no mask)."""
+
+    start: int
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """Rows append at different slots, or the step holds padding: real token ``cols[i]`` of row
+    ``rows[i]`` goes to the row's slot ``slots[i]`` (``[nnz]`` device tensors). Query ``t`` of
+    row ``b`` attends the row slots below ``sees[b, t]`` (``[B, T]``), which ``mask [B, 1, T,
+    L]`` spells out over the ``L`` row slots held after the step."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    slots: torch.Tensor
+    sees: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, before: torch.Tensor, t: int, token_valid: torch.Tensor | None, length: int, device: torch.device,
+    ) -> Scattered:
+        """A step of ``t`` tokens (``token_valid [B, T]``, None: all real) after rows holding
+        ``before [B]`` (host) slots, ``length`` row slots held after it by the longest row."""
+        b = before.shape[0]
+        before_dev = before.to(device)
+        if token_valid is None:  # every token real, rows holding different counts
+            rank = torch.arange(t, device=device).expand(b, t)
+            rows = torch.arange(b, device=device).repeat_interleave(t)
+            cols = torch.arange(t, device=device).repeat(b)
+            real = torch.ones(b, t, dtype=torch.bool, device=device)
+        else:
+            real = token_valid.to(device)
+            rank = real.long().cumsum(-1) - 1  # index of each real token among its row's new ones
+            rows, cols = real.nonzero(as_tuple=True)
+        slot = torch.arange(length, device=device)
+        # A real query of rank p sees its row's held slots and the first p + 1 new ones.
+        sees = torch.where(real, before_dev[:, None] + rank + 1, 0)  # [B, T]
+        mask = slot[None, None, :] < sees[:, :, None]  # [B, T, L]
+        # A padding query, or a row holding no slot yet, attends slot 0: finite, never read.
+        mask |= ~mask.any(-1, keepdim=True) & (slot == 0)
+        return cls(rows, cols, before_dev[rows] + rank[rows, cols], sees, mask[:, None])
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """Where one step's ``T`` tokens go, and what its queries may attend (the same on every layer).
 
-    Row slots: real token ``cols[i]`` of row ``rows[i]`` goes to the row's slot ``slots[i]``
-    (``slots`` counts the row's tokens held, as if every head held them all). When every row
-    appends ``T`` real tokens after the same count, ``start`` is that count and the scatter is
-    None (the decoding hot path). ``mask`` is ``[B, 1, T, L]`` bool over the row slots after the
-    step, or None when every row holds the same slots and the new tokens are the last ``T`` of
-    them (plain causal attention). ``sees [B, T]`` (with ``mask``): the row slots below it are
-    what each query attends.
+    Slots are row slots: the index a slot has if every head holds the row's tokens (the
+    per-head layout maps them to its runs). ``placement`` says where the tokens go, ``ring``
+    which query-window entries they claim; row slots ``[written_from, written_to)`` of some row
+    receive the step's tokens.
     """
 
     tokens: int
     batch: int
-    start: int | None
-    rows: torch.Tensor | None
-    cols: torch.Tensor | None
-    slots: torch.Tensor | None
-    mask: torch.Tensor | None
-    ring_slots: slice | torch.Tensor
-    ring_take: int
-    written_from: int = 0  # row slots [written_from, written_to) of some row receive the step's tokens
-    written_to: int = 0
-    sees: torch.Tensor | None = None
+    placement: Contiguous | Scattered
+    ring: RingClaim
+    written_from: int
+    written_to: int
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """``[B, 1, T, L]`` bool over the row slots held after the step, or None: plain causal
+        attention (every row holds the same slots and the new tokens are the last ``T``)."""
+        return None if isinstance(self.placement, Contiguous) else self.placement.mask
 
 
 def compact_rows(buffers: SlotBuffers, rows: slice | torch.Tensor, kept: torch.Tensor, count: int) -> None:

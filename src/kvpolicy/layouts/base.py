@@ -1,0 +1,207 @@
+"""The interface every layout implements, and the records layouts hand out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from ..heads import HeadLayout
+from ..policy import Policy
+from ..rows import RowCounters
+from ..schedule import Schedule
+from ..selection import SelectionState
+from ..slots import SlotBuffers, StepPlan
+from ..stages.base import EvictionInput
+
+
+class CacheStateError(RuntimeError):
+    """The cache was used out of order: layers out of step (an interrupted forward, or a cache
+    built for another model), or an operation that needs a finished step. ``reset()`` recovers."""
+
+
+class SlotView(NamedTuple):
+    """One layer's held slots as ``[B, Hkv, L, ...]`` tensors, ``L`` columns per head."""
+
+    keys: torch.Tensor  # [B, Hkv, L, D]
+    values: torch.Tensor  # [B, Hkv, L, Dv]
+    valid: torch.Tensor  # [B, Hkv, L] bool: which columns hold a token
+
+
+class HeldSlots(NamedTuple):
+    """Some rows' slots as the policy sees them at an eviction or a choice, layers stacked on
+    the batch axis: every per-slot buffer by name (``SlotBuffers.tensors``), ``[Lyr * R, Hkv,
+    N, ...]``, and which slots hold a token (None: all of them)."""
+
+    fields: Mapping[str, torch.Tensor]
+    valid: torch.Tensor | None
+
+
+class RowClass(NamedTuple):
+    """Due rows evicted together: each sees its slots as it would alone."""
+
+    rows: torch.Tensor  # host [R]
+    held: int  # slots each of them holds
+
+
+class ChosenSlots(NamedTuple):
+    """What one class of rows attends at a select-mode decode step of one layer."""
+
+    rows: slice | torch.Tensor  # the rows (a slice of all, or device indices)
+    held: int  # slots each of them holds
+    slots: torch.Tensor | None  # [R, Hkv, K] the slots attended; None: all ``held``
+    valid: torch.Tensor | None  # [R, Hkv, K] bool, which columns of ``slots`` count; None: all
+
+
+class GroupState(Protocol):
+    """What a layout reads of the group it serves (``kvpolicy.state.LayerGroup``, which holds
+    the layout): the rows' counters, the step's plan, the schedule and which layers it holds."""
+
+    schedule: Schedule
+    member: dict[int, int]  # layer index -> buffer index
+    layer_ids: torch.Tensor
+    rows: RowCounters
+    plan: StepPlan
+    extent_now: int
+    tokens_seen_before: int
+
+    @property
+    def counts(self) -> torch.Tensor: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def batch_alike(self) -> bool: ...
+    @property
+    def any_due(self) -> bool: ...
+    def counts_of(self, layer: int) -> torch.Tensor: ...
+    def written(self, layer: int) -> bool: ...
+    def extent(self, layer: int) -> int: ...
+    def materialise_positions(self) -> None: ...
+
+
+class PolicyRunner(Protocol):
+    """What a layout asks of the policy's executor (``kvpolicy.executor.Executor``): the policy,
+    its input for some rows' held slots, and select mode's choice for a step (timed there)."""
+
+    policy: Policy
+
+    def eviction_input(
+        self, group: Any, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, *,
+        layer: int | None = None, key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> EvictionInput: ...
+
+    def selected_slots(self, group: Any, layer: int) -> list[ChosenSlots]: ...
+
+
+class SlotLayout(ABC):
+    """How one ``LayerGroup``'s rows and heads use its slots, chosen once when the group is built.
+
+    A layout owns the group's per-slot buffers (``SlotBuffers``: keys, values, positions, and any
+    field added there) and everything that depends on where a row's and a head's tokens are: how a
+    step writes them, how the buffers grow, what attention reads, how an eviction compacts them,
+    how rows are reordered, and the bytes they take. ``reset`` is dropping the group (and with it
+    the layout). The group keeps what every layout shares: rows' counters, the query window, the
+    step's plan, the schedule. Code outside a layout never asks which layout a group has.
+    """
+
+    #: A layout's own parts, for inspection (tests, benchmarks): per-head runs' addressing, select
+    #: mode's choices. None where the layout has no such part; no code branches on them.
+    heads: HeadLayout | None = None
+    select: SelectionState | None = None
+
+    def __init__(
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner,
+    ) -> None:
+        b, h, _, d = keys.shape
+        self.group = group
+        self.executor = executor
+        self.buffers = SlotBuffers(
+            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device
+        )
+
+    @classmethod  # noqa: B027  (a hook: most layouts refuse nothing)
+    def admit(
+        cls, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+        token_valid: torch.Tensor | None, window: int,
+    ) -> None:
+        """Refuse a step's input before anything is stored (a layout that checks tokens as they
+        enter). Nothing by default."""
+
+    # -- the schedule ---------------------------------------------------------------------------
+    @abstractmethod
+    def capacity_for(self, needed: int) -> int:
+        """Slots per head to allocate when ``needed`` do not fit."""
+
+    @abstractmethod
+    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
+        """Whether rows holding ``after`` slots after ``tokens`` real tokens evict (ints or
+        ``[B]`` tensors, as ``Schedule.due``)."""
+
+    def begin_step(self, t: int) -> None:  # noqa: B027  (a hook)
+        """After the group planned a step of ``t`` tokens. Nothing by default."""
+
+    @abstractmethod
+    def tokens_to_next_eviction(self) -> int:
+        """``EvictingCache.tokens_to_next_eviction`` for this group."""
+
+    def draw_counts(self) -> torch.Tensor:
+        """``[B]`` host long: what keys each row's random draws (``Policy.select(evictions=...)``):
+        the evictions it has had."""
+        return self.group.rows.evictions
+
+    # -- storage --------------------------------------------------------------------------------
+    @abstractmethod
+    def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
+        """Write layer ``i``'s (buffer index) part of a step where ``plan`` places it: ``new``
+        holds per-slot fields by name, ``[B, Hkv, T, ...]`` each (keys and values)."""
+
+    @abstractmethod
+    def grow(self, capacity: int) -> None:
+        """Reallocate every per-slot buffer to ``capacity`` slots per head, keeping what is held."""
+
+    @abstractmethod
+    def materialise_positions(self) -> None:
+        """Write out the positions of the slots appended since each row's last eviction
+        (``LayerGroup.materialise_positions``)."""
+
+    def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        """Keep rows ``index [B']`` (on the host and on the device) in that order."""
+        self.buffers.select_rows(dev)
+
+    def nbytes(self) -> int:
+        """Bytes held by the per-slot buffers and the layout's own state."""
+        return self.buffers.nbytes()
+
+    # -- reading --------------------------------------------------------------------------------
+    @abstractmethod
+    def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Attention of the step's ``queries [B, Hq, T, D]`` over ``layer``'s slots."""
+
+    @abstractmethod
+    def slots(self, layer: int) -> SlotView:
+        """``layer``'s held slots (``LayerView.keys``, ``values``, ``valid``)."""
+
+    @abstractmethod
+    def positions(self, layer: int) -> torch.Tensor:
+        """``[B, Hkv, L]`` long, the token index each column of ``slots(layer)`` holds (-1: none)."""
+
+    def attended(self, layer: int) -> SlotView:
+        """What the step's queries attend (``EvictingCache.step``): every held slot by default."""
+        return self.slots(layer)
+
+    def chosen_slots(self, layer: int) -> list[ChosenSlots]:
+        """Select mode's choice for a decode step (``Executor.selected_slots``)."""
+        raise CacheStateError("a select-mode step on a group that is not in select mode")
+
+    # -- eviction -------------------------------------------------------------------------------
+    @abstractmethod
+    def eviction_classes(self, due: torch.Tensor) -> list[RowClass]:
+        """The due rows (``due [B]`` host bool) in classes evicted together."""
+
+    @abstractmethod
+    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
+        """Run the policy on ``rows`` (host ``[R]``; ``row_sel``: all rows, or them on the
+        device), every layer at once, and compact what it keeps; returns the slots each row
+        holds now. The positions are written out."""

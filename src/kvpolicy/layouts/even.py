@@ -1,0 +1,108 @@
+"""Even rows: every head of a row holds the row's tokens, in the same slots."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..attend import attend
+from ..slots import Contiguous, StepPlan, block, compact_rows
+from .base import HeldSlots, RowClass, SlotLayout, SlotView
+
+
+class EvenRows(SlotLayout):
+    """Row ``r`` holds its ``counts[r]`` real tokens in slots ``[0, counts[r])`` of every head, in
+    position order (a uniform or per-layer allocation: heads keep the same number of tokens).
+
+    Slot validity is ``slot < counts[r]`` and needs no buffer; attention reads views of the
+    buffers with the step's one mask; an eviction keeps the same number of slots per head and
+    gathers them to the front.
+    """
+
+    def capacity_for(self, needed: int) -> int:
+        return self.group.schedule.capacity_for(needed)
+
+    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
+        return self.group.schedule.due(after, tokens, prompt=prompt)
+
+    def tokens_to_next_eviction(self) -> int:
+        group = self.group
+        if group.any_due:
+            return 0
+        counts, tokens = group.rows.counts.tolist(), group.rows.tokens.tolist()
+        return min(group.schedule.tokens_to_eviction(int(c), int(t)) for c, t in zip(counts, tokens, strict=True))
+
+    # -- storage --------------------------------------------------------------------------------
+    def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
+        buffers, place = self.buffers, plan.placement
+        if isinstance(place, Contiguous):
+            where = slice(place.start, place.start + plan.tokens)
+            for name, x in new.items():
+                getattr(buffers, name)[i, :, :, where] = x
+        else:  # [nnz, Hkv, ...] real tokens scattered to each row's next free slots
+            for name, x in new.items():
+                getattr(buffers, name)[i][place.rows, :, place.slots] = x[place.rows, :, place.cols]
+
+    def grow(self, capacity: int) -> None:
+        self.buffers.grow(capacity)
+
+    def materialise_positions(self) -> None:
+        """``position = slot + tokens - counts`` for slots past each row's ``stored``, and ``-1``
+        past each row's count, on every layer and head."""
+        rows = self.group.rows
+        length = int(rows.counts.max())
+        dev = self.buffers.keys.device
+        slot = torch.arange(length, device=dev)
+        stored, counts = rows.stored.to(dev)[:, None], rows.counts.to(dev)[:, None]
+        derived = torch.where(slot < counts, slot + (rows.tokens.to(dev)[:, None] - counts), -1)  # [B, L]
+        pos = self.buffers.positions[:, :, :, :length]
+        pos.copy_(torch.where((slot >= stored)[None, :, None, :], derived[None, :, None, :], pos))
+
+    # -- reading --------------------------------------------------------------------------------
+    def _held(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s keys and values, ``[B, Hkv, L, D]`` views (``L`` its extent)."""
+        i, length = self.group.member[layer], self.group.extent(layer)
+        return self.buffers.keys[i, :, :, :length], self.buffers.values[i, :, :, :length]
+
+    def _valid(self, layer: int) -> torch.Tensor:
+        """``[B, 1, L]`` bool: slot ``s`` of row ``r`` holds a token iff ``s < counts[r]``."""
+        group, dev = self.group, self.buffers.keys.device
+        alike = group.rows.alike
+        if alike is not None:  # one count for every row (reading the [B] counts would leave the fast path)
+            count = alike.held if group.written(layer) else alike.before
+            return torch.ones(group.batch, 1, count, dtype=torch.bool, device=dev)
+        counts = group.counts_of(layer)
+        slot = torch.arange(int(counts.max()), device=dev)
+        return (slot < counts.to(dev)[:, None])[:, None, :]
+
+    def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        keys, values = self._held(layer)
+        return attend(queries, keys, values, scaling=scaling, mask=self.group.plan.mask)
+
+    def slots(self, layer: int) -> SlotView:
+        keys, values = self._held(layer)
+        return SlotView(keys, values, self._valid(layer).expand(-1, keys.shape[1], -1))
+
+    def positions(self, layer: int) -> torch.Tensor:
+        group = self.group
+        group.materialise_positions()
+        return self.buffers.positions[group.member[layer], :, :, : group.extent(layer)]
+
+    # -- eviction -------------------------------------------------------------------------------
+    def eviction_classes(self, due: torch.Tensor) -> list[RowClass]:
+        """Rows holding different counts (different prompt lengths) are evicted apart, each as it
+        would be alone; in the usual case every row is due with one count: one class."""
+        counts = self.group.counts
+        return [RowClass((due & (counts == c)).nonzero().squeeze(1), int(c)) for c in counts[due].unique().tolist()]
+
+    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
+        """Every layer's rows stacked on the batch axis (free views when every row is due), one
+        policy call, the kept slots ``[Lyr, R, Hkv, K]`` gathered to the front in place."""
+        n_layers, executor = self.buffers.keys.shape[0], self.executor
+        held = HeldSlots({name: block(t, row_sel, count).flatten(0, 1) for name, t in self.buffers.tensors()}, None)
+        kept = executor.policy.select_from(executor.eviction_input(self.group, rows, row_sel, held))
+        kept = kept.unflatten(0, (n_layers, rows.numel()))
+        compact_rows(self.buffers, row_sel, kept, count)
+        return kept.shape[-1]

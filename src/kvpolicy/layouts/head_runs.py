@@ -1,0 +1,181 @@
+"""Per-head runs: heads of a row holding different numbers of slots (``kvpolicy.heads``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..attend import attend_heads
+from ..heads import HeadLayout
+from ..slots import Contiguous, StepPlan
+from .base import GroupState, HeldSlots, PolicyRunner, RowClass, SlotView
+from .even import EvenRows
+
+
+class HeadRuns(EvenRows):
+    """A per-head allocation (Ada-KV, head profiles): after an eviction each head of a row keeps
+    its own count, and each row's ``[Hkv, cap]`` slots are read as one flat run, head after head
+    (``HeadLayout``: every flat address is computed there).
+
+    Until the first eviction every head holds the row's tokens (``heads.even``): the memory is
+    then the even layout's slot for slot, and the even rows' code runs (called as
+    ``EvenRows.method(self, ...)``: one call less than ``super()`` on the decode path).
+    """
+
+    heads: HeadLayout
+
+    def __init__(
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner,
+    ) -> None:
+        super().__init__(group, keys, values, needed, executor)
+        self.heads = HeadLayout(len(group.layer_ids), keys.shape[0], keys.shape[1], keys.device)
+
+    def _counts(self, layer: int) -> torch.Tensor | int:
+        """Each row's count on ``layer`` (``[B]`` host), or one int while rows are alike."""
+        group = self.group
+        alike = group.rows.alike  # while rows are alike their count is one int (the fast path stays)
+        if alike is not None:
+            return alike.held if group.written(layer) else alike.before
+        return group.counts_of(layer)
+
+    # -- storage --------------------------------------------------------------------------------
+    def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
+        """Row slot ``s`` of head ``h`` goes to flat slot ``shift[h] + s``."""
+        if self.heads.even:
+            EvenRows.write(self, i, new, plan)
+            return
+        buffers, place, cap = self.buffers, plan.placement, self.buffers.capacity
+        if isinstance(place, Contiguous):  # every row appends the same slots: one index for all
+            where = self.heads.append_index(cap, i, place.start, plan.tokens)
+            for name, x in new.items():
+                getattr(buffers, name)[i].flatten(0, 2).index_copy_(0, where, x.flatten(0, 2))
+        else:
+            at = self.heads.scatter_index(cap, i, place.rows, place.slots)  # [nnz, Hkv]
+            for name, x in new.items():
+                getattr(buffers, name)[i].flatten(1, 2)[place.rows[:, None], at] = x[place.rows, :, place.cols]
+
+    def grow(self, capacity: int) -> None:
+        """Each head's run grows by ``capacity - cap`` slots: head ``h``'s slots move by
+        ``h * (capacity - cap)``."""
+        if self.heads.even:
+            EvenRows.grow(self, capacity)
+            return
+        buffers = self.buffers
+        move = self.heads.regrown(buffers.capacity, capacity, self.group.rows.counts)
+        for name, old in buffers.tensors():
+            new = buffers.empty(name, capacity)
+            move.apply(old, new)
+            buffers.replace(name, new)
+
+    def materialise_positions(self) -> None:
+        """As the even rows', at each head's flat slots (slots past a count are not reset)."""
+        if self.heads.even:
+            EvenRows.materialise_positions(self)
+            return
+        rows, dev, cap = self.group.rows, self.buffers.keys.device, self.buffers.capacity
+        first, last = int(rows.stored.min()), int(rows.counts.max())
+        row_slot = torch.arange(first, last, device=dev)
+        stored, counts = rows.stored.to(dev)[:, None], rows.counts.to(dev)[:, None]
+        needed = (row_slot >= stored) & (row_slot < counts)  # [B, n]
+        derived = row_slot + (rows.tokens.to(dev)[:, None] - counts)
+        where = self.heads.runs_index(cap, row_slot)  # [Lyr, B, Hkv, n]
+        mask = needed[None, :, None, :].expand_as(where)
+        lyr, row, _, col = mask.nonzero(as_tuple=True)
+        self.buffers.positions.flatten(2, 3)[lyr, row, where[mask]] = derived[row, col]
+
+    def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        super().select_rows(host, dev)
+        self.heads.select_rows(dev)
+
+    # -- reading --------------------------------------------------------------------------------
+    def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Each head's own slots, read in place through ``HeadLayout.band`` (``attend_heads``)."""
+        if self.heads.even:
+            return EvenRows.attend(self, layer, queries, scaling)
+        group, plan = self.group, self.group.plan
+        place = plan.placement
+        if not isinstance(place, Contiguous):
+            sees: torch.Tensor | None = place.sees  # a padded step: each query's own visible row slots
+        elif plan.tokens == 1:
+            sees = None  # a decode step sees every held slot
+        else:
+            sees = (torch.arange(plan.tokens, device=self.buffers.keys.device) + place.start + 1).expand(plan.batch, -1)
+        i = group.member[layer]
+        index, mask = self.heads.band(self.buffers.capacity, i, self._counts(layer), sees)
+        keys, values = self.buffers.keys[i].flatten(0, 2), self.buffers.values[i].flatten(0, 2)
+        return attend_heads(queries, keys, values, index, mask, scaling=scaling)
+
+    def _gathered(self, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Copies of ``layer``'s per-slot buffers ``[B, Hkv, N, ...]`` with each head's slots
+        right-aligned in ``N`` columns (its fullest head), and their ``[B, Hkv, N]`` validity.
+        The newest slots are the last columns of every head; empty columns hold zeros (positions:
+        their ``fill``, -1)."""
+        i, cap = self.group.member[layer], self.buffers.capacity
+        counts = self.group.counts_of(layer)
+        self.group.materialise_positions()
+        flat, valid = self.heads.slots(cap, counts, self.heads.width(counts), layers=slice(i, i + 1))
+        flat, valid = flat[0], valid[0]
+        out = {}
+        for name, t in self.buffers.tensors():
+            src = t[i].flatten(1, 2)
+            if src.dim() == 2:  # one number per slot (positions)
+                fill = self.buffers.fill[name]
+                out[name] = torch.gather(src, 1, flat.flatten(1)).view(flat.shape).masked_fill(~valid, fill)
+            else:
+                out[name] = (torch.gather(src, 1, flat.flatten(1)[..., None].expand(-1, -1, src.shape[-1]))
+                             .view(*flat.shape, -1) * valid[..., None])
+        return out, valid
+
+    def slots(self, layer: int) -> SlotView:
+        """Copies with each head's slots right-aligned in as many columns as its fullest head
+        holds (``attend`` reads in place)."""
+        if self.heads.even:
+            return EvenRows.slots(self, layer)
+        fields, valid = self._gathered(layer)
+        return SlotView(fields["keys"], fields["values"], valid)
+
+    def positions(self, layer: int) -> torch.Tensor:
+        if self.heads.even:
+            return EvenRows.positions(self, layer)
+        return self._gathered(layer)[0]["positions"]
+
+    # -- eviction -------------------------------------------------------------------------------
+    def eviction_classes(self, due: torch.Tensor) -> list[RowClass]:
+        """The policy sees each row's heads right-aligned in as many columns as its fullest head
+        holds: rows are grouped by that width as well as by count, so that a row's view, and so
+        its random draws, are those it has alone."""
+        counts = self.group.counts
+        fullest = counts + self.heads.surplus().amax(0)
+        classes = torch.stack([counts, fullest], 1)[due].unique(dim=0)
+        return [
+            RowClass((due & (counts == count) & (fullest == width)).nonzero().squeeze(1), count)
+            for count, width in classes.tolist()
+        ]
+
+    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
+        """The policy sees each head's slots right-aligned (``HeadLayout.slots``) and keeps
+        ``counts[h]`` per head; the kept slots move to the rows' new runs (``HeadLayout.compaction``)
+        and the rows then hold ``budget``."""
+        heads, buffers, executor, group = self.heads, self.buffers, self.executor, self.group
+        cap = buffers.capacity
+        n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
+        counts = torch.full((n_rows,), count, dtype=torch.long)
+        flat, valid = heads.slots(cap, counts, heads.width(counts, row_sel), rows=row_sel)  # [Lyr, R, Hkv, N]
+        width = flat.shape[-1]
+        row_of = torch.arange(group.batch, device=flat.device)[row_sel]
+        lyr = torch.arange(n_layers, device=flat.device)[:, None, None]
+        picked = {}
+        for name, t in buffers.tensors():
+            src = t.flatten(2, 3)[lyr, row_of[None, :, None], flat.flatten(2)]  # [Lyr, R, Hkv * N, ...]
+            picked[name] = src.view(n_layers, n_rows, hkv, width, *t.shape[4:]).flatten(0, 1)
+        slot_valid = valid.flatten(0, 1)
+        picked["positions"] = picked["positions"].masked_fill(~slot_valid, -1)
+        inp = executor.eviction_input(group, rows, row_sel, HeldSlots(picked, slot_valid))
+        keep, kept_counts = executor.policy.select_heads_from(inp)
+        keep = keep.view(n_layers, n_rows, hkv, width)
+        move = heads.compaction(cap, inp.budget, flat, keep, row_of)
+        for _, t in buffers.tensors():
+            move.apply(t, t)
+        heads.set_deficit(slice(None), row_sel, inp.budget - kept_counts.view(n_layers, n_rows, hkv))
+        return inp.budget

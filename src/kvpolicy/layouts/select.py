@@ -1,0 +1,209 @@
+"""Select mode: rows keep every token, and each decode step attends the slots the policy chose."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import torch
+
+from ..attend import attend
+from ..selection import SELECT_GROWTH, SelectionState, choose_directly, select_capacity
+from ..slots import Contiguous, StepPlan, block, gather_slots
+from ..stages import guards
+from ..stages.base import EvictionInput
+from .base import ChosenSlots, GroupState, HeldSlots, PolicyRunner, RowClass, SlotView
+from .even import EvenRows
+
+
+class RowPhase(NamedTuple):
+    """Rows at the same point of select mode's cycle: they hold ``held`` slots, chose when they
+    held ``selected_at`` (-1: never), and choose anew at this step or not (``reselect``)."""
+
+    held: int
+    reselect: bool
+    selected_at: int
+    rows: torch.Tensor  # host [R]
+
+
+class SelectRows(EvenRows):
+    """Select mode: even rows that never evict (``due`` is never true; the buffers grow
+    geometrically, ``select_growth``). A decode step after the prompt attends only the slots
+    the policy chose for each layer (anew every ``interval`` steps, ``SelectionState``), gathered,
+    so its cost is that of ``budget`` slots; a multi-token chunk attends densely.
+
+    Keys and values are checked as they enter the cache (``admit``), not at each choice. Under a
+    per-head allocation each head chooses its own count out of the layer's pool.
+    """
+
+    select: SelectionState
+
+    def __init__(
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner, *,
+        page_sizes: frozenset[int], per_head: bool, growth: float = SELECT_GROWTH,
+    ) -> None:
+        self.growth = growth
+        super().__init__(group, keys, values, needed, executor)
+        b, h = keys.shape[:2]
+        self.select = SelectionState(
+            len(group.layer_ids), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
+        )
+
+    @classmethod
+    def admit(
+        cls, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+        token_valid: torch.Tensor | None, window: int,
+    ) -> None:
+        guards.check_appended(layer, keys, values, queries, token_valid, window)
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def capacity_for(self, needed: int) -> int:
+        """Every token is kept: ``select_growth`` times ``needed`` (at least ``SELECT_MIN_GROWTH``
+        more)."""
+        return select_capacity(needed, self.growth)
+
+    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
+        return torch.zeros_like(after, dtype=torch.bool) if isinstance(after, torch.Tensor) else False
+
+    def begin_step(self, t: int) -> None:
+        group = self.group
+        alike = group.rows.alike
+        # While rows are alike, their count is one int (reading .counts would leave the fast path).
+        counts = alike.held if alike is not None else group.rows.counts
+        self.select.plan(t, counts, group.tokens_seen_before, group.schedule)
+
+    def tokens_to_next_eviction(self) -> int:
+        """How many tokens one chunk may hold and still attend exactly as step by step: chunks
+        attend densely, exact up to the budget; then every decode step selects (1)."""
+        return max(1, self.group.schedule.budget - int(self.group.counts.max()))
+
+    def draw_counts(self) -> torch.Tensor:
+        """The choices each row made before this step (they key its draws as evictions do)."""
+        return self.select.choices
+
+    # -- storage --------------------------------------------------------------------------------
+    def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
+        """As even rows, and the page summaries of the pages written into follow."""
+        super().write(i, new, plan)
+        if self.select.key_pages:
+            counts = None if isinstance(plan.placement, Contiguous) else self.group.rows.counts
+            self.select.summarise_pages(i, self.buffers.keys[i], plan, counts)
+
+    def grow(self, capacity: int) -> None:
+        super().grow(capacity)
+        self.select.grow(capacity)
+
+    def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        super().select_rows(host, dev)
+        self.select.select_rows(host, dev)
+
+    def nbytes(self) -> int:
+        """The slot buffers, the selections and the page summaries."""
+        return super().nbytes() + self.select.nbytes()
+
+    # -- reading --------------------------------------------------------------------------------
+    @property
+    def selecting(self) -> bool:
+        """Whether this step attends a selection (a decode step after the prompt)."""
+        return self.group.plan.tokens == 1 and self.group.tokens_seen_before > 0
+
+    def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """A decode step: attention of ``queries [B, Hq, 1, D]`` over the slots ``chosen_slots``
+        gives each row, gathered (so the cost is that of ``budget`` slots)."""
+        if not self.selecting:
+            return super().attend(layer, queries, scaling)
+        i = self.group.member[layer]
+        keys, values = self.buffers.keys[i : i + 1], self.buffers.values[i : i + 1]
+        out = queries.new_empty(queries.shape)
+        for row_sel, count, index, valid in self.executor.selected_slots(self.group, layer):
+            k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
+            if index is not None:
+                k, v = gather_slots(k, index), gather_slots(v, index)
+            mask = None if valid is None else valid[:, :, None, :]  # per KV head (per-head allocations)
+            out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling, mask=mask)
+        return out
+
+    def attended(self, layer: int) -> SlotView:
+        """Every held slot, of which only the chosen ones are valid at a decode step."""
+        view = self.slots(layer)
+        if not self.selecting:
+            return view
+        valid = view.valid.clone()
+        for row_sel, _, index, _ in self.executor.selected_slots(self.group, layer):
+            if index is not None:  # columns past a head's count repeat a chosen slot
+                valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
+        return view._replace(valid=valid)
+
+    def chosen_slots(self, layer: int) -> list[ChosenSlots]:
+        """One decode step of ``layer``: per phase of rows ``ChosenSlots(rows, held, slots,
+        valid)``, ``slots [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the
+        policy plus the tokens appended since the choice), or None for rows holding ``budget``
+        slots or fewer (they attend all). Under a per-head allocation heads choose different
+        counts and ``valid [R, Hkv, K]`` says which columns count (else None). Rows that choose
+        anew at this step run the policy on this layer's slots first; rows holding different
+        counts run apart, each as it would alone."""
+        group, select = self.group, self.select
+        i, budget, device = group.member[layer], group.schedule.budget, self.buffers.keys.device
+        out: list[ChosenSlots] = []
+        for count, fresh, chosen_at, rows in self._row_phases():
+            row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(device)
+            if count <= budget:
+                out.append(ChosenSlots(row_sel, count, None, None))
+                continue
+            if fresh:
+                self._choose(layer, RowClass(rows, count), row_sel)
+            chosen = select.selection[i, row_sel]
+            tail = torch.arange(chosen_at, count, device=device).expand(*chosen.shape[:2], -1)
+            index = torch.cat([chosen, tail], dim=-1)
+            valid = None
+            if select.per_head:  # columns past a head's count repeat its first chosen slot
+                cols = torch.arange(index.shape[-1], device=device)
+                counts = select.head_counts[i, row_sel][..., None]
+                valid = (cols < counts) | (cols >= chosen.shape[-1])
+            out.append(ChosenSlots(row_sel, count, index, valid))
+        return out
+
+    def _choose(self, layer: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:
+        """Run the policy on ``layer``'s slots of ``rows`` and store its choice."""
+        select, executor, count = self.select, self.executor, rows.held
+        i = self.group.member[layer]
+        fields = {
+            name: block(t[i : i + 1], row_sel, count)[0] for name, t in self.buffers.tensors() if name != "positions"
+        }
+        shape = (*fields["keys"].shape[:2], count)
+        device = self.buffers.keys.device
+        # Rows are packed and nothing is evicted: every slot is valid and slots are positions
+        # (views, nothing computed).
+        fields["positions"] = torch.arange(count, device=device).expand(shape)
+        held = HeldSlots(fields, torch.ones((), dtype=torch.bool, device=device).expand(shape))
+        key_pages = {p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()}
+        inp = executor.eviction_input(self.group, rows.rows, row_sel, held, layer=layer, key_pages=key_pages)
+        policy = executor.policy
+        if select.per_head:  # each head chooses its own count out of the layer's pool
+            select.store_heads(i, row_sel, *policy.select_heads_from(_with_own_masks(inp)))
+            return
+        kept = choose_directly(policy, inp)
+        if kept is None:  # every token was checked as it entered the cache
+            kept = policy.select_from(_with_own_masks(inp), inputs_checked=True)
+        select.selection[i, row_sel] = kept
+
+    def _row_phases(self) -> list[RowPhase]:
+        """Rows that share a count and a point in the cycle; one phase while every row is alike
+        (the usual case)."""
+        group, select = self.group, self.select
+        reselect, selected_at = select.reselect, select.selected_at
+        if group.batch_alike and bool((reselect == reselect[0]).all() and (selected_at == selected_at[0]).all()):
+            return [RowPhase(int(group.extent_now), bool(reselect[0]), int(selected_at[0]), torch.arange(group.batch))]
+        counts = group.counts
+        phases = []
+        for count, fresh, chosen_at in torch.stack([counts, reselect.long(), selected_at]).unique(dim=1).t().tolist():
+            rows = ((counts == count) & (reselect == bool(fresh)) & (selected_at == chosen_at)).nonzero().squeeze(1)
+            phases.append(RowPhase(count, bool(fresh), chosen_at, rows))
+        return phases
+
+
+def _with_own_masks(inp: EvictionInput) -> EvictionInput:
+    """Select mode's input with ``slot_valid`` and ``positions`` as tensors of their own (they are
+    expanded views): a policy's stages, plugins included, get them as an eviction gives them."""
+    return replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())
