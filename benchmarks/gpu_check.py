@@ -165,7 +165,7 @@ def exactness(device: torch.device, log) -> list[dict[str, Any]]:
             for row in check_padded_rows(model, policy, ids, mask, 48):
                 out.append({"check": f"left-padded row {row.row} = the row alone ({policy.mode})", "policy": name,
                             "dtype": dtype_name, "passed": row.passed, "method": row.method,
-                            "verdict": row.verdict, "first_difference": row.first_difference,
+                            "verdict": row.verdict, "detail": row.detail, "first_difference": row.first_difference,
                             "full_cache_parts_at": row.full_cache.tokens_from,
                             "full_cache_logits_differ_from": row.full_cache.logits_from})
             model.set_attn_implementation("sdpa")
