@@ -254,6 +254,19 @@ def value_magnitude(V, metric: str = "range") -> torch.Tensor:
     return out
 
 
+def key_norm(K, *, low_norm_first: bool = True) -> torch.Tensor:
+    """Knorm: ``-||k_j||_2`` per KV head (``||k_j||_2`` when not ``low_norm_first``), summed in float64."""
+    K = K.double()
+    B, H, N, D = K.shape
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for j in range(N):
+                norm = math.sqrt(sum(float(K[b, h, j, c]) ** 2 for c in range(D)))
+                out[b, h, j] = -norm if low_norm_first else norm
+    return out
+
+
 def top_reservation(scores_bh, candidates: list[int], protected: set[int], n: int, include_prior: bool) -> set[int]:
     """The ``n`` open candidates with the largest scores (minus protected ones if ``include_prior``)."""
     need = n - (len(protected & set(candidates)) if include_prior else 0)
@@ -332,6 +345,8 @@ def _stage_scores(spec, K, V, Q, C, slot_valid, query_valid, projection):
                         slot_valid=slot_valid)
     if t == "value_magnitude":
         return value_magnitude(V, spec["metric"])
+    if t == "key_norm":
+        return key_norm(K, low_norm_first=spec["low_norm_first"])
     if t == "combination":
         total = None
         for term in spec["terms"]:

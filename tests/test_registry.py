@@ -27,6 +27,7 @@ BUILTIN_POLICIES = {
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "knorm",
     "oracle-topk",
     "quest",
     "random",
