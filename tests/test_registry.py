@@ -34,6 +34,7 @@ BUILTIN_POLICIES = {
     "rkv",
     "snapkv",
     "streamingllm",
+    "tova",
     "vase-attnv",
     "vase-dkv",
 }
