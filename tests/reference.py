@@ -254,6 +254,57 @@ def value_magnitude(V, metric: str = "range") -> torch.Tensor:
     return out
 
 
+def key_norm(K, *, low_norm_first: bool = True) -> torch.Tensor:
+    """Knorm: ``-||k_j||_2`` per KV head (``||k_j||_2`` when not ``low_norm_first``), summed in float64."""
+    K = K.double()
+    B, H, N, D = K.shape
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for j in range(N):
+                norm = math.sqrt(sum(float(K[b, h, j, c]) ** 2 for c in range(D)))
+                out[b, h, j] = -norm if low_norm_first else norm
+    return out
+
+
+def current_attention(
+    K, Q, *, group_reduce: str = "mean", head_reduce: str = "group", slot_valid=None, query_valid=None
+) -> torch.Tensor:
+    """Attention of each row's newest valid query over every valid slot (recent ones included).
+
+    Per query head: softmax of ``q . k_j / sqrt(D)`` over the valid slots of its KV head. Then
+    ``head_reduce="group"``: mean (or max) over the ``G`` query heads of each KV head;
+    ``"layer"`` (TOVA): mean (or max) over all ``Hq`` query heads of the layer, the one result
+    given to every KV head. A row without a valid query scores 0.
+    """
+    K = K.double()
+    Q = Q.double()
+    B, Hkv, N, D = K.shape
+    Hq, W = Q.shape[1], Q.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        qv = _qvalid(query_valid, b, W)
+        if not any(qv):
+            continue
+        w = max(i for i in range(W) if qv[i])
+        probs = []  # probs[hq][j]
+        for hq in range(Hq):
+            h = hq // G
+            sv = _valid(slot_valid, b, h, N)
+            row = [
+                sum(float(Q[b, hq, w, c]) * float(K[b, h, j, c]) for c in range(D)) / math.sqrt(D) if sv[j] else -math.inf
+                for j in range(N)
+            ]
+            probs.append(softmax(row))
+        for h in range(Hkv):
+            heads = range(Hq) if head_reduce == "layer" else range(h * G, (h + 1) * G)
+            for j in range(N):
+                vals = [probs[hq][j] for hq in heads]
+                out[b, h, j] = max(vals) if group_reduce == "max" else sum(vals) / len(vals)
+    return out
+
+
 def top_reservation(scores_bh, candidates: list[int], protected: set[int], n: int, include_prior: bool) -> set[int]:
     """The ``n`` open candidates with the largest scores (minus protected ones if ``include_prior``)."""
     need = n - (len(protected & set(candidates)) if include_prior else 0)
@@ -332,6 +383,11 @@ def _stage_scores(spec, K, V, Q, C, slot_valid, query_valid, projection):
                         slot_valid=slot_valid)
     if t == "value_magnitude":
         return value_magnitude(V, spec["metric"])
+    if t == "current_attention":
+        return current_attention(K, Q, group_reduce=spec["group_reduce"], head_reduce=spec["head_reduce"],
+                                 slot_valid=slot_valid, query_valid=query_valid)
+    if t == "key_norm":
+        return key_norm(K, low_norm_first=spec["low_norm_first"])
     if t == "combination":
         total = None
         for term in spec["terms"]:

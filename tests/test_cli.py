@@ -22,12 +22,14 @@ from kvpolicy.stages import Selector
 BUILTIN_POLICIES = [
     "curdkv",
     "evict-large-range",
+    "knorm",
     "oracle-topk",
     "quest",
     "random",
     "rkv",
     "snapkv",
     "streamingllm",
+    "tova",
     "vase-attnv",
     "vase-dkv",
 ]

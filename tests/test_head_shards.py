@@ -18,12 +18,20 @@ import kvpolicy
 from kvpolicy import seeds
 from kvpolicy.policy import eviction_input
 
-# Per-head allocations pool slots across the heads of a layer, so a shard of the heads cannot
-# choose alone: they are refused where heads are sharded (vLLM), and left out here.
+# Per-head allocations pool slots across the heads of a layer, and TOVA's scorer reduces over all
+# of them (``Policy.couples_heads``), so a shard of the heads cannot choose alone: they are refused
+# where heads are sharded (vLLM), and left out here.
 EVICT_POLICIES = [
     name for name in kvpolicy.available_policies()
-    if kvpolicy.load_policy(name).mode == "evict" and not kvpolicy.load_policy(name).allocation.per_head
+    if kvpolicy.load_policy(name).mode == "evict" and not kvpolicy.load_policy(name).couples_heads
 ]
+
+
+def test_only_policies_whose_heads_choose_together_are_left_out():
+    coupled = {name for name in kvpolicy.available_policies() if kvpolicy.load_policy(name).couples_heads}
+    per_head = {name for name in kvpolicy.available_policies() if kvpolicy.load_policy(name).allocation.per_head}
+    assert coupled - per_head == {"tova"}
+    assert "knorm" in EVICT_POLICIES
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,7 +10,7 @@ from helpers import assert_greedy_matches, assert_valid_selection, left_padding,
 import kvpolicy
 from kvpolicy import PolicyError
 
-BUILTIN = ["curdkv", "evict-large-range", "random", "rkv", "snapkv", "streamingllm", "vase-attnv", "vase-dkv"]
+BUILTIN = ["curdkv", "evict-large-range", "knorm", "random", "rkv", "snapkv", "streamingllm", "tova", "vase-attnv", "vase-dkv"]
 SHAPES = [  # (B, Hkv, Hq, N, budget)
     (1, 1, 1, 20, 32),  # N <= budget: everything is kept
     (2, 2, 4, 48, 32),

@@ -17,6 +17,7 @@ from kvpolicy.vllm.settings import (
     requested,
     resolve,
     resolve_request,
+    shard_refusal,
 )
 
 
@@ -176,3 +177,16 @@ def test_refuse_unservable_is_the_one_place_for_unservable_policies():
 def test_unresolved_request_settings_in_an_engine_process_are_an_error():
     with pytest.raises(KVPolicyVLLMError, match="unresolved"):
         request_policy({"kvpolicy": "snapkv"}, SERVER)
+
+
+def test_policies_whose_heads_choose_together_are_refused_under_tensor_parallelism():
+    tova = load_policy("tova")
+    assert shard_refusal(tova, 1) is None
+    assert "tensor_parallel_size 2" in shard_refusal(tova, 2)
+    for name in ("snapkv", "knorm", "streamingllm"):
+        assert shard_refusal(load_policy(name), 4) is None
+    assert shard_refusal(None, 4) is None  # the policy "none"
+    # A request's own policy, as the front end resolves it and the check reads it back.
+    args = resolve_request({"kvpolicy": "tova"})
+    own = request_policy(args, Resolved(None, "none", 0)).policy()
+    assert shard_refusal(own, 2) is not None

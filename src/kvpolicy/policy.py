@@ -63,6 +63,15 @@ class Policy:
         return self.config.allocation
 
     @property
+    def couples_heads(self) -> bool:
+        """Whether a KV head's choice depends on the other heads of its layer: a per-head
+        allocation (heads share the layer's slots) or a stage that reduces over all heads
+        (``Stage.couples_heads``, e.g. TOVA's ``current_attention`` with ``head_reduce: layer``).
+        A shard of the heads (a tensor-parallel rank) cannot then choose alone."""
+        stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
+        return self.config.allocation.per_head or any(s.couples_heads for s in stages)
+
+    @property
     def stochastic(self) -> bool:
         """Whether the slots kept depend on random draws, not on the inputs alone.
 

@@ -209,6 +209,13 @@ class Stage(BaseModel, ABC):
         """Raise ``ValueError`` if the stage cannot run under this schedule (checked at load)."""
 
     @property
+    def couples_heads(self) -> bool:
+        """True when the result for one KV head depends on the other heads' tensors (a reduction
+        over all query heads of the layer, as TOVA's): a shard of the heads (a tensor-parallel
+        rank) cannot then choose alone, so such a policy is refused where heads are sharded."""
+        return False
+
+    @property
     def key_page_sizes(self) -> frozenset[int]:
         """Page sizes whose per-page key summaries the stage reads (``EvictionInput.key_pages``).
         A cache that keeps every token (select mode) maintains them as tokens arrive."""

@@ -48,6 +48,10 @@ class CombinationScorer(Scorer):
         return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
 
     @property
+    def couples_heads(self) -> bool:
+        return any(t.scorer.couples_heads for t in self.terms)
+
+    @property
     def key_page_sizes(self) -> frozenset[int]:
         return frozenset().union(*(t.scorer.key_page_sizes for t in self.terms))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
 from .base import EvictionInput, Scorer
 
@@ -27,12 +28,29 @@ class CurrentAttentionScorer(Scorer):
     included, so the mass is the true attention of this step), in float32, then reduced over the
     ``G`` query heads of each KV head (``group_reduce``). Greedy top-k over it is *oracle top-k*
     selection. A row without any query scores 0 everywhere.
+
+    ``head_reduce: layer`` reduces over all ``Hq`` query heads of the layer instead (with
+    ``group_reduce``'s mean or max) and gives every KV head that one score (TOVA): each head's
+    row of scores is the same tensor, bit for bit, so greedy selection, which ranks each row
+    with one deterministic ``topk``, keeps the same slots in every head, ties included, as long
+    as the heads hold the same slots (which a policy that only ever keeps the same slots in
+    every head maintains). It couples the heads (``couples_heads``): a shard of them cannot
+    choose alone, so it is refused under tensor parallelism.
     """
 
     type_name: ClassVar[str] = "current_attention"
     reads_queries: ClassVar[bool] = True
 
     group_reduce: Literal["mean", "max"] = "mean"
+    head_reduce: Literal["group", "layer"] = Field(
+        "group",
+        description="group: reduce the G query heads of each KV head; layer: reduce all query heads of the "
+        "layer and give every KV head the same score (one decision per layer, as in TOVA).",
+    )
+
+    @property
+    def couples_heads(self) -> bool:
+        return self.head_reduce == "layer"
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         return self.attention_mass(inp, every_slot_valid=False)
@@ -53,5 +71,8 @@ class CurrentAttentionScorer(Scorer):
             # from logits that overflowed float32, stay for the guard to report.
             has_slot = inp.slot_valid.any(-1)  # [B, Hkv]
             probs.masked_fill_(~has_slot[:, :, None, None], 0.0)
-        scores = probs.amax(2) if self.group_reduce == "max" else probs.mean(2)
+        dims = (1, 2) if self.head_reduce == "layer" else (2,)
+        scores = probs.amax(dims) if self.group_reduce == "max" else probs.mean(dims)
+        if self.head_reduce == "layer":  # [B, N]: one row of scores, copied to every KV head
+            scores = scores[:, None, :].expand(b, hkv, n).contiguous()
         return torch.where(has_query[:, None, None], scores, 0.0)

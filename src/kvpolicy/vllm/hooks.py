@@ -95,6 +95,11 @@ def _install_frontend() -> None:
                         '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
                         "asks) or with a default policy"
                     )
+                if resolved_args is not None:
+                    own = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
+                    shard = settings.shard_refusal(own.policy(), self.vllm_config.parallel_config.tensor_parallel_size)
+                    if shard is not None:
+                        raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
             except settings.KVPolicyVLLMError as exc:
                 raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
             request = original(self, request_id, prompt, params, *args, **kwargs)

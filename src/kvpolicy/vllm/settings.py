@@ -319,11 +319,27 @@ def refusals(vllm_config: Any) -> list[str]:
     return out
 
 
+def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | None:
+    """Why ``policy`` cannot run with its KV heads split over ``tensor_parallel_size`` ranks
+    (None: it can). Each rank evicts its own heads alone, which a policy whose heads choose
+    together (``Policy.couples_heads``: TOVA's one decision per layer) cannot do."""
+    if policy is None or tensor_parallel_size <= 1 or not policy.couples_heads:
+        return None
+    return (
+        f"policy {policy.name!r} chooses for all KV heads of a layer together (over all its query heads), but "
+        f"tensor_parallel_size {tensor_parallel_size} gives each rank a share of the heads to evict alone: "
+        "serve it with tensor_parallel_size 1"
+    )
+
+
 def check_config(vllm_config: Any, resolved: Resolved) -> None:
     import vllm
 
     check_version(vllm.__version__)
     reasons = refusals(vllm_config)
+    shard = shard_refusal(resolved.policy(), vllm_config.parallel_config.tensor_parallel_size)
+    if shard is not None:
+        reasons.append(shard)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")
