@@ -95,9 +95,10 @@ def _install_frontend() -> None:
                         '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
                         "asks) or with a default policy"
                     )
-                if resolved_args is not None:
+                tp = self.vllm_config.parallel_config.tensor_parallel_size
+                if resolved_args is not None and tp > 1:  # only split heads can refuse: no policy load per request otherwise
                     own = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
-                    shard = settings.shard_refusal(own.policy(), self.vllm_config.parallel_config.tensor_parallel_size)
+                    shard = settings.shard_refusal(own.policy(), tp)
                     if shard is not None:
                         raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
             except settings.KVPolicyVLLMError as exc:
