@@ -27,6 +27,7 @@ BUILTIN_POLICIES = {
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "h2o",
     "knorm",
     "oracle-topk",
     "quest",
@@ -99,6 +100,7 @@ def test_builtins_register_through_the_plugin_hooks():
 def test_builtins_by_kind():
     registry = Registry(autoload=False)
     assert set(registry.stages["scorer"]) == {
+        "accumulated_attention",
         "attention",
         "combination",
         "current_attention",
