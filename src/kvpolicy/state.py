@@ -257,16 +257,16 @@ class LayerGroup:
         new = {"keys": keys, "values": values}
         if self.buffers.slot_state:  # a new token's state starts at its field's initial value
             new.update(self.buffers.new_tokens(plan.batch, plan.tokens))
+        if (plan.ring.take or self.long_step is not None) and queries is None:
+            raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
         self.layout.write(i, new, plan)
+        self.layer_steps[i] = self.steps
         if self.long_step is not None:  # before the ring keeps only the step's last queries
-            if queries is None:
-                raise ValueError(f"layer {layer}: the policy keeps state over queries; pass the step's queries")
+            assert queries is not None
             self.layout.executor.observe_step(self, layer, queries, *self.long_step)
         if plan.ring.take:
-            if queries is None:
-                raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
+            assert queries is not None
             self.ring.write(i, queries, plan.ring)
-        self.layer_steps[i] = self.steps
 
     def require_complete(self, action: str) -> None:
         if not self.complete:
