@@ -35,6 +35,7 @@ class RowCounters:
         self._alike: Alike | None = Alike(0, 0, 0, False)
         self.stored = zeros.clone()  # slots [0, stored) have their positions written out
         self.evictions = zeros.clone()  # evictions each row has had (keys its random draws)
+        self.observed = zeros.clone()  # real tokens whose queries the policy's state has seen
         self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
 
     # -- reading ------------------------------------------------------------------------------
@@ -76,6 +77,19 @@ class RowCounters:
         self._rows()
         return self._tokens
 
+    def seen(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per row, read without leaving the fast path."""
+        alike = self._alike
+        return self._tokens if alike is None else torch.full_like(self.observed, alike.tokens)
+
+    def unobserved(self) -> torch.Tensor:
+        """``[B]`` real queries each row has seen that the policy's state has not."""
+        return self.seen() - self.observed
+
+    def mark_observed(self, rows: torch.Tensor | slice) -> None:
+        """The state has seen every query of ``rows`` (host ``[R]``, or a slice)."""
+        self.observed[rows] = self.seen()[rows]
+
     @property
     def due(self) -> torch.Tensor:
         """``[B]`` bool: rows the schedule says must be evicted before the next step."""
@@ -114,7 +128,7 @@ class RowCounters:
 
     def select_rows(self, host: torch.Tensor) -> None:
         self._rows()
-        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due"):
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "observed", "_due"):
             setattr(self, name, getattr(self, name)[host])
         if host.numel():
             self._check_alike()

@@ -117,8 +117,10 @@ class SlotLayout(ABC):
         b, h, _, d = keys.shape
         self.group = group
         self.executor = executor
+        state = {name: spec for name, (_, _, spec) in executor.policy.state_fields.items()}
         self.buffers = SlotBuffers(
-            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device
+            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device,
+            state=state,
         )
 
     @classmethod  # noqa: B027  (a hook: most layouts refuse nothing)
@@ -204,4 +206,38 @@ class SlotLayout(ABC):
     def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
         """Run the policy on ``rows`` (host ``[R]``; ``row_sel``: all rows, or them on the
         device), every layer at once, and compact what it keeps; returns the slots each row
-        holds now. The positions are written out."""
+        holds now. The positions are written out. A policy that keeps state sees it up to date
+        (``Policy.observe``) and the new state moves with the kept slots."""
+
+    # -- state (policies whose stages keep state) -------------------------------------------------
+    @abstractmethod
+    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+        """Every layer's slots of ``rows`` (holding ``count`` each) as the policy sees them at an
+        eviction, layers stacked on the batch axis: every per-slot field and per-head state."""
+
+    @abstractmethod
+    def store_rows_state(
+        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Write state fields (``[Lyr * R, Hkv, N]`` per slot, ``[Lyr * R, Hkv]`` per head, in
+        ``held``'s arrangement) back to ``rows``' slots, without moving any."""
+
+    def observe(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> None:
+        """Bring the state of ``rows`` up to date with their window's unseen queries, every layer
+        at once, evicting nothing."""
+        held = self.held_rows(rows, row_sel, count)
+        _, state = self.executor.policy.observe(self.executor.eviction_input(self.group, rows, row_sel, held))
+        self.store_rows_state(rows, row_sel, held, state)
+
+    @abstractmethod
+    def layer_slots(self, layer: int) -> HeldSlots:
+        """``layer``'s slots of every row, ``[B, Hkv, L, ...]``, every per-slot field and per-head
+        state: what a long step's queries update (``Executor.observe_step``)."""
+
+    @abstractmethod
+    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Write ``layer``'s state fields back, in ``layer_slots``' arrangement."""
+
+    def settle_observed(self) -> None:  # noqa: B027  (a hook)
+        """Before a step: record rows whose state a layout brought up to date during the last
+        one (select mode's choices). Nothing by default."""

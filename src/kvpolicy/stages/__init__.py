@@ -1,8 +1,9 @@
 """Built-in stages, one per module. Import from here or from ``kvpolicy``."""
 
+from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
-from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage
+from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .greedy import GreedySelector
@@ -24,6 +25,7 @@ from .value_magnitude import ValueMagnitudeScorer
 
 BUILTIN_STAGES = (
     AttentionScorer,
+    AccumulatedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
     RedundancyScorer,
@@ -46,6 +48,7 @@ BUILTIN_STAGES = (
 
 __all__ = [
     "BUILTIN_STAGES",
+    "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
     "Allocation",
     "AllocationSpec",
@@ -72,6 +75,7 @@ __all__ = [
     "Selector",
     "SinksReservation",
     "Stage",
+    "StateField",
     "StochasticSelector",
     "TopScoresReservation",
     "ValueMagnitudeScorer",
