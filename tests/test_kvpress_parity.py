@@ -180,3 +180,133 @@ def test_leverage_keeps_kvpress_cur_slots_given_its_projection(fx, monkeypatch, 
         monkeypatch.setattr(LeverageScorer, "projections", lambda self, inp, p=p: p.expand(inp.batch, -1, -1))
         got = kept_sets(policy.select(*layer_inputs(fx, i)))
         assert_same_slots(got, kvpress_kept(fx, press, i), f"{press}, layer {fx['meta']['layers'][i]}")
+
+
+# -- SnapKV and the allocations built on it --------------------------------------------------------
+
+
+def all_keys(name: str, **schedule) -> kvpolicy.Policy:
+    """``name`` with SnapKV's own normalisation (softmax over every key, the window's included)."""
+    doc = yaml.safe_load(kvpolicy.load_policy(name).to_yaml())
+    doc["schedule"].update(schedule)
+    doc["scorer"]["softmax_over"] = "all"
+    return kvpolicy.load_policy(doc)
+
+
+def test_snapkv_paper_keeps_kvpress_slots(fx):
+    policy = kvpolicy.load_policy("snapkv-paper", budget=fx["meta"]["kept"])
+    assert policy.schedule.window == fx["meta"]["window"] == policy.schedule.recent
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "snapkv", i), f"snapkv-paper, layer {fx['meta']['layers'][i]}")
+
+
+def test_snapkv_departure_softmax_over_the_candidates(fx):
+    """The shipped `snapkv` (VaSE's decode-time "Attn", as the spec and the reference tables
+    define it) normalises each window query's softmax over the candidates only, so it keeps
+    most but not all of the slots kvpress's SnapKV keeps; `snapkv-paper` keeps them all (above)."""
+    policy = kvpolicy.load_policy("snapkv", budget=fx["meta"]["kept"])
+    share = overlap(fx, "snapkv", lambda i: kept_sets(policy.select(*layer_inputs(fx, i))))
+    assert 0.9 < share < 1.0, f"snapkv keeps {share:.4f} of kvpress's SnapKV slots"
+    # The whole difference is the normalisation: the same policy over every key matches.
+    same = all_keys("snapkv", budget=fx["meta"]["kept"])
+    assert overlap(fx, "snapkv", lambda i: kept_sets(same.select(*layer_inputs(fx, i)))) == 1.0
+
+
+def test_ada_snapkv_with_snapkv_normalisation_keeps_kvpress_slots(fx):
+    """kvpress's AdaKVPress over SnapKVPress: the layer's slots pooled across heads by score after
+    a floor of int(0.2 * 256) per head. The window (64 per head) ranks first in both and already
+    covers the floor, so the rules coincide: per head, the same keep mask."""
+    policy = all_keys("ada-snapkv", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        keep, counts = policy.select_heads(*layer_inputs(fx, i))
+        assert int(counts.sum()) == counts.shape[1] * fx["meta"]["kept"]
+        assert_same_slots(kept_sets(keep), kvpress_kept(fx, "ada_snapkv", i), f"ada-snapkv, layer {fx['meta']['layers'][i]}")
+    shipped = kvpolicy.load_policy("ada-snapkv", budget=fx["meta"]["kept"])
+    share = overlap(fx, "ada_snapkv", lambda i: kept_sets(shipped.select_heads(*layer_inputs(fx, i))[0]))
+    assert share < 1.0  # the shipped one normalises over the candidates, as `snapkv`
+
+
+@pytest.mark.parametrize("press", ["pyramidkv", "pyramidkv_beta4"])
+def test_pyramidkv_keeps_kvpress_slots_at_its_layer_budgets(fx, press):
+    """Within a layer PyramidKV is SnapKV at that layer's budget: at each layer's kvpress count,
+    kvpolicy's pyramidkv (with SnapKV's normalisation) keeps kvpress's slots."""
+    policy = all_keys("pyramidkv", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        count = fx["kept"][press][i].shape[1]
+        keep, counts = policy.select_heads(*layer_inputs(fx, i), budget=count)
+        assert bool((counts == count).all())
+        assert_same_slots(kept_sets(keep), kvpress_kept(fx, press, i), f"{press}, layer {fx['meta']['layers'][i]}")
+
+
+@pytest.mark.parametrize("beta", [20, 4])
+def test_pyramidkv_departure_layer_budgets(fx, beta):
+    """kvpolicy's layer budgets follow PyramidKV's code (KVCache-Factory): every layer keeps the
+    window, and the line from 2(k - w) - (k - w)/beta (first layer) to (k - w)/beta (last) runs
+    over the rest. kvpress runs the line over the whole budget, from 2k - k/beta to k/beta,
+    window included, and falls back to uniform SnapKV when k/beta is below the window (beta 20
+    here). Its first layer thus keeps w(1 - 1/beta) more, its last w(1 - 1/beta) fewer."""
+    meta = fx["meta"]
+    k, w, m = meta["kept"], meta["window"], meta["num_layers"]
+    doc = yaml.safe_load(kvpolicy.load_policy("pyramidkv").to_yaml())
+    doc["schedule"]["budget"] = k
+    doc["allocation"]["beta"] = beta
+    budgets = [s.budget for s in kvpolicy.load_policy(doc).layer_schedules(m)]
+    assert doc["schedule"]["recent"] == doc["schedule"]["window"] == w
+    first, last = w + 2 * (k - w) - (k - w) / beta, w + (k - w) / beta
+    authors = [first + (last - first) * layer / (m - 1) for layer in range(m)]
+    assert sum(budgets) == m * k
+    assert all(abs(b - a) < 1 for b, a in zip(budgets, authors, strict=True))
+
+    press = "pyramidkv" if beta == 20 else "pyramidkv_beta4"
+    counts = [t.shape[1] for t in fx["kept"][press]]
+    if k / beta < w:  # kvpress's fallback
+        assert counts == [k] * len(meta["layers"])
+    else:
+        line = [2 * k - k / beta - layer * (2 * k - 2 * k / beta) / (m - 1) for layer in meta["layers"]]
+        assert counts == [round(x) for x in line]
+    mine = [budgets[layer] for layer in meta["layers"]]
+    assert counts != mine
+    assert budgets[0] > budgets[-1]  # kvpolicy's pyramid slopes whatever beta
+
+
+def _top_with_sinks(score: torch.Tensor, budget: int, sinks: int = 4) -> list[set[int]]:
+    """Per head, the first ``sinks`` slots and the top of ``score [Hkv, N]`` up to ``budget``."""
+    score = score.clone()
+    score[:, :sinks] = float("inf")
+    return [set(row.tolist()) for row in score.topk(budget, dim=-1).indices]
+
+
+def _windowed(x: torch.Tensor, window: int = 16) -> torch.Tensor:
+    """``x [..., N]`` divided by its sum over consecutive windows of ``window`` slots."""
+    n = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, (-n) % window)).unflatten(-1, (-1, window))
+    return (blocks / blocks.sum(-1, keepdim=True)).flatten(-2)[..., :n]
+
+
+def test_curdkv_follows_the_paper_where_kvpress_default_does_not(fx):
+    """kvpress's default CURPress scores exact squared norms (no random projection) normalised in
+    windows of 16: not CurDKV's Gaussian-projection leverage (spec: P ~ N(0, 1)/sqrt(r), r = 20),
+    which kvpolicy's `curdkv` computes. Shown here: kvpress's default keeps the top of the exact
+    norms, and `curdkv` the top of the paper's projected score, with its own projection."""
+    from kvpolicy.policy import eviction_input
+
+    meta = fx["meta"]
+    budget = meta["kept"]
+    policy = kvpolicy.load_policy("curdkv", budget=budget, recent=0)
+    scorer = policy.config.scorer
+    assert isinstance(scorer, LeverageScorer) and scorer.local_window is None
+    differs = False
+    for i in layers(fx):
+        keys, values, q = layer_inputs(fx, i)
+        layer = meta["layers"][i]
+        exact = _windowed(keys[0].square().sum(-1)) * _windowed(values[0].square().sum(-1))
+        assert _top_with_sinks(exact, budget) == kvpress_kept(fx, "cur", i)
+        # The paper's score, with the projection kvpolicy draws for this layer.
+        inp = eviction_input(keys, values, q, budget=budget, recent=0, seed=policy.resolve_seed(), layer_idx=layer)
+        p = scorer.projections(inp)[0]
+        paper = (keys[0] @ p).square().sum(-1) * (values[0] @ p).square().sum(-1)
+        got = kept_sets(policy.select(keys, values, q, layer_idx=layer))
+        assert got == _top_with_sinks(paper, budget)
+        differs |= got != kvpress_kept(fx, "cur", i)
+    assert differs
