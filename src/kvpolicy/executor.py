@@ -61,7 +61,7 @@ class Executor:
         the state sees every query exactly once, over the slots held at its own step: nothing is
         evicted between a query's step and its update. Returns the rows evicted."""
         evicted = self.evict(group)
-        if self.policy.keeps_state:
+        if self.policy.observes_queries:
             group.layout.settle_observed()
             unseen = group.rows.unobserved()
             stale = (unseen > 0) & (unseen + tokens > group.schedule.window)
@@ -99,7 +99,7 @@ class Executor:
                 group, rows, slice(None), HeldSlots(fields, held.valid), layer=layer,
                 window=(queries[:, :, c0:c1], valid[:, c0:c1], positions[:, c0:c1]),
             )
-            _, updates = self.policy.observe(inp)
+            _, updates = self.policy.observe(inp, eviction=False)
             fields.update(updates)
         group.layout.store_layer_state(layer, {name: fields[name] for name in self.policy.state_fields})
 
@@ -110,6 +110,7 @@ class Executor:
         for rows, count in group.layout.eviction_classes(due):
             row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(group.device)
             group.evicted(rows, group.layout.evict(rows, row_sel, count))
+            group.rows.mark_observed(rows)  # the eviction brought their state up to date
         group.eviction_steps += 1
         return int(due.sum())
 
@@ -151,6 +152,8 @@ class Executor:
                 query_positions = window_positions(query_valid, tokens)
                 observed = group.rows.observed[rows].repeat(reps).to(query_valid.device)
                 query_new = query_valid & (query_positions >= observed[:, None])
+                if not self.policy.observes_queries:  # stages updated once per eviction see the window
+                    query_new = query_valid
         schedule = group.schedule
         return eviction_input(
             held.fields["keys"], held.fields["values"], queries, budget=schedule.budget, recent=schedule.recent,

@@ -108,6 +108,12 @@ class Policy:
         """Whether a stage keeps state across evictions (``Stage.state_fields``)."""
         return bool(self.stateful_stages)
 
+    @cached_property
+    def observes_queries(self) -> bool:
+        """Whether a stage's state must see every query (``Stage.state_updates == "every_query"``):
+        caches then update it between evictions too, before unseen queries leave the window."""
+        return any(s.state_updates == "every_query" for s in self.stateful_stages.values())
+
     def nest_state(self, stored: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """``EvictionInput.state`` from fields stored under the names of ``state_fields``."""
         nested: dict[str, dict[str, torch.Tensor]] = {}
@@ -115,15 +121,20 @@ class Policy:
             nested.setdefault(key, {})[field] = stored[name]
         return nested
 
-    def observe(self, inp: EvictionInput) -> tuple[EvictionInput, dict[str, torch.Tensor]]:
+    def observe(self, inp: EvictionInput, *, eviction: bool = True) -> tuple[EvictionInput, dict[str, torch.Tensor]]:
         """Bring every stateful stage up to date with the window's new queries (``inp.query_new``):
         the input with the new state, and the new fields by stored name (``state_fields``). Each
         stage's update is checked (``guards.run_state_update``); nothing is stored here, so a
-        refused update leaves the caller's state as it was."""
+        refused update leaves the caller's state as it was. ``eviction``: whether an eviction (or
+        a choice) follows; if not, stages that update only at evictions keep their state."""
         if inp.state is None:
             return inp, {}
         guards.check_inputs(inp)  # name bad keys, values or queries before a stage's state does
-        nested = {key: guards.run_state_update(stage, inp) for key, stage in self.stateful_stages.items()}
+        nested = {
+            key: guards.run_state_update(stage, inp) if eviction or stage.state_updates == "every_query"
+            else dict(inp.state[key])
+            for key, stage in self.stateful_stages.items()
+        }
         flat = {name: nested[key][field] for name, (key, field, _) in self.state_fields.items()}
         return replace(inp, state=nested), flat
 

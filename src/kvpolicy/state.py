@@ -228,7 +228,7 @@ class LayerGroup:
         layer's state sees all of them as the layer is written (``Executor.observe_step``), from
         the token positions and validity set here (before the rows' counters advance)."""
         self.long_step = None
-        if t <= self.schedule.window or not self.layout.executor.policy.keeps_state:
+        if t <= self.schedule.window or not self.layout.executor.policy.observes_queries:
             return
         device = self.device
         before = self.rows.seen().to(device)[:, None]

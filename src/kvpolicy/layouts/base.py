@@ -226,7 +226,8 @@ class SlotLayout(ABC):
         """Bring the state of ``rows`` up to date with their window's unseen queries, every layer
         at once, evicting nothing."""
         held = self.held_rows(rows, row_sel, count)
-        _, state = self.executor.policy.observe(self.executor.eviction_input(self.group, rows, row_sel, held))
+        inp = self.executor.eviction_input(self.group, rows, row_sel, held)
+        _, state = self.executor.policy.observe(inp, eviction=False)
         self.store_rows_state(rows, row_sel, held, state)
 
     @abstractmethod

@@ -271,6 +271,14 @@ class Stage(BaseModel, ABC):
         return frozenset()
 
     # -- state (plugin contract 3) ----------------------------------------------------------
+    #: When ``update_state`` runs. ``"every_query"``: the state sees every query exactly once, in
+    #: order (H2O's accumulated attention, LazyEviction's recurrences): at each eviction, with
+    #: the window's unseen queries, and also before unseen queries would leave the window, and
+    #: on a step longer than the window, as it is written. ``"eviction"``: once per eviction
+    #: (or select-mode choice), with the window as it is then, every valid entry in
+    #: ``query_new`` (G-KV's score smoothed across compressions).
+    state_updates: ClassVar[Literal["every_query", "eviction"]] = "every_query"
+
     @property
     def state_fields(self) -> Mapping[str, StateField]:
         """Fields of state the stage keeps across evictions, by name (none: a stateless stage).
