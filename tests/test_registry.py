@@ -34,6 +34,7 @@ BUILTIN_POLICIES = {
     "random",
     "rkv",
     "snapkv",
+    "snapkv-paper",
     "streamingllm",
     "tova",
     "vase-attnv",
