@@ -274,3 +274,119 @@ def test_select_on_a_fresh_state_is_the_windows_attention():
         h2o.select(k, v, q, state={"state0.attention": torch.zeros(2, 2, 19)})
     with pytest.raises(ValueError, match="keeps no state"):
         snap.select(k, v, q, state={"x": torch.zeros(2, 2, 20)})
+
+
+# -- per-head allocation and select mode, with the state ---------------------------------------
+def _attend64(q, keys, values, d):
+    """Float64 softmax attention of one query ``[D]`` over ``keys [M, D]``: (probs, output)."""
+    probs = torch.softmax(keys.double() @ q.double() / math.sqrt(d), -1)
+    return probs, probs @ values.double()
+
+
+@pytest.mark.parametrize("hkv,hq", [(2, 2), (2, 4)], ids=["mha", "gqa"])
+def test_h2o_per_head_allocation_equals_float64_reference(hkv, hq):
+    """Ada-KV's per-head budgets over accumulated attention: heads keep different counts, each
+    head's tokens carry their state through the per-head runs. The reference keeps per-head
+    token lists in float64; at each eviction it asks the policy's allocation for the heads'
+    counts from its own accumulated scores (the allocation is checked on its own elsewhere)."""
+    over = {"budget": 12, "recent": 4, "interval": 4, "window": 4}
+    policy = load_policy({"name": "ada-h2o", "schedule": over, "scorer": "accumulated_attention",
+                          "selector": "greedy", "allocation": {"type": "adaptive"}})
+    cache = EvictingCache(policy, num_layers=1)
+    d, g = 8, hq // hkv
+    held: list[list[list]] = [[[] for _ in range(hkv)]]  # one row: [position, key, value, acc]
+    tokens = row_count = 0  # a row's count: its heads' mean (the budget after an eviction), plus new tokens
+    heads_differ = False
+    for step, (k, v, q, _) in enumerate(_steps(1, hkv, hq, d, prompt=10, n=40, seed=11 + hq)):
+        out = cache.attend(0, q, k, v)
+        for t in range(k.shape[2]):
+            for h in range(hkv):
+                held[0][h].append([tokens, k[0, h, t], v[0, h, t], 0.0])
+            for qh in range(hq):
+                entries = held[0][qh // g]
+                probs, want = _attend64(q[0, qh, t], torch.stack([e[1] for e in entries]),
+                                        torch.stack([e[2] for e in entries]), d)
+                for e, p in zip(entries, probs.tolist(), strict=True):
+                    e[3] += p
+                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9)
+            tokens += 1
+            row_count += 1
+        if bool(policy.schedule.due(row_count, tokens, prompt=step == 0)):
+            row_count = policy.budget
+            n = max(len(e) for e in held[0])
+            keys = torch.zeros(1, hkv, n, d, dtype=torch.float64)
+            values, valid = torch.zeros_like(keys), torch.zeros(1, hkv, n, dtype=torch.bool)
+            acc, pos = torch.zeros(1, hkv, n), torch.full((1, hkv, n), -1)
+            for h in range(hkv):  # right-aligned: every head's newest token in the last column
+                es = held[0][h]
+                for j, e in enumerate(es):
+                    c = n - len(es) + j
+                    keys[0, h, c], values[0, h, c], valid[0, h, c] = e[1], e[2], True
+                    acc[0, h, c], pos[0, h, c] = e[3], e[0]
+            keep, _ = policy.select_heads(keys, values, q[:, :, -1:].expand(-1, -1, 4, -1), slot_valid=valid,
+                                          positions=pos, state={"state0.attention": acc},
+                                          query_new=torch.zeros(1, 4, dtype=torch.bool))
+            for h in range(hkv):
+                kept = set(pos[0, h][keep[0, h]].tolist())
+                held[0][h] = [e for e in held[0][h] if e[0] in kept]
+            heads_differ |= len({len(e) for e in held[0]}) > 1
+        cache.evict_due()
+        view = cache.layers[0]
+        current = not bool(view.window_new.any())
+        for h in range(hkv):
+            mask = view.valid[0, h]
+            assert view.positions[0, h][mask].tolist() == [e[0] for e in held[0][h]], (step, h)
+            if current:
+                torch.testing.assert_close(view.state["state0.attention"][0, h][mask].double(),
+                                           torch.tensor([e[3] for e in held[0][h]], dtype=torch.float64),
+                                           rtol=2e-5, atol=2e-6)
+    assert heads_differ and cache.stats()[0].evictions >= 5
+
+
+@pytest.mark.parametrize("hkv,hq", [(2, 2), (2, 4)], ids=["mha", "gqa"])
+def test_h2o_select_mode_equals_float64_reference(hkv, hq):
+    """``h2o@select``: every token stays; the state accumulates each query's attention over the
+    full cache; every ``interval`` decode steps past the budget, each layer chooses its recent
+    buffer and the top candidates by accumulated attention (the current query's included), and
+    the steps attend the choice plus the tokens appended since."""
+    policy = load_policy("h2o@select", budget=12, recent=4, interval=4, window=4)
+    s = policy.schedule
+    cache = EvictingCache(policy, num_layers=1)
+    d, g = 8, hq // hkv
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    acc = torch.zeros(hkv, 0, dtype=torch.float64)
+    chosen: list[list[int]] | None = None
+    chosen_at = -1
+    choices = 0
+    for step, (k, v, q, _) in enumerate(_steps(1, hkv, hq, d, prompt=10, n=40, seed=21 + hq)):
+        out = cache.attend(0, q, k, v)
+        t_new = k.shape[2]
+        for t in range(t_new):
+            keys.append(k[0, :, t])
+            values.append(v[0, :, t])
+            acc = torch.cat([acc, torch.zeros(hkv, 1, dtype=torch.float64)], 1)
+            count = len(keys)
+            kk, vv = torch.stack(keys, 1), torch.stack(values, 1)  # [Hkv, count, D]
+            full = [_attend64(q[0, qh, t], kk[qh // g], vv[qh // g], d) for qh in range(hq)]
+            for qh, (probs, _) in enumerate(full):
+                acc[qh // g] += probs
+            decode = t_new == 1 and step > 0
+            if not decode:
+                chosen, chosen_at = None, -1
+            elif count > s.budget and (chosen_at < 0 or count - chosen_at >= s.interval):
+                cand = count - s.recent
+                chosen = [sorted(acc[h, :cand].topk(s.budget - s.recent).indices.tolist()) + list(range(cand, count))
+                          for h in range(hkv)]
+                chosen_at, choices = count, choices + 1
+            for qh in range(hq):
+                if decode and chosen is not None:
+                    cols = chosen[qh // g] + list(range(chosen_at, count))
+                    _, want = _attend64(q[0, qh, t], kk[qh // g, cols], vv[qh // g, cols], d)
+                else:
+                    want = full[qh][1]
+                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9, msg=lambda m: f"step {step}: {m}")
+        view = cache.layers[0]
+        if not bool(view.window_new.any()):
+            torch.testing.assert_close(view.state["state0.attention"][0].double(), acc, rtol=2e-5, atol=2e-6)
+    assert choices >= 5
