@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import reference as ref
-import torch
 from helpers import make_tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,6 +55,24 @@ def test_defaults():
         assert sum(heads) == 3 * b
         assert all(h == 68 for h, r in zip(heads, alloc.retrieval[layer].tolist(), strict=True) if not r)
     assert policy.couples_heads  # a per-head allocation: refused where heads are sharded
+
+
+def test_the_builtin_on_its_model_shape():
+    """The shipped policy at a small budget on tensors of the bundled model's shape (3 KV heads):
+    streaming heads keep their 4 sinks and 8 recent slots, retrieval heads the rest."""
+    policy = kvpolicy.load_policy("duo-attention", budget=40, recent=8, window=8, interval=8)
+    budgets = policy.allocation.layer_budgets(40, 30, 8)
+    for layer in (0, 1, 5):
+        # Every head holds more than its share (else a retrieval head keeps all and lends the rest).
+        k, v, q = make_tensors(b=2, hkv=3, hq=9, n=3 * budgets[layer] + 8, d=8, w=8, seed=layer)
+        keep, counts = policy.select_heads(k, v, q, layer_idx=layer, budget=budgets[layer])
+        n = k.shape[2]
+        assert counts.sum(-1).tolist() == [3 * budgets[layer]] * 2
+        for h, is_r in enumerate(policy.allocation.retrieval[layer].tolist()):
+            if not is_r:
+                assert keep[:, h].nonzero()[:, 1].tolist() == [*range(4), *range(n - 8, n)] * 2
+            else:
+                assert bool(keep[:, h, :4].all()) and bool(keep[:, h, -8:].all())
 
 
 def test_counts_match_the_reference(tmp_path):

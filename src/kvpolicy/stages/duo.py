@@ -39,8 +39,8 @@ class DuoAllocation(Allocation):
     """Streaming heads keep ``recent + sinks`` slots (their sink tokens and recent buffer, which
     the policy protects), retrieval heads share the rest of the model's total equally.
 
-    A head is a retrieval head when its profile weight is at least ``threshold`` (DuoAttention
-    deploys its trained gates with 0.5; a class profile's retrieval heads weigh 1, streaming
+    A head is a retrieval head when its profile weight is at least ``threshold`` (default 0.5:
+    DuoAttention deploys its trained gates with it; a class profile's retrieval heads weigh 1, streaming
     heads 0), or, with ``streaming_fraction``, the lowest-weighted fraction of the model's heads
     stream (kvpress's ``head_compression_ratio``; ties: the earlier layer and head stream
     first). The model's total, ``layers x KV heads x budget`` slots, is fixed: each retrieval
@@ -57,8 +57,10 @@ class DuoAllocation(Allocation):
     per_head: ClassVar[bool] = True
 
     path: str = Field(..., min_length=1, description='The head profile (see `kvpolicy profile`), or "builtin:NAME".')
-    threshold: float = Field(
-        0.5, ge=0.0, allow_inf_nan=False, description="Heads weighing at least this are retrieval heads (DuoAttention: 0.5)."
+    threshold: float | None = Field(
+        None, ge=0.0, allow_inf_nan=False,
+        description="Heads weighing at least this are retrieval heads; null: 0.5 (DuoAttention's deployment "
+        "threshold) unless streaming_fraction is set.",
     )
     streaming_fraction: float | None = Field(
         None, ge=0.0, lt=1.0, allow_inf_nan=False,
@@ -73,7 +75,7 @@ class DuoAllocation(Allocation):
 
     @model_validator(mode="after")
     def _load(self) -> DuoAllocation:
-        if self.streaming_fraction is not None and "threshold" in self.model_fields_set:
+        if self.streaming_fraction is not None and self.threshold is not None:
             raise ValueError("give threshold or streaming_fraction, not both")
         try:
             self._profile = HeadProfile.load(resolve_profile_path(self.path))
@@ -82,8 +84,9 @@ class DuoAllocation(Allocation):
             raise ValueError(f"cannot use the head profile {self.path}: {'; '.join(problems)}") from None
         weights = self._profile.head_weights()
         if self.streaming_fraction is None:
-            retrieval = weights >= self.threshold
-            field = f"threshold {self.threshold}"
+            threshold = 0.5 if self.threshold is None else self.threshold
+            retrieval = weights >= threshold
+            field = f"threshold {threshold}"
         else:
             streaming = int(self.streaming_fraction * weights.numel())
             order = torch.sort(weights.flatten(), stable=True).indices  # lowest first; ties: earlier head
@@ -93,13 +96,13 @@ class DuoAllocation(Allocation):
             field = f"streaming_fraction {self.streaming_fraction}"
         if not bool(retrieval.any()):
             raise ValueError(f"{field} leaves no retrieval head in the profile {self.path}")
-        self._retrieval = retrieval
+        self._retrieval = tuple(tuple(row) for row in retrieval.tolist())  # comparable, unlike a tensor
         return self
 
     @property
     def retrieval(self) -> torch.Tensor:
         """``[L, Hkv]`` bool: the retrieval heads (the rest stream)."""
-        return self._retrieval.clone()
+        return torch.tensor(self._retrieval, dtype=torch.bool)
 
     def check_model(self, num_layers: int, num_kv_heads: int) -> None:
         p = self._profile
@@ -116,7 +119,7 @@ class DuoAllocation(Allocation):
                 f"budget ({budget}) must be above a streaming head's recent + sinks ({recent} + {self.sinks}): "
                 "otherwise retrieval heads keep no more than streaming ones"
             )
-        retrieval = self._retrieval
+        retrieval = self.retrieval
         hkv = retrieval.shape[1]
         n_r = int(retrieval.sum())
         pool = Fraction(num_layers * hkv * budget - (retrieval.numel() - n_r) * stream, n_r)
@@ -125,7 +128,7 @@ class DuoAllocation(Allocation):
 
     def head_budgets(self, layer: int, layer_budget: int, recent: int) -> list[int]:
         """The slots each head of ``layer`` keeps when the layer keeps ``Hkv * layer_budget``."""
-        row = self._retrieval[layer].tolist()
+        row = list(self._retrieval[layer])
         stream = self._streaming_slots(recent)
         n_r = sum(row)
         spare = len(row) * layer_budget - (len(row) - n_r) * stream
@@ -150,7 +153,7 @@ class DuoAllocation(Allocation):
                 tables[layer] = self.head_budgets(layer, inp.budget, recent)
         device = priority.device
         share = torch.tensor([tables[layer] for layer in layers], device=device)
-        streaming = ~self._retrieval.to(device)[torch.tensor(layers, device=device)]
+        streaming = ~self.retrieval.to(device)[torch.tensor(layers, device=device)]
         held = (priority > float("-inf")).sum(-1)
         kept = protected.sum(-1)
         stream = self._streaming_slots(recent)
