@@ -20,10 +20,13 @@ from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
 from kvpolicy.stages import Selector
 
 BUILTIN_POLICIES = [
+    "chunkkv",
     "curdkv",
+    "duo-attention",
     "evict-large-range",
     "h2o",
     "knorm",
+    "lagkv",
     "oracle-topk",
     "quest",
     "random",
