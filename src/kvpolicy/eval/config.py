@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: The built-in policies, compared by default (plugins' policies can be named explicitly).
 DEFAULT_POLICIES = [
@@ -28,6 +28,11 @@ DEFAULT_POLICIES = [
     "vase-attnv@select",
 ]
 DEFAULT_METRICS = ["perplexity", "fidelity", "passkey", "reconstruction", "speed"]
+
+#: Names in ``policies`` that stand for a set of registered policies, resolved when the run is
+#: planned, so a run configured with them stays complete as policies are added: ``builtin``, every
+#: policy kvpolicy ships (eviction and selection); ``all``, those and every installed plugin's.
+POLICY_SETS = ("builtin", "all")
 
 
 #: The full-cache baseline's row: its key and policy name in the results.
@@ -56,12 +61,19 @@ class FidelitySettings(_Section):
     prompts: int = Field(2, gt=0)
     shots: int = Field(0, ge=0, description="Solved examples before the question (a longer prompt).")
     new_tokens: int = Field(64, gt=0, description="64 guarantees an eviction during generation.")
+    budgets: list[int] | None = Field(
+        None, description="The budgets this metric runs at (a subset of the run's; default: all of them).")
+    free_running: bool = Field(
+        True, description="Also generate freely under eviction (first divergence, repeated 4-grams: token by "
+                          "token); false measures only the teacher-forced agreement, fed in exact chunks (fast).")
 
 
 class PasskeySettings(_Section):
     samples: int = Field(3, gt=0, description="Passkeys per context length.")
     context: list[int] = Field(default_factory=lambda: [256], description="Total prompt tokens.")
     new_tokens: int = Field(8, gt=0)
+    budgets: list[int] | None = Field(
+        None, description="The budgets this metric runs at (a subset of the run's; default: all of them).")
 
 
 class AccuracySettings(_Section):
@@ -125,6 +137,9 @@ class EvalConfig(BaseModel):
     budgets: list[int] = Field(default_factory=lambda: [96, 128])
     policies: list[str | dict[str, Any]] = Field(default_factory=_default_policies)
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
+    refusals: Literal["error", "report"] = Field(
+        "error", description="A policy that refuses a budget (or the model's shape): error stops the run before "
+                             "any work; report runs the rest and shows the pair as refused, with the reason.")
     text: str | None = Field(None, description="Long text file (default: reasoning-gym's in_the_year_2889.txt).")
     perplexity: PerplexitySettings = Field(default_factory=PerplexitySettings)
     fidelity: FidelitySettings = Field(default_factory=FidelitySettings)
@@ -140,6 +155,14 @@ class EvalConfig(BaseModel):
         if not v or any(b <= 0 for b in v):
             raise ValueError("budgets must be a non-empty list of positive integers")
         return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _metric_budgets_are_run_budgets(self) -> EvalConfig:
+        for section in ("passkey", "fidelity"):
+            chosen = getattr(self, section).budgets
+            if chosen is not None and (not chosen or set(chosen) - set(self.budgets)):
+                raise ValueError(f"{section}.budgets {chosen} must be a non-empty subset of budgets {self.budgets}")
+        return self
 
     @field_validator("dtype")
     @classmethod

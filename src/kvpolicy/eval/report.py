@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from .progress import LineBars
 
 #: A policy is off scale when the others would fill less than 1 / SQUEEZE of the axis beside it.
 SQUEEZE = 4.0
+#: What a table shows for a pair whose policy refused its budget (``refusals: report``).
+REFUSED = "refused"
 
 
 @contextmanager
@@ -77,6 +80,8 @@ def build_table(cols: Sequence[Column], rows: list[dict], title: str | None = No
             if row["policy"] != FULL and best.get((row["budget"], c.key)) == row["key"]:
                 text = f"[bold green]{text}[/bold green]"
             cells.append(text)
+        if row.get("refused") and cells:
+            cells[0] = f"[yellow]{REFUSED}[/yellow]"
         budget = "-" if row["budget"] is None else str(row["budget"])
         table.add_row(row["policy"], budget, *cells, end_section=row["policy"] == FULL)
     return table
@@ -104,6 +109,8 @@ def markdown_table(cols: Sequence[Column], rows: list[dict]) -> str:
     for row in rows:
         budget = "-" if row["budget"] is None else str(row["budget"])
         cells = [row["policy"], budget, *[c.format(row["values"].get(c.key)) for c in cols]]
+        if row.get("refused") and cols:
+            cells[2] = REFUSED
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -168,9 +175,9 @@ def write_plots(folder: Path, cols: Sequence[Column], rows: list[dict]) -> list[
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         out.append(path)
-    pareto = pareto_plot(folder, rows)
-    if pareto is not None:
-        out.append(pareto)
+    for extra in (pareto_plot(folder, rows), ranking_plot(folder, cols, rows)):
+        if extra is not None:
+            out.append(extra)
     return out
 
 
@@ -241,3 +248,175 @@ def pareto_plot(folder: Path, rows: list[dict]) -> Path | None:
 
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# -- the ranking: one row per policy, its quality at every budget ------------------------------------
+
+@dataclass
+class Ranking:
+    """The run's policies in rank order, with each ranked column's value per budget.
+
+    Policies are ranked by the first ranked column (``Column.ranked``; perplexity ratio when the
+    run measured it) averaged over the budgets; a policy refused at some budget ranks after
+    every policy that ran at all of them. ``cells[policy][(column, budget)]`` is a number,
+    ``REFUSED``, or None (not measured)."""
+
+    columns: list[Column]
+    budgets: list[int]
+    policies: list[str]
+    modes: dict[str, str]
+    cells: dict[str, dict[tuple[str, int], Any]]
+    reasons: dict[str, dict[int, str]]
+    full: dict[str, Any] | None
+
+    def measured(self, c: Column) -> list[int]:
+        """The budgets at which some policy has a figure in column ``c`` (a metric may run at
+        only some of the run's budgets: ``passkey.budgets``)."""
+        return [b for b in self.budgets if any(_finite(self.cells[n].get((c.key, b))) for n in self.policies)]
+
+    def score(self, name: str) -> float:
+        key = self.columns[0].key
+        vals = [v for b in self.budgets if _finite(v := self.cells[name].get((key, b)))]
+        if not vals:
+            return math.inf
+        mean = sum(vals) / len(vals)
+        return mean if self.columns[0].better == "lower" else -mean
+
+
+def ranking(cols: Sequence[Column], rows: list[dict]) -> Ranking | None:
+    """The ranking of ``rows`` over the ranked ones of ``cols``; None when there is nothing to rank."""
+    columns = [c for c in cols if c.ranked and c.better]
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != FULL))
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    if not columns or not policies:
+        return None
+    cells: dict[str, dict[tuple[str, int], Any]] = {n: {} for n in policies}
+    reasons: dict[str, dict[int, str]] = {n: {} for n in policies}
+    modes: dict[str, str] = {}
+    for r in rows:
+        name, budget = r["policy"], r["budget"]
+        if name == FULL:
+            continue
+        if r.get("mode"):
+            modes[name] = r["mode"]
+        for c in columns:
+            cells[name][(c.key, budget)] = REFUSED if r.get("refused") else r["values"].get(c.key)
+        if r.get("refused"):
+            reasons[name][budget] = r["refused"]
+    full = next((r["values"] for r in rows if r["policy"] == FULL), None)
+    out = Ranking(columns, budgets, policies, modes, cells, reasons, full)
+    out.policies = sorted(policies, key=lambda n: (bool(reasons[n]) or any(
+        (columns[0].key, b) not in cells[n] for b in budgets), out.score(n)))
+    return out
+
+
+def ranking_markdown(cols: Sequence[Column], rows: list[dict]) -> str:
+    """``ranking.md``: one row per policy in rank order (the full cache first), one column per
+    ranked number and budget; the best policy of each column in bold, selection rows marked."""
+    rk = ranking(cols, rows)
+    if rk is None:
+        return ""
+    slots = [(c, b) for c in rk.columns for b in rk.measured(c)]
+    head = ["rank", "policy", "mode"] + [f"{c.label} @{b}" for c, b in slots]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if rk.full is not None:
+        lines.append("| - | full cache | - | " + " | ".join(c.format(rk.full.get(c.key)) for c, _ in slots) + " |")
+    best: dict[tuple[str, int], float] = {}
+    for c in rk.columns:
+        for b in rk.budgets:
+            vals = [v for n in rk.policies if _finite(v := rk.cells[n].get((c.key, b)))]
+            if vals:
+                best[(c.key, b)] = min(vals) if c.better == "lower" else max(vals)
+    for i, name in enumerate(rk.policies, 1):
+        cells = []
+        for c, b in slots:
+            v = rk.cells[name].get((c.key, b))
+            text = REFUSED if v == REFUSED else c.format(v)
+            cells.append(f"**{text}**" if _finite(v) and v == best.get((c.key, b)) else text)
+        lines.append(f"| {i} | {name} | {rk.modes.get(name, '-')} | " + " | ".join(cells) + " |")
+    notes = [f"- {name} at {b}: {why}" for name in rk.policies for b, why in sorted(rk.reasons[name].items())]
+    text = "\n".join(lines) + "\n"
+    if notes:
+        text += "\nRefused (the policy's own error, raised before any work):\n\n" + "\n".join(notes) + "\n"
+    return text
+
+
+def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path | None:
+    """``ranking.png``: one line per policy in rank order (best at the top), one panel per ranked
+    number, a marker per budget; the full cache as a dashed line, selection policies in italics,
+    refused budgets marked. A value off the panel's scale (see ``off_scale``) is drawn at its edge
+    with its figure beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rk = ranking(cols, rows)
+    if rk is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    n = len(rk.policies)
+    fig, axes = plt.subplots(1, len(rk.columns), figsize=(3.6 * len(rk.columns) + 2.2, 0.3 * n + 1.6),
+                             sharey=True, squeeze=False)
+    shades = plt.get_cmap("viridis")
+    colors = {b: shades(0.1 + 0.75 * i / max(1, len(rk.budgets) - 1)) for i, b in enumerate(rk.budgets)}
+    markers = dict(zip(rk.budgets, "o^sDv<>p", strict=False))
+    ys = {name: n - 1 - i for i, name in enumerate(rk.policies)}
+    for ax, c in zip(axes[0], rk.columns, strict=True):
+        series = {name: [v for b in rk.budgets if _finite(v := rk.cells[name].get((c.key, b)))]
+                  for name in rk.policies}
+        series = {k: v for k, v in series.items() if v}
+        ref = rk.full.get(c.key) if rk.full is not None else None
+        ref = ref if _finite(ref) else None
+        off = set(off_scale(series, ref))
+        shown = [v for k, vs in series.items() if k not in off for v in vs] + ([] if ref is None else [ref])
+        lo, hi = (min(shown), max(shown)) if shown else (0.0, 1.0)
+        pad = (hi - lo) * 0.06 or 0.01
+        lo, hi = lo - pad, hi + pad
+        for name in rk.policies:
+            y = ys[name]
+            ax.axhline(y, color="0.92", linewidth=0.6, zorder=0)
+            pts = []
+            for b in rk.measured(c):
+                v = rk.cells[name].get((c.key, b))
+                if v == REFUSED:
+                    ax.annotate(f"{b}: refused", (lo, y), xytext=(2, 0), textcoords="offset points",
+                                fontsize=6, va="center", color="0.45")
+                    continue
+                if not _finite(v):
+                    continue
+                x = min(max(v, lo), hi)
+                pts.append(x)
+                ax.scatter([x], [y], color=colors[b], marker=markers[b], s=26, zorder=3,
+                           label=f"budget {b}" if name == rk.policies[0] or y == 0 else None)
+                if x != v:
+                    ax.annotate(c.format(v), (x, y), xytext=(-3 if x == hi else 3, 5), textcoords="offset points",
+                                fontsize=6, ha="right" if x == hi else "left", color="0.3")
+            if len(pts) > 1:
+                ax.plot([min(pts), max(pts)], [y, y], color="0.6", linewidth=1, zorder=2)
+        if ref is not None:
+            ax.axvline(ref, color="black", linestyle="--", linewidth=0.9, label="full cache")
+        ax.set_xlim(lo, hi)
+        arrow = {"lower": "lower is better", "higher": "higher is better"}[c.better]
+        ax.set_title(f"{c.label}\n({arrow})", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0][0].set_yticks([ys[n] for n in rk.policies])
+    axes[0][0].set_yticklabels([f"{n} (select)" if rk.modes.get(n) == "select" else n for n in rk.policies],
+                               fontsize=8)
+    for label, name in zip(axes[0][0].get_yticklabels(), rk.policies, strict=True):
+        if rk.modes.get(name) == "select":
+            label.set_fontstyle("italic")
+            label.set_color("C3")
+    axes[0][0].set_ylim(-0.7, n - 0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    uniq = dict(zip(labels, handles, strict=True))
+    fig.legend(list(uniq.values()), list(uniq.keys()), fontsize=7, loc="upper center", ncol=len(uniq),
+               bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.suptitle(f"policies ranked by {rk.columns[0].label}, mean over budgets (best at the top)", fontsize=10,
+                 y=1.0 + 0.35 / (0.3 * n + 1.6))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (0.3 * n + 1.6)))
+    path = folder / "ranking.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import PolicyError
 from ..policy import Policy, load_policy
-from .config import FULL, EvalConfig, EvalError
+from .config import FULL, POLICY_SETS, EvalConfig, EvalError
 from .decoding import stop_token_ids
 from .metrics import Column, Metric, RunContext, get_metrics
 from .models import (
@@ -30,7 +30,7 @@ from .models import (
     resolve_model,
 )
 from .progress import PairEta
-from .report import progress_bar, write_plots
+from .report import progress_bar, ranking_markdown, write_plots
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -48,10 +48,11 @@ class Pair:
     name: str
     budget: int | None
     policy: Policy | None
+    refused: str | None = None  # why the policy cannot run at this budget (``refusals: report``)
 
     @property
     def key(self) -> str:
-        return FULL if self.policy is None else f"{self.name}@{self.budget}"
+        return FULL if self.budget is None else f"{self.name}@{self.budget}"
 
     @property
     def kind(self) -> str:
@@ -79,15 +80,43 @@ class Plan:
         return [c for metric in self.metrics for c in metric.columns]
 
 
+def expand_policies(specs: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
+    """``specs`` with the set names of ``POLICY_SETS`` replaced by the policies registered now:
+    ``builtin`` by kvpolicy's own, ``all`` by every registered one (installed plugins' too), in
+    name order; a policy named twice is kept once, where it first appears."""
+    from ..registry import get_registry
+
+    registered = get_registry().policies
+    out: list[str | dict[str, Any]] = []
+    for spec in specs:
+        if isinstance(spec, str) and spec in POLICY_SETS:
+            out += sorted(n for n, r in registered.items() if spec == "all" or r.plugin == "kvpolicy")
+        else:
+            out.append(spec)
+    seen: set[str] = set()
+    unique = []
+    for spec in out:
+        if isinstance(spec, str):
+            if spec in seen:
+                continue
+            seen.add(spec)
+        unique.append(spec)
+    return unique
+
+
 def resolve_policies(config: EvalConfig) -> list[Pair]:
-    """Every (policy, budget) pair, loaded and validated (too small a budget is an error here)."""
+    """Every (policy, budget) pair, loaded and validated. A budget too small for a policy is an
+    error here, or with ``refusals: report`` a refused pair that the run shows and skips."""
     pairs = []
     for budget in config.budgets:
-        for spec in config.policies:
+        for spec in expand_policies(config.policies):
             label = spec if isinstance(spec, str) else spec.get("name", "<mapping>")
             try:
                 policy = load_policy(spec, budget=budget)
             except PolicyError as exc:
+                if config.refusals == "report":
+                    pairs.append(Pair(_policy_name(spec), budget, None, refused=str(exc)))
+                    continue
                 raise EvalError(f"policy {label!r} at budget {budget}: {exc}") from None
             except Exception as exc:  # unknown stage types from plugins, unreadable files
                 raise EvalError(f"policy {label!r}: {exc}") from None
@@ -97,6 +126,24 @@ def resolve_policies(config: EvalConfig) -> list[Pair]:
     if dupes:
         raise EvalError(f"two policies share a name: {', '.join(dupes)} (set a distinct 'name' in each file)")
     return pairs
+
+
+def _policy_name(spec: str | dict[str, Any]) -> str:
+    """The name a policy's rows carry, read without loading it (for a refused one)."""
+    if isinstance(spec, dict):
+        return str(spec.get("name", "<mapping>"))
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            data = None
+        if isinstance(data, dict) and data.get("name"):
+            return str(data["name"])
+        return path.stem
+    return spec
 
 
 def plan_run(config: EvalConfig) -> Plan:
@@ -117,9 +164,15 @@ def plan_run(config: EvalConfig) -> Plan:
         if policies and len(ids) <= max(p.budget for p in policies):
             raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
     for metric in metrics:
-        metric.prepare(tokenizer, ids, policies)
+        metric.prepare(tokenizer, ids, [p for p in policies if metric.runs_at(p.budget)])
     resolved = {p.key: p.policy.config.to_dict() for p in pairs if p.policy is not None}
     return Plan(config, source, device, tokenizer, metrics, [Pair(FULL, None, None), *pairs], text_name, resolved)
+
+
+def refused_row(pair: Pair, reason: str) -> dict:
+    """The row of a pair whose policy refused its budget or the model: no values, the reason."""
+    return {"key": pair.key, "policy": pair.name, "budget": pair.budget, "values": {}, "refused": reason,
+            "seconds": 0.0}
 
 
 def versions() -> dict[str, str]:
@@ -267,6 +320,12 @@ def run_eval(
     console.print(f"run folder: {folder.path}" + (f" (resuming: {len(done)} pair(s) done)" if done else ""))
 
     rows = {k: v for k, v in done.items()}
+    for pair in [p for p in todo if p.refused is not None]:  # refused before any work: shown, not run
+        row = refused_row(pair, pair.refused or "")
+        folder.append(row, [])
+        rows[pair.key] = row
+        console.print(f"refused: {pair.key}: {pair.refused}", highlight=False)
+    todo = [p for p in todo if p.refused is None]
     if todo:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
@@ -285,7 +344,13 @@ def run_eval(
                 for pair in todo:
                     bar.update(task, description=f"{pair.key}")
                     started = time.perf_counter()
-                    row, preds = _run_pair(ctx, plan, pair, refs, bar)
+                    try:
+                        row, preds = _run_pair(ctx, plan, pair, refs, bar)
+                    except PolicyError as exc:  # the policy refuses this model (e.g. a head profile's shape)
+                        if pair.policy is None or config.refusals != "report":
+                            raise EvalError(f"policy {pair.key!r}: {exc}") from None
+                        row, preds = refused_row(pair, str(exc)), []
+                        console.print(f"refused: {pair.key}: {exc}", highlight=False)
                     eta.done(pair.key, time.perf_counter() - started)
                     if pair.policy is None:
                         folder.save_references(refs)
@@ -300,6 +365,9 @@ def run_eval(
     ordered = _ordered(plan, rows)
     folder.write_summary(plan, ordered)
     plots = write_plots(folder.path / "plots", plan.columns, ordered)
+    ranked = ranking_markdown(plan.columns, ordered)
+    if ranked:
+        (folder.path / "ranking.md").write_text(ranked, encoding="utf-8")
     return RunResult(folder.path, ordered, plan, plots)
 
 
@@ -312,19 +380,34 @@ def _run_pair(ctx: RunContext, plan: Plan, pair: Pair, refs: dict, bar) -> tuple
     values: dict[str, Any] = {}
     predictions = []
     sub = bar.add_task(f"  {pair.key}", total=len(plan.metrics))
-    for metric in plan.metrics:
-        bar.update(sub, description=f"  {metric.name}")
-        result = metric.run(ctx, pair.policy, None if pair.policy is None else refs.get(metric.name))
-        if pair.policy is None and result.reference is not None:
-            refs[metric.name] = result.reference
-        values.update(result.values)
-        for p in result.predictions:
-            predictions.append({"key": pair.key, "policy": pair.name, "budget": pair.budget, "metric": metric.name, **p})
-        bar.advance(sub)
-    bar.remove_task(sub)
-    row = {"key": pair.key, "policy": pair.name, "budget": pair.budget, "values": values,
+    try:
+        if pair.policy is not None:  # a policy bound to another model's shape refuses here, before any work
+            pair.policy.layer_schedules(*_model_shape(ctx.model))
+        for metric in plan.metrics:
+            bar.update(sub, description=f"  {metric.name}")
+            if not metric.runs_at(pair.budget):
+                bar.advance(sub)
+                continue
+            result = metric.run(ctx, pair.policy, None if pair.policy is None else refs.get(metric.name))
+            if pair.policy is None and result.reference is not None:
+                refs[metric.name] = result.reference
+            values.update(result.values)
+            for p in result.predictions:
+                predictions.append({"key": pair.key, "policy": pair.name, "budget": pair.budget,
+                                    "metric": metric.name, **p})
+            bar.advance(sub)
+    finally:
+        bar.remove_task(sub)
+    row = {"key": pair.key, "policy": pair.name, "budget": pair.budget, "mode": pair.kind, "values": values,
            "seconds": round(time.perf_counter() - start, 2)}
     return row, predictions
+
+
+def _model_shape(model: Any) -> tuple[int, int]:
+    """``(layers, KV heads)`` of a transformers decoder, as a cache for it sees them."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layers = int(cfg.num_hidden_layers)
+    return layers, int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
 def _ordered(plan: Plan, rows: dict[str, dict]) -> list[dict]:

@@ -16,7 +16,7 @@ class Accuracy(Metric):
 
     name = "accuracy"
     help = "task accuracy (pass@1, reasoning-gym scorer) on e.g. gsm_symbolic, chain_sum"
-    columns = [Column("accuracy", "pass@1", "{:.3f}", "higher")]
+    columns = [Column("accuracy", "pass@1", "{:.3f}", "higher", ranked=True)]
 
     def prepare(self, tokenizer, text, policies):
         s = self.config.accuracy

@@ -27,6 +27,7 @@ class Column:
     label: str
     fmt: str = "{:.3f}"
     better: str = ""  # "higher", "lower" or "" (informational)
+    ranked: bool = False  # a quality measure in the ranking (``ranking.md``); not cost, not a raw figure
 
     def format(self, value: Any) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -70,6 +71,12 @@ class Metric:
 
     def __init__(self, config: EvalConfig) -> None:
         self.config = config
+
+    def runs_at(self, budget: int | None) -> bool:
+        """Whether this metric runs for a pair at ``budget`` (None: the full cache, always): its
+        settings' ``budgets``, when it has them, limit it to some of the run's budgets."""
+        chosen = getattr(getattr(self.config, self.name, None), "budgets", None)
+        return budget is None or chosen is None or budget in chosen
 
     def prepare(self, tokenizer, text: list[int], policies: list[Policy]) -> None:
         """Build the inputs; raise ``EvalError`` if they cannot measure ``policies``."""

@@ -41,10 +41,15 @@ class Fidelity(Metric):
     help = "greedy generation vs the full cache: token agreement, first divergence, repeated 4-grams"
     needs_reference = True
     columns = [
-        Column("agreement", "agree", "{:.3f}", "higher"),
-        Column("first_divergence", "1st div", "{:.1f}", "higher"),
+        Column("agreement", "agree", "{:.3f}", "higher", ranked=True),
+        Column("first_divergence", "1st div", "{:.1f}", "higher", ranked=True),
         Column("repeat_4gram", "rep4", "{:.3f}", "lower"),
     ]
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        if not config.fidelity.free_running:  # teacher-forced agreement only
+            self.columns = [c for c in type(self).columns if c.key == "agreement"]
 
     def prepare(self, tokenizer, text, policies):
         s = self.config.fidelity
@@ -56,38 +61,35 @@ class Fidelity(Metric):
         greedy = SamplingParams(max_new_tokens=s.new_tokens)
         refs = reference["tokens"] if reference else None
         agreements, divergences, repeats, preds, generated = [], [], [], [], []
+        free = s.free_running or refs is None  # the full cache's run always generates: it is the reference
         for i, prompt in enumerate(self.prompts):
             stream = ctx.stream(policy)
-            tokens, _ = stream.generate(stream.feed(prompt.ids), greedy, ctx.stop_ids)
-            generated.append(tokens)
+            pred: dict = {"task": prompt.task, "index": prompt.index, "prompt_tokens": len(prompt.ids)}
+            if free:
+                tokens, _ = stream.generate(stream.feed(prompt.ids), greedy, ctx.stop_ids)
+                generated.append(tokens)
             ref = refs[i] if refs else tokens
             # Teacher-forced: the reference continuation fed through this cache (exact chunks);
             # how often would this cache have chosen the reference's next token?
-            agreements.append(token_agreement(self._teacher_forced(ctx, policy, prompt.ids, ref), ref))
-            divergences.append(first_divergence(tokens, ref))
-            repeats.append(repeated_ngram_share(tokens, 4))
-            preds.append(
-                {
-                    "task": prompt.task,
-                    "index": prompt.index,
-                    "prompt_tokens": len(prompt.ids),
-                    "output": ctx.decode(tokens),
-                    "agreement": agreements[-1],
-                    "first_divergence": divergences[-1],
-                    "repeat_4gram": repeats[-1],
-                    "evictions": stream.evictions(),
-                }
-            )
-        values = {
-            "agreement": mean(agreements),
-            "first_divergence": mean(divergences),
-            "repeat_4gram": mean(repeats),
-        }
+            agreements.append(token_agreement(self._teacher_forced(ctx, policy, prompt.ids, ref, stream), ref))
+            pred["agreement"] = agreements[-1]
+            pred["reference_tokens"] = len(ref)
+            if s.free_running:
+                divergences.append(first_divergence(tokens, ref))
+                repeats.append(repeated_ngram_share(tokens, 4))
+                pred.update(output=ctx.decode(tokens), first_divergence=divergences[-1], repeat_4gram=repeats[-1])
+            pred["evictions"] = stream.evictions()
+            preds.append(pred)
+        values = {"agreement": mean(agreements)}
+        if s.free_running:
+            values.update(first_divergence=mean(divergences), repeat_4gram=mean(repeats))
         return MetricResult(values, preds, reference=None if reference else {"tokens": generated})
 
     @staticmethod
-    def _teacher_forced(ctx, policy, prompt: list[int], ref: list[int]) -> list[int]:
-        stream = ctx.stream(policy)
+    def _teacher_forced(ctx, policy, prompt: list[int], ref: list[int], used=None) -> list[int]:
+        """The argmax after ``prompt`` and after each token of ``ref`` but the last, fed through a
+        fresh cache (``used``, a stream nothing was fed to yet, is taken instead of a new one)."""
+        stream = used if used is not None and used.seen == 0 else ctx.stream(policy)
         first = stream.feed(prompt)
         predicted = [int(first.argmax())]
         if len(ref) > 1:

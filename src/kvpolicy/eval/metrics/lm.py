@@ -60,7 +60,7 @@ class LMTasks(Metric):
     def __init__(self, config: EvalConfig) -> None:
         super().__init__(config)
         s = config.lm
-        passes = [Column(f"pass@{k}", f"pass@{k}", "{:.3f}", "higher") for k in s.pass_ks()]
+        passes = [Column(f"pass@{k}", f"pass@{k}", "{:.3f}", "higher", ranked=True) for k in s.pass_ks()]
         # Per instance, unlike other metrics: one pass@k column per k asked for.
         self.columns = passes + [  # type: ignore[misc]
             Column("gen_tokens", "tokens", "{:.0f}"),

@@ -33,7 +33,7 @@ class Passkey(Metric):
 
     name = "passkey"
     help = "passkey retrieval accuracy at context lengths above the budget (key early, filler decoded)"
-    columns = [Column("passkey", "passkey", "{:.2f}", "higher")]
+    columns = [Column("passkey", "passkey", "{:.2f}", "higher", ranked=True)]
 
     def prepare(self, tokenizer, text, policies):
         s = self.config.passkey

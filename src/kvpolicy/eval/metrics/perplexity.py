@@ -35,7 +35,7 @@ class Perplexity(Metric):
     needs_reference = True
     columns = [
         Column("ppl", "PPL", "{:.2f}", "lower"),
-        Column("ppl_ratio", "PPL / full", "{:.3f}", "lower"),
+        Column("ppl_ratio", "PPL / full", "{:.4f}", "lower", ranked=True),
     ]
 
     def prepare(self, tokenizer, text, policies):

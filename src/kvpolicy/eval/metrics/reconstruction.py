@@ -102,7 +102,7 @@ class Reconstruction(Metric):
 
     name = "reconstruction"
     help = "per-layer relative error of attention output over the kept slots vs the full cache"
-    columns = [Column("recon_error", "recon err", "{:.4f}", "lower")]
+    columns = [Column("recon_error", "recon err", "{:.4f}", "lower", ranked=True)]
 
     def prepare(self, tokenizer, text, policies):
         s = self.config.reconstruction
