@@ -47,6 +47,7 @@ def test_the_ranking_preset_ranks_every_builtin_policy_at_three_budgets():
     config = EvalConfig.load(PRESET)
     assert config.policies == ["builtin"] and config.refusals == "report"
     assert config.budgets == [128, 256, 512] and config.perplexity.tokens == 4096
+    assert config.passkey.budgets == config.fidelity.budgets == [256]
     assert not config.fidelity.free_running
     pairs = resolve_policies(config)
     names = {p.name for p in pairs}
