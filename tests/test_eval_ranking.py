@@ -128,3 +128,15 @@ def test_a_ranking_run_on_a_tiny_model(tmp_path, capsys):
     assert "| agree @64 | agree @96 |" in ranked and "duo-attention | - | refused" in ranked
     assert "1st div" not in (run / "table.md").read_text() and REFUSED in (run / "table.md").read_text()
     assert (run / "plots" / "ranking.png").stat().st_size > 1000
+
+    # --report writes the tables and plots of the pairs a folder holds, running nothing: here a
+    # partial folder (one pair's line dropped) keeps that pair out instead of running it
+    lines = (run / "results.jsonl").read_text().splitlines()
+    (run / "results.jsonl").write_text("\n".join(x for x in lines if '"streamingllm@96"' not in x) + "\n")
+    (run / "ranking.md").unlink()
+    (run / "plots" / "ranking.png").unlink()
+    assert main(["eval", "--report", str(run), "--no-progress"]) == 0
+    assert "streamingllm@96" not in {r["key"] for r in json.loads((run / "metrics.json").read_text())["rows"]}
+    assert "streamingllm" in (run / "ranking.md").read_text()  # its budget-64 row is still there
+    assert (run / "plots" / "ranking.png").is_file()
+    assert len((run / "results.jsonl").read_text().splitlines()) == len(lines) - 1  # nothing was run

@@ -19,6 +19,8 @@ examples:
   kvpolicy eval --model path/to/model_or.gguf --set fidelity.new_tokens=128
   kvpolicy eval --config runs/20261101-120000/config.yaml   # repeat a saved run
   kvpolicy eval --resume runs/20261101-120000               # finish an interrupted run
+  kvpolicy eval --report runs/20261101-120000               # its tables and plots from the pairs done so far
+  kvpolicy eval --config docs/examples/ranking.yaml         # rank every built-in policy
   kvpolicy eval --lm-tasks gsm8k --limit 50 --samples 4 --temperature 0.6   # the reasoning protocol
   kvpolicy eval --model Qwen/Qwen3-4B --device cuda --dtype bfloat16 --lm-tasks aime25 --samples 8
 metrics: perplexity, fidelity, passkey, accuracy, reconstruction, speed, lm
@@ -42,6 +44,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="a saved run configuration (config.yaml) to start from")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in RUN_DIR")
+    p.add_argument("--report", metavar="RUN_DIR", help="run nothing: write RUN_DIR's metrics.json, tables and plots "
+                                                       "from the pairs it has finished")
     p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, a .gguf file or a "
                                    "Hugging Face id (org/name; downloaded when online)")
     p.add_argument("--policies", nargs="+", metavar="POLICY", help="policy names or YAML files (default: all built-in)")
@@ -140,6 +144,10 @@ def run_command(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
+        if args.report:
+            if args.resume:
+                raise EvalError("--report and --resume both name a run folder: give one")
+            args.resume = args.report
         if args.resume:
             given = [k for k in ("config", "model", "policies", "budgets", "metrics", "text", "seed", "lm_tasks")
                      if getattr(args, k)]
@@ -148,7 +156,8 @@ def run_command(args: argparse.Namespace) -> int:
             config = None
         else:
             config = build_config(args)
-        result = run_eval(config, args.out, resume=args.resume, console=err, progress=not args.no_progress)
+        result = run_eval(config, args.out, resume=args.resume, console=err, progress=not args.no_progress,
+                          report_only=bool(args.report))
     except EvalError as exc:
         err.print(f"[red]kvpolicy eval: error:[/red] {exc}", highlight=False)
         return EXIT_USAGE

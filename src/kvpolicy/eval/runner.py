@@ -293,10 +293,13 @@ def run_eval(
     resume: str | Path | None = None,
     console=None,
     progress: bool = True,
+    report_only: bool = False,
 ) -> RunResult:
     """Run (or resume) an evaluation; return the run folder and its rows.
 
     ``config`` is None only with ``resume``: the run folder's own ``config.yaml`` is used.
+    ``report_only`` (with ``resume``) runs nothing: it writes the summary, tables and plots of
+    the pairs the folder has finished (a partial run, or folders merged by hand).
     """
     import torch
     from rich.console import Console
@@ -315,6 +318,10 @@ def run_eval(
     folder.drop_unfinished_predictions(set(done))
     refs = folder.references()
     todo = [p for p in plan.pairs if p.key not in done or (p.policy is None and not _has_refs(plan, refs))]
+    if report_only:
+        if resume is None:
+            raise EvalError("report_only writes the report of an existing run folder: give resume")
+        todo = []
     console.print(f"[bold]kvpolicy eval[/bold]: {plan.source.name} on {plan.device}, "
                   f"{len(plan.pairs) - 1} policy x budget pairs + full cache, metrics {', '.join(plan.config.metrics)}")
     console.print(f"run folder: {folder.path}" + (f" (resuming: {len(done)} pair(s) done)" if done else ""))
