@@ -246,6 +246,11 @@ def pareto_plot(folder: Path, rows: list[dict]) -> Path | None:
     return path
 
 
+def _number(v: Any) -> float | None:
+    """``v`` as a float when it is a finite number, else None."""
+    return float(v) if _finite(v) else None
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -276,7 +281,7 @@ class Ranking:
 
     def score(self, name: str) -> float:
         key = self.columns[0].key
-        vals = [v for b in self.budgets if _finite(v := self.cells[name].get((key, b)))]
+        vals = [v for b in self.budgets if (v := _number(self.cells[name].get((key, b)))) is not None]
         if not vals:
             return math.inf
         mean = sum(vals) / len(vals)
@@ -324,7 +329,7 @@ def ranking_markdown(cols: Sequence[Column], rows: list[dict]) -> str:
     best: dict[tuple[str, int], float] = {}
     for c in rk.columns:
         for b in rk.budgets:
-            vals = [v for n in rk.policies if _finite(v := rk.cells[n].get((c.key, b)))]
+            vals = [v for n in rk.policies if (v := _number(rk.cells[n].get((c.key, b)))) is not None]
             if vals:
                 best[(c.key, b)] = min(vals) if c.better == "lower" else max(vals)
     for i, name in enumerate(rk.policies, 1):
@@ -363,11 +368,12 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
     markers = dict(zip(rk.budgets, "o^sDv<>p", strict=False))
     ys = {name: n - 1 - i for i, name in enumerate(rk.policies)}
     for ax, c in zip(axes[0], rk.columns, strict=True):
-        series = {name: [v for b in rk.budgets if _finite(v := rk.cells[name].get((c.key, b)))]
-                  for name in rk.policies}
-        series = {k: v for k, v in series.items() if v}
-        ref = rk.full.get(c.key) if rk.full is not None else None
-        ref = ref if _finite(ref) else None
+        series: dict[str, list[float]] = {}
+        for name in rk.policies:
+            vals = [v for b in rk.budgets if (v := _number(rk.cells[name].get((c.key, b)))) is not None]
+            if vals:
+                series[name] = vals
+        ref = _number(rk.full.get(c.key)) if rk.full is not None else None
         off = set(off_scale(series, ref))
         shown = [v for k, vs in series.items() if k not in off for v in vs] + ([] if ref is None else [ref])
         lo, hi = (min(shown), max(shown)) if shown else (0.0, 1.0)
@@ -383,14 +389,14 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
                     ax.annotate(f"{b}: refused", (lo, y), xytext=(2, 0), textcoords="offset points",
                                 fontsize=6, va="center", color="0.45")
                     continue
-                if not _finite(v):
+                value = _number(v)
+                if value is None:
                     continue
-                x = min(max(v, lo), hi)
+                x = min(max(value, lo), hi)
                 pts.append(x)
-                ax.scatter([x], [y], color=colors[b], marker=markers[b], s=26, zorder=3,
-                           label=f"budget {b}" if name == rk.policies[0] or y == 0 else None)
-                if x != v:
-                    ax.annotate(c.format(v), (x, y), xytext=(-3 if x == hi else 3, 5), textcoords="offset points",
+                ax.scatter([x], [y], color=colors[b], marker=markers[b], s=26, zorder=3, label=f"budget {b}")
+                if x != value:
+                    ax.annotate(c.format(value), (x, y), xytext=(-3 if x == hi else 3, 5), textcoords="offset points",
                                 fontsize=6, ha="right" if x == hi else "left", color="0.3")
             if len(pts) > 1:
                 ax.plot([min(pts), max(pts)], [y, y], color="0.6", linewidth=1, zorder=2)

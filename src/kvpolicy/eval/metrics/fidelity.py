@@ -48,8 +48,8 @@ class Fidelity(Metric):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        if not config.fidelity.free_running:  # teacher-forced agreement only
-            self.columns = [c for c in type(self).columns if c.key == "agreement"]
+        if not config.fidelity.free_running:  # teacher-forced agreement only (per instance, as lm's pass@k)
+            self.columns = [c for c in type(self).columns if c.key == "agreement"]  # type: ignore[misc]
 
     def prepare(self, tokenizer, text, policies):
         s = self.config.fidelity
