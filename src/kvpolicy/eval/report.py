@@ -417,11 +417,10 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
     axes[0][0].set_ylim(-0.7, n - 0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     uniq = dict(zip(labels, handles, strict=True))
-    fig.legend(list(uniq.values()), list(uniq.keys()), fontsize=7, loc="upper center", ncol=len(uniq),
-               bbox_to_anchor=(0.5, 1.0), frameon=False)
-    fig.suptitle(f"policies ranked by {rk.columns[0].label}, mean over budgets (best at the top)", fontsize=10,
-                 y=1.0 + 0.35 / (0.3 * n + 1.6))
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (0.3 * n + 1.6)))
+    fig.suptitle(f"policies ranked by {rk.columns[0].label}, mean over budgets (best at the top)", fontsize=10)
+    fig.tight_layout()
+    fig.legend(list(uniq.values()), list(uniq.keys()), fontsize=8, loc="upper center", ncol=len(uniq),
+               bbox_to_anchor=(0.5, 0.0), frameon=False)
     path = folder / "ranking.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
