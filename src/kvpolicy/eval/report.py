@@ -383,6 +383,7 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
             y = ys[name]
             ax.axhline(y, color="0.92", linewidth=0.6, zorder=0)
             pts = []
+            clipped: list[tuple[float, float]] = []
             for b in rk.measured(c):
                 v = rk.cells[name].get((c.key, b))
                 if v == REFUSED:
@@ -396,8 +397,11 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
                 pts.append(x)
                 ax.scatter([x], [y], color=colors[b], marker=markers[b], s=26, zorder=3, label=f"budget {b}")
                 if x != value:
-                    ax.annotate(c.format(value), (x, y), xytext=(-3 if x == hi else 3, 5), textcoords="offset points",
-                                fontsize=6, ha="right" if x == hi else "left", color="0.3")
+                    clipped.append((x, value))
+            if clipped:  # one label per row: the figures drawn at the panel's edge, in budget order
+                x = clipped[0][0]
+                ax.annotate(" / ".join(c.format(v) for _, v in clipped), (x, y), xytext=(-3 if x == hi else 3, 5),
+                            textcoords="offset points", fontsize=6, ha="right" if x == hi else "left", color="0.3")
             if len(pts) > 1:
                 ax.plot([min(pts), max(pts)], [y, y], color="0.6", linewidth=1, zorder=2)
         if ref is not None:
