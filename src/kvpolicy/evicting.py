@@ -16,6 +16,7 @@ from .executor import Executor
 from .layouts import layout_for
 from .policy import Policy, load_policy, window_positions
 from .selection import SELECT_GROWTH, check_select_growth
+from .stages.model_facts import ModelFacts
 from .state import CacheStateError, EvictionStats, LayerGroup
 
 
@@ -42,6 +43,11 @@ class EvictingCache:
             buffers grow to this many times the slots it needs (at least 16 more), a number in
             ``(1, 16]``. The default, 1.1, keeps at most 10 % headroom and copies the cache once
             per 10 % of growth; 2.0 copies less often and holds up to twice the cache.
+        model_facts: what the policy's stages may ask of the model (``ModelFacts``: RoPE, the
+            output projection), required when they read any (``Policy.needs_model``: Expected
+            Attention, CriticalKV, TriAttention); checked here, before any work, and against the
+            keys' shape at the first append. Slot positions are taken for RoPE positions: number
+            each row's real tokens from 0, as ``generate()`` does.
 
     Typical use in a hand-written loop, per layer and step::
 
@@ -60,16 +66,20 @@ class EvictingCache:
         independent_rows: bool = False,
         num_kv_heads: int | None = None,
         select_growth: float = SELECT_GROWTH,
+        model_facts: ModelFacts | None = None,
     ) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        # Refused here, before any work, when a stage needs a fact these do not give.
+        self.policy.check_model_facts(model_facts, num_layers=num_layers, num_kv_heads=num_kv_heads)
+        self.model_facts = model_facts if self.policy.needs_model else None
         # Each layer's schedule under the policy's allocation (refused here, before any work,
         # when the allocation cannot serve this model).
         self.schedules = self.policy.layer_schedules(num_layers, num_kv_heads)
         self._num_kv_heads = num_kv_heads
         self.seed = self.policy.resolve_seed(seed)
-        self.executor = Executor(self.policy, self.seed)
+        self.executor = Executor(self.policy, self.seed, self.model_facts)
         self.independent_rows = independent_rows
         self.select_growth = check_select_growth(select_growth)
         self._layout = layout_for(self.policy, self.executor, self.select_growth)
@@ -233,8 +243,11 @@ class EvictingCache:
             )
         device = keys.device
         if self._num_kv_heads is None:  # the model's shape is known now: check it before any work
+            self.policy.check_model_facts(self.model_facts, num_kv_heads=keys.shape[1])
             self._num_kv_heads = keys.shape[1]
             self.schedules = self.policy.layer_schedules(len(self.layers), keys.shape[1])
+        if self.model_facts is not None:
+            self.model_facts.check_shape(num_kv_heads=keys.shape[1], head_dim=keys.shape[3])
         schedule = self.schedules[layer_idx]
         peers = [
             i for i in range(len(self.layers))

@@ -15,6 +15,7 @@ from .key_norm import KeyNormScorer
 from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .model_facts import ModelFacts
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
@@ -74,6 +75,7 @@ __all__ = [
     "LagScorer",
     "QuestScorer",
     "LeverageScorer",
+    "ModelFacts",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",

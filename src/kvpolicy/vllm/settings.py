@@ -332,6 +332,18 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     )
 
 
+def facts_refusal(policy: Policy | None) -> str | None:
+    """Why vLLM cannot serve ``policy`` (None: it can): the engine does not hand kvpolicy the
+    model facts (RoPE, output projections) that some stages read (``Policy.needs_model``)."""
+    if policy is None or not policy.needs_model:
+        return None
+    return (
+        f"policy {policy.name!r} reads the model's {', '.join(sorted(policy.needs_model))} "
+        "(Policy.needs_model), which the vLLM integration does not provide yet: run it with KVPolicyCache or "
+        "EvictingCache"
+    )
+
+
 def check_config(vllm_config: Any, resolved: Resolved) -> None:
     import vllm
 
@@ -340,6 +352,9 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     shard = shard_refusal(resolved.policy(), vllm_config.parallel_config.tensor_parallel_size)
     if shard is not None:
         reasons.append(shard)
+    facts = facts_refusal(resolved.policy())
+    if facts is not None:
+        reasons.append(facts)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")
