@@ -8,6 +8,7 @@ from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .duo import DuoAllocation
+from .expected_attention import ExpectedAttentionScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
@@ -16,6 +17,8 @@ from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
 from .model_facts import ModelFacts
+from .output_norm import OutputValueNormScorer
+from .product import Factor, ProductScorer
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
@@ -24,6 +27,7 @@ from .sinks import SinksReservation
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
+from .triattention import QueryCalibration, TriAttentionScorer
 from .uniform import UniformAllocation
 from .value_magnitude import ValueMagnitudeScorer
 
@@ -39,6 +43,10 @@ BUILTIN_STAGES = (
     LagScorer,
     RandomScorer,
     CombinationScorer,
+    ExpectedAttentionScorer,
+    OutputValueNormScorer,
+    ProductScorer,
+    TriAttentionScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -69,6 +77,8 @@ __all__ = [
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",
+    "ExpectedAttentionScorer",
+    "Factor",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
@@ -76,6 +86,9 @@ __all__ = [
     "QuestScorer",
     "LeverageScorer",
     "ModelFacts",
+    "OutputValueNormScorer",
+    "ProductScorer",
+    "QueryCalibration",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",
@@ -89,6 +102,7 @@ __all__ = [
     "StateField",
     "StochasticSelector",
     "TopScoresReservation",
+    "TriAttentionScorer",
     "ValueMagnitudeScorer",
     "WeightedTerm",
 ]
