@@ -21,9 +21,11 @@ from kvpolicy.stages import Selector
 
 BUILTIN_POLICIES = [
     "chunkkv",
+    "criticalkv",
     "curdkv",
     "duo-attention",
     "evict-large-range",
+    "expected-attention",
     "h2o",
     "knorm",
     "lagkv",
@@ -35,6 +37,7 @@ BUILTIN_POLICIES = [
     "snapkv-paper",
     "streamingllm",
     "tova",
+    "triattention",
     "vase-attnv",
     "vase-dkv",
 ]
@@ -64,7 +67,7 @@ def test_policies_lists_builtins_with_their_plugin(capsys):
         assert name in rows, name
         cells = [c.strip() for c in rows[name].split("│")]
         assert cells[2] == "kvpolicy"
-        assert cells[3] == "1024"
+        assert cells[3] == str(kvpolicy.load_policy(name).budget)
         assert cells[4]  # a description
     for title in ("Policies", "Scorers", "Reservations", "Selectors"):
         assert title in out
