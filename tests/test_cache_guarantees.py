@@ -11,9 +11,9 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from helpers import facts_for  # noqa: E402
 from hf_util import CACHE_ARG, assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
-from helpers import facts_for  # noqa: E402
 
 import kvpolicy  # noqa: E402
 from kvpolicy import EvictingCache, KVPolicyCache, load_policy  # noqa: E402

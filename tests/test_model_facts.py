@@ -96,7 +96,7 @@ def test_a_policy_needing_facts_is_refused_before_any_work(source, fact):
         policy.select(k, v, q)
     lacking = ModelFacts(name="rope-less", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
                          missing={fact: "the test says so"})
-    with pytest.raises(PolicyError, match=f"which the model facts of 'rope-less' lack: the test says so"):
+    with pytest.raises(PolicyError, match="which the model facts of 'rope-less' lack: the test says so"):
         EvictingCache(policy, 2, model_facts=lacking)
     with pytest.raises(PolicyError, match="num_layers = 2, but the cache serves 3"):
         EvictingCache(policy, 3, model_facts=model_facts(layers=2))

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from helpers import assert_greedy_matches, assert_valid_selection, facts_for, left_padding, make_input, make_tensors
+from helpers import (
+    assert_greedy_matches,
+    assert_valid_selection,
+    facts_for,
+    left_padding,
+    make_input,
+    make_tensors,
+)
 
 import kvpolicy
 from kvpolicy import PolicyError
