@@ -310,3 +310,63 @@ def test_curdkv_follows_the_paper_where_kvpress_default_does_not(fx):
         assert got == _top_with_sinks(paper, budget)
         differs |= got != kvpress_kept(fx, "cur", i)
     assert differs
+
+
+# -- presses that read the model (model facts: RoPE, the output projection) ----------------------
+def fixture_facts(fx) -> kvpolicy.ModelFacts:
+    """The bundled model's facts as the fixture stores them: its RoPE table (positions up to
+    N + 512) and the output projection of the layers where the model-reading presses ran."""
+    meta, mf = fx["meta"], fx["model_facts"]
+    cos, sin = mf["rope_cos"], mf["rope_sin"]
+    projections = {meta["layers"][i]: mf["output_projection"][j].float() for j, i in enumerate(mf["layers"])}
+
+    def rope(positions):
+        return cos[positions], sin[positions]
+
+    def projection(layer):
+        if layer not in projections:
+            raise KeyError(f"the fixture holds no output projection of layer {layer}")
+        return projections[layer]
+
+    return kvpolicy.ModelFacts(
+        name=meta["model"], num_layers=meta["num_layers"], num_attention_heads=meta["num_attention_heads"],
+        num_kv_heads=meta["num_key_value_heads"], head_dim=meta["head_dim"],
+        hidden_size=mf["output_projection"].shape[-1], rope_fn=rope, output_projection_fn=projection,
+    )
+
+
+def facts_layers(fx):
+    """``(j, i, layer)``: the model-facts index, the captured-layer index and the model layer."""
+    return [(j, i, fx["meta"]["layers"][i]) for j, i in enumerate(fx["model_facts"]["layers"])]
+
+
+def kvpress_kept_facts(fx, press: str, j: int) -> list[set[int]]:
+    return [set(row.tolist()) for row in fx["model_facts"]["kept"][press][j]]
+
+
+@pytest.mark.parametrize("covariance, press", [(True, "expected_attention"), (False, "expected_attention_nocov")])
+def test_expected_attention_keeps_kvpress_slots(fx, covariance, press):
+    """kvpress scores at prefill, from every prompt query past the 4 sinks, with the future
+    positions right after the prompt: the same policy given the whole prompt's queries (rotated
+    to their positions, as a cache holds them) and no recent buffer keeps the same slots."""
+    facts = fixture_facts(fx)
+    policy = variant("expected-attention", {"budget": fx["meta"]["kept"], "recent": 0},
+                     scorer={**kvpolicy.load_policy("expected-attention").config.scorer.describe(),
+                             "use_covariance": covariance, "n_future_positions": fx["model_facts"]["future"]})
+    n = fx["meta"]["tokens"]
+    for j, i, layer in facts_layers(fx):
+        pre = fx["model_facts"]["prerope_queries"][j].float()[None]  # [1, Hq, N, D]
+        cos, sin = facts.rope(torch.arange(n))
+        queries = pre * cos + torch.cat([-pre[..., 32:], pre[..., :32]], -1) * sin  # RoPE, as the model applies it
+        keys, values, _ = layer_inputs(fx, i)
+        got = kept_sets(policy.select(keys, values, queries, layer_idx=layer, model=facts))
+        assert_same_slots(got, kvpress_kept_facts(fx, press, j), f"expected-attention, layer {layer}")
+
+
+def test_criticalkv_keeps_kvpress_slots(fx):
+    facts = fixture_facts(fx)
+    policy = kvpolicy.load_policy("criticalkv", budget=fx["meta"]["kept"])
+    assert policy.schedule.window == fx["meta"]["window"] == policy.schedule.recent
+    for j, i, layer in facts_layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i), layer_idx=layer, model=facts))
+        assert_same_slots(got, kvpress_kept_facts(fx, "criticalkv", j), f"criticalkv, layer {layer}")
