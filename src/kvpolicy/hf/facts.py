@@ -42,13 +42,15 @@ def model_facts(model: Any) -> ModelFacts:
                 return _call_rotary(rotary, positions)
 
     projection_fn = None
-    attention = _attention_modules(model, layers)
-    absent = [i for i, m in enumerate(attention) if m is None or not isinstance(getattr(m, "o_proj", None), torch.nn.Linear)]
+    projections = [getattr(m, "o_proj", None) for m in _attention_modules(model, layers)]
+    absent = [i for i, p in enumerate(projections) if not isinstance(p, torch.nn.Linear)]
     if absent:
         missing["output_projection"] = f"no o_proj linear layer found in attention layer(s) {absent[:5]}"
     else:
+        linears: list[torch.nn.Linear] = [p for p in projections if isinstance(p, torch.nn.Linear)]
+
         def projection_fn(layer: int) -> torch.Tensor:
-            weight = attention[layer].o_proj.weight  # [hidden, Hq * D]: out = attn_out @ weight.T
+            weight = linears[layer].weight  # [hidden, Hq * D]: out = attn_out @ weight.T
             return weight.t().unflatten(0, (heads, head_dim))
 
     return ModelFacts(

@@ -94,6 +94,9 @@ class PolicyRunner(Protocol):
 
     def selected_slots(self, group: Any, layer: int) -> list[ChosenSlots]: ...
 
+    def observe_step(self, group: Any, layer: int, queries: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor) -> None: ...
+
 
 class SlotLayout(ABC):
     """How one ``LayerGroup``'s rows and heads use its slots, chosen once when the group is built.
