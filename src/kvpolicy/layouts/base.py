@@ -240,5 +240,6 @@ class SlotLayout(ABC):
         """Write ``layer``'s state fields back, in ``layer_slots``' arrangement."""
 
     def settle_observed(self) -> None:  # noqa: B027  (a hook)
-        """Before a step: record rows whose state a layout brought up to date during the last
-        one (select mode's choices). Nothing by default."""
+        """Record rows whose state a layout brought up to date during a step on every layer
+        (select mode's choices), once the step's last layer has: before the next step at the
+        latest. Nothing by default."""
