@@ -22,6 +22,7 @@ from kvpolicy.stages import Selector
 BUILTIN_POLICIES = [
     "curdkv",
     "evict-large-range",
+    "gkv",
     "h2o",
     "knorm",
     "oracle-topk",

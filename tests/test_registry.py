@@ -27,6 +27,7 @@ BUILTIN_POLICIES = {
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "gkv",
     "h2o",
     "knorm",
     "oracle-topk",
@@ -105,11 +106,14 @@ def test_builtins_by_kind():
         "attention",
         "combination",
         "current_attention",
+        "gkv",
         "key_norm",
         "leverage",
+        "normalized",
         "quest",
         "random",
         "redundancy",
+        "smoothed_attention",
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}

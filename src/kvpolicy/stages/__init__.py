@@ -6,17 +6,20 @@ from .attention import AttentionScorer
 from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
+from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .normalized import NormalizedScorer
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
+from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
@@ -26,6 +29,7 @@ from .value_magnitude import ValueMagnitudeScorer
 BUILTIN_STAGES = (
     AttentionScorer,
     AccumulatedAttentionScorer,
+    SmoothedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
     RedundancyScorer,
@@ -34,6 +38,8 @@ BUILTIN_STAGES = (
     KeyNormScorer,
     RandomScorer,
     CombinationScorer,
+    GKVScorer,
+    NormalizedScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -60,11 +66,13 @@ __all__ = [
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",
+    "GKVScorer",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
     "QuestScorer",
     "LeverageScorer",
+    "NormalizedScorer",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",
@@ -74,6 +82,7 @@ __all__ = [
     "SelectorSpec",
     "Selector",
     "SinksReservation",
+    "SmoothedAttentionScorer",
     "Stage",
     "StateField",
     "StochasticSelector",
