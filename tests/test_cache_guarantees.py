@@ -67,7 +67,18 @@ def _steps(seed=0, n=40, b=2, hkv=2, hq=4, d=8, prompt=10):
 
 
 # -- 1. Policy.select on the cache's own state keeps what the cache keeps ---------------------------
-EVICTING = [name for name in kvpolicy.available_policies() if load_policy(name).mode == "evict"]
+def _fits(policy, layers: int, hkv: int) -> bool:
+    """Whether the policy serves a model of this shape (``duo-attention`` is bound to its head
+    profile's model: tests/test_duo_attention.py runs it in a cache)."""
+    try:
+        policy.layer_schedules(layers, hkv)
+    except kvpolicy.PolicyError:
+        return False
+    return True
+
+
+EVICTING = [name for name in kvpolicy.available_policies()
+            if load_policy(name).mode == "evict" and _fits(load_policy(name), 2, 2)]
 
 
 @pytest.mark.parametrize("source", [*EVICTING, H2O_LIKE])

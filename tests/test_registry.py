@@ -24,12 +24,15 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "ada-snapkv",
     "ada-vase-attnv",
+    "chunkkv",
+    "duo-attention",
     "pyramidkv",
     "curdkv",
     "evict-large-range",
     "gkv",
     "h2o",
     "knorm",
+    "lagkv",
     "oracle-topk",
     "quest",
     "random",
@@ -108,6 +111,7 @@ def test_builtins_by_kind():
         "current_attention",
         "gkv",
         "key_norm",
+        "lag",
         "leverage",
         "normalized",
         "quest",
@@ -117,8 +121,8 @@ def test_builtins_by_kind():
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
-    assert set(registry.stages["selector"]) == {"greedy", "keep_protected", "stochastic"}
-    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile"}
+    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
+    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo"}
 
 
 def test_every_builtin_policy_loads():
@@ -252,7 +256,7 @@ def test_broken_entry_point_warns_with_its_name(monkeypatch):
 
 def test_unknown_stage_lists_the_registered_ones():
     registry = Registry(autoload=False)
-    with pytest.raises(UnknownStageError, match="registered selectors: greedy, keep_protected, stochastic"):
+    with pytest.raises(UnknownStageError, match="registered selectors: chunks, greedy, keep_protected, stochastic"):
         registry.stage_class("selector", "nope")
     with pytest.raises(kvpolicy.PolicyError, match="unknown scorer type 'nope'"):
         kvpolicy.load_policy(

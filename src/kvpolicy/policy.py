@@ -126,7 +126,10 @@ class Policy:
         the input with the new state, and the new fields by stored name (``state_fields``). Each
         stage's update is checked (``guards.run_state_update``); nothing is stored here, so a
         refused update leaves the caller's state as it was. ``eviction``: whether an eviction (or
-        a choice) follows; if not, stages that update only at evictions keep their state."""
+        a choice) follows; if not, stages that update only at evictions keep their state.
+
+        With state, the inputs are checked here (``guards.check_inputs``), before any stage reads
+        them: the selection that follows may pass ``inputs_checked=True``."""
         if inp.state is None:
             return inp, {}
         guards.check_inputs(inp)  # name bad keys, values or queries before a stage's state does
@@ -322,14 +325,14 @@ class Policy:
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
         return priority, protected
 
-    def select_heads_from(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_heads_from(self, inp: EvictionInput, *, inputs_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
 
         The allocation's ``head_counts`` says how many slots each head keeps (checked by
         ``kvpolicy.stages.guards.run_allocation``); each head keeps that many of its highest
         priorities, so protected slots always (they rank at ``+inf``).
         """
-        priority, protected = self.priorities(inp)
+        priority, protected = self.priorities(inp, inputs_checked=inputs_checked)
         counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
         order = priority.sort(dim=-1, descending=True, stable=True).indices
         rank_kept = torch.arange(inp.num_slots, device=priority.device) < counts[..., None]

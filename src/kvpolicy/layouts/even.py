@@ -103,7 +103,7 @@ class EvenRows(SlotLayout):
         n_layers, executor = self.buffers.keys.shape[0], self.executor
         held = self.held_rows(rows, row_sel, count)
         inp, state = executor.policy.observe(executor.eviction_input(self.group, rows, row_sel, held))
-        kept = executor.policy.select_from(inp)
+        kept = executor.policy.select_from(inp, inputs_checked=bool(state))  # observe checked them
         kept = kept.unflatten(0, (n_layers, rows.numel()))
         lead = (n_layers, rows.numel())
         slot_state = {k: v.unflatten(0, lead) for k, v in state.items() if k not in self.buffers.head_state}

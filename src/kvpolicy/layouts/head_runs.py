@@ -163,7 +163,7 @@ class HeadRuns(EvenRows):
         held, flat = self._picked(rows, row_sel, count)
         inp, state = executor.policy.observe(executor.eviction_input(group, rows, row_sel, held))
         self._store_picked(row_sel, flat, held, state)
-        keep, kept_counts = executor.policy.select_heads_from(inp)
+        keep, kept_counts = executor.policy.select_heads_from(inp, inputs_checked=bool(state))  # observe checked
         keep = keep.view(n_layers, n_rows, hkv, flat.shape[-1])
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]
         move = heads.compaction(cap, inp.budget, flat, keep, row_of)

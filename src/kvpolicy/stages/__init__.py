@@ -4,13 +4,16 @@ from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
 from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
+from .duo import DuoAllocation
 from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
+from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
 from .normalized import NormalizedScorer
@@ -36,6 +39,7 @@ BUILTIN_STAGES = (
     LeverageScorer,
     ValueMagnitudeScorer,
     KeyNormScorer,
+    LagScorer,
     RandomScorer,
     CombinationScorer,
     GKVScorer,
@@ -45,11 +49,13 @@ BUILTIN_STAGES = (
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
+    ChunkSelector,
     UniformAllocation,
     PyramidAllocation,
     LayerListAllocation,
     AdaptiveAllocation,
     ProfileAllocation,
+    DuoAllocation,
 )
 
 __all__ = [
@@ -58,6 +64,8 @@ __all__ = [
     "AdaptiveAllocation",
     "Allocation",
     "AllocationSpec",
+    "ChunkSelector",
+    "DuoAllocation",
     "LayerListAllocation",
     "ProfileAllocation",
     "PyramidAllocation",
@@ -70,6 +78,7 @@ __all__ = [
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
+    "LagScorer",
     "QuestScorer",
     "LeverageScorer",
     "NormalizedScorer",
