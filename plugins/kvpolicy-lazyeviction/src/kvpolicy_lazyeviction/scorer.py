@@ -19,6 +19,7 @@ from pydantic import Field
 from kvpolicy import EvictionInput, Scorer
 from kvpolicy.stages import StateField
 
+# --8<-- [start:fields]
 #: ``last``: the token index of the query that last attended the token above the threshold
 #: (-1: none yet; the token's own arrival counts as its first recurrence). ``mri``: the longest
 #: gap, in tokens, between two recurrences. ``now`` (per head): the newest query seen.
@@ -27,8 +28,10 @@ STATE = {
     "mri": StateField(torch.float32, 0.0),
     "now": StateField(torch.float32, -1.0, per="head"),
 }
+# --8<-- [end:fields]
 
 
+# --8<-- [start:stage]
 class LazyEvictionScorer(Scorer):
     """LazyEviction's recurrence tracking and MRI-centric ranking (arXiv 2506.15969).
 
@@ -95,6 +98,7 @@ class LazyEvictionScorer(Scorer):
         quiet = (state["now"][..., None] - last).clamp_min(0.0)
         scores = 1.0 - quiet / (state["mri"] + 1.0)
         return torch.where(inp.candidate_mask, scores, torch.zeros_like(scores)).float()
+# --8<-- [end:stage]
 
 
 def _recurrences(
