@@ -77,7 +77,7 @@ class LazyEvictionScorer(Scorer):
         qpos = inp.query_positions
         if qpos is None:  # a cache always passes them; a hand-built input may not
             raise ValueError(f"scorer {self.type_name!r} needs the window queries' positions (query_positions)")
-        qpos = qpos.to(inp.keys.device)
+        qpos, new = qpos.to(inp.keys.device), new.to(inp.keys.device)
         b, hkv, n, _ = inp.keys.shape
         g, w = inp.group_size, inp.queries.shape[2]
         last = torch.empty_like(state["last"])
@@ -131,8 +131,8 @@ def _track(
     ``hits [R, Hkv, W, N]``; ``qpos [R, W]``; ``positions``, ``last`` and ``mri`` ``[R, Hkv, N]``.
     Each hit's interval is measured from the slot's previous recurrence: the latest earlier hit
     in the window (a running max over it), or ``last`` before the window (the token's own
-    position if it has none)."""
-    dtype = torch.float64
+    position if it has none). Token indices are exact in the state's float32 up to 2**24."""
+    dtype = last.dtype
     start = torch.where(last < 0, positions.to(dtype), last.to(dtype))  # [R, Hkv, N]
     at = qpos.to(dtype)[:, None, :, None].expand(hits.shape)
     hit_at = torch.where(hits, at, torch.full_like(at, -math.inf))
