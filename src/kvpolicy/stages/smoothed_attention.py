@@ -107,5 +107,6 @@ def _per_query_attention(inp: EvictionInput, rows: slice, qpos: torch.Tensor, gr
         & (inp.positions[rows][:, :, None, :] <= qpos[:, None, :, None])
         & inp.query_valid[rows].to(keys.device)[:, None, :, None]
     )
-    probs = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1).nan_to_num(0.0)
-    return probs.amax(2) if group_reduce == "max" else probs.mean(2)
+    probs = torch.softmax(logits.masked_fill_(~visible[:, :, None], float("-inf")), dim=-1)
+    reduced = probs.amax(2) if group_reduce == "max" else probs.mean(2)
+    return reduced.nan_to_num_(0.0)  # a query that sees no slot (an invalid one) weighs nothing

@@ -117,9 +117,9 @@ def _recurrences(
         & (inp.positions[rows][:, :, None, :] <= qpos[:, None, :, None])
         & new[:, None, :, None]
     )  # [R, Hkv, W, N]
-    probs = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1)
-    probs = probs.nan_to_num(0.0)  # a query that sees nothing (padding, or not new) weighs nothing
+    probs = torch.softmax(logits.masked_fill_(~visible[:, :, None], float("-inf")), dim=-1)
     reduced = probs.amax(2) if group_reduce == "max" else probs.mean(2)
+    # A query that sees no slot (padding, or not new) has NaN weights: never a hit.
     return (reduced > threshold) & visible
 
 
@@ -133,18 +133,18 @@ def _track(
     in the window (a running max over it), or ``last`` before the window (the token's own
     position if it has none). Token indices are exact in the state's float32 up to 2**24."""
     dtype = last.dtype
-    start = torch.where(last < 0, positions.to(dtype), last.to(dtype))  # [R, Hkv, N]
-    at = qpos.to(dtype)[:, None, :, None].expand(hits.shape)
-    hit_at = torch.where(hits, at, torch.full_like(at, -math.inf))
-    running = hit_at.cummax(dim=2).values
-    before = torch.cat([torch.full_like(running[:, :, :1], -math.inf), running[:, :, :-1]], dim=2)
-    previous = torch.maximum(before, start[:, :, None, :])
-    interval = torch.where(hits, at - previous, torch.zeros_like(at))
-    new_mri = torch.maximum(mri.to(dtype), interval.amax(2) if hits.shape[2] else mri.to(dtype))
-    new_last = torch.maximum(start, hit_at.amax(2) if hits.shape[2] else start)
+    start = torch.where(last < 0, positions.to(dtype), last)  # [R, Hkv, N]
+    if hits.shape[2] == 0:
+        return start, mri
+    hits = hits.transpose(2, 3).contiguous()  # [R, Hkv, N, W]: the running max along the last axis is ~3x faster
+    at = qpos.to(dtype)[:, None, None, :].expand(hits.shape)
+    hit_at = torch.where(hits, at, -math.inf)
+    previous = hit_at.cummax(dim=-1).values.roll(1, dims=-1)  # the latest hit strictly before each query
+    previous[..., 0] = -math.inf
+    previous = torch.maximum(previous, start[..., None])
+    interval = torch.where(hits, at - previous, 0.0)
+    new_mri = torch.maximum(mri, interval.amax(-1))
+    new_last = torch.maximum(start, hit_at.amax(-1))
     # Padding slots (position -1) keep what they had: nothing reads them.
     valid = positions >= 0
-    return (
-        torch.where(valid, new_last, last.to(dtype)).to(last.dtype),
-        torch.where(valid, new_mri, mri.to(dtype)).to(mri.dtype),
-    )
+    return torch.where(valid, new_last, last), torch.where(valid, new_mri, mri)
