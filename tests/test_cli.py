@@ -24,6 +24,7 @@ BUILTIN_POLICIES = [
     "curdkv",
     "duo-attention",
     "evict-large-range",
+    "gkv",
     "h2o",
     "knorm",
     "lagkv",

@@ -29,6 +29,7 @@ BUILTIN_POLICIES = {
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "gkv",
     "h2o",
     "knorm",
     "lagkv",
@@ -108,12 +109,15 @@ def test_builtins_by_kind():
         "attention",
         "combination",
         "current_attention",
+        "gkv",
         "key_norm",
         "lag",
         "leverage",
+        "normalized",
         "quest",
         "random",
         "redundancy",
+        "smoothed_attention",
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}

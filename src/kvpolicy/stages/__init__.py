@@ -8,6 +8,7 @@ from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .duo import DuoAllocation
+from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
@@ -15,11 +16,13 @@ from .key_norm import KeyNormScorer
 from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .normalized import NormalizedScorer
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
+from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
@@ -29,6 +32,7 @@ from .value_magnitude import ValueMagnitudeScorer
 BUILTIN_STAGES = (
     AttentionScorer,
     AccumulatedAttentionScorer,
+    SmoothedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
     RedundancyScorer,
@@ -38,6 +42,8 @@ BUILTIN_STAGES = (
     LagScorer,
     RandomScorer,
     CombinationScorer,
+    GKVScorer,
+    NormalizedScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -68,12 +74,14 @@ __all__ = [
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",
+    "GKVScorer",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
     "LagScorer",
     "QuestScorer",
     "LeverageScorer",
+    "NormalizedScorer",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",
@@ -83,6 +91,7 @@ __all__ = [
     "SelectorSpec",
     "Selector",
     "SinksReservation",
+    "SmoothedAttentionScorer",
     "Stage",
     "StateField",
     "StochasticSelector",
