@@ -117,7 +117,7 @@ def _check_layer(cache: EvictingCache, ref: H2OReference, layer: int, label: str
                 continue
             torch.testing.assert_close(
                 state[b, h][held].double(), torch.tensor(ref.scores(b, h), dtype=torch.float64),
-                rtol=2e-5, atol=2e-6, msg=lambda m: f"{label} row {b} head {h}: {m}",
+                rtol=2e-5, atol=2e-6, msg=lambda m, b=b, h=h: f"{label} row {b} head {h}: {m}",
             )
     return int(current.sum())
 
@@ -388,7 +388,7 @@ def test_h2o_select_mode_equals_float64_reference(hkv, hq):
                     _, want = _attend64(q[0, qh, t], kk[qh // g, cols], vv[qh // g, cols], d)
                 else:
                     want = full[qh][1]
-                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9, msg=lambda m: f"step {step}: {m}")
+                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9, msg=lambda m, step=step: f"step {step}: {m}")
         view = cache.layers[0]
         if not bool(view.window_new.any()):
             torch.testing.assert_close(view.state["state0.attention"][0].double(), acc, rtol=2e-5, atol=2e-6)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from . import seeds
 from .config import PolicyConfig, PolicyError, load_config
@@ -505,15 +506,22 @@ def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.T
 
 
 def _walk(stage: Stage, found: list[Stage]) -> None:
-    """``stage`` and the stages nested in its fields, depth first, each object once."""
+    """``stage`` and the stages nested anywhere in its fields (lists, and models holding stages:
+    a combination's weighted terms), depth first, each object once."""
     if any(s is stage for s in found):
         return
     found.append(stage)
-    for name in type(stage).model_fields:
-        value = getattr(stage, name)
+    _walk_value(stage, found)
+
+
+def _walk_value(model: BaseModel, found: list[Stage]) -> None:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, Stage):
                 _walk(item, found)
+            elif isinstance(item, BaseModel):
+                _walk_value(item, found)
 
 
 #: Far above any model's KV-head count: a larger offset can only be a caller's mistake.

@@ -118,6 +118,7 @@ def window_attention(
     upcast_keys = keys.dtype in low_precision
     valid = inp.slot_valid[..., :c].flatten(0, 1)  # [BH, C]
     visible: torch.Tensor | None = None  # [BH, W, C]: what each query may see (causal), or None: all
+    no_slot: torch.Tensor | None  # [BH, W] or [BH, 1]: queries (rows) with no slot to attend
     if softmax_over == "all":
         qpos = inp.query_positions
         if qpos is None:  # never from eviction_input, which fills it

@@ -8,9 +8,9 @@ memory (the executor does that).
 
 from __future__ import annotations
 
+import json
 import math
 from abc import ABC, abstractmethod
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
