@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
+from .attention import query_attention
 from .base import EvictionInput, Scorer, StateField
 
 #: The smoothed score of each token, as of the last eviction that scored it; -1 for a token no
@@ -70,19 +70,15 @@ class SmoothedAttentionScorer(Scorer):
 
     def local_scores(self, inp: EvictionInput) -> torch.Tensor:
         """``[B, Hkv, N]`` float32: the local score on the candidates, 0 elsewhere."""
-        b, hkv, n, d = inp.keys.shape
+        b, hkv, n, _ = inp.keys.shape
         g, w = inp.group_size, inp.queries.shape[2]
-        qpos = inp.query_positions
-        if qpos is None:  # eviction_input always fills it
-            raise ValueError(f"scorer {self.type_name!r} needs the window queries' positions (query_positions)")
-        qpos = qpos.to(inp.keys.device)
         weights = inp.query_valid.to(inp.keys.device).float()
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1.0)  # mean over valid queries
         out = torch.zeros(b, hkv, n, dtype=torch.float32, device=inp.keys.device)
         rows = max(1, self.tile_elements // max(1, hkv * g * w * n))
         for b0 in range(0, b, rows):  # bounded memory: [rows, Hkv, G, W, N] at a time
             r = slice(b0, min(b, b0 + rows))
-            probs = _per_query_attention(inp, r, qpos[r], self.group_reduce)  # [R, Hkv, W, N]
+            probs = query_attention(inp, r, group_reduce=self.group_reduce)  # [R, Hkv, W, N]
             out[r] = torch.einsum("bhwn,bw->bhn", probs, weights[r].to(probs.dtype)).float()
         cand = inp.candidate_mask
         out = torch.where(cand, out, torch.zeros_like(out))
@@ -90,23 +86,3 @@ class SmoothedAttentionScorer(Scorer):
             top = out.amax(-1, keepdim=True)
             out = torch.where(top > 0, out / torch.where(top > 0, top, torch.ones_like(top)), out)
         return out
-
-
-def _per_query_attention(inp: EvictionInput, rows: slice, qpos: torch.Tensor, group_reduce: str) -> torch.Tensor:
-    """``[R, Hkv, W, N]``: each window query's attention to each slot, softmax over the valid
-    slots at or before its position, the group's query heads reduced per query (0 for invalid
-    queries)."""
-    keys = inp.keys[rows]
-    r, hkv, n, d = keys.shape
-    g, w = inp.group_size, inp.queries.shape[2]
-    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # never softmax in half precision
-    q = inp.queries[rows].to(dtype).reshape(r, hkv, g, w, d) * (1.0 / math.sqrt(d))
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype))
-    visible = (
-        inp.slot_valid[rows][:, :, None, :]
-        & (inp.positions[rows][:, :, None, :] <= qpos[:, None, :, None])
-        & inp.query_valid[rows].to(keys.device)[:, None, :, None]
-    )
-    probs = torch.softmax(logits.masked_fill_(~visible[:, :, None], float("-inf")), dim=-1)
-    reduced = probs.amax(2) if group_reduce == "max" else probs.mean(2)
-    return reduced.nan_to_num_(0.0)  # a query that sees no slot (an invalid one) weighs nothing

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from kvpolicy import EvictionInput, Scorer
 from kvpolicy.stages import StateField
+from kvpolicy.stages.attention import query_attention
 
 # --8<-- [start:fields]
 #: ``last``: the token index of the query that last attended the token above the threshold
@@ -86,7 +87,8 @@ class LazyEvictionScorer(Scorer):
         rows = max(1, self.tile_elements // per_row)
         for b0 in range(0, b, rows):  # bounded memory: [rows, Hkv, G, W, N] at a time
             r = slice(b0, min(b, b0 + rows))
-            hits = _recurrences(inp, r, new[r], qpos[r], self.threshold, self.group_reduce)
+            # a query's own attention above the threshold (> 0: a slot it cannot see never recurs)
+            hits = query_attention(inp, r, queries=new, group_reduce=self.group_reduce) > self.threshold
             last[r], mri[r] = _track(hits, qpos[r], inp.positions[r], state["last"][r], state["mri"][r])
         newest = torch.where(new, qpos, -1).amax(-1, keepdim=True) if w else qpos.new_full((b, 1), -1)
         now = torch.maximum(state["now"], newest.to(state["now"].dtype).expand(b, hkv))
@@ -99,28 +101,6 @@ class LazyEvictionScorer(Scorer):
         scores = 1.0 - quiet / (state["mri"] + 1.0)
         return torch.where(inp.candidate_mask, scores, torch.zeros_like(scores)).float()
 # --8<-- [end:stage]
-
-
-def _recurrences(
-    inp: EvictionInput, rows: slice, new: torch.Tensor, qpos: torch.Tensor, threshold: float, group_reduce: str,
-) -> torch.Tensor:
-    """``[R, Hkv, W, N]`` bool: whether window query ``w`` (a new one) attended slot ``n`` above the
-    threshold, its softmax taken over the valid slots at or before its own position (causal)."""
-    keys = inp.keys[rows]
-    r, hkv, n, d = keys.shape
-    g, w = inp.group_size, inp.queries.shape[2]
-    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # never softmax in half precision
-    q = inp.queries[rows].to(dtype).reshape(r, hkv, g, w, d) * (1.0 / math.sqrt(d))
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype))
-    visible = (
-        inp.slot_valid[rows][:, :, None, :]
-        & (inp.positions[rows][:, :, None, :] <= qpos[:, None, :, None])
-        & new[:, None, :, None]
-    )  # [R, Hkv, W, N]
-    probs = torch.softmax(logits.masked_fill_(~visible[:, :, None], float("-inf")), dim=-1)
-    reduced = probs.amax(2) if group_reduce == "max" else probs.mean(2)
-    # A query that sees no slot (padding, or not new) has NaN weights: never a hit.
-    return (reduced > threshold) & visible
 
 
 def _track(
