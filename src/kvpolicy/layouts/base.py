@@ -75,6 +75,8 @@ class GroupState(Protocol):
     def batch_alike(self) -> bool: ...
     @property
     def any_due(self) -> bool: ...
+    @property
+    def complete(self) -> bool: ...
     def counts_of(self, layer: int) -> torch.Tensor: ...
     def written(self, layer: int) -> bool: ...
     def extent(self, layer: int) -> int: ...
@@ -94,8 +96,9 @@ class PolicyRunner(Protocol):
 
     def selected_slots(self, group: Any, layer: int) -> list[ChosenSlots]: ...
 
-    def observe_step(self, group: Any, layer: int, queries: torch.Tensor, positions: torch.Tensor,
-                     valid: torch.Tensor) -> None: ...
+    def observe_step(
+        self, group: Any, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+    ) -> None: ...
 
 
 class SlotLayout(ABC):
@@ -243,5 +246,6 @@ class SlotLayout(ABC):
         """Write ``layer``'s state fields back, in ``layer_slots``' arrangement."""
 
     def settle_observed(self) -> None:  # noqa: B027  (a hook)
-        """Before a step: record rows whose state a layout brought up to date during the last
-        one (select mode's choices). Nothing by default."""
+        """Record rows whose state a layout brought up to date during a step on every layer
+        (select mode's choices), once the step's last layer has: before the next step at the
+        latest. Nothing by default."""

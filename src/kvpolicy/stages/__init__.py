@@ -9,6 +9,7 @@ from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .duo import DuoAllocation
 from .expected_attention import ExpectedAttentionScorer
+from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
@@ -17,6 +18,7 @@ from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
 from .model_facts import ModelFacts
+from .normalized import NormalizedScorer
 from .output_norm import OutputValueNormScorer
 from .product import Factor, ProductScorer
 from .pyramid import PyramidAllocation
@@ -24,6 +26,7 @@ from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
+from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
@@ -34,6 +37,7 @@ from .value_magnitude import ValueMagnitudeScorer
 BUILTIN_STAGES = (
     AttentionScorer,
     AccumulatedAttentionScorer,
+    SmoothedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
     RedundancyScorer,
@@ -47,6 +51,8 @@ BUILTIN_STAGES = (
     OutputValueNormScorer,
     ProductScorer,
     TriAttentionScorer,
+    GKVScorer,
+    NormalizedScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -79,6 +85,7 @@ __all__ = [
     "EvictionInput",
     "ExpectedAttentionScorer",
     "Factor",
+    "GKVScorer",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
@@ -89,6 +96,7 @@ __all__ = [
     "OutputValueNormScorer",
     "ProductScorer",
     "QueryCalibration",
+    "NormalizedScorer",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",
@@ -98,6 +106,7 @@ __all__ = [
     "SelectorSpec",
     "Selector",
     "SinksReservation",
+    "SmoothedAttentionScorer",
     "Stage",
     "StateField",
     "StochasticSelector",
