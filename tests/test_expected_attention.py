@@ -38,7 +38,7 @@ def test_defaults_follow_kvpress():
     {},
     {"use_covariance": False},
     {"use_vnorm": False, "n_sink": 0},
-    {"epsilon": 0.01, "softmax_over": "candidates", "n_future_positions": 3},
+    {"epsilon": 0.01, "softmax_over": "candidates", "n_future_positions": 3, "tile_elements": 50},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
 @pytest.mark.parametrize("shape", [(2, 2, 4, 30, 6), (1, 1, 3, 21, 5)], ids=lambda s: "x".join(map(str, s)))
 def test_scores_match_reference(shape, options):

@@ -38,6 +38,10 @@ class ExpectedAttentionScorer(Scorer):
     use_covariance: bool = Field(True, description="Add the quadratic (covariance) term to the expected logit.")
     use_vnorm: bool = Field(True, description="Multiply by each value's L2 norm.")
     epsilon: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Added to the attention before the value norm.")
+    tile_elements: int = Field(
+        1 << 24, ge=1, le=1 << 28,
+        description="Entries of the quadratic form computed per tile (performance only; results do not depend on it).",
+    )
     softmax_over: Literal["all", "candidates"] = Field(
         "all",
         description="The slots each head's softmax runs over (sinks excluded): every valid slot, as future "
@@ -50,9 +54,13 @@ class ExpectedAttentionScorer(Scorer):
         mu, cov = self.future_statistics(inp)  # [B, Hq, D], [B, Hq, D, D]
         keys = inp.keys.float()
         logits = torch.einsum("bhgd,bhnd->bhgn", mu.view(b, hkv, g, d), keys) / math.sqrt(d)
-        if self.use_covariance:
-            spread = torch.einsum("bhnd,bhgde->bhgne", keys, cov.view(b, hkv, g, d, d))
-            logits = logits + (spread * keys[:, :, None]).sum(-1) / (2 * d)
+        if self.use_covariance:  # k^T Sigma' k in tiles of slots: [B, Hkv, G, n, D] at a time
+            cov = cov.view(b, hkv, g, d, d)
+            chunk = max(1, self.tile_elements // max(1, b * hkv * g * d))
+            for s0 in range(0, n, chunk):
+                k = keys[:, :, s0 : s0 + chunk]
+                spread = torch.einsum("bhnd,bhgde->bhgne", k, cov)
+                logits[..., s0 : s0 + chunk] += (spread * k[:, :, None]).sum(-1) / (2 * d)
         inside = inp.slot_valid & (inp.positions >= self.n_sink)
         if self.softmax_over == "candidates":
             inside = inside & inp.candidate_mask
