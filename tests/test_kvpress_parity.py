@@ -370,3 +370,35 @@ def test_criticalkv_keeps_kvpress_slots(fx):
     for j, i, layer in facts_layers(fx):
         got = kept_sets(policy.select(*layer_inputs(fx, i), layer_idx=layer, model=facts))
         assert_same_slots(got, kvpress_kept_facts(fx, "criticalkv", j), f"criticalkv, layer {layer}")
+
+
+def test_expected_attention_departure_kvpress_rotates_a_buffer_from_its_length(fx):
+    """kvpress's DecodingPress hands ExpectedAttentionPress a buffer of recent hidden states and
+    takes the buffer's length as the position: the last 64 queries are then statistics of tokens
+    0..63, carried to positions [64, 576), not to those after the 1,024 tokens. kvpolicy takes each
+    query at its own position and rotates to the positions that follow it (the paper's rule), so it
+    keeps other slots; given kvpress's positions instead, it keeps exactly kvpress's."""
+    from kvpolicy.policy import eviction_input
+
+    facts = fixture_facts(fx)
+    policy = variant("expected-attention", {"budget": fx["meta"]["kept"], "recent": 0})
+    n, w = fx["meta"]["tokens"], fx["meta"]["window"]
+    same = total = 0
+    for j, i, layer in facts_layers(fx):
+        pre = fx["model_facts"]["prerope_queries"][j].float()[None, :, n - w:]  # the buffer's queries
+        keys, values, _ = layer_inputs(fx, i)
+        want = kvpress_kept_facts(fx, "expected_attention_buffer", j)
+
+        def rotated(positions):
+            cos, sin = facts.rope(positions)
+            return pre * cos + torch.cat([-pre[..., 32:], pre[..., :32]], -1) * sin
+
+        paper = kept_sets(policy.select(keys, values, rotated(torch.arange(n - w, n)), layer_idx=layer, model=facts))
+        for a, b in zip(paper, want, strict=True):
+            same += len(a & b)
+            total += len(b)
+        inp = eviction_input(keys, values, rotated(torch.arange(w)), budget=policy.budget, recent=0, seed=0,
+                             layer_idx=layer, query_positions=torch.arange(w)[None], model=facts)
+        as_kvpress = kept_sets(policy.select_from(inp))
+        assert_same_slots(as_kvpress, want, f"expected-attention at kvpress's buffer positions, layer {layer}")
+    assert same < total, "the rotation to the positions that follow the prompt changes no slot here"

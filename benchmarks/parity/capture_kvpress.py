@@ -247,6 +247,11 @@ def run_model_presses(args, model, layer):
                                                    use_covariance=False)
             out["expected_attention_nocov"] = kept_by_topk(
                 press.score(module, hidden, keys, values, None, kwargs), args.kept)
+            # DecodingPress hands the press a buffer of recent hidden states: T is then the
+            # buffer's length. A buffer of the last --window rows, as a decode-time call sees it.
+            press = kvpress.ExpectedAttentionPress(compression_ratio=ratio, n_future_positions=args.future)
+            out["expected_attention_buffer"] = kept_by_topk(
+                press.score(module, hidden[:, -args.window:], keys, values, None, kwargs), args.kept)
         finally:
             expected_attention_press.get_prerope_query_states = real
         weight = module.o_proj.weight
