@@ -389,7 +389,7 @@ def test_expected_attention_departure_kvpress_rotates_a_buffer_from_its_length(f
         keys, values, _ = layer_inputs(fx, i)
         want = kvpress_kept_facts(fx, "expected_attention_buffer", j)
 
-        def rotated(positions):
+        def rotated(positions, pre=pre):
             cos, sin = facts.rope(positions)
             return pre * cos + torch.cat([-pre[..., 32:], pre[..., :32]], -1) * sin
 

@@ -157,6 +157,20 @@ class Policy:
         if problems:
             raise PolicyError(problems, self.name)
 
+    def _check_facts_for_heads(self, facts: ModelFacts | None, head_offset: int, hkv: int, hq: int, d: int) -> None:
+        """``check_model_facts`` for ``select``: the ``hkv`` KV heads given are the model's heads
+        ``head_offset ..`` (all of them, or a tensor-parallel shard), with ``hq / hkv`` query heads each."""
+        self.check_model_facts(facts, head_dim=d)
+        if facts is None or not self.needs_model:
+            return
+        if head_offset + hkv > facts.num_kv_heads or hq // hkv != facts.group_size:
+            raise PolicyError(
+                [f"model facts: KV heads {head_offset} .. {head_offset + hkv - 1} with {hq // hkv} query heads each "
+                 f"were given, but the model facts of {facts.name!r} have {facts.num_kv_heads} KV heads with "
+                 f"{facts.group_size} each"],
+                self.name,
+            )
+
     @cached_property
     def keeps_state(self) -> bool:
         """Whether a stage keeps state across evictions (``Stage.state_fields``)."""
@@ -296,7 +310,7 @@ class Policy:
             )
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
-        self.check_model_facts(model, num_kv_heads=None if head_offset else hkv, head_dim=keys.shape[3])
+        self._check_facts_for_heads(model, head_offset, hkv, queries.shape[1], keys.shape[3])
         if n <= self.budget:
             return torch.arange(n, device=keys.device).expand(b, hkv, n).clone()
         inp = eviction_input(
@@ -418,8 +432,8 @@ class Policy:
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
-        self.check_model_facts(kwargs.get("model"), num_kv_heads=None if kwargs.get("head_offset") else hkv,
-                               head_dim=keys.shape[3])
+        self._check_facts_for_heads(kwargs.get("model"), kwargs.get("head_offset", 0), hkv, queries.shape[1],
+                                    keys.shape[3])
         budget = self.budget if budget is None else budget
         seed = self.resolve_seed(kwargs.pop("seed", None))
         state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device)
