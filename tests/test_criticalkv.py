@@ -4,6 +4,8 @@ loop references, and runs in a cache and through ``generate()``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import reference as ref
 import torch
@@ -39,7 +41,7 @@ def test_output_value_norm_matches_reference_on_stacked_layers(norm, reduce, til
     facts = model_facts(layers=3, hkv=2, hq=6, d=8, hidden=10)
     layers = torch.tensor([2, 2, 0, 0])
     inp = eviction_input(k, v, q, budget=10, recent=2, seed=0, layer_idx=layers, model=facts)
-    got = OutputValueNormScorer(norm=norm, group_reduce=reduce, tile_elements=tile).score(inp).double()
+    got = OutputValueNormScorer(norm=norm, group_reduce=reduce, tile_elements=tile).norms(inp).double()
     for i, layer in enumerate(layers.tolist()):
         want = ref.output_value_norm(v[i : i + 1], facts.output_projection(layer), norm=norm, reduce=reduce)
         torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-6)
@@ -49,8 +51,8 @@ def test_a_head_shard_reads_its_own_heads_projection():
     k, v, q = make_tensors(b=1, hkv=4, hq=8, n=12, d=8, w=0, seed=4)
     facts = model_facts(layers=1, hkv=4, hq=8, d=8)
     scorer = OutputValueNormScorer()
-    whole = scorer.score(eviction_input(k, v, q, budget=6, recent=2, seed=0, model=facts))
-    shard = scorer.score(eviction_input(k[:, 2:], v[:, 2:], q[:, 4:], budget=6, recent=2, seed=0, head_offset=2,
+    whole = scorer.norms(eviction_input(k, v, q, budget=6, recent=2, seed=0, model=facts))
+    shard = scorer.norms(eviction_input(k[:, 2:], v[:, 2:], q[:, 4:], budget=6, recent=2, seed=0, head_offset=2,
                                         model=facts))
     torch.testing.assert_close(shard, whole[:, 2:])
 
@@ -114,4 +116,48 @@ def test_generate_on_the_test_model():
 def test_make_input_without_facts_names_the_stage():
     k, v, q = make_tensors(n=12, w=0)
     with pytest.raises(KeyError, match="output_value_norm.*output_projection"):
-        OutputValueNormScorer().score(make_input(k, v, q))
+        OutputValueNormScorer().norms(make_input(k, v, q))
+
+
+def test_each_norm_is_computed_once_and_kept_with_its_token():
+    """The norm is state: a slot that holds one keeps it (not recomputed), a new slot (-1) gets
+    its own, padding stays -1; in a cache, every eviction's state equals the norms of the held
+    values."""
+    k, v, q = make_tensors(b=2, hkv=2, hq=4, n=20, d=8, w=0, seed=5)
+    facts = model_facts(layers=1, hkv=2, hq=4, d=8, hidden=10)
+    scorer = OutputValueNormScorer()
+    base = eviction_input(k, v, q, budget=10, recent=2, seed=0, model=facts)
+    full = scorer.norms(base)
+    known = full.clone()
+    known[..., 12:] = -1.0  # the tokens since the last eviction
+    known[0, 1, 3] = 123.0  # a held slot's stored norm is read, not recomputed
+    slot_valid = torch.ones(2, 2, 20, dtype=torch.bool)
+    slot_valid[1, :, 18:] = False
+    known[1, :, 18:] = -1.0
+    inp = replace(eviction_input(k, v, q, budget=10, recent=2, seed=0, slot_valid=slot_valid, model=facts),
+                  state={scorer.state_key: {"norm": known}})
+    got = scorer.update_state(inp)["norm"]
+    want = full.clone()
+    want[0, 1, 3] = 123.0
+    want[1, :, 18:] = -1.0
+    torch.testing.assert_close(got, want)
+
+    policy = kvpolicy.load_policy("criticalkv", budget=16, recent=4, window=4, interval=4)
+    cache = kvpolicy.EvictingCache(policy, 1, model_facts=facts)
+    g = torch.Generator().manual_seed(1)
+    (name,) = [n for n in policy.state_fields if n.endswith(".norm")]
+    checked = evictions = 0
+    for step in range(30):
+        t = 24 if step == 0 else 1
+        cache.step(0, torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g),
+                   torch.randn(1, 4, t, 8, generator=g))
+        view = cache.layers[0]
+        state = view.state[name]
+        held = state >= 0
+        want = ref.output_value_norm(view.values, facts.output_projection(0))
+        torch.testing.assert_close(state[held].double(), want[held], rtol=1e-5, atol=1e-6)
+        if view.stats.evictions > evictions:  # this step's eviction computed the 16 kept, not the new token
+            evictions = view.stats.evictions
+            assert bool(held[..., :16].all()) and not bool(held[..., 16:].any())
+            checked += 1
+    assert checked >= 5

@@ -126,10 +126,12 @@ def test_nested_stages_count():
 
 
 def test_vllm_refuses_a_policy_that_reads_the_model():
-    from kvpolicy.vllm.settings import facts_refusal
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, facts_refusal, resolve
 
     assert facts_refusal(kvpolicy.load_policy("snapkv")) is None
     assert "reads the model's output_projection" in facts_refusal(kvpolicy.load_policy("criticalkv"))
+    with pytest.raises(KVPolicyVLLMError, match="reads the model's rope"):  # a server's policy, or a request's
+        resolve({"policy": "expected-attention"})
 
 
 class _Recorder(Scorer):

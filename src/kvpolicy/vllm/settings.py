@@ -176,6 +176,9 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
+    facts = facts_refusal(policy)
+    if facts is not None:
+        raise KVPolicyVLLMError(facts)
 
 
 def _is_file(source: str) -> bool:
@@ -352,9 +355,6 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     shard = shard_refusal(resolved.policy(), vllm_config.parallel_config.tensor_parallel_size)
     if shard is not None:
         reasons.append(shard)
-    facts = facts_refusal(resolved.policy())
-    if facts is not None:
-        reasons.append(facts)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")
