@@ -20,6 +20,7 @@ from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
 from kvpolicy.stages import Selector
 
 BUILTIN_POLICIES = [
+    "cake",
     "chunkkv",
     "criticalkv",
     "curdkv",

@@ -24,6 +24,7 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "ada-snapkv",
     "ada-vase-attnv",
+    "cake",
     "chunkkv",
     "criticalkv",
     "duo-attention",
@@ -110,6 +111,7 @@ def test_builtins_by_kind():
     assert set(registry.stages["scorer"]) == {
         "accumulated_attention",
         "attention",
+        "cake_attention",
         "combination",
         "current_attention",
         "expected_attention",
@@ -129,7 +131,7 @@ def test_builtins_by_kind():
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
     assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
-    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo"}
+    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo", "cake"}
 
 
 def test_every_builtin_policy_loads():

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .config import PolicyError
 from .executor import Executor
 from .layouts import layout_for
 from .policy import Policy, load_policy, window_positions
@@ -89,6 +90,16 @@ class EvictingCache:
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
         self._groups: list[LayerGroup | None] = [None] * num_layers
         self.layers = [LayerView(self, i) for i in range(num_layers)]
+        # An allocation that decides the layer budgets from the prompt (CAKE) does so once every
+        # layer holds it, before the first eviction; until then the schedules are provisional.
+        self._from_prompt = self.policy.allocation.from_prompt
+        if self._from_prompt and self.policy.mode != "evict":
+            raise PolicyError(
+                [f"allocation {self.policy.allocation.type_name!r} decides the layer budgets from the prompt, "
+                 "before the first eviction: evict mode only"], self.policy.name,
+            )
+        self._nominal_schedules = list(self.schedules)
+        self._prompt_decided = False
 
     def __repr__(self) -> str:
         return f"EvictingCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.tokens_seen()})"
@@ -141,7 +152,41 @@ class EvictingCache:
     def evict_due(self) -> int:
         """Run every pending eviction now (they otherwise run when the next step begins);
         return how many rows were evicted, summed over layer groups."""
-        return sum(self.executor.evict(g) for g in self._unique_groups())
+        groups = self._unique_groups()
+        if any(g.any_due for g in groups):
+            self._decide_from_prompt()
+        return sum(self.executor.evict(g) for g in groups)
+
+    def _decide_from_prompt(self) -> None:
+        """``from_prompt`` allocations: each layer's budget from what every layer holds now, once,
+        before the first eviction (every layer has written the step that made it due)."""
+        if not self._from_prompt or self._prompt_decided:
+            return
+        groups = self._groups
+        if not self._step_complete():
+            raise CacheStateError(
+                f"allocation {self.policy.allocation.type_name!r} decides the layer budgets once every layer holds the "
+                "prompt: every layer must finish the step before the first eviction"
+            )
+        inputs = []
+        for layer, group in enumerate(groups):
+            assert group is not None
+            group.materialise_positions()
+            rows = torch.arange(group.batch)
+            inputs.append(self.executor.eviction_input(group, rows, slice(None), group.layout.layer_slots(layer),
+                                                       layer=layer))
+        schedule = self.policy.schedule
+        budgets = self.policy.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
+        if len(budgets) != len(groups) or sum(budgets) != len(groups) * schedule.budget or min(budgets) <= schedule.recent:
+            raise PolicyError(
+                [f"allocation {self.policy.allocation.type_name!r} gave the layer budgets {budgets}: {len(groups)} "
+                 f"budgets above the recent {schedule.recent}, adding up to {len(groups) * schedule.budget}, were due"],
+                self.policy.name,
+            )
+        for layer, (group, budget) in enumerate(zip(groups, budgets, strict=True)):
+            assert group is not None
+            group.schedule = self.schedules[layer] = schedule.model_copy(update={"budget": budget})
+        self._prompt_decided = True
 
     def tokens_to_next_eviction(self) -> int | None:
         """Real tokens per row, appended one step at a time from now, until the next eviction
@@ -180,6 +225,8 @@ class EvictingCache:
     def reset(self) -> None:
         """Forget every token and free the buffers: the cache is then exactly a fresh one."""
         self._groups = [None] * len(self.layers)
+        self.schedules = list(self._nominal_schedules)
+        self._prompt_decided = False
 
     # -- internals ---------------------------------------------------------------------------
     def _unique_groups(self) -> list[LayerGroup]:
@@ -224,10 +271,23 @@ class EvictingCache:
         if group is None:
             group = self._new_group(layer_idx, keys, values, queries, token_valid)
         elif group.written(layer_idx):  # this layer opens the next step for the whole group
+            if group.any_due:
+                self._decide_from_prompt()
             self.executor.before_step(group, keys.shape[2])
             group.begin_step(keys.shape[2], token_valid)
         group.write(layer_idx, keys, values, queries)
+        if self._from_prompt and not self._prompt_decided and self._step_complete():
+            if any(g.any_due for g in self._unique_groups()):
+                self._decide_from_prompt()  # as soon as every layer holds the prompt: schedules final
         return group
+
+    def _step_complete(self) -> bool:
+        """Whether every layer has written the same, current step."""
+        groups = self._groups
+        if any(g is None for g in groups):
+            return False
+        steps = {g.steps for g in groups if g is not None}
+        return len(steps) == 1 and all(g is not None and g.written(i) for i, g in enumerate(groups))
 
     def _new_group(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
@@ -246,13 +306,14 @@ class EvictingCache:
             self.policy.check_model_facts(self.model_facts, num_kv_heads=keys.shape[1])
             self._num_kv_heads = keys.shape[1]
             self.schedules = self.policy.layer_schedules(len(self.layers), keys.shape[1])
+            self._nominal_schedules = list(self.schedules)
         if self.model_facts is not None:
             self.model_facts.check_shape(num_kv_heads=keys.shape[1], head_dim=keys.shape[3])
         schedule = self.schedules[layer_idx]
-        peers = [
+        peers = [  # layers whose budgets are still to be decided (from_prompt) get buffers of their own
             i for i in range(len(self.layers))
             if self._groups[i] is None and self._layer_devices[i] in (None, device)
-            and self.schedules[i].budget == schedule.budget
+            and self.schedules[i].budget == schedule.budget and not self._from_prompt
         ]
         if layer_idx not in peers:
             peers.insert(0, layer_idx)

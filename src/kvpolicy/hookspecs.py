@@ -40,7 +40,8 @@ CONTRACTS: dict[int, str] = {
     "Stage.update_state, inp.state_of, inp.query_new), the window queries' positions "
     "(inp.query_positions), and facts about the model served (inp.model, a ModelFacts: its shape, "
     "rope(positions), output_projection(layer)), which a stage declares in Stage.needs_model and "
-    "checks in Stage.check_model_facts; contract 2 plugins load unchanged",
+    "checks in Stage.check_model_facts, and allocations that decide the layer budgets from the prompt "
+    "(Allocation.from_prompt, Allocation.prompt_budgets); contract 2 plugins load unchanged",
 }
 
 

@@ -4,6 +4,7 @@ from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
 from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .cake import CakeAllocation, CakeScorer
 from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
@@ -53,6 +54,7 @@ BUILTIN_STAGES = (
     TriAttentionScorer,
     GKVScorer,
     NormalizedScorer,
+    CakeScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -65,6 +67,7 @@ BUILTIN_STAGES = (
     AdaptiveAllocation,
     ProfileAllocation,
     DuoAllocation,
+    CakeAllocation,
 )
 
 __all__ = [
@@ -80,6 +83,8 @@ __all__ = [
     "PyramidAllocation",
     "UniformAllocation",
     "AttentionScorer",
+    "CakeAllocation",
+    "CakeScorer",
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
@@ -451,6 +451,10 @@ class Allocation(Stage):
     kind: ClassVar[StageKind] = "allocation"
     #: True when heads of one layer keep different numbers of slots (``head_counts`` is called).
     per_head: ClassVar[bool] = False
+    #: True when the layer budgets are decided from the prompt (``prompt_budgets``), once every
+    #: layer holds it, before the first eviction (CAKE); ``layer_budgets`` then gives the
+    #: provisional ones, and each layer gets buffers of its own. Evict mode only.
+    from_prompt: ClassVar[bool] = False
 
     @property
     def uneven(self) -> bool:
@@ -462,6 +466,12 @@ class Allocation(Stage):
         ``num_layers * budget`` (``recent``: the schedule's recent buffer, which every layer
         keeps). Raise ``ValueError`` naming the field for an impossible share."""
         return [budget] * num_layers
+
+    def prompt_budgets(self, budget: int, recent: int, inputs: Sequence[EvictionInput]) -> list[int]:
+        """``from_prompt`` allocations: each layer's budget from what it holds before its first
+        eviction (``inputs[l]``: layer ``l``'s slots and window, every row), ints above ``recent``
+        adding up to ``len(inputs) * budget``."""
+        raise NotImplementedError(f"allocation {self.type_name!r} does not decide its budgets from the prompt")
 
     def check_model(self, num_layers: int, num_kv_heads: int) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` if the stage cannot serve a model of this shape (a profile for
