@@ -446,7 +446,8 @@ def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name
     whatever the eviction count, the stream and (for ``seed: null``) the seed each call resolves."""
     policy = POLICIES[name].with_overrides(seed=seed)
     keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=30, d=8, w=4, seed=data_seed)
-    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream)
+    model = facts_for(policy, 41, 2, 4, 8)  # layers up to 40
+    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream, model=model)
             for evictions, stream in calls]
     if not policy.stochastic:
         assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)
