@@ -66,8 +66,15 @@ class Executor:
         evicted = self.evict(group)
         if self.policy.observes_queries:
             group.layout.settle_observed()
-            unseen = group.rows.unobserved()
-            stale = (unseen > 0) & (unseen + tokens > group.schedule.window)
+            window = group.schedule.window
+            most = group.rows.most_unobserved()
+            if most is not None:  # the hot path: every row alike, one int
+                if most <= 0 or most + tokens <= window:
+                    return evicted
+                stale = torch.ones(group.batch, dtype=torch.bool)
+            else:
+                unseen = group.rows.unobserved()
+                stale = (unseen > 0) & (unseen + tokens > window)
             if bool(stale.any()):
                 if self.timer is None:
                     self._observe(group, stale)
