@@ -103,6 +103,35 @@ class RequestQueryRing:
 
 
 @dataclass(frozen=True)
+class KeptSlots:
+    """What the worker keeps per slot of a request beside vLLM's keys and values, for the slots
+    kept at its last eviction: ``[Lyr, Hkv, K]`` tensors that move with the slots.
+
+    Every per-slot field lives here, and only here: ``fresh`` says what a slot appended since the
+    last eviction holds, ``extend`` joins the kept and the fresh slots for an eviction's input, and
+    ``take`` keeps the chosen ones. (A stage's per-slot state, when stages have one, is one more
+    field, handled in these three methods.)"""
+
+    positions: torch.Tensor  # token index of each kept slot
+
+    @staticmethod
+    def fresh(start: int, n: int, offset: int, layers: int, heads: int, device: torch.device) -> KeptSlots:
+        """Slots ``start .. n-1`` appended since the last eviction: slot ``s`` holds token ``s + offset``."""
+        pos = (torch.arange(start, n, device=device) + offset).expand(layers, heads, n - start)
+        return KeptSlots(pos.clone())
+
+    @staticmethod
+    def extend(kept: KeptSlots | None, fresh: KeptSlots) -> KeptSlots:
+        if kept is None:
+            return fresh
+        return KeptSlots(torch.cat([kept.positions, fresh.positions], dim=-1))
+
+    def take(self, idx: torch.Tensor) -> KeptSlots:
+        """The slots at ``idx [Lyr, Hkv, K]`` (a copy)."""
+        return KeptSlots(self.positions.gather(-1, idx))
+
+
+@dataclass(frozen=True)
 class RequestPolicy:
     """A policy as this worker runs it: loaded once per distinct resolved policy."""
 
@@ -155,7 +184,8 @@ class WorkerEviction:
         self.prefix_caching = bool(runner.vllm_config.cache_config.enable_prefix_caching)
         self.dtype = self.caches[0].dtype
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
-        self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
+        self.kept: dict[str, KeptSlots] = {}  # req -> per-slot state of its kept slots
+        self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.layout_checked = False
@@ -179,20 +209,22 @@ class WorkerEviction:
         for new in scheduler_output.scheduled_new_reqs:
             self._drop(new.req_id)  # a new request, or one resubmitted under the same id
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-            state = self.ledger.requests.get(req_id)
-            if state is not None and state.evictions and self.rank == 0:
-                # Exactness would need the evicted cache back; vLLM recomputes from the tokens.
-                logger.warning(
-                    "kvpolicy: request %s was preempted after %d eviction(s); vLLM recomputes its cache "
-                    "from its %d tokens (full attention over them, then eviction again), so its "
-                    "continuation may differ from an uninterrupted run. Give the KV cache more blocks "
-                    "or lower max_num_seqs to avoid preemption.", req_id, state.evictions, state.tokens,
-                )
-            self._drop(req_id)  # preempted: vLLM recomputes it from scratch into fresh blocks
+            # Preempted, now recomputed into fresh blocks: it replays its evictions (the scheduler
+            # ends its steps at the same points), from this worker's own record of them.
+            plan = self.ledger.replay_plan(req_id)
+            if plan is None:
+                plan = self.replays.get(req_id)  # preempted again before it ran
+            self._drop(req_id)
+            if plan is not None:
+                self.replays[req_id] = plan
+                if plan and self.rank == 0:
+                    logger.info("kvpolicy: request %s resumes after preemption, replaying %d eviction(s)",
+                                req_id, len(plan))
 
     def _drop(self, req_id: str) -> None:
         self.ledger.reset(req_id)
-        self.kept_pos.pop(req_id, None)
+        self.kept.pop(req_id, None)
+        self.replays.pop(req_id, None)
         self.policy_of.pop(req_id, None)
         for ring in self.rings.values():
             ring.drop(req_id)
@@ -210,7 +242,7 @@ class WorkerEviction:
             rp = self.policies[r.policy_yaml] = RequestPolicy(r, r.policy())
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
-            self.ledger.track(req_id, None if rp.policy is None else rp.policy.schedule)
+            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None))
         return rp
 
     def _ring(self, window: int) -> RequestQueryRing:
@@ -337,7 +369,8 @@ class WorkerEviction:
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
-        positions = torch.stack([self._positions(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)], dim=1)
+        slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
+        positions = torch.stack([x.positions for x in slots], dim=1)
         queries, query_valid = self._window(policy.schedule.window, req_ids, [s.tokens for s in states], keys)
         layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
         evictions = torch.tensor([s.evictions for s in states], dtype=torch.long, device=self.device).repeat(lyr)
@@ -352,9 +385,9 @@ class WorkerEviction:
                       for j, req_id in enumerate(req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
         compact(self.kv, dst, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
-        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
+        per_req = kept.view(lyr, r, self.kv_heads, k)
         for j, req_id in enumerate(req_ids):
-            self.kept_pos[req_id] = new_pos[:, j].clone()
+            self.kept[req_id] = slots[j].take(per_req[:, j])
             self.ledger.evicted(req_id)
             table.add_row(new_tables[j], int(rows[j]))
             state = runner.requests.get(req_id)
@@ -398,12 +431,12 @@ class WorkerEviction:
         valid = (seen[:, None] - w + steps) >= 0
         return queries, valid.repeat(lyr, 1)
 
-    def _positions(self, req_id: str, offset: int, n: int) -> torch.Tensor:
-        """``[Lyr, Hkv, N]`` token index of each slot of the request."""
-        kept = self.kept_pos.get(req_id)
-        start = 0 if kept is None else kept.shape[-1]
-        fresh = (torch.arange(start, n, device=self.device) + offset).expand(len(self.caches), self.kv_heads, n - start)
-        return fresh.clone() if kept is None else torch.cat([kept, fresh], dim=-1)
+    def _slots(self, req_id: str, offset: int, n: int) -> KeptSlots:
+        """The per-slot state ``[Lyr, Hkv, N]`` of the request's ``n`` slots: kept, then fresh."""
+        kept = self.kept.get(req_id)
+        start = 0 if kept is None else kept.positions.shape[-1]
+        fresh = KeptSlots.fresh(start, n, offset, len(self.caches), self.kv_heads, self.device)
+        return KeptSlots.extend(kept, fresh)
 
     def _write_trace(self, rp, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx,
                      evictions, kept) -> None:
@@ -414,6 +447,8 @@ class WorkerEviction:
             "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
+            # what each request's cache holds after this eviction (token index per layer, head and slot)
+            "kept_digest": [_digest(self.kept[q].positions) for q in req_ids],
         }
         with open(self.trace / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -426,6 +461,12 @@ class WorkerEviction:
                  "head_offset": self.head_offset},
                 self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
             )
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 # -- wrappers installed on vLLM's classes at plugin load (see kvpolicy.vllm.hooks) ------------------
