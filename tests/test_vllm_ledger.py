@@ -193,3 +193,13 @@ def test_peak_slots_and_the_pool_check():
     msg = pool_refusal(None, 40, 300, 6, 32, False)
     assert msg is not None and "no eviction" in msg and "11 KV blocks" in msg
     assert "prompt of 1000 tokens" in pool_refusal(snap, 1000, 10, 6, 32, False)
+
+
+def test_would_fire_on_a_replay_looks_past_its_points_without_error():
+    sched = load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule
+    led = SlotLedger()
+    led.track("r", sched)
+    plan = _run(led, "r", 10, 100)
+    led.resume("r", sched, plan)
+    assert led.would_fire("r", 100, 10)  # vLLM's whole-sequence admission check
+    assert not led.would_fire("r", plan[0] - 1, 10) and led.would_fire("r", plan[0], 10)

@@ -12,17 +12,57 @@ from typing import Any
 MAX_MODEL_LEN = 2048
 
 
-def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, **kwargs: Any):
+#: Engine tests run with async scheduling on when KVPOLICY_TEST_ASYNC=1 (``make_llm``'s default).
+ASYNC_DEFAULT = os.environ.get("KVPOLICY_TEST_ASYNC") == "1"
+
+
+def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async_scheduling: bool | None = None,
+             **kwargs: Any):
+    """An engine for the tests. ``async_scheduling=True`` runs vLLM's async scheduling (the
+    scheduler plans step N+1 before step N's output is back): vLLM's CPU platform switches it off
+    ("not required on CPU"), so it is switched back on in the config the engine receives."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(
         model=str(model), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-        block_size=32, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False, seed=0,
+        block_size=32, max_num_seqs=32, enable_prefix_caching=False, seed=0,
     )
     args.update(kwargs)
     if kvpolicy is not None:
         args["additional_config"] = {"kvpolicy": kvpolicy}
-    return LLM(**args)
+    on = ASYNC_DEFAULT if async_scheduling is None else async_scheduling
+    with forced_async_scheduling(on):
+        llm = LLM(**args)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is on
+    return llm
+
+
+class forced_async_scheduling:
+    """Within it, engine configs get ``scheduler_config.async_scheduling = on`` after vLLM built them."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()  # kvpolicy's wrapper goes on first; this one wraps it
+        self.original = EngineArgs.create_engine_config
+        on = self.on
+
+        def create_engine_config(self_, *args: Any, **kwargs: Any):
+            config = self.original(self_, *args, **kwargs)
+            config.scheduler_config.async_scheduling = on
+            return config
+
+        EngineArgs.create_engine_config = create_engine_config
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        EngineArgs.create_engine_config = self.original
 
 
 def greedy(max_tokens: int, **kwargs: Any):

@@ -13,7 +13,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, or that cannot fit the KV pool, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
-| worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward |
+| worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
@@ -341,14 +341,28 @@ def _install_worker() -> None:
             out = original(self, *args, **kwargs)
             if state is not None:
                 state.after_execute()
+                if out is not None:  # sampled already (or nothing to sample): sample_tokens is not called
+                    state.restore_generators()
             return out
 
         return execute_model
+
+    def make_sample(original):
+        def sample_tokens(self, *args: Any, **kwargs: Any):
+            state = worker.runner_eviction(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if state is not None:
+                    state.restore_generators()
+
+        return sample_tokens
 
     _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
     _wrap(GPUModelRunner, "_update_states", make_update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
     _wrap(GPUModelRunner, "execute_model", make_execute)
+    _wrap(GPUModelRunner, "sample_tokens", make_sample)
 
 
 def install_backend(impl_cls: type) -> None:

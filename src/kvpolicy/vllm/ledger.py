@@ -81,7 +81,7 @@ class SlotLedger:
         state.replay = list(plan or [])
         return state
 
-    def advance(self, req_id: str, tokens_after: int, prompt_len: int) -> bool:
+    def advance(self, req_id: str, tokens_after: int, prompt_len: int, *, probe: bool = False) -> bool:
         """Record a step that brought the request to ``tokens_after`` computed tokens; True when
         it is now due for eviction.
 
@@ -106,6 +106,8 @@ class SlotLedger:
         if state.replay:
             # A replay chunk never crosses an eviction point, and fires exactly at each one.
             point = state.replay[0]
+            if probe and tokens_after >= point:
+                return True  # vLLM asking whether a whole recompute fits: it evicts on the way
             if tokens_after > point or due != (tokens_after == point):
                 raise RuntimeError(
                     f"request {req_id}: replay after preemption diverged at {tokens_after} tokens "
@@ -118,7 +120,7 @@ class SlotLedger:
         state = self.get(req_id)
         saved = replace(state)
         try:
-            return self.advance(req_id, tokens_after, prompt_len)
+            return self.advance(req_id, tokens_after, prompt_len, probe=True)
         finally:
             state.__dict__.update(saved.__dict__)  # in place: callers may hold the entry
 

@@ -85,7 +85,7 @@ class SchedulerEviction:
         self.prefix_hit = 0  # of which found there
         self.preemptions = 0  # requests preempted (with a schedule)
         self.preempted_after_evicting = 0
-        self.replay_tokens = 0  # tokens held back to end a replay chunk at an eviction point
+        self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
         self.pending_trace: list[Any] = []
 
     def _schedule(self, request: Any) -> Schedule | None:
@@ -133,7 +133,7 @@ class SchedulerEviction:
         if end is None:
             return num_new
         capped = min(num_new, end - computed)
-        self.replay_tokens += capped if capped < num_new else 0
+        self.replay_cuts += capped < num_new
         return capped
 
     def counted_slots(self, req_id: str, num_tokens: int) -> int:
@@ -275,7 +275,7 @@ class SchedulerEviction:
             "hits_capped_total": self.hits_capped, "prefix_queried_total": self.prefix_queried,
             "prefix_hit_total": self.prefix_hit,
             "preempted_total": self.preemptions, "preempted_after_evicting_total": self.preempted_after_evicting,
-            "replay_tokens_held_total": self.replay_tokens,
+            "replay_cuts_total": self.replay_cuts,
             "async": bool(sched.scheduler_config.async_scheduling),
         }
         with open(self.trace, "a") as f:

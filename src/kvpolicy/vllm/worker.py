@@ -188,6 +188,7 @@ class WorkerEviction:
         self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
+        self.held_generators: dict[int, torch.Generator] = {}  # see _hold_generators
         self.layout_checked = False
         # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
         # the model's (start-up refuses a TP size that does not divide them): it evicts those
@@ -271,6 +272,7 @@ class WorkerEviction:
             per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
             slots = runner.positions[:total] - per_token
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
+        self._hold_generators(num_reqs)
         self.captures = []
         if not num_reqs:
             return
@@ -291,6 +293,28 @@ class WorkerEviction:
             dev = self.device
             self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
                                               torch.from_numpy(flat).to(dev)))
+
+    def _hold_generators(self, num_reqs: int) -> None:
+        """Take the seeded generators of requests whose step ends inside their known tokens (a
+        prefill chunk: vLLM discards what it samples for them) until sampling is done.
+
+        vLLM rewinds such a generator with ``set_offset``, which CPU generators lack ("CPU
+        Generator does not use offset"): a seeded request recomputed in chunks after preemption
+        would stop the engine. Held back, the generator draws nothing for the discarded sample,
+        which is what the rewind is for: the request samples as if the chunk had not happened."""
+        self.held_generators = {}
+        mask = getattr(self.runner, "discard_request_mask", None)
+        gens = self.runner.input_batch.generators
+        if mask is None or not gens:
+            return
+        for i in np.flatnonzero(mask.np[:num_reqs]).tolist():
+            if i in gens:
+                self.held_generators[i] = gens.pop(i)
+
+    def restore_generators(self) -> None:
+        if self.held_generators:
+            self.runner.input_batch.generators.update(self.held_generators)
+            self.held_generators = {}
 
     def _window_size(self, req_id: str) -> int:
         policy = self._policy(req_id).policy
