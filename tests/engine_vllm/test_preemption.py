@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+from engine_util import ASYNC_DEFAULT, close, first_divergence, make_llm, read_jsonl, tokens_prompt  # noqa: E402
 
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
 
@@ -37,7 +37,11 @@ LONG = [  # (extra_args, sampled): per-request policies, greedy and sampled
 def _params(n: int, extra, sampled: bool, seed: int):
     from vllm import SamplingParams
 
-    if sampled:
+    # Under async scheduling vLLM's reset_prefix_cache(reset_running_requests=True) drops each
+    # request's in-flight token and samples that position again, from a seeded generator that
+    # already drew for it: a sampled request then continues differently with or without
+    # kvpolicy. So with async scheduling on (KVPOLICY_TEST_ASYNC=1) every request is greedy.
+    if sampled and not ASYNC_DEFAULT:
         return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.8, top_p=0.95, seed=seed,
                               extra_args=extra)
     return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, extra_args=extra)
