@@ -20,8 +20,11 @@ def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async
              **kwargs: Any):
     """An engine for the tests. ``async_scheduling=True`` runs vLLM's async scheduling (the
     scheduler plans step N+1 before step N's output is back): vLLM's CPU platform switches it off
-    ("not required on CPU"), so it is switched back on in the config the engine receives."""
+    ("not required on CPU") in the front end and again in the engine core, so kvpolicy's test
+    switch (``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``, read by the plugin in every process) keeps it on."""
     from vllm import LLM
+
+    from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU
 
     args: dict[str, Any] = dict(
         model=str(model), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
@@ -31,38 +34,17 @@ def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async
     if kvpolicy is not None:
         args["additional_config"] = {"kvpolicy": kvpolicy}
     on = ASYNC_DEFAULT if async_scheduling is None else async_scheduling
-    with forced_async_scheduling(on):
+    saved = os.environ.pop(TEST_ASYNC_ON_CPU, None)
+    if on:
+        os.environ[TEST_ASYNC_ON_CPU] = "1"  # inherited by the engine processes started now
+    try:
         llm = LLM(**args)
+    finally:
+        os.environ.pop(TEST_ASYNC_ON_CPU, None)
+        if saved is not None:
+            os.environ[TEST_ASYNC_ON_CPU] = saved
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is on
     return llm
-
-
-class forced_async_scheduling:
-    """Within it, engine configs get ``scheduler_config.async_scheduling = on`` after vLLM built them."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self):
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.plugins import load_general_plugins
-
-        load_general_plugins()  # kvpolicy's wrapper goes on first; this one wraps it
-        self.original = EngineArgs.create_engine_config
-        on = self.on
-
-        def create_engine_config(self_, *args: Any, **kwargs: Any):
-            config = self.original(self_, *args, **kwargs)
-            config.scheduler_config.async_scheduling = on
-            return config
-
-        EngineArgs.create_engine_config = create_engine_config
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        from vllm.engine.arg_utils import EngineArgs
-
-        EngineArgs.create_engine_config = self.original
 
 
 def greedy(max_tokens: int, **kwargs: Any):

@@ -45,10 +45,35 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
+    _install_test_switches()
     _install_frontend()
     _install_scheduler()
     _install_engine_core()
     _install_worker()
+
+
+#: Keep vLLM's async scheduling on with the CPU backend, which switches it off ("not required on
+#: CPU") in every process that builds the config: the only way to run the async path here.
+TEST_ASYNC_ON_CPU = "KVPOLICY_VLLM_TEST_ASYNC_ON_CPU"
+
+
+def _install_test_switches() -> None:
+    import os
+
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    original = platform.check_and_update_config
+    if getattr(original, "__kvpolicy_wrapped__", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(vllm_config)
+        if os.environ.get(TEST_ASYNC_ON_CPU) == "1":  # read per call: set by the tests around one engine
+            vllm_config.scheduler_config.async_scheduling = True
+
+    check_and_update_config.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+    platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
 def _install_frontend() -> None:
