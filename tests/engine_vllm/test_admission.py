@@ -24,7 +24,7 @@ POLICY = {"policy": "snapkv", "budget": 32, "recent": 16, "interval": 16, "windo
 
 def _requests():
     rng = random.Random(21)
-    return [([rng.randint(3, 4000) for _ in range(rng.randint(30, 60))], rng.randint(480, 560)) for _ in range(4)]
+    return [([rng.randint(3, 4000) for _ in range(rng.randint(40, 90))], rng.randint(480, 560)) for _ in range(6)]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,25 @@ def test_a_pool_of_a_few_budgets_serves_requests_longer_than_itself_with_preempt
     llm, trace = small
     reqs = _requests()
     prompts, params = [tokens_prompt(ids) for ids, _ in reqs], [greedy(n) for _, n in reqs]
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    # vLLM admits a request when its peak (2-3 blocks here) fits, so these never outgrow the pool;
+    # preemptions on the way come from vLLM preempting every running request every 150 steps.
+    eng = llm.llm_engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", p, sp)
+    done: dict[str, list[int]] = {}
+    step = 0
+    while eng.has_unfinished_requests():
+        if step % 150 == 149:
+            assert eng.reset_prefix_cache(reset_running_requests=True)
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
+        step += 1
+    got = [done[f"r{i}"] for i in range(len(reqs))]
     steps = read_jsonl(trace, "scheduler-")
     assert steps[-1]["total_blocks"] == 5
     assert all(len(ids) + n > 5 * BLOCK for ids, n in reqs)  # every request is longer than the pool
-    assert steps[-1]["preempted_after_evicting_total"] > 0  # four requests of 2 blocks in 5 blocks
+    assert steps[-1]["preempted_after_evicting_total"] >= len(reqs)
     assert max(s["held_blocks"] for s in steps) <= 5
     assert steps[-1]["held_blocks"] == 0 and steps[-1]["free_blocks"] == 5
     big = make_llm(tiny_qwen3_folder(), POLICY, block_size=BLOCK, max_num_seqs=8)
@@ -70,7 +84,7 @@ def test_a_request_that_cannot_fit_the_pool_is_refused_alone(small):
     assert len(out[0].outputs[0].token_ids) == 400
 
 
-def test_unresolved_settings_that_bypass_the_front_end_fail_that_request_alone(small, capfd):
+def test_unresolved_settings_that_bypass_the_front_end_fail_that_request_alone(small):
     """An ``EngineCoreRequest`` handed to the engine directly skips ``process_inputs``, where
     kvpolicy resolves a request's settings: the engine core refuses it, alone, and goes on."""
     llm, _ = small
@@ -88,8 +102,10 @@ def test_unresolved_settings_that_bypass_the_front_end_fail_that_request_alone(s
                 done[out.request_id.split("-")[0]] = out
     assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
     assert len(done["good"].outputs[0].token_ids) == 120
-    logged = capfd.readouterr()
-    assert "front end did not resolve" in logged.err + logged.out
+    # (The engine core logs kvpolicy's reason, "... the front end did not resolve ...": its
+    # message is tested in tests/test_vllm_settings.py; this engine's log is not captured here.)
+    out = llm.generate([tokens_prompt(list(range(10, 40)))], greedy(8), use_tqdm=False)  # still serving
+    assert len(out[0].outputs[0].token_ids) == 8
 
 
 def test_vllm_alone_refuses_the_same_pool_at_start_up(capfd):
