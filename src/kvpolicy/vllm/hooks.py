@@ -73,7 +73,7 @@ def _install_test_switches() -> None:
             vllm_config.scheduler_config.async_scheduling = True
 
     check_and_update_config.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
-    platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+    platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _install_frontend() -> None:

@@ -241,8 +241,8 @@ class SchedulerEviction:
                     mgr.block_pool.free_blocks(reversed(copied))
                 self.blocks_freed += len(tail) + len(copied)
                 self.blocks_copied += len(copied)
-        if self.trace is not None:
-            self.pending_trace.append((scheduler_output, evicted))
+        if self.trace is not None:  # written when the step's output is back (at most a few steps in flight)
+            self.pending_trace = [*self.pending_trace[-7:], (scheduler_output, evicted)]
 
     def after_update(self, scheduler_output: Any) -> None:
         """After a step's output came back: the trace record of that step."""

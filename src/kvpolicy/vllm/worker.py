@@ -20,8 +20,10 @@ Each request runs its own policy (``settings.request_policy``: its own, else the
 requests are grouped by policy and slot count, one ``Policy.select`` per group. Requests whose
 policies look at different numbers of queries have rings of different widths.
 
-The rings and the per-slot positions are the only state kept beside vLLM's own; both live on the
-KV cache's device. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
+The rings and the per-slot state of each request's kept slots (``KeptSlots``: today their token
+positions) are the only state kept beside vLLM's own; both live on the KV cache's device. A
+request resumed after preemption replays its evictions (``kvpolicy.vllm.ledger``): its rings and
+kept slots are rebuilt by the replay, not stored across the preemption. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
 from the layout vLLM resolved for the server and the backend's block interior.
 """
 
