@@ -106,7 +106,9 @@ class SchedulerEviction:
         return True
 
     def _track(self, request: Any) -> None:
-        plan = request.__dict__.pop(REPLAY_ATTR, None)
+        # The plan stays on the request (replaced at its next preemption): a recompute whose
+        # first allocation fails is tracked again later and its prefix hit must stay capped.
+        plan = request.__dict__.get(REPLAY_ATTR)
         self.ledger.resume(request.request_id, self._schedule(request), plan)
 
     # -- preemption -------------------------------------------------------------------------
