@@ -18,6 +18,13 @@ CPU (here; the bundled SmolLM2-135M, float32)::
 
     .venv-vllm/bin/python benchmarks/vllm_bench.py --blocks 64 --requests 16 --new 512
 
+``--async-scheduling both`` runs every configuration with vLLM's async scheduling off and on and
+checks that every token is the same (vLLM's CPU platform switches async scheduling off; the
+benchmark keeps it on with kvpolicy's test switch, ``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``)::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,full,snapkv --async-scheduling both \
+        --requests 12 --new 384 --blocks 48
+
 GPU (when one is lent; Qwen3-4B-shaped random weights built in code)::
 
     python benchmarks/vllm_bench.py --model qwen3-4b-random --requests 16 --new 8192 --blocks 4096 \
@@ -69,7 +76,7 @@ def qwen3_4b_random(folder: Path) -> Path:
     return folder
 
 
-def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dict:
+def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_on: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -77,11 +84,21 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
     policy = POLICIES[name]
     if policy is not None:
         extra = {**extra, "additional_config": {"kvpolicy": {**policy, "trace": str(trace)}}}
-    llm = LLM(
-        model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
-        enable_prefix_caching=args.prefix_caching, async_scheduling=False, seed=0, **extra,
-    )
+    # vLLM's CPU platform switches async scheduling off in every process; kvpolicy's test switch
+    # keeps it on (the plugin is loaded in every vLLM process, with or without a policy).
+    switch = "KVPOLICY_VLLM_TEST_ASYNC_ON_CPU"
+    if async_on:
+        os.environ[switch] = "1"
+    try:
+        llm = LLM(
+            model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+            block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
+            enable_prefix_caching=args.prefix_caching, async_scheduling=async_on, seed=0, **extra,
+        )
+    finally:
+        os.environ.pop(switch, None)
+    if llm.llm_engine.vllm_config.scheduler_config.async_scheduling is not async_on:
+        raise RuntimeError(f"async scheduling is {not async_on}, asked {async_on}")
     rng = random.Random(0)
     prefix = [rng.randint(100, 3000) for _ in range(args.shared_prefix)]
     prompts = [TokensPrompt(prompt_token_ids=prefix + [rng.randint(100, 3000) for _ in range(args.prompt)])
@@ -92,6 +109,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{i}", p, params)
     tokens, decoding, finished = 0, [], 0
+    token_ids: dict[str, list[int]] = {}
     while finished < len(prompts):
         outs = engine.step()
         # requests that produced a token this step: what the engine actually ran at once
@@ -100,6 +118,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
             if o.finished:
                 finished += 1
                 tokens += len(o.outputs[0].token_ids)
+                token_ids[o.request_id] = list(o.outputs[0].token_ids)
     wall = time.time() - t0
     steps = []
     for path in trace.glob("scheduler-*.jsonl"):
@@ -112,7 +131,9 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict) -> dic
     shutil.rmtree(trace, ignore_errors=True)
     last = steps[-1] if steps else {}
     return {
-        "config": name, "policy": POLICIES[name], "requests": args.requests, "output_tokens": tokens,
+        "config": name + (" (async)" if async_on else ""), "policy": POLICIES[name], "async_scheduling": async_on,
+        "engine_async": steps[-1].get("async") if steps else None,
+        "requests": args.requests, "output_tokens": tokens, "token_ids": token_ids,
         "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
         "mean_decoding": round(sum(decoding) / len(decoding), 2), "engine_steps": len(decoding),
         "peak_running": max((s["running"] for s in steps), default=None),
@@ -141,6 +162,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024, help="must fit in --blocks x --block-size")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
+                        help="vLLM's async scheduling for every configuration (both: each runs twice)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,12 +179,21 @@ def main() -> None:
     else:
         model = args.model
     results = []
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     for name in args.configs.split(","):
-        try:
-            results.append(run_one(name, args, model, extra))
-        except Exception as exc:  # a refusal (e.g. a GPU platform) is recorded, not fatal
-            results.append({"config": name, "error": str(exc).splitlines()[0][:300]})
-        print(json.dumps(results[-1]), flush=True)
+        for async_on in modes:
+            try:
+                results.append(run_one(name, args, model, extra, async_on))
+            except Exception as exc:  # a refusal (e.g. a GPU platform) is recorded, not fatal
+                results.append({"config": name, "error": str(exc).splitlines()[0][:300]})
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "token_ids"}), flush=True)
+    if len(modes) == 2:  # async scheduling must not change a single token
+        by = {(r["config"].removesuffix(" (async)"), r.get("async_scheduling")): r for r in results if "error" not in r}
+        for name in args.configs.split(","):
+            a, b = by.get((name, False)), by.get((name, True))
+            if a and b:
+                print(f"{name}: tokens with async scheduling {'identical' if a['token_ids'] == b['token_ids'] else 'DIFFER'}; "
+                      f"output tok/s async/sync x{b['output_tok_per_s'] / a['output_tok_per_s']:.2f}")
     print("\n| config | output tok/s | wall s | engine steps | mean decoding | mean running | peak running "
           "| peak blocks in use | evictions | prefix hit rate | blocks copied |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -174,14 +206,15 @@ def main() -> None:
                      f"{r['peak_blocks_in_use']} / {r['kv_blocks']}" if r["peak_blocks_in_use"] else None,
                      r["evictions"], r["prefix_hit_rate"], r["blocks_copied"]]
             print(f"| {r['config']} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
-    base = next((r for r in results if r["config"] == "vllm" and "error" not in r), None)
+    base = next((r for r in results if r["config"].startswith("vllm") and "error" not in r), None)
     if base is not None:
         for r in results:
             if r is not base and "error" not in r:
                 print(f"{r['config']} / vllm: output tok/s x{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}, "
                       f"mean decoding x{r['mean_decoding'] / base['mean_decoding']:.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps([{k: v for k, v in r.items() if k != "token_ids"} for r in results],
+                                             indent=2))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ from typing import ClassVar
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
+from kvpolicy.policy import window_positions
 from kvpolicy.schedule import Schedule
 from kvpolicy.stages import Scorer, StateField
 from kvpolicy.stages.guards import SelectionError
@@ -114,7 +117,7 @@ def _check_layer(cache: EvictingCache, ref: H2OReference, layer: int, label: str
                 continue
             torch.testing.assert_close(
                 state[b, h][held].double(), torch.tensor(ref.scores(b, h), dtype=torch.float64),
-                rtol=2e-5, atol=2e-6, msg=lambda m: f"{label} row {b} head {h}: {m}",
+                rtol=2e-5, atol=2e-6, msg=lambda m, b=b, h=h: f"{label} row {b} head {h}: {m}",
             )
     return int(current.sum())
 
@@ -385,8 +388,101 @@ def test_h2o_select_mode_equals_float64_reference(hkv, hq):
                     _, want = _attend64(q[0, qh, t], kk[qh // g, cols], vv[qh // g, cols], d)
                 else:
                     want = full[qh][1]
-                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9, msg=lambda m: f"step {step}: {m}")
+                torch.testing.assert_close(out[0, qh, t], want, rtol=1e-9, atol=1e-9, msg=lambda m, step=step: f"step {step}: {m}")
         view = cache.layers[0]
         if not bool(view.window_new.any()):
             torch.testing.assert_close(view.state["state0.attention"][0].double(), acc, rtol=2e-5, atol=2e-6)
     assert choices >= 5
+
+
+# -- every query seen exactly once, whatever the schedule, layout and feeding --------------------
+class _QueryCounter(Scorer):
+    """Counts, per row and KV head, the queries its state has seen (a per-head field), and per
+    slot the queries that could see the slot (a per-slot field)."""
+
+    type_name: ClassVar[str] = "query_counter_test"
+    reads_queries: ClassVar[bool] = True
+
+    @property
+    def state_fields(self):
+        return {"queries": StateField(torch.float64, 0.0, per="head"),
+                "seen_by": StateField(torch.float32, 0.0)}
+
+    def update_state(self, inp):
+        state = inp.state_of(self)
+        new = inp.query_new & inp.query_valid
+        queries = state["queries"] + new.sum(-1, dtype=torch.float64)[:, None]
+        sees = (inp.positions[..., None] <= inp.query_positions[:, None, None, :]) & new[:, None, None, :]
+        seen_by = state["seen_by"] + (sees & inp.slot_valid[..., None]).sum(-1).float()
+        return {"queries": queries, "seen_by": seen_by}
+
+    def score(self, inp):
+        return -inp.positions.float()  # keeps the oldest: any deterministic rule will do
+
+
+def _counter_policy(mode, allocation, **schedule):
+    doc = {"name": "counter", "mode": mode, "schedule": schedule, "scorer": _QueryCounter(), "selector": "greedy"}
+    if allocation:
+        doc["allocation"] = {"type": allocation}
+    return load_policy(doc)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from([("evict", None), ("evict", "adaptive"), ("select", None)]),
+    budget=st.integers(6, 14), recent=st.integers(1, 4), interval=st.integers(1, 6), window=st.integers(1, 6),
+    prompt=st.integers(1, 20), pad=st.integers(0, 5), chunks=st.lists(st.integers(1, 7), min_size=3, max_size=12),
+    reorder=st.booleans(),
+)
+def test_every_query_is_seen_exactly_once(layout, budget, recent, interval, window, prompt, pad, chunks, reorder):
+    """A per-head counter of the queries the state has seen equals the real tokens each row has
+    seen less the window's unseen queries (so none was skipped or counted twice, and every
+    unseen one is still in the window), and a per-slot counter of the queries that saw each held
+    token equals the queries at or after its position less the unseen ones. For any schedule,
+    prompt, padding, chunking, layout and row reordering."""
+    assume(recent < budget and (window <= max(recent, 1) or window <= interval))
+    mode, allocation = layout
+    policy = _counter_policy(mode, allocation, budget=budget, recent=recent, interval=interval, window=window)
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(budget * 31 + prompt)
+    tokens = torch.zeros(2, dtype=torch.long)
+    for i, t in enumerate([prompt + pad, *chunks]):
+        k, v = torch.randn(2, 2, t, 4, generator=g), torch.randn(2, 2, t, 4, generator=g)
+        q = torch.randn(2, 4, t, 4, generator=g)
+        valid = torch.ones(2, t, dtype=torch.bool)
+        if i == 0:
+            valid[1, :pad] = False
+        for layer in range(2):
+            cache.attend(layer, q, k, v, token_valid=valid if not bool(valid.all()) else None)
+        tokens += valid.sum(-1)
+        if reorder and i == 2:
+            cache.select_rows(torch.tensor([1, 0]))
+            tokens = tokens[[1, 0]]
+        if i % 2:
+            cache.evict_due()  # evictions now (their updates too), or at the next step
+        for layer in range(2):
+            view = cache.layers[layer]
+            state = view.state
+            seen = state["state0.queries"]  # [B, Hkv]
+            # The queries the state has not seen are exactly the window's unseen ones (newest).
+            unseen = view.window_new
+            assert torch.equal(seen, (tokens - unseen.sum(-1))[:, None].double().expand(-1, 2)), (i, layer)
+            _, wvalid = view.window()
+            qpos = window_positions(wvalid, tokens)
+            unseen_sees = ((qpos[:, None, None, :] >= view.positions[..., None]) & unseen[:, None, None, :]).sum(-1)
+            expected = (tokens[:, None, None] - view.positions - unseen_sees).float()
+            assert torch.equal(state["state0.seen_by"][view.valid], expected[view.valid]), (i, layer)
+
+
+def test_updated_state_then_select_is_select_on_the_old_state():
+    """A caller that keeps the state itself (vLLM's worker): ``updated_state`` then ``select``
+    with nothing new keeps what ``select`` on the old state and the new queries keeps."""
+    policy = _h2o(budget=8, recent=2)
+    g = torch.Generator().manual_seed(4)
+    k, v, q = torch.randn(2, 2, 20, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g), torch.randn(2, 4, 4, 8, generator=g)
+    old = {"state0.attention": torch.rand(2, 2, 20, generator=g)}
+    new = policy.updated_state(k, v, q, state=old)
+    assert set(new) == {"state0.attention"} and bool((new["state0.attention"] >= old["state0.attention"]).all())
+    nothing = torch.zeros(2, 4, dtype=torch.bool)
+    assert torch.equal(policy.select(k, v, q, state=new, query_new=nothing), policy.select(k, v, q, state=old))
+    assert load_policy("snapkv", budget=8, recent=2, window=4, interval=4).updated_state(k, v, q, state=None) == {}

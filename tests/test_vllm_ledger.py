@@ -113,3 +113,93 @@ def test_prefix_hit_cap_keeps_the_first_evictions_queries_computed():
     # no window (streamingllm) or no policy: no limit
     assert prefix_hit_cap(load_policy("streamingllm", budget=64).schedule, 250) is None
     assert prefix_hit_cap(None, 250) is None
+
+
+def _run(led, req, prompt, upto, chunks=None):
+    """Advance ``req`` to ``upto`` tokens: the prompt in one step, then one token per step (or
+    the given chunk ends); returns the token counts at which it evicted."""
+    fired = []
+    ends = chunks if chunks is not None else [prompt, *range(prompt + 1, upto + 1)]
+    for t in ends:
+        if led.advance(req, t, prompt):
+            led.evicted(req)
+            fired.append(t)
+    return fired
+
+
+def test_a_replay_in_chunks_ending_at_the_eviction_points_evicts_exactly_there():
+    from kvpolicy.vllm.ledger import replay_boundary
+
+    for sched in (load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule,
+                  load_policy("rkv", budget=48).schedule,  # count: tokens
+                  load_policy("snapkv", budget=32, recent=8, interval=16, window=8, compress_prompt=True).schedule):
+        led = SlotLedger()
+        led.track("r", sched)
+        fired = _run(led, "r", 40, 300)
+        assert fired and led.get("r").evicted_at == fired
+        plan = led.replay_plan("r")
+        assert plan == fired
+        # The recompute: chunks end at the prompt and at every eviction point (a step may end
+        # earlier, as when the token budget runs out: here every 7 tokens), never past one.
+        led.reset("r")
+        led.resume("r", sched, plan)
+        t, chunks = 0, []
+        while t < 300:
+            end = replay_boundary(plan, 40, t) or 300
+            t = min(end, t + 7, 300)
+            chunks.append(t)
+        assert _run(led, "r", 40, 300, chunks) == fired
+        assert led.get("r").replay == [] and led.get("r").slots <= sched.capacity_for(40)
+
+
+def test_a_replay_that_would_cross_an_eviction_point_is_an_error():
+    sched = load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule
+    led = SlotLedger()
+    led.track("r", sched)
+    plan = _run(led, "r", 10, 100)
+    led.resume("r", sched, plan)
+    led.advance("r", 10, 10)
+    with pytest.raises(RuntimeError, match="replay after preemption diverged"):
+        led.advance("r", plan[0] + 1, 10)
+
+
+def test_preempted_during_a_replay_keeps_the_points_not_yet_replayed():
+    sched = load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule
+    led = SlotLedger()
+    led.track("r", sched)
+    plan = _run(led, "r", 10, 200)
+    led.resume("r", sched, plan)
+    _run(led, "r", 10, 200, [10, plan[0], plan[1]])
+    assert led.replay_plan("r") == plan  # replayed two, the rest still ahead
+    none = SlotLedger()
+    none.track("n", None)
+    assert none.replay_plan("n") is None and led.replay_plan("unknown") is None
+
+
+def test_peak_slots_and_the_pool_check():
+    from kvpolicy.vllm.ledger import peak_slots
+    from kvpolicy.vllm.scheduler import pool_refusal, request_need_blocks
+
+    snap = load_policy("snapkv", budget=128).schedule  # interval 64
+    assert peak_slots(snap, 40, 10_000) == 192 and peak_slots(snap, 300, 10_000) == 320
+    assert peak_slots(snap, 40, 100) == 100  # a short request never reaches the peak
+    assert peak_slots(None, 40, 500) == 500
+    comp = load_policy("snapkv", budget=128, compress_prompt=True).schedule
+    assert peak_slots(comp, 1000, 5000) == 1000
+    # blocks: the peak, plus the fresh blocks of a first eviction under prefix caching
+    assert request_need_blocks(snap, 40, 10_000, 32, False) == 6
+    assert request_need_blocks(snap, 40, 10_000, 32, True) == 6 + 4
+    assert pool_refusal(snap, 40, 30_000, 6, 32, False) is None  # 30k tokens in 6 blocks
+    msg = pool_refusal(None, 40, 300, 6, 32, False)
+    assert msg is not None and "no eviction" in msg and "11 KV blocks" in msg
+    assert "prompt of 1000 tokens" in pool_refusal(snap, 1000, 10, 6, 32, False)
+
+
+def test_would_fire_on_a_replay_looks_past_its_points_without_error():
+    sched = load_policy("snapkv", budget=32, recent=8, interval=16, window=8).schedule
+    led = SlotLedger()
+    led.track("r", sched)
+    plan = _run(led, "r", 10, 100)
+    led.resume("r", sched, plan)
+    assert led.would_fire("r", 100, 10)  # vLLM's whole-sequence admission check
+    assert not led.would_fire("r", plan[0] - 1, 10) and led.would_fire("r", plan[0], 10)

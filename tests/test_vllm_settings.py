@@ -175,7 +175,7 @@ def test_refuse_unservable_is_the_one_place_for_unservable_policies():
 
 
 def test_unresolved_request_settings_in_an_engine_process_are_an_error():
-    with pytest.raises(KVPolicyVLLMError, match="unresolved"):
+    with pytest.raises(KVPolicyVLLMError, match="front end did not resolve"):
         request_policy({"kvpolicy": "snapkv"}, SERVER)
 
 

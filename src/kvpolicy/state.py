@@ -282,10 +282,12 @@ class LayerGroup:
         past each row's count), on every layer: ``position = slot + tokens - counts``. Safe in
         mid-step: a layer that has not written the step yet gets its new slots' positions early."""
         rows = self.rows
-        if bool((rows.stored == rows.counts).all()) and rows.stored.numel():
-            return
-        self.layout.materialise_positions()
-        rows.stored = rows.counts.clone()
+        was_alike = rows.alike is not None
+        if not (bool((rows.stored == rows.counts).all()) and rows.stored.numel()):
+            self.layout.materialise_positions()
+            rows.stored = rows.counts.clone()
+        if was_alike:
+            rows.resume_alike()  # reading the counts left the int fast path; nothing changed them
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""

@@ -12,17 +12,39 @@ from typing import Any
 MAX_MODEL_LEN = 2048
 
 
-def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, **kwargs: Any):
+#: Engine tests run with async scheduling on when KVPOLICY_TEST_ASYNC=1 (``make_llm``'s default).
+ASYNC_DEFAULT = os.environ.get("KVPOLICY_TEST_ASYNC") == "1"
+
+
+def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async_scheduling: bool | None = None,
+             **kwargs: Any):
+    """An engine for the tests. ``async_scheduling=True`` runs vLLM's async scheduling (the
+    scheduler plans step N+1 before step N's output is back): vLLM's CPU platform switches it off
+    ("not required on CPU") in the front end and again in the engine core, so kvpolicy's test
+    switch (``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``, read by the plugin in every process) keeps it on."""
     from vllm import LLM
+
+    from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU
 
     args: dict[str, Any] = dict(
         model=str(model), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-        block_size=32, max_num_seqs=32, enable_prefix_caching=False, async_scheduling=False, seed=0,
+        block_size=32, max_num_seqs=32, enable_prefix_caching=False, seed=0,
     )
     args.update(kwargs)
     if kvpolicy is not None:
         args["additional_config"] = {"kvpolicy": kvpolicy}
-    return LLM(**args)
+    on = ASYNC_DEFAULT if async_scheduling is None else async_scheduling
+    saved = os.environ.pop(TEST_ASYNC_ON_CPU, None)
+    if on:
+        os.environ[TEST_ASYNC_ON_CPU] = "1"  # inherited by the engine processes started now
+    try:
+        llm = LLM(**args)
+    finally:
+        os.environ.pop(TEST_ASYNC_ON_CPU, None)
+        if saved is not None:
+            os.environ[TEST_ASYNC_ON_CPU] = saved
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is on
+    return llm
 
 
 def greedy(max_tokens: int, **kwargs: Any):

@@ -41,7 +41,9 @@ def tiny():
 def test_engine_config_defaults_and_resolution(tiny):
     cfg = engine_config(tiny, {"policy": "snapkv", "budget": 128})
     assert cfg.cache_config.enable_prefix_caching is True  # vLLM's default: kvpolicy works with it
-    assert cfg.scheduler_config.async_scheduling is False
+    # vLLM's own async-scheduling default is kept (its CPU platform turns it off; kvpolicy does not)
+    assert cfg.scheduler_config.async_scheduling == engine_config(tiny).scheduler_config.async_scheduling
+    assert engine_config(tiny, {"policy": "snapkv"}, async_scheduling=True)  # asked for: not refused
     assert Resolved.from_additional_config(cfg.additional_config).policy().budget == 128
 
 
@@ -54,7 +56,6 @@ def test_engine_without_kvpolicy_is_untouched(tiny):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"async_scheduling": True}, "async scheduling is on"),
         ({"kv_cache_dtype": "fp8"}, "quantised KV cache"),
         ({"tensor_parallel_size": 4}, "tensor_parallel_size 4 does not divide the 2 KV heads"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},

@@ -163,6 +163,8 @@ class SelectRows(EvenRows):
                 counts = select.head_counts[i, row_sel][..., None]
                 valid = (cols < counts) | (cols >= chosen.shape[-1])
             out.append(ChosenSlots(row_sel, count, index, valid))
+        if self._observed and group.complete:  # the step's last layer chose: every layer's state saw it
+            self.settle_observed()
         return out
 
     def _choose(self, layer: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:

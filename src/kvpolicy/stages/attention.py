@@ -118,6 +118,7 @@ def window_attention(
     upcast_keys = keys.dtype in low_precision
     valid = inp.slot_valid[..., :c].flatten(0, 1)  # [BH, C]
     visible: torch.Tensor | None = None  # [BH, W, C]: what each query may see (causal), or None: all
+    no_slot: torch.Tensor | None  # [BH, W] or [BH, 1]: queries (rows) with no slot to attend
     if softmax_over == "all":
         qpos = inp.query_positions
         if qpos is None:  # never from eviction_input, which fills it
@@ -170,6 +171,45 @@ def window_attention(
             out = scores[b0:b1, 0:1] if reduce_first else scores[b0:b1, g0:g1]
             out.copy_(torch.matmul(weights[b0:b1, None, None, :], probs).squeeze(-2))
     return scores.view(b, hkv, g_out, c)
+
+
+def query_attention(
+    inp: EvictionInput,
+    rows: slice = slice(None),
+    *,
+    queries: torch.Tensor | None = None,
+    group_reduce: Literal["mean", "max", "sum"] = "mean",
+) -> torch.Tensor:
+    """``[R, Hkv, W, N]``: each window query's own attention to each slot of ``rows``, its
+    softmax over the valid slots it can see (position at most its own: causal), the ``G`` query
+    heads of a KV head reduced per query. Queries outside ``queries`` (``[B, W]`` bool, default
+    ``inp.query_valid``) weigh 0 everywhere. In float32 (float64 for float64 inputs).
+
+    For stages that need each query apart (a per-query threshold, a reduction over the group
+    before the window's); ``window_attention`` sums over the window without forming this tensor.
+    It holds ``[R, Hkv, G, W, N]`` logits: tile ``rows`` to bound the memory.
+    """
+    keys = inp.keys[rows]
+    r, hkv, n, d = keys.shape
+    g, w = inp.group_size, inp.queries.shape[2]
+    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # never softmax in half precision
+    q = inp.queries[rows].to(dtype).reshape(r, hkv, g, w, d) * (1.0 / math.sqrt(d))
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype))
+    qpos = inp.query_positions
+    if qpos is None:  # never from eviction_input, which fills it
+        raise ValueError("query_attention needs the window queries' positions (query_positions)")
+    chosen = inp.query_valid if queries is None else queries & inp.query_valid
+    visible = (
+        inp.slot_valid[rows][:, :, None, :]
+        & (inp.positions[rows][:, :, None, :] <= qpos[rows].to(keys.device)[:, None, :, None])
+        & chosen[rows].to(keys.device)[:, None, :, None]
+    )  # [R, Hkv, W, N]
+    probs = torch.softmax(logits.masked_fill_(~visible[:, :, None], float("-inf")), dim=-1)
+    if group_reduce == "max":
+        reduced = probs.amax(2)
+    else:
+        reduced = probs.mean(2) if group_reduce == "mean" else probs.sum(2)
+    return reduced.nan_to_num_(0.0)  # a query that sees no slot weighs nothing
 
 
 def _pool(scores: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:

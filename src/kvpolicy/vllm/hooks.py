@@ -6,12 +6,14 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 
 | process | class.method (vllm 0.32) | what kvpolicy adds |
 | --- | --- | --- |
-| front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, default async scheduling off, refuse what cannot run |
+| front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, refuse what cannot run |
 | front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
-| engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots after an eviction |
+| engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
+| engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
+| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, or that cannot fit the KV pool, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
-| worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward |
+| worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
@@ -43,9 +45,35 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
+    _install_test_switches()
     _install_frontend()
     _install_scheduler()
+    _install_engine_core()
     _install_worker()
+
+
+#: Keep vLLM's async scheduling on with the CPU backend, which switches it off ("not required on
+#: CPU") in every process that builds the config: the only way to run the async path here.
+TEST_ASYNC_ON_CPU = "KVPOLICY_VLLM_TEST_ASYNC_ON_CPU"
+
+
+def _install_test_switches() -> None:
+    import os
+
+    from vllm.platforms import cpu
+
+    platform = cpu.CpuPlatform
+    original = platform.check_and_update_config
+    if getattr(original, "__kvpolicy_wrapped__", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(vllm_config)
+        if os.environ.get(TEST_ASYNC_ON_CPU) == "1":  # read per call: set by the tests around one engine
+            vllm_config.scheduler_config.async_scheduling = True
+
+    check_and_update_config.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+    platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _install_frontend() -> None:
@@ -62,14 +90,6 @@ def _install_frontend() -> None:
 
             settings.check_version(vllm.__version__)
             resolved = settings.resolve(entry)
-            # vLLM turns async scheduling on by default; kvpolicy needs it off. Asked for explicitly: refused.
-            if self.async_scheduling is True:
-                raise settings.KVPolicyVLLMError(
-                    f"cannot serve policy {resolved.source!r} with this configuration:\n"
-                    "  - async scheduling is on: pass async_scheduling=False (--no-async-scheduling)"
-                )
-            if self.async_scheduling is None:
-                self.async_scheduling = False
             self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
             config = original(self, *args, **kwargs)
             settings.check_config(config, resolved)
@@ -107,11 +127,37 @@ def _install_frontend() -> None:
             if resolved_args is not None:
                 # The request's private copy of its params: the caller's object is not changed.
                 request.sampling_params.extra_args = resolved_args
+            refusal = _pool_refusal(self.vllm_config, request, resolved_args)
+            if refusal is not None:
+                raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
             return request
 
         return process_inputs
 
     _wrap(InputProcessor, "process_inputs", make_process)
+
+
+_SCHEDULES: dict[str | None, Any] = {}  # front end: schedules by resolved policy YAML
+
+
+def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
+    """Why a request cannot fit the KV pool (None: it can, or the pool's size is not known yet)."""
+    from . import scheduler as sched_mod
+    from . import settings
+
+    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
+    blocks = vllm_config.cache_config.num_gpu_blocks
+    params = getattr(request, "sampling_params", None)
+    prompt = getattr(request, "prompt_token_ids", None)
+    if server is None or not blocks or params is None or prompt is None:
+        return None
+    r = settings.request_policy(resolved_args, server)
+    if r.policy_yaml not in _SCHEDULES:
+        policy = r.policy()
+        _SCHEDULES[r.policy_yaml] = None if policy is None else policy.schedule
+    return sched_mod.pool_refusal(_SCHEDULES[r.policy_yaml], len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
+                                  int(vllm_config.cache_config.block_size),
+                                  bool(vllm_config.cache_config.enable_prefix_caching))
 
 
 def _install_scheduler() -> None:
@@ -127,6 +173,16 @@ def _install_scheduler() -> None:
 
         return __init__
 
+    def make_schedule(original):
+        def schedule(self, *args: Any, **kwargs: Any):
+            out = original(self, *args, **kwargs)
+            state = sched_mod.state_of(self)
+            if state is not None:
+                state.after_schedule(out)
+            return out
+
+        return schedule
+
     def make_update(original):
         def update_from_output(self, scheduler_output, model_runner_output):
             out = original(self, scheduler_output, model_runner_output)
@@ -137,6 +193,24 @@ def _install_scheduler() -> None:
 
         return update_from_output
 
+    def make_preempt(original):
+        def _preempt_request(self, request, *args: Any, **kwargs: Any):
+            state = sched_mod.state_of(self)
+            if state is not None:
+                state.on_preempt(request)
+            return original(self, request, *args, **kwargs)
+
+        return _preempt_request
+
+    def make_cap(original):
+        # vLLM's last per-request cap on a step's tokens, in both its running and waiting paths.
+        def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+            n = original(self, request, num_computed_tokens, num_new_tokens)
+            state = sched_mod.state_of(self)
+            return n if state is None or n <= 0 else state.replay_cap(request, num_computed_tokens, n)
+
+        return _reserve_prefill_lookahead
+
     def make_count(original):
         # For a full-attention manager only `num_tokens` sizes the allocation: the other counts
         # vLLM passes serve sliding windows (skipped tokens) and speculative decoding (the main
@@ -146,7 +220,7 @@ def _install_scheduler() -> None:
             if state is None:
                 return original(self, request_id, num_tokens, *args, **kwargs)
             copies = state.copy_blocks(request_id, num_tokens, self.block_size)
-            slots = num_tokens - state.ledger.offset(request_id)
+            slots = state.counted_slots(request_id, num_tokens)
             return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
 
         return counted
@@ -181,7 +255,10 @@ def _install_scheduler() -> None:
         return freed
 
     _wrap(Scheduler, "__init__", make_init)
+    _wrap(Scheduler, "schedule", make_schedule)
     _wrap(Scheduler, "update_from_output", make_update)
+    _wrap(Scheduler, "_preempt_request", make_preempt)
+    _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
     base = stm.SingleTypeKVCacheManager
     _wrap(base, "get_num_blocks_to_allocate", make_count)
     _wrap(base, "allocate_new_blocks", make_count)
@@ -192,6 +269,58 @@ def _install_scheduler() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     _wrap(KVCacheManager, "get_computed_blocks", make_computed)
+
+
+def _install_engine_core() -> None:
+    from vllm.v1.engine import core
+
+    from . import scheduler as sched_mod
+    from . import settings
+
+    def make_preprocess(original):
+        # Every request enters the engine core here, whichever client sent it: one that does not
+        # fit is refused here, alone (vLLM answers it with an error), never inside the engine loop.
+        def preprocess_add_request(self, request, *args: Any, **kwargs: Any):
+            out = original(self, request, *args, **kwargs)
+            state = sched_mod.state_of(self.scheduler)
+            if state is not None:
+                state.admit(out[0])
+            elif settings.REQUEST_KEY in (getattr(out[0].sampling_params, "extra_args", None) or {}):
+                raise settings.KVPolicyVLLMError(
+                    f"request {out[0].request_id} names a kvpolicy policy, but this engine runs without kvpolicy"
+                )
+            return out
+
+        return preprocess_add_request
+
+    _wrap(core.EngineCore, "preprocess_add_request", make_preprocess)
+
+    def make_configs(original):
+        def get_kv_cache_configs(vllm_config, *args: Any, **kwargs: Any):
+            need = sched_mod.pool_tokens_needed(vllm_config)
+            mc = vllm_config.model_config
+            if need is None or need >= mc.max_model_len:
+                return original(vllm_config, *args, **kwargs)
+            # vLLM asks the pool to hold one request of max_model_len tokens; under eviction one
+            # request holds at most `need` (replays after preemption included): ask for that.
+            full = mc.max_model_len
+            mc.max_model_len = need
+            try:
+                return original(vllm_config, *args, **kwargs)
+            except ValueError as exc:
+                raise settings.KVPolicyVLLMError(
+                    f"the KV cache cannot hold one request under the server's policy ({need} slots: "
+                    f"its peak, budget plus interval, in blocks{' plus the blocks of a first eviction under prefix caching' if vllm_config.cache_config.enable_prefix_caching else ''}). vLLM said: {exc}"
+                ) from None
+            finally:
+                mc.max_model_len = full
+
+        return get_kv_cache_configs
+
+    if not getattr(core.get_kv_cache_configs, "__kvpolicy_wrapped__", False):
+        wrapper = functools.wraps(core.get_kv_cache_configs)(make_configs(core.get_kv_cache_configs))
+        wrapper.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+        core.get_kv_cache_configs = wrapper
 
 
 def _install_worker() -> None:
@@ -237,14 +366,28 @@ def _install_worker() -> None:
             out = original(self, *args, **kwargs)
             if state is not None:
                 state.after_execute()
+                if out is not None:  # sampled already (or nothing to sample): sample_tokens is not called
+                    state.restore_generators()
             return out
 
         return execute_model
+
+    def make_sample(original):
+        def sample_tokens(self, *args: Any, **kwargs: Any):
+            state = worker.runner_eviction(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if state is not None:
+                    state.restore_generators()
+
+        return sample_tokens
 
     _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
     _wrap(GPUModelRunner, "_update_states", make_update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
     _wrap(GPUModelRunner, "execute_model", make_execute)
+    _wrap(GPUModelRunner, "sample_tokens", make_sample)
 
 
 def install_backend(impl_cls: type) -> None:

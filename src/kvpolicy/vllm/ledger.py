@@ -8,11 +8,18 @@ slot count, and so on its number of blocks, at every step.
 
 Each request carries its own schedule (requests may name their own policies); ``None`` for a
 request that never evicts.
+
+**Replay after preemption.** vLLM recomputes a preempted request from its tokens. Each entry
+records where its evictions fell (``evicted_at``); ``replay_plan`` turns that into the chunk
+boundaries a resumed request is recomputed by (the prompt's end and every eviction point), and
+``resume`` starts a new entry that must evict at exactly those points again: its cache is then
+the one it had, and it never holds more than an uninterrupted run does. The scheduler and every
+worker replay the same plan from their own ledgers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..schedule import Schedule
 
@@ -23,6 +30,8 @@ class RequestSlots:
     tokens: int = 0  # tokens whose keys and values were computed (RoPE positions 0 .. tokens-1)
     slots: int = 0  # slots held in the request's blocks
     evictions: int = 0
+    evicted_at: list[int] = field(default_factory=list)  # token counts after which it evicted
+    replay: list[int] = field(default_factory=list)  # eviction points still to replay (ascending)
 
     @property
     def offset(self) -> int:
@@ -57,7 +66,22 @@ class SlotLedger:
     def reset(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
-    def advance(self, req_id: str, tokens_after: int, prompt_len: int) -> bool:
+    def replay_plan(self, req_id: str) -> list[int] | None:
+        """The eviction points a preempted request must replay: those it had, then those of an
+        earlier plan it had not reached again (preempted during a replay). None: nothing to
+        replay (not tracked, or it never evicts)."""
+        state = self.requests.get(req_id)
+        if state is None or state.schedule is None:
+            return None
+        return [*state.evicted_at, *(p for p in state.replay if p > state.tokens)]
+
+    def resume(self, req_id: str, schedule: Schedule | None, plan: list[int] | None) -> RequestSlots:
+        """Track a request recomputed after preemption: a fresh count that must evict at ``plan``."""
+        state = self.track(req_id, schedule)
+        state.replay = list(plan or [])
+        return state
+
+    def advance(self, req_id: str, tokens_after: int, prompt_len: int, *, probe: bool = False) -> bool:
         """Record a step that brought the request to ``tokens_after`` computed tokens; True when
         it is now due for eviction.
 
@@ -76,16 +100,27 @@ class SlotLedger:
         if sched is None:
             return False
         # Schedule.due is the one rule, shared with the transformers caches.
-        return bool(sched.due(state.slots, state.tokens, prompt=before < prompt_len)) and (
+        due = bool(sched.due(state.slots, state.tokens, prompt=before < prompt_len)) and (
             before >= prompt_len or tokens_after >= prompt_len  # a prompt chunk evicts only once the prompt is in
         )
+        if state.replay:
+            # A replay chunk never crosses an eviction point, and fires exactly at each one.
+            point = state.replay[0]
+            if probe and tokens_after >= point:
+                return True  # vLLM asking whether a whole recompute fits: it evicts on the way
+            if tokens_after > point or due != (tokens_after == point):
+                raise RuntimeError(
+                    f"request {req_id}: replay after preemption diverged at {tokens_after} tokens "
+                    f"(next eviction point {point}, due {due})"
+                )
+        return due
 
     def would_fire(self, req_id: str, tokens_after: int, prompt_len: int) -> bool:
         """Whether ``advance`` to ``tokens_after`` would make the request due, without recording it."""
         state = self.get(req_id)
         saved = replace(state)
         try:
-            return self.advance(req_id, tokens_after, prompt_len)
+            return self.advance(req_id, tokens_after, prompt_len, probe=True)
         finally:
             state.__dict__.update(saved.__dict__)  # in place: callers may hold the entry
 
@@ -96,7 +131,29 @@ class SlotLedger:
             raise RuntimeError(f"request {req_id} has no schedule: it never evicts")
         state.slots = min(state.slots, state.schedule.budget)
         state.evictions += 1
+        state.evicted_at.append(state.tokens)
+        if state.replay and state.replay[0] == state.tokens:
+            state.replay.pop(0)
         return state.slots
+
+
+def replay_boundary(plan: list[int], prompt_len: int, computed: int) -> int | None:
+    """Where the chunk of a request being recomputed from ``computed`` tokens must end at the
+    latest: the next eviction point, or the prompt's end (prefill and decode follow different
+    rules). None: no boundary ahead."""
+    ahead = [p for p in (prompt_len, *plan) if p > computed]
+    return min(ahead) if ahead else None
+
+
+def peak_slots(schedule: Schedule | None, prompt_len: int, total: int) -> int:
+    """The most slots a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds
+    at once under ``schedule`` (None: no eviction, every token), replays after preemption included."""
+    if schedule is None:
+        return total
+    peak = schedule.capacity_for(prompt_len)
+    if schedule.compress_prompt and prompt_len > schedule.budget:
+        peak = max(prompt_len, schedule.capacity_for(schedule.budget))
+    return min(peak, total)
 
 
 def prefix_hit_cap(schedule: Schedule | None, prompt_len: int) -> int | None:

@@ -18,6 +18,18 @@ slots into those fresh blocks, and the request then drops all its old blocks: ea
 the pool when its last reader lets go, its cached contents unchanged. After its first eviction a
 request's blocks are never cached (``caches``), so later evictions compact in place, as with
 prefix caching off. See docs/vllm.md ("Prefix caching") for why this is safe.
+
+**When the accounting happens.** A request's eviction is accounted when the step that makes it
+due is *scheduled* (``Scheduler.schedule``, wrapped), not when its output comes back: the rule
+depends only on token counts, which the scheduler knows then. The blocks it frees can go to
+other requests from the next scheduled step on, which every worker runs after this step's
+eviction. So the accounting is the same whether vLLM schedules the next step before this one's
+output is back (async scheduling) or after.
+
+**Preemption replays evictions.** A preempted request keeps its eviction points
+(``SlotLedger.replay_plan``, kept on the vLLM ``Request``); when vLLM recomputes it, each step's
+tokens for it are capped to end at the next point (``replay_cap``), so it evicts at exactly the
+points it did and never holds more slots than it did uninterrupted (see ``kvpolicy.vllm.ledger``).
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
-from .ledger import SlotLedger, prefix_hit_cap
-from .settings import Resolved, request_policy
+from .ledger import SlotLedger, peak_slots, prefix_hit_cap, replay_boundary
+from .settings import KVPolicyVLLMError, Resolved, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -46,6 +58,11 @@ def state() -> SchedulerEviction | None:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+#: Where a preempted request's eviction points wait for its recompute (an attribute of vLLM's
+#: ``Request``: it lives and dies with the request).
+REPLAY_ATTR = "_kvpolicy_replay"
 
 
 class SchedulerEviction:
@@ -66,6 +83,10 @@ class SchedulerEviction:
         self.hits_capped = 0  # prefix-cache hits shortened to keep a query window computed
         self.prefix_queried = 0  # prompt tokens looked up in the prefix cache (new requests)
         self.prefix_hit = 0  # of which found there
+        self.preemptions = 0  # requests preempted (with a schedule)
+        self.preempted_after_evicting = 0
+        self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
+        self.pending_trace: list[Any] = []
 
     def _schedule(self, request: Any) -> Schedule | None:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
@@ -81,8 +102,68 @@ class SchedulerEviction:
         request = self.scheduler.requests.get(req_id)
         if request is None:
             return False
-        self.ledger.track(req_id, self._schedule(request))
+        self._track(request)
         return True
+
+    def _track(self, request: Any) -> None:
+        # The plan stays on the request (replaced at its next preemption): a recompute whose
+        # first allocation fails is tracked again later and its prefix hit must stay capped.
+        plan = request.__dict__.get(REPLAY_ATTR)
+        self.ledger.resume(request.request_id, self._schedule(request), plan)
+
+    # -- preemption -------------------------------------------------------------------------
+    def on_preempt(self, request: Any) -> None:
+        """Before vLLM frees a preempted request: keep its eviction points for the recompute."""
+        plan = self.ledger.replay_plan(request.request_id)
+        if plan is None:
+            plan = request.__dict__.get(REPLAY_ATTR)  # preempted again before it was scheduled
+        if plan is not None:
+            request.__dict__[REPLAY_ATTR] = plan
+            self.preemptions += 1
+            self.preempted_after_evicting += bool(plan)
+
+    def replay_cap(self, request: Any, computed: int, num_new: int) -> int:
+        """``num_new`` tokens scheduled for a request from ``computed``, capped so that a request
+        being recomputed after preemption ends the step at its next eviction point or prompt end."""
+        entry = self.ledger.requests.get(request.request_id)
+        plan = entry.replay if entry is not None else request.__dict__.get(REPLAY_ATTR)
+        if plan is None or (entry is not None and entry.schedule is None):
+            return num_new
+        if entry is not None and not entry.replay and computed >= request.num_prompt_tokens:
+            return num_new
+        end = replay_boundary(plan, int(request.num_prompt_tokens), computed)
+        if end is None:
+            return num_new
+        capped = min(num_new, end - computed)
+        self.replay_cuts += capped < num_new
+        return capped
+
+    def counted_slots(self, req_id: str, num_tokens: int) -> int:
+        """Slots to allocate for a request to reach ``num_tokens`` tokens: its tokens less those
+        evicted, and never more than its policy's peak. (The peak binds only vLLM's admission
+        check that a request's whole sequence fits the pool: a request recomputed after
+        preemption replays its evictions and never holds its whole sequence.)"""
+        slots = num_tokens - self.ledger.offset(req_id)
+        request = self.scheduler.requests.get(req_id)
+        if request is None:
+            return slots
+        schedule = self._schedule(request)
+        if schedule is None:
+            return slots
+        return min(slots, peak_slots(schedule, int(request.num_prompt_tokens), slots))
+
+    # -- admission ------------------------------------------------------------------------------
+    def admit(self, request: Any) -> None:
+        """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
+        settings the front end did not resolve, or more blocks than the KV pool has."""
+        self._schedule(request)  # raises for unresolved settings
+        pool = self.scheduler.kv_cache_manager.block_pool
+        block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
+        refusal = pool_refusal(self._schedule(request), int(request.num_prompt_tokens),
+                               int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
+                               self.prefix_caching)
+        if refusal is not None:
+            raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
     # -- prefix caching ---------------------------------------------------------------------
     def copy_blocks(self, req_id: str, num_tokens: int, block_size: int) -> int:
@@ -106,7 +187,13 @@ class SchedulerEviction:
     def computed_blocks(self, request: Any, found: Any, hit: int, block_size: int) -> tuple[Any, int]:
         """A new request's prefix-cache hit (``found`` blocks per group, ``hit`` tokens), shortened
         where its first eviction needs queries of the hit tokens (``prefix_hit_cap``)."""
-        cap = prefix_hit_cap(self._schedule(request), request.num_prompt_tokens)
+        schedule = self._schedule(request)
+        cap = prefix_hit_cap(schedule, request.num_prompt_tokens)
+        if schedule is not None and REPLAY_ATTR in request.__dict__:
+            # A recompute starts its ledger at the hit: the hit must end inside the prompt, as a
+            # new request's does (the prompt's end is a replay boundary).
+            inside = int(request.num_prompt_tokens) - 1
+            cap = inside if cap is None else min(cap, inside)
         if cap is not None and hit > cap:
             hit = cap // block_size * block_size
             found = tuple(group[: hit // block_size] for group in found)
@@ -115,8 +202,10 @@ class SchedulerEviction:
         self.prefix_hit += hit
         return found, hit
 
-    # -- after each step --------------------------------------------------------------------
-    def after_update(self, scheduler_output: Any) -> None:
+    # -- each scheduled step ----------------------------------------------------------------
+    def after_schedule(self, scheduler_output: Any) -> None:
+        """Account the evictions the step just scheduled will make (the workers run them after
+        its forward): the request's kept slots stay, the blocks past them go back to the pool."""
         sched = self.scheduler
         managers = sched.kv_cache_manager.coordinator.single_type_managers
         evicted = 0
@@ -125,7 +214,7 @@ class SchedulerEviction:
             if request is None or request.is_finished():
                 continue
             if not self.ledger.tracks(req_id):
-                self.ledger.track(req_id, self._schedule(request))
+                self._track(request)
             if not self.ledger.advance(req_id, request.num_computed_tokens, request.num_prompt_tokens):
                 continue
             entry = self.ledger.get(req_id)
@@ -154,13 +243,26 @@ class SchedulerEviction:
                     mgr.block_pool.free_blocks(reversed(copied))
                 self.blocks_freed += len(tail) + len(copied)
                 self.blocks_copied += len(copied)
-        self.step += 1
-        if self.trace is not None:
-            self._write_trace(scheduler_output, managers, evicted)
+        if self.trace is not None:  # written when the step's output is back (at most a few steps in flight)
+            self.pending_trace = [*self.pending_trace[-7:], (scheduler_output, evicted)]
 
-    def _write_trace(self, scheduler_output: Any, managers: Any, evicted: int) -> None:
+    def after_update(self, scheduler_output: Any) -> None:
+        """After a step's output came back: the trace record of that step."""
+        self.step += 1
+        if self.trace is None:
+            return
+        evicted = 0
+        for i, (out, n) in enumerate(self.pending_trace):
+            if out is scheduler_output:
+                evicted = n
+                del self.pending_trace[i]
+                break
+        self._write_trace(scheduler_output, evicted)
+
+    def _write_trace(self, scheduler_output: Any, evicted: int) -> None:
         assert self.trace is not None
         sched = self.scheduler
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
         pool = sched.kv_cache_manager.block_pool
         record = {
             "step": self.step, "time": time.time(), "running": len(sched.running),
@@ -174,9 +276,49 @@ class SchedulerEviction:
             "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
             "hits_capped_total": self.hits_capped, "prefix_queried_total": self.prefix_queried,
             "prefix_hit_total": self.prefix_hit,
+            "preempted_total": self.preemptions, "preempted_after_evicting_total": self.preempted_after_evicting,
+            "replay_cuts_total": self.replay_cuts,
+            "async": bool(sched.scheduler_config.async_scheduling),
         }
         with open(self.trace, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, block_size: int,
+                        prefix_caching: bool) -> int:
+    """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
+    blocks its first eviction writes the kept slots into (held for one step beside the old ones)."""
+    blocks = cdiv(peak_slots(schedule, prompt_len, total), block_size)
+    if schedule is not None and prefix_caching and total > schedule.budget:
+        blocks += cdiv(schedule.budget, block_size)
+    return blocks
+
+
+def pool_refusal(schedule: Schedule | None, prompt_len: int, max_tokens: int, pool_blocks: int, block_size: int,
+                 prefix_caching: bool) -> str | None:
+    """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can)."""
+    need = request_need_blocks(schedule, prompt_len, prompt_len + max_tokens, block_size, prefix_caching)
+    if need <= pool_blocks:
+        return None
+    what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
+            else f"its policy keeps {schedule.budget} slots, but its prompt of {prompt_len} tokens is held whole before "
+                 "the first eviction")
+    return (f"needs {need} KV blocks of {block_size} ({what}), more than the {pool_blocks} the KV pool has; "
+            "shorten it (prompt or max_tokens) or choose a policy that evicts (with compress_prompt for long prompts)")
+
+
+def pool_tokens_needed(vllm_config: Any) -> int | None:
+    """Slots the KV pool must hold for one request under the server's policy: its peak for a
+    prompt within the budget (longer prompts are checked per request); None: vLLM's own check
+    (the server's policy is ``none``, or kvpolicy is off)."""
+    resolved = Resolved.from_additional_config(vllm_config.additional_config)
+    policy = None if resolved is None else resolved.policy()
+    if policy is None:
+        return None
+    s = policy.schedule
+    bs = int(vllm_config.cache_config.block_size)
+    long = max(vllm_config.model_config.max_model_len, s.budget + 1)
+    return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching)) * bs
 
 
 def init_scheduler(scheduler: Any) -> None:

@@ -176,6 +176,9 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
+    facts = facts_refusal(policy)
+    if facts is not None:
+        raise KVPolicyVLLMError(facts)
 
 
 def _is_file(source: str) -> bool:
@@ -246,7 +249,12 @@ def request_policy(extra_args: Any, server: Resolved) -> Resolved:
         return server
     r = Resolved.from_additional_config({KEY: extra_args[REQUEST_KEY]})
     if r is None:
-        raise KVPolicyVLLMError(f"a request reached the engine with unresolved kvpolicy settings: {extra_args[REQUEST_KEY]!r}")
+        raise KVPolicyVLLMError(
+            f"a request reached the engine with kvpolicy settings the front end did not resolve "
+            f"({extra_args[REQUEST_KEY]!r}): add requests through vLLM's input processor (LLM.generate, "
+            "LLMEngine.add_request with a prompt, the OpenAI server), which validates and resolves them; "
+            "this request is refused"
+        )
     return r
 
 
@@ -275,15 +283,12 @@ def refusals(vllm_config: Any) -> list[str]:
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     pc = vllm_config.parallel_config
-    sc = vllm_config.scheduler_config
     if not current_platform.is_cpu():
         out.append(
             f"platform {current_platform.device_name!r}: GPU backends are refused until a GPU run has passed "
             "kvpolicy's vLLM engine tests (tests/engine_vllm); their cache layouts are implemented "
             "(kvpolicy.vllm.layout) and tested on CPU tensors only. Only vLLM's CPU backend (cpu_attn) runs"
         )
-    if sc.async_scheduling:
-        out.append("async scheduling is on: pass async_scheduling=False (--no-async-scheduling)")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
     if pc.data_parallel_size > 1:
@@ -329,6 +334,18 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
         f"policy {policy.name!r} chooses for all KV heads of a layer together (over all its query heads), but "
         f"tensor_parallel_size {tensor_parallel_size} gives each rank a share of the heads to evict alone: "
         "serve it with tensor_parallel_size 1"
+    )
+
+
+def facts_refusal(policy: Policy | None) -> str | None:
+    """Why vLLM cannot serve ``policy`` (None: it can): the engine does not hand kvpolicy the
+    model facts (RoPE, output projections) that some stages read (``Policy.needs_model``)."""
+    if policy is None or not policy.needs_model:
+        return None
+    return (
+        f"policy {policy.name!r} reads the model's {', '.join(sorted(policy.needs_model))} "
+        "(Policy.needs_model), which the vLLM integration does not provide yet: run it with KVPolicyCache or "
+        "EvictingCache"
     )
 
 

@@ -20,8 +20,10 @@ Each request runs its own policy (``settings.request_policy``: its own, else the
 requests are grouped by policy and slot count, one ``Policy.select`` per group. Requests whose
 policies look at different numbers of queries have rings of different widths.
 
-The rings and the per-slot positions are the only state kept beside vLLM's own; both live on the
-KV cache's device. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
+The rings and the per-slot state of each request's kept slots (``KeptSlots``: today their token
+positions) are the only state kept beside vLLM's own; both live on the KV cache's device. A
+request resumed after preemption replays its evictions (``kvpolicy.vllm.ledger``): its rings and
+kept slots are rebuilt by the replay, not stored across the preemption. The cache is read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``),
 from the layout vLLM resolved for the server and the backend's block interior.
 """
 
@@ -103,6 +105,35 @@ class RequestQueryRing:
 
 
 @dataclass(frozen=True)
+class KeptSlots:
+    """What the worker keeps per slot of a request beside vLLM's keys and values, for the slots
+    kept at its last eviction: ``[Lyr, Hkv, K]`` tensors that move with the slots.
+
+    Every per-slot field lives here, and only here: ``fresh`` says what a slot appended since the
+    last eviction holds, ``extend`` joins the kept and the fresh slots for an eviction's input, and
+    ``take`` keeps the chosen ones. (A stage's per-slot state, when stages have one, is one more
+    field, handled in these three methods.)"""
+
+    positions: torch.Tensor  # token index of each kept slot
+
+    @staticmethod
+    def fresh(start: int, n: int, offset: int, layers: int, heads: int, device: torch.device) -> KeptSlots:
+        """Slots ``start .. n-1`` appended since the last eviction: slot ``s`` holds token ``s + offset``."""
+        pos = (torch.arange(start, n, device=device) + offset).expand(layers, heads, n - start)
+        return KeptSlots(pos.clone())
+
+    @staticmethod
+    def extend(kept: KeptSlots | None, fresh: KeptSlots) -> KeptSlots:
+        if kept is None:
+            return fresh
+        return KeptSlots(torch.cat([kept.positions, fresh.positions], dim=-1))
+
+    def take(self, idx: torch.Tensor) -> KeptSlots:
+        """The slots at ``idx [Lyr, Hkv, K]`` (a copy)."""
+        return KeptSlots(self.positions.gather(-1, idx))
+
+
+@dataclass(frozen=True)
 class RequestPolicy:
     """A policy as this worker runs it: loaded once per distinct resolved policy."""
 
@@ -155,9 +186,11 @@ class WorkerEviction:
         self.prefix_caching = bool(runner.vllm_config.cache_config.enable_prefix_caching)
         self.dtype = self.caches[0].dtype
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
-        self.kept_pos: dict[str, torch.Tensor] = {}  # req -> [layers, Hkv, K] positions of kept slots
+        self.kept: dict[str, KeptSlots] = {}  # req -> per-slot state of its kept slots
+        self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
+        self.held_generators: dict[int, torch.Generator] = {}  # see _hold_generators
         self.layout_checked = False
         # Under tensor parallelism this rank holds KV heads [head_offset, head_offset + kv_heads) of
         # the model's (start-up refuses a TP size that does not divide them): it evicts those
@@ -179,20 +212,22 @@ class WorkerEviction:
         for new in scheduler_output.scheduled_new_reqs:
             self._drop(new.req_id)  # a new request, or one resubmitted under the same id
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-            state = self.ledger.requests.get(req_id)
-            if state is not None and state.evictions and self.rank == 0:
-                # Exactness would need the evicted cache back; vLLM recomputes from the tokens.
-                logger.warning(
-                    "kvpolicy: request %s was preempted after %d eviction(s); vLLM recomputes its cache "
-                    "from its %d tokens (full attention over them, then eviction again), so its "
-                    "continuation may differ from an uninterrupted run. Give the KV cache more blocks "
-                    "or lower max_num_seqs to avoid preemption.", req_id, state.evictions, state.tokens,
-                )
-            self._drop(req_id)  # preempted: vLLM recomputes it from scratch into fresh blocks
+            # Preempted, now recomputed into fresh blocks: it replays its evictions (the scheduler
+            # ends its steps at the same points), from this worker's own record of them.
+            plan = self.ledger.replay_plan(req_id)
+            if plan is None:
+                plan = self.replays.get(req_id)  # preempted again before it ran
+            self._drop(req_id)
+            if plan is not None:
+                self.replays[req_id] = plan
+                if plan and self.rank == 0:
+                    logger.info("kvpolicy: request %s resumes after preemption, replaying %d eviction(s)",
+                                req_id, len(plan))
 
     def _drop(self, req_id: str) -> None:
         self.ledger.reset(req_id)
-        self.kept_pos.pop(req_id, None)
+        self.kept.pop(req_id, None)
+        self.replays.pop(req_id, None)
         self.policy_of.pop(req_id, None)
         for ring in self.rings.values():
             ring.drop(req_id)
@@ -210,7 +245,7 @@ class WorkerEviction:
             rp = self.policies[r.policy_yaml] = RequestPolicy(r, r.policy())
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
-            self.ledger.track(req_id, None if rp.policy is None else rp.policy.schedule)
+            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None))
         return rp
 
     def _ring(self, window: int) -> RequestQueryRing:
@@ -239,6 +274,7 @@ class WorkerEviction:
             per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
             slots = runner.positions[:total] - per_token
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
+        self._hold_generators(num_reqs)
         self.captures = []
         if not num_reqs:
             return
@@ -259,6 +295,28 @@ class WorkerEviction:
             dev = self.device
             self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
                                               torch.from_numpy(flat).to(dev)))
+
+    def _hold_generators(self, num_reqs: int) -> None:
+        """Take the seeded generators of requests whose step ends inside their known tokens (a
+        prefill chunk: vLLM discards what it samples for them) until sampling is done.
+
+        vLLM rewinds such a generator with ``set_offset``, which CPU generators lack ("CPU
+        Generator does not use offset"): a seeded request recomputed in chunks after preemption
+        would stop the engine. Held back, the generator draws nothing for the discarded sample,
+        which is what the rewind is for: the request samples as if the chunk had not happened."""
+        self.held_generators = {}
+        mask = getattr(self.runner, "discard_request_mask", None)
+        gens = self.runner.input_batch.generators
+        if mask is None or not gens:
+            return
+        for i in np.flatnonzero(mask.np[:num_reqs]).tolist():
+            if i in gens:
+                self.held_generators[i] = gens.pop(i)
+
+    def restore_generators(self) -> None:
+        if self.held_generators:
+            self.runner.input_batch.generators.update(self.held_generators)
+            self.held_generators = {}
 
     def _window_size(self, req_id: str) -> int:
         policy = self._policy(req_id).policy
@@ -337,7 +395,8 @@ class WorkerEviction:
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
         states = [self.ledger.get(q) for q in req_ids]
-        positions = torch.stack([self._positions(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)], dim=1)
+        slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
+        positions = torch.stack([x.positions for x in slots], dim=1)
         queries, query_valid = self._window(policy.schedule.window, req_ids, [s.tokens for s in states], keys)
         layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
         evictions = torch.tensor([s.evictions for s in states], dtype=torch.long, device=self.device).repeat(lyr)
@@ -352,9 +411,9 @@ class WorkerEviction:
                       for j, req_id in enumerate(req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
         compact(self.kv, dst, gathered, kept.view(lyr, r, self.kv_heads, k), self.block_size)
-        new_pos = flat_pos.gather(2, kept).view(lyr, r, self.kv_heads, k)
+        per_req = kept.view(lyr, r, self.kv_heads, k)
         for j, req_id in enumerate(req_ids):
-            self.kept_pos[req_id] = new_pos[:, j].clone()
+            self.kept[req_id] = slots[j].take(per_req[:, j])
             self.ledger.evicted(req_id)
             table.add_row(new_tables[j], int(rows[j]))
             state = runner.requests.get(req_id)
@@ -398,12 +457,12 @@ class WorkerEviction:
         valid = (seen[:, None] - w + steps) >= 0
         return queries, valid.repeat(lyr, 1)
 
-    def _positions(self, req_id: str, offset: int, n: int) -> torch.Tensor:
-        """``[Lyr, Hkv, N]`` token index of each slot of the request."""
-        kept = self.kept_pos.get(req_id)
-        start = 0 if kept is None else kept.shape[-1]
-        fresh = (torch.arange(start, n, device=self.device) + offset).expand(len(self.caches), self.kv_heads, n - start)
-        return fresh.clone() if kept is None else torch.cat([kept, fresh], dim=-1)
+    def _slots(self, req_id: str, offset: int, n: int) -> KeptSlots:
+        """The per-slot state ``[Lyr, Hkv, N]`` of the request's ``n`` slots: kept, then fresh."""
+        kept = self.kept.get(req_id)
+        start = 0 if kept is None else kept.positions.shape[-1]
+        fresh = KeptSlots.fresh(start, n, offset, len(self.caches), self.kv_heads, self.device)
+        return KeptSlots.extend(kept, fresh)
 
     def _write_trace(self, rp, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx,
                      evictions, kept) -> None:
@@ -414,6 +473,8 @@ class WorkerEviction:
             "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
+            # what each request's cache holds after this eviction (token index per layer, head and slot)
+            "kept_digest": [_digest(self.kept[q].positions) for q in req_ids],
         }
         with open(self.trace / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -426,6 +487,12 @@ class WorkerEviction:
                  "head_offset": self.head_offset},
                 self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
             )
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 # -- wrappers installed on vLLM's classes at plugin load (see kvpolicy.vllm.hooks) ------------------
