@@ -4,6 +4,8 @@ plugins tests register at run time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import kvpolicy
@@ -112,3 +114,45 @@ def facts_for(policy, layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 8):
     facts = model_facts(layers, hkv, hq, d)
     policy.check_model_facts(facts, num_layers=layers, num_kv_heads=hkv, head_dim=d)
     return facts
+
+
+def random_steps(batch: int, hkv: int, hq: int, d: int, prompt: int, n: int, seed: int, pads=None):
+    """A prompt of ``prompt`` tokens, then ``n`` single tokens: ``(k, v, q, valid)`` per step,
+    float64, row ``r`` of the prompt left-padded with ``pads[r]`` invalid tokens."""
+    g = torch.Generator().manual_seed(seed)
+    for i, t in enumerate([prompt] + [1] * n):
+        k = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
+        v = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
+        q = torch.randn(batch, hq, t, d, generator=g, dtype=torch.float64) * 2
+        valid = torch.ones(batch, t, dtype=torch.bool)
+        if i == 0 and pads:
+            for r, p in enumerate(pads):
+                valid[r, :p] = False
+        yield k, v, q, valid
+
+
+def assert_state_rows_alone(policy, steps, slot_fields, head_fields=()) -> Any:
+    """Run ``steps`` (``random_steps``) as one left-padded batch and each row alone, through
+    one-layer ``EvictingCache``s: after every step each row holds the positions, and the state
+    (``slot_fields`` per slot, ``head_fields`` per head), that it holds alone, bit for bit.
+    Returns the batch cache."""
+    from kvpolicy import EvictingCache
+
+    batch = EvictingCache(policy, num_layers=1)
+    alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
+    for k, v, q, valid in steps:
+        batch.attend(0, q, k, v, token_valid=None if bool(valid.all()) else valid)
+        for r in range(2):
+            keep = valid[r]
+            alone[r].attend(0, q[r : r + 1, :, keep], k[r : r + 1, :, keep], v[r : r + 1, :, keep])
+        view = batch.layers[0]
+        for r in range(2):
+            mine = alone[r].layers[0]
+            held = view.valid[r]
+            heads = held.shape[0]
+            assert view.positions[r][held].view(heads, -1).tolist() == mine.positions[0].tolist()
+            for name in slot_fields:
+                assert torch.equal(view.state[name][r][held].view(heads, -1), mine.state[name][0]), name
+            for name in head_fields:
+                assert torch.equal(view.state[name][r], mine.state[name][0]), name
+    return batch

@@ -8,6 +8,7 @@ from collections import deque
 
 import pytest
 import torch
+from helpers import assert_state_rows_alone, random_steps
 
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
@@ -133,18 +134,7 @@ def _softmax(logits: list[float]) -> list[float]:
     return [x / z for x in ex]
 
 
-def _steps(batch, hkv, hq, d, prompt, n, seed, pads=None):
-    g = torch.Generator().manual_seed(seed)
-    for i, t in enumerate([prompt] + [1] * n):
-        k = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
-        v = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
-        q = torch.randn(batch, hq, t, d, generator=g, dtype=torch.float64) * 2
-        valid = torch.ones(batch, t, dtype=torch.bool)
-        if i == 0 and pads:
-            for r, p in enumerate(pads):
-                valid[r, :p] = False
-        yield k, v, q, valid
-
+_steps = random_steps
 
 def _held(view, b: int) -> list[list[int]]:
     return [view.positions[b, h][view.valid[b, h]].tolist() for h in range(view.positions.shape[1])]
@@ -190,26 +180,12 @@ def test_gkv_cache_equals_float64_reference(hkv, hq, compress_prompt, count):
 
 def test_gkv_padded_rows_equal_rows_alone():
     """A left-padded batch: each row's held tokens and stored scores equal the row run alone."""
-    policy = _gkv()
     for pads in ((0, 5), (3, 0)):
-        batch = EvictingCache(policy, num_layers=1)
-        alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
-        for k, v, q, valid in _steps(2, 2, 4, 8, prompt=20, n=25, seed=3, pads=pads):
-            batch.attend(0, q, k, v, token_valid=None if bool(valid.all()) else valid)
-            for r in range(2):
-                keep = valid[r]
-                alone[r].attend(0, q[r : r + 1, :, keep], k[r : r + 1, :, keep], v[r : r + 1, :, keep])
-            view = batch.layers[0]
-            for r in range(2):
-                mine = alone[r].layers[0]
-                held = view.valid[r]
-                assert view.positions[r][held].view(2, -1).tolist() == mine.positions[0].tolist()
-                assert torch.equal(view.state["state0.score"][r][held].view(2, -1), mine.state["state0.score"][0])
+        steps = _steps(2, 2, 4, 8, prompt=20, n=25, seed=3, pads=pads)
+        batch = assert_state_rows_alone(_gkv(), steps, ["state0.score"])
         assert batch.stats()[0].evictions >= 5
 
 
-# -- through generate() ------------------------------------------------------------------------
-@pytest.mark.usefixtures("one_thread")
 def test_gkv_generate_equals_float64_reference():
     """``generate()`` with the policy's cache: after every layer call, the held tokens, the
     attention outputs and, at every compression, the stored scores equal the loop reference fed

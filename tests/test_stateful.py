@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from helpers import assert_state_rows_alone, random_steps
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -86,19 +87,7 @@ def _h2o(budget=12, recent=4, interval=4, window=4, **extra) -> kvpolicy.Policy:
     return load_policy("h2o", budget=budget, recent=recent, interval=interval, window=window, **extra)
 
 
-def _steps(batch, hkv, hq, d, prompt, n, seed, pads=None):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [prompt] + [1] * n
-    for i, t in enumerate(lengths):
-        k = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
-        v = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
-        q = torch.randn(batch, hq, t, d, generator=g, dtype=torch.float64) * 2
-        valid = torch.ones(batch, t, dtype=torch.bool)
-        if i == 0 and pads:
-            for r, p in enumerate(pads):
-                valid[r, :p] = False
-        yield k, v, q, valid
-
+_steps = random_steps
 
 def _check_layer(cache: EvictingCache, ref: H2OReference, layer: int, label: str) -> int:
     """Held positions equal the reference's; so does the state of every row whose state has seen
@@ -148,22 +137,7 @@ def test_h2o_cache_equals_float64_reference(hkv, hq, compress_prompt, window, in
 @pytest.mark.parametrize("pads", [(0, 5), (3, 0)])
 def test_h2o_padded_rows_equal_rows_alone(pads):
     """A left-padded batch: each row's held positions and state equal the row run alone."""
-    policy = _h2o()
-    batch = EvictingCache(policy, num_layers=1)
-    alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
-    for k, v, q, valid in _steps(2, 2, 4, 8, prompt=14, n=25, seed=3, pads=pads):
-        batch.attend(0, q, k, v, token_valid=None if bool(valid.all()) else valid)
-        for r in range(2):
-            keep = valid[r]
-            alone[r].attend(0, q[r : r + 1, :, keep], k[r : r + 1, :, keep], v[r : r + 1, :, keep])
-        view = batch.layers[0]
-        for r in range(2):
-            mine = alone[r].layers[0]
-            held = view.valid[r]
-            assert view.positions[r][held].view(2, -1).tolist() == mine.positions[0].tolist()
-            torch.testing.assert_close(
-                view.state["state0.attention"][r][held].view(2, -1), mine.state["state0.attention"][0], rtol=0, atol=0,
-            )
+    batch = assert_state_rows_alone(_h2o(), _steps(2, 2, 4, 8, prompt=14, n=25, seed=3, pads=pads), ["state0.attention"])
     assert batch.stats()[0].evictions >= 3
 
 

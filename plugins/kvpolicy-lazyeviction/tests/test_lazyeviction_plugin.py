@@ -216,22 +216,10 @@ def test_the_state_sees_misses_and_long_intervals():
 @pytest.mark.parametrize("pads", [(0, 5), (3, 0)])
 def test_padded_rows_equal_rows_alone(pads):
     """A left-padded batch: each row's held tokens and state equal the row run alone."""
-    policy = _policy()
-    batch = EvictingCache(policy, num_layers=1)
-    alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
-    for k, v, q, valid in _steps(2, 2, 4, 8, prompt=14, n=25, seed=3, pads=pads):
-        batch.attend(0, q, k, v, token_valid=None if bool(valid.all()) else valid)
-        for r in range(2):
-            keep = valid[r]
-            alone[r].attend(0, q[r : r + 1, :, keep], k[r : r + 1, :, keep], v[r : r + 1, :, keep])
-        view = batch.layers[0]
-        for r in range(2):
-            mine = alone[r].layers[0]
-            held = view.valid[r]
-            assert view.positions[r][held].view(2, -1).tolist() == mine.positions[0].tolist()
-            for name in ("state0.last", "state0.mri"):
-                assert torch.equal(view.state[name][r][held].view(2, -1), mine.state[name][0]), name
-            assert torch.equal(view.state["state0.now"][r], mine.state["state0.now"][0])
+    from helpers import assert_state_rows_alone
+
+    steps = _steps(2, 2, 4, 8, prompt=14, n=25, seed=3, pads=pads)
+    batch = assert_state_rows_alone(_policy(), steps, ["state0.last", "state0.mri"], ["state0.now"])
     assert batch.stats()[0].evictions >= 3
 
 
