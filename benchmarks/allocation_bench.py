@@ -21,28 +21,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import warnings
 
 import torch
+from decode_timing import build_model, time_decode
 
-warnings.filterwarnings("ignore", category=FutureWarning)
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import kvpolicy  # noqa: E402
-from kvpolicy.hf import KVPolicyCache  # noqa: E402
+import kvpolicy
 
 POLICIES = ("snapkv", "pyramidkv", "ada-snapkv")
-
-
-def build_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, vocab_size=1024, max_position_embeddings=32768, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def main() -> None:
@@ -54,32 +39,9 @@ def main() -> None:
     if args.quick:
         args.budget, args.steps = 256, 60
     torch.set_num_threads(1)
-    model = build_model()
-    prompt = torch.randint(0, 1024, (1, 2 * args.budget))  # past every layer's budget, pyramid's first too
-    caches, nexts = {}, {}
-    with torch.no_grad():
-        for name in POLICIES:
-            cache = KVPolicyCache(kvpolicy.load_policy(name, budget=args.budget), model)
-            out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            nexts[name] = out.logits[:, -1:].argmax(-1)
-            caches[name] = cache
-        # Decode until every cache has evicted (interval 64: at most two intervals).
-        for _ in range(2 * 64 + 1):
-            for name in POLICIES:
-                out = model(input_ids=nexts[name], past_key_values=caches[name], use_cache=True)
-                nexts[name] = out.logits[:, -1:].argmax(-1)
-        assert all(min(s.evictions for s in caches[n].stats()) > 0 for n in POLICIES)
-        plain: dict[str, list[float]] = {n: [] for n in POLICIES}
-        evicting: dict[str, list[float]] = {n: [] for n in POLICIES}
-        for _ in range(args.steps):
-            for name in POLICIES:  # alternating: each cache sees the same machine noise
-                cache = caches[name]
-                due = any(layer.eviction_due for layer in cache.evicting.layers)
-                t0 = time.perf_counter()
-                out = model(input_ids=nexts[name], past_key_values=cache, use_cache=True)
-                elapsed = time.perf_counter() - t0
-                nexts[name] = out.logits[:, -1:].argmax(-1)
-                (evicting if due else plain)[name].append(elapsed)
+    # A prompt past every layer's budget, pyramid's first too.
+    named = {name: kvpolicy.load_policy(name, budget=args.budget) for name in POLICIES}
+    caches, plain, evicting = time_decode(build_model(), named, 2 * args.budget, args.steps)
     uneven = caches["ada-snapkv"].evicting.layers[0]
     held = uneven.valid.sum(-1)[0].tolist()
     print(f"budget {args.budget}, {args.steps} steps per cache, 1 thread; ada-snapkv layer 0 heads hold {held}")

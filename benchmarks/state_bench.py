@@ -24,17 +24,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import warnings
 
 import torch
+from decode_timing import build_model, time_decode
 
-warnings.filterwarnings("ignore", category=FutureWarning)
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import kvpolicy  # noqa: E402
-from kvpolicy.hf import KVPolicyCache  # noqa: E402
+import kvpolicy
 
 BASE = "h2o-windowed"
 
@@ -50,15 +44,6 @@ def policies(budget: int) -> dict[str, kvpolicy.Policy]:
     }
 
 
-def build_model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-        head_dim=64, vocab_size=1024, max_position_embeddings=32768, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=512)
@@ -68,42 +53,18 @@ def main() -> None:
     if args.quick:
         args.budget, args.steps = 256, 96
     torch.set_num_threads(1)
-    model = build_model()
-    prompt = torch.randint(0, 1024, (1, 2 * args.budget))
     named = policies(args.budget)
-    caches, nexts = {}, {}
-    with torch.no_grad():
-        for name, policy in named.items():
-            cache = KVPolicyCache(policy, model)
-            out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
-            nexts[name] = out.logits[:, -1:].argmax(-1)
-            caches[name] = cache
-        for _ in range(2 * 64 + 1):  # until every cache has evicted
-            for name in named:
-                out = model(input_ids=nexts[name], past_key_values=caches[name], use_cache=True)
-                nexts[name] = out.logits[:, -1:].argmax(-1)
-        assert all(min(s.evictions for s in caches[n].stats()) > 0 for n in named)
-        plain: dict[str, list[float]] = {n: [] for n in named}
-        evicting: dict[str, list[float]] = {n: [] for n in named}
-        for _ in range(args.steps):
-            for name in named:  # alternating: each cache sees the same machine noise
-                cache = caches[name]
-                due = any(layer.eviction_due for layer in cache.evicting.layers)
-                t0 = time.perf_counter()
-                out = model(input_ids=nexts[name], past_key_values=cache, use_cache=True)
-                elapsed = time.perf_counter() - t0
-                nexts[name] = out.logits[:, -1:].argmax(-1)
-                (evicting if due else plain)[name].append(elapsed)
+    caches, plain, evicting = time_decode(build_model(), named, 2 * args.budget, args.steps)
     print(f"budget {args.budget}, {args.steps} steps per cache, 1 thread")
     base_plain = statistics.median(plain[BASE])
-    base_evict = statistics.median(evicting[BASE])
+    base_evict = statistics.median(evicting[BASE]) if evicting[BASE] else float("nan")
     base_mean = statistics.fmean(plain[BASE] + evicting[BASE])
     base_bytes = caches[BASE].memory_bytes()
     print(f"{'policy':<14} {'step ms':>8} {'ratio':>7} {'evicting ms':>12} {'ratio':>7} {'mean ms':>8} {'ratio':>7} "
           f"{'memory MiB':>11} {'ratio':>7}")
     for name in named:
         p = statistics.median(plain[name])
-        e = statistics.median(evicting[name])
+        e = statistics.median(evicting[name]) if evicting[name] else float("nan")
         m = statistics.fmean(plain[name] + evicting[name])
         b = caches[name].memory_bytes()
         print(f"{name:<14} {p * 1e3:8.3f} {p / base_plain:6.3f}x {e * 1e3:12.3f} {e / base_evict:6.3f}x "
