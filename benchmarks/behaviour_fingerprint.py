@@ -75,6 +75,8 @@ def fingerprint() -> dict:
             v0 = ev.layers[0]
             rec["view"] = (v0.keys.clone(), v0.values.clone(), v0.valid.clone(), v0.positions.clone())
             out[(label, beams)] = rec
+        if policy.needs_model:  # a hand-written loop has no model to give facts of
+            continue
         # the step API with a hand-written loop, chunked prefill + decode, left padding
         torch.manual_seed(1)
         cache = EvictingCache(policy, 2)
