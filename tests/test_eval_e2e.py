@@ -165,13 +165,15 @@ def test_resume_refuses_new_options(tmp_path, capsys):
 
 
 def test_chunked_feeding_evicts_exactly_like_token_by_token(tiny_model):
-    """The harness's speed-up: interval-aligned chunks give the logits of token-by-token decoding."""
+    """The harness's speed-up: interval-aligned chunks give the logits of token-by-token decoding,
+    for policies whose stages keep state too (h2o, gkv: their state sees each chunk's queries)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 250, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    for name in ("snapkv", "rkv", "vase-attnv"):
-        policy = load_policy(name, budget=96)
+    for name in ("snapkv", "rkv", "vase-attnv", "h2o", "gkv"):
+        policy = load_policy(name, budget=96) if name not in ("h2o", "gkv") else load_policy(
+            name, budget=96, recent=16, window=16)
         chunked, single = Stream(model, policy), Stream(model, policy)
         got = torch.zeros(len(ids) - 40, 256 + 3)
 

@@ -125,7 +125,7 @@ def _responses(results) -> dict[int, list[str]]:
 
 
 # -- the model class ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["snapkv", "ada-snapkv"])  # ada-snapkv: per-head budgets
+@pytest.mark.parametrize("policy", ["snapkv", "ada-snapkv", "h2o"])  # per-head budgets; state
 def test_batched_generation_gives_each_problem_its_batch_1_result(tiny_model, task_file, tmp_path, policy):
     from kvpolicy.eval.lmeval import KVPolicyLM
 

@@ -24,15 +24,21 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "ada-snapkv",
     "ada-vase-attnv",
+    "chunkkv",
+    "duo-attention",
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "gkv",
+    "h2o",
     "knorm",
+    "lagkv",
     "oracle-topk",
     "quest",
     "random",
     "rkv",
     "snapkv",
+    "snapkv-paper",
     "streamingllm",
     "tova",
     "vase-attnv",
@@ -99,19 +105,24 @@ def test_builtins_register_through_the_plugin_hooks():
 def test_builtins_by_kind():
     registry = Registry(autoload=False)
     assert set(registry.stages["scorer"]) == {
+        "accumulated_attention",
         "attention",
         "combination",
         "current_attention",
+        "gkv",
         "key_norm",
+        "lag",
         "leverage",
+        "normalized",
         "quest",
         "random",
         "redundancy",
+        "smoothed_attention",
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
-    assert set(registry.stages["selector"]) == {"greedy", "keep_protected", "stochastic"}
-    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile"}
+    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
+    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo"}
 
 
 def test_every_builtin_policy_loads():
@@ -245,7 +256,7 @@ def test_broken_entry_point_warns_with_its_name(monkeypatch):
 
 def test_unknown_stage_lists_the_registered_ones():
     registry = Registry(autoload=False)
-    with pytest.raises(UnknownStageError, match="registered selectors: greedy, keep_protected, stochastic"):
+    with pytest.raises(UnknownStageError, match="registered selectors: chunks, greedy, keep_protected, stochastic"):
         registry.stage_class("selector", "nope")
     with pytest.raises(kvpolicy.PolicyError, match="unknown scorer type 'nope'"):
         kvpolicy.load_policy(
@@ -288,7 +299,7 @@ OLD_POLICY = {"old-policy": {"name": "old-policy", "schedule": {"budget": 8, "re
 def test_builtins_declare_the_contract_through_the_same_hook():
     from kvpolicy import builtin
 
-    assert kvpolicy.PLUGIN_CONTRACT == 2
+    assert kvpolicy.PLUGIN_CONTRACT == 3
     assert builtin.kvpolicy_contract() == kvpolicy.PLUGIN_CONTRACT
     registry = Registry(autoload=False)
     impls = registry.pm.hook.kvpolicy_contract.get_hookimpls()
@@ -299,9 +310,9 @@ def test_builtins_declare_the_contract_through_the_same_hook():
     "hooks,why",
     [
         ({"kvpolicy_contract": lambda: 1}, r"was written for plugin contract 1 \(kvpolicy 0\.1\.x: .*generator"),
-        ({"kvpolicy_contract": lambda: 3}, r"was written for plugin contract 3 \(a contract this kvpolicy does not know"),
+        ({"kvpolicy_contract": lambda: 4}, r"was written for plugin contract 4 \(a contract this kvpolicy does not know"),
         ({}, r"declares no plugin contract \(no kvpolicy_contract hook\), so it was written for contract 1 .*"
-             r"declare it with `@kvpolicy.hookimpl def kvpolicy_contract\(\): return 2`"),
+             r"declare it with `@kvpolicy.hookimpl def kvpolicy_contract\(\): return 3`"),
         ({"kvpolicy_contract": lambda: "2"}, r"its kvpolicy_contract hook returned '2'; it must return .* an int"),
         ({"kvpolicy_contract": lambda: 1 / 0}, r"its kvpolicy_contract hook failed: ZeroDivisionError"),
     ],
@@ -319,8 +330,10 @@ def test_a_plugin_of_another_contract_is_skipped_with_a_warning_that_says_why(mo
     assert set(registry.policies) == BUILTIN_POLICIES  # the others still load
 
 
-def test_a_plugin_of_this_contract_loads_from_its_entry_point(monkeypatch):
-    _entry_point_plugin(monkeypatch, "kvpolicy_new_plugin_xyz", kvpolicy_contract=lambda: 2,
+@pytest.mark.parametrize("contract", [2, 3])
+def test_a_plugin_of_this_contract_loads_from_its_entry_point(monkeypatch, contract):
+    """Contract 3 only adds to contract 2 (stage state, query positions): plugins of both load."""
+    _entry_point_plugin(monkeypatch, "kvpolicy_new_plugin_xyz", kvpolicy_contract=lambda: contract,
                         kvpolicy_policies=lambda: OLD_POLICY)
     registry = Registry(autoload=True)
     assert registry.policies["old-policy"].plugin == "kvpolicy_new_plugin_xyz" and registry.skipped == {}

@@ -14,7 +14,7 @@ import torch
 
 from .executor import Executor
 from .layouts import layout_for
-from .policy import Policy, load_policy
+from .policy import Policy, load_policy, window_positions
 from .selection import SELECT_GROWTH, check_select_growth
 from .state import CacheStateError, EvictionStats, LayerGroup
 
@@ -214,7 +214,7 @@ class EvictingCache:
         if group is None:
             group = self._new_group(layer_idx, keys, values, queries, token_valid)
         elif group.written(layer_idx):  # this layer opens the next step for the whole group
-            self.executor.evict(group)
+            self.executor.before_step(group, keys.shape[2])
             group.begin_step(keys.shape[2], token_valid)
         group.write(layer_idx, keys, values, queries)
         return group
@@ -330,6 +330,27 @@ class LayerView:
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""
         return self._group().window(self.layer_idx)
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The policy's state on this layer, by stored name (``Policy.state_fields``): ``[B, Hkv,
+        L]`` per slot, in the columns of ``keys``, and ``[B, Hkv]`` per head (copies). Empty for a
+        policy that keeps none. With ``window_new``, what ``Policy.select(state=...)`` takes."""
+        group = self._group()
+        names = group.layout.executor.policy.state_fields
+        if not names:
+            return {}
+        held = group.layout.layer_slots(self.layer_idx)
+        return {name: held.fields[name].clone() for name in names}
+
+    @property
+    def window_new(self) -> torch.Tensor:
+        """``[B, W]`` bool: the window's queries the policy's state has not seen yet."""
+        group = self._group()
+        _, valid = group.window(self.layer_idx)
+        rows = group.rows
+        positions = window_positions(valid, rows.seen())
+        return valid & (positions >= rows.observed.to(valid.device)[:, None])
 
     @property
     def stats(self) -> EvictionStats:

@@ -21,9 +21,14 @@ hookspec = pluggy.HookspecMarker("kvpolicy")
 hookimpl = pluggy.HookimplMarker("kvpolicy")
 
 #: The plugin contract this kvpolicy implements: what stages may read (``EvictionInput``), what
-#: they return and the hooks below. It changes only when a plugin written for the previous one
-#: could break; additions that break nothing keep it.
-PLUGIN_CONTRACT = 2
+#: they return and the hooks below. A contract that only adds to the one before is numbered anew
+#: (a plugin using the addition needs a kvpolicy that has it) and keeps admitting the plugins
+#: written for the one before (``ACCEPTED_CONTRACTS``): semantic versioning's minor release. A
+#: contract that removes or reinterprets something drops the ones before: a major release.
+PLUGIN_CONTRACT = 3
+
+#: The contracts whose plugins this kvpolicy loads: 3, and 2, which 3 only adds to.
+ACCEPTED_CONTRACTS = frozenset({2, 3})
 
 #: Every contract so far: the kvpolicy releases implementing it, and what a plugin relies on.
 CONTRACTS: dict[int, str] = {
@@ -31,15 +36,19 @@ CONTRACTS: dict[int, str] = {
     "one layer_seed per stacked layer ([L]) and rows_per_layer",
     2: "kvpolicy 0.2.x: stages draw from counter-based streams (inp.uniform, inp.normal, "
     "inp.head_uniform, inp.head_normal), and inp.layer_seed and inp.row_seed are [B], one per row",
+    3: "kvpolicy 0.3.x: contract 2, plus stages that keep state across evictions (Stage.state_fields, "
+    "Stage.update_state, inp.state_of, inp.query_new) and the window queries' positions "
+    "(inp.query_positions); contract 2 plugins load unchanged",
 }
 
 
 @hookspec
 def kvpolicy_contract() -> int:
-    """Return the plugin contract this plugin was written for, as an int (now ``2``).
+    """Return the plugin contract this plugin was written for, as an int (now ``3``; ``2`` for a
+    plugin that keeps no state and reads no query positions, which loads too).
 
     Called once per plugin when it is registered, before any other hook of it. A plugin whose
-    contract is not ``PLUGIN_CONTRACT`` is skipped (none of its stages or policies registered)
+    contract is not in ``ACCEPTED_CONTRACTS`` is skipped (none of its stages or policies registered)
     with a ``PluginLoadWarning`` saying which contract it was built for and which one this
     kvpolicy implements, as is one without this hook: declaring nothing means contract 1, the
     one before declarations existed. Return a literal (``return 2``), never

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
+from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from . import seeds
 from .config import PolicyConfig, PolicyError, load_config
 from .registry import get_registry
 from .schedule import Schedule
 from .stages import guards
-from .stages.base import EvictionInput
+from .stages.base import EvictionInput, Stage, StateField
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -71,6 +74,74 @@ class Policy:
         stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
         return self.config.allocation.per_head or any(s.couples_heads for s in stages)
 
+    # -- state ------------------------------------------------------------------------------
+    # Cached: the policy is immutable, and caches ask at every step.
+    @cached_property
+    def stages(self) -> list[Stage]:
+        """Every stage of the policy, nested ones included (a combination's scorers, a
+        reservation's scorer), each once, in file order."""
+        cfg = self.config
+        found: list[Stage] = []
+        for stage in (cfg.scorer, *cfg.reservations, cfg.selector, cfg.allocation):
+            if stage is not None:
+                _walk(stage, found)
+        return found
+
+    @cached_property
+    def stateful_stages(self) -> dict[str, Stage]:
+        """The stages that keep state (``Stage.state_fields``), by ``state_key``: equal stages
+        share one state."""
+        return {s.state_key: s for s in self.stages if s.state_fields}
+
+    @cached_property
+    def state_fields(self) -> dict[str, tuple[str, str, StateField]]:
+        """Every field of state the policy keeps, by the name a cache stores it under
+        (``"state<i>.<field>"``, ``i`` the stage's rank among the stateful ones): ``(stage key,
+        field, StateField)``."""
+        return {
+            f"state{i}.{field}": (key, field, spec)
+            for i, (key, stage) in enumerate(self.stateful_stages.items())
+            for field, spec in stage.state_fields.items()
+        }
+
+    @cached_property
+    def keeps_state(self) -> bool:
+        """Whether a stage keeps state across evictions (``Stage.state_fields``)."""
+        return bool(self.stateful_stages)
+
+    @cached_property
+    def observes_queries(self) -> bool:
+        """Whether a stage's state must see every query (``Stage.state_updates == "every_query"``):
+        caches then update it between evictions too, before unseen queries leave the window."""
+        return any(s.state_updates == "every_query" for s in self.stateful_stages.values())
+
+    def nest_state(self, stored: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """``EvictionInput.state`` from fields stored under the names of ``state_fields``."""
+        nested: dict[str, dict[str, torch.Tensor]] = {}
+        for name, (key, field, _) in self.state_fields.items():
+            nested.setdefault(key, {})[field] = stored[name]
+        return nested
+
+    def observe(self, inp: EvictionInput, *, eviction: bool = True) -> tuple[EvictionInput, dict[str, torch.Tensor]]:
+        """Bring every stateful stage up to date with the window's new queries (``inp.query_new``):
+        the input with the new state, and the new fields by stored name (``state_fields``). Each
+        stage's update is checked (``guards.run_state_update``); nothing is stored here, so a
+        refused update leaves the caller's state as it was. ``eviction``: whether an eviction (or
+        a choice) follows; if not, stages that update only at evictions keep their state.
+
+        With state, the inputs are checked here (``guards.check_inputs``), before any stage reads
+        them: the selection that follows may pass ``inputs_checked=True``."""
+        if inp.state is None:
+            return inp, {}
+        guards.check_inputs(inp)  # name bad keys, values or queries before a stage's state does
+        nested = {
+            key: guards.run_state_update(stage, inp) if eviction or stage.state_updates == "every_query"
+            else dict(inp.state[key])
+            for key, stage in self.stateful_stages.items()
+        }
+        flat = {name: nested[key][field] for name, (key, field, _) in self.state_fields.items()}
+        return replace(inp, state=nested), flat
+
     @property
     def stochastic(self) -> bool:
         """Whether the slots kept depend on random draws, not on the inputs alone.
@@ -126,6 +197,8 @@ class Policy:
         streams: int | torch.Tensor = 0,
         seed: int | None = None,
         head_offset: int = 0,
+        state: Mapping[str, torch.Tensor] | None = None,
+        query_new: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
@@ -148,6 +221,11 @@ class Policy:
             head_offset: the model's index of the first of the ``Hkv`` heads given (a
                 tensor-parallel shard of the heads): per-head draws are keyed by the model's head,
                 so each shard keeps what ``select`` on all heads keeps for those heads.
+            state: for a policy whose stages keep state (``keeps_state``), its fields by stored
+                name (``state_fields``: ``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per head) as they
+                were before this eviction (``LayerView.state`` of a cache); default: every field
+                at its initial value (a fresh state). Brought up to date with ``query_new``
+                (``[B, W]`` bool, default every valid window entry) before any stage scores.
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
@@ -166,9 +244,34 @@ class Policy:
             keys, values, queries, budget=self.budget, recent=self.schedule.recent,
             slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
-            head_offset=head_offset,
+            head_offset=head_offset, query_new=query_new, state=self._given_state(state, b, hkv, n, keys.device),
         )
-        return self.select_from(inp)
+        return self.select_from(self.observe(inp)[0])
+
+    def _given_state(
+        self, state: Mapping[str, torch.Tensor] | None, b: int, hkv: int, n: int, device: torch.device,
+    ) -> dict[str, dict[str, torch.Tensor]] | None:
+        """``select``'s ``state=`` checked and nested (None: a fresh state), or None for a
+        policy that keeps none (then ``state=`` is refused)."""
+        fields = self.state_fields
+        if not fields:
+            if state:
+                raise ValueError(f"policy {self.name!r} keeps no state, but state= was given ({sorted(state)})")
+            return None
+        state = dict(state or {})
+        if state and set(state) != set(fields):
+            raise ValueError(f"state= must hold exactly the policy's state fields {sorted(fields)}, got {sorted(state)}")
+        stored = {}
+        for name, (_, _, spec) in fields.items():
+            shape = (b, hkv, n) if spec.per == "slot" else (b, hkv)
+            t = state.get(name)
+            if t is None:
+                t = torch.full(shape, spec.initial, dtype=spec.dtype, device=device)
+            elif not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state field {name!r} must be a {shape} {spec.dtype} tensor, got {got}")
+            stored[name] = t.to(device)
+        return self.nest_state(stored)
 
     def select_from(self, inp: EvictionInput, *, inputs_checked: bool = False) -> torch.Tensor:
         """``select`` on an already assembled (and shape-checked) ``EvictionInput``.
@@ -223,14 +326,14 @@ class Policy:
         priority = torch.where(eligible, priority, float("-inf")).masked_fill_(protected, float("inf"))
         return priority, protected
 
-    def select_heads_from(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_heads_from(self, inp: EvictionInput, *, inputs_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
 
         The allocation's ``head_counts`` says how many slots each head keeps (checked by
         ``kvpolicy.stages.guards.run_allocation``); each head keeps that many of its highest
         priorities, so protected slots always (they rank at ``+inf``).
         """
-        priority, protected = self.priorities(inp)
+        priority, protected = self.priorities(inp, inputs_checked=inputs_checked)
         counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
         order = priority.sort(dim=-1, descending=True, stable=True).indices
         rank_kept = torch.arange(inp.num_slots, device=priority.device) < counts[..., None]
@@ -257,7 +360,11 @@ class Policy:
         b, hkv, n, _ = keys.shape
         budget = self.budget if budget is None else budget
         seed = self.resolve_seed(kwargs.pop("seed", None))
-        inp = eviction_input(keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, **kwargs)
+        state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device)
+        inp = eviction_input(
+            keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, state=state, **kwargs
+        )
+        inp = self.observe(inp)[0]
         if n <= budget:
             keep = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device)
             return keep, torch.full((b, hkv), n, dtype=torch.long, device=keys.device)
@@ -333,6 +440,9 @@ def eviction_input(
     streams: int | torch.Tensor = 0,
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     head_offset: int = 0,
+    query_positions: torch.Tensor | None = None,
+    query_new: torch.Tensor | None = None,
+    state: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> EvictionInput:
     """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
     ``Policy.select`` and the executor alike.
@@ -340,7 +450,9 @@ def eviction_input(
     Fills the defaults ``Policy.select`` documents (all slots and queries valid, positions
     ``0 .. N-1``, ``[B, N]`` masks broadcast over heads) and derives each row's seeds from
     ``seed``, ``layer_idx``, ``evictions`` and ``streams`` (ints, or ``[B]`` tensors). Inputs are not checked
-    here: ``Policy.select`` checks them first.
+    here: ``Policy.select`` checks them first. ``query_positions`` defaults to the window's valid
+    entries being the row's latest real tokens, the newest at the row's largest slot position;
+    ``query_new`` to every valid entry.
     """
     b, hkv, n, _ = keys.shape
     device = keys.device
@@ -354,6 +466,11 @@ def eviction_input(
         positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
     elif positions.dim() == 2:
         positions = positions[:, None, :].expand(b, hkv, n)
+    if query_positions is None:
+        newest = positions.flatten(1).amax(-1) if n else torch.full((b,), -1, dtype=torch.long, device=device)
+        query_positions = window_positions(query_valid, newest + 1)
+    if query_new is None:
+        query_new = query_valid
     if not 0 <= seed <= seeds.INT64_MAX:
         raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or not 0 <= head_offset <= MAX_HEAD_OFFSET:
@@ -373,7 +490,38 @@ def eviction_input(
         seed_key=key,
         key_pages=key_pages,
         head_offset=head_offset,
+        query_positions=query_positions,
+        query_new=query_new,
+        state=state,
     )
+
+
+def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, W]`` long: the token index of each valid window entry (``query_valid [B, W]``, in
+    time order) of rows that have seen ``tokens [B]`` real tokens, the last of which is the newest
+    entry; ``-1`` for invalid entries. A window holds a row's latest real queries, so the entry
+    with ``j`` valid ones after it is token ``tokens - 1 - j``."""
+    later = query_valid.flip(-1).long().cumsum(-1).flip(-1)  # valid entries at or after each one
+    return torch.where(query_valid, tokens.to(query_valid.device)[:, None] - later, -1)
+
+
+def _walk(stage: Stage, found: list[Stage]) -> None:
+    """``stage`` and the stages nested anywhere in its fields (lists, and models holding stages:
+    a combination's weighted terms), depth first, each object once."""
+    if any(s is stage for s in found):
+        return
+    found.append(stage)
+    _walk_value(stage, found)
+
+
+def _walk_value(model: BaseModel, found: list[Stage]) -> None:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, Stage):
+                _walk(item, found)
+            elif isinstance(item, BaseModel):
+                _walk_value(item, found)
 
 
 #: Far above any model's KV-head count: a larger offset can only be a caller's mistake.

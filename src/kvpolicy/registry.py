@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 from . import builtin, hookspecs
-from .hookspecs import CONTRACTS, PLUGIN_CONTRACT
+from .hookspecs import ACCEPTED_CONTRACTS, CONTRACTS, PLUGIN_CONTRACT
 from .stages.base import STAGE_KINDS, Stage, StageKind
 from .stages.spec import set_stage_builder
 
@@ -102,7 +102,7 @@ class Registry:
         return False
 
     def _contract_problem(self, plugin: Any) -> str | None:
-        """Why ``plugin`` does not keep ``PLUGIN_CONTRACT``, or None when it does."""
+        """Why ``plugin`` keeps no contract of ``ACCEPTED_CONTRACTS``, or None when it keeps one."""
         impls = [i for i in self.pm.hook.kvpolicy_contract.get_hookimpls() if i.plugin is plugin]
         fix = f"declare it with `@kvpolicy.hookimpl def kvpolicy_contract(): return {PLUGIN_CONTRACT}`"
         if not impls:
@@ -116,7 +116,7 @@ class Registry:
         if isinstance(declared, bool) or not isinstance(declared, int):
             return (f"its kvpolicy_contract hook returned {declared!r}; it must return the contract "
                     f"it was written for as an int ({PLUGIN_CONTRACT} for this kvpolicy)")
-        if declared != PLUGIN_CONTRACT:
+        if declared not in ACCEPTED_CONTRACTS:
             was = CONTRACTS.get(declared, "a contract this kvpolicy does not know: a newer kvpolicy's?")
             return (f"it was written for plugin contract {declared} ({was}); this kvpolicy implements "
                     f"contract {PLUGIN_CONTRACT} ({CONTRACTS[PLUGIN_CONTRACT]}). Install a kvpolicy "

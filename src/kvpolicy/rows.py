@@ -35,6 +35,8 @@ class RowCounters:
         self._alike: Alike | None = Alike(0, 0, 0, False)
         self.stored = zeros.clone()  # slots [0, stored) have their positions written out
         self.evictions = zeros.clone()  # evictions each row has had (keys its random draws)
+        self.observed = zeros.clone()  # real tokens whose queries the policy's state has seen
+        self._observed_alike: int | None = 0  # ... as one int while every row has the same
         self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
 
     # -- reading ------------------------------------------------------------------------------
@@ -76,6 +78,29 @@ class RowCounters:
         self._rows()
         return self._tokens
 
+    def seen(self) -> torch.Tensor:
+        """``[B]`` real tokens seen per row, read without leaving the fast path."""
+        alike = self._alike
+        return self._tokens if alike is None else torch.full_like(self.observed, alike.tokens)
+
+    def unobserved(self) -> torch.Tensor:
+        """``[B]`` real queries each row has seen that the policy's state has not."""
+        return self.seen() - self.observed
+
+    def most_unobserved(self) -> int | None:
+        """The unseen queries of every row as one int while the rows are alike and their state
+        saw the same (the decoding hot path: no tensor touched), else None."""
+        alike = self._alike
+        if alike is None or self._observed_alike is None:
+            return None
+        return alike.tokens - self._observed_alike
+
+    def mark_observed(self, rows: torch.Tensor | slice) -> None:
+        """The state has seen every query of ``rows`` (host ``[R]``, or a slice)."""
+        self.observed[rows] = self.seen()[rows]
+        first = self.observed[:1]
+        self._observed_alike = int(first) if bool((self.observed == first).all()) else None
+
     @property
     def due(self) -> torch.Tensor:
         """``[B]`` bool: rows the schedule says must be evicted before the next step."""
@@ -85,6 +110,11 @@ class RowCounters:
     @property
     def any_due(self) -> bool:
         return self._alike.due if self._alike is not None else bool(self._due.any())
+
+    def resume_alike(self) -> None:
+        """Back to the int fast path after a read left it, if the rows are still alike."""
+        if self._alike is None:
+            self._check_alike()
 
     # -- writing ------------------------------------------------------------------------------
     def advance_alike(self, t: int, due: bool) -> None:
@@ -114,7 +144,9 @@ class RowCounters:
 
     def select_rows(self, host: torch.Tensor) -> None:
         self._rows()
-        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "_due"):
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "observed", "_due"):
             setattr(self, name, getattr(self, name)[host])
+        if self._observed_alike is None and host.numel() and bool((self.observed == self.observed[0]).all()):
+            self._observed_alike = int(self.observed[0])
         if host.numel():
             self._check_alike()

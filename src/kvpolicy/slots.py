@@ -9,11 +9,16 @@ after head: the same memory), or select mode's full rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .query_ring import RingClaim
+
+if TYPE_CHECKING:
+    from .stages.base import StateField
 
 
 class SlotBuffers:
@@ -25,13 +30,28 @@ class SlotBuffers:
 
     def __init__(
         self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, value_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, state: Mapping[str, StateField] | None = None,
     ) -> None:
         shape = (num_layers, batch, kv_heads, capacity)
         self.keys = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros(*shape, value_dim, dtype=dtype, device=device)
         self.positions = torch.full(shape, -1, dtype=torch.long, device=device)
         self.fill: dict[str, float] = {"keys": 0, "values": 0, "positions": -1}
+        #: Per-(row, KV head) state fields ``[Lyr, B, Hkv]``: moved with rows, not with slots.
+        self.head_state: dict[str, torch.Tensor] = {}
+        self.head_fill: dict[str, float] = {}
+        for name, spec in (state or {}).items():
+            if spec.per == "slot":
+                setattr(self, name, torch.full(shape, spec.initial, dtype=spec.dtype, device=device))
+                self.fill[name] = spec.initial
+            else:
+                self.head_state[name] = torch.full(shape[:3], spec.initial, dtype=spec.dtype, device=device)
+                self.head_fill[name] = spec.initial
+
+    @property
+    def slot_state(self) -> tuple[str, ...]:
+        """Names of the per-slot state fields (every field but keys, values and positions)."""
+        return tuple(name for name in self.fill if name not in ("keys", "values", "positions"))
 
     @property
     def capacity(self) -> int:
@@ -59,7 +79,8 @@ class SlotBuffers:
             self.replace(name, new)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors())
+        tensors = [t for _, t in self.tensors()] + list(self.head_state.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Gather batch rows ``index [B']``: in place when the batch size is unchanged."""
@@ -69,6 +90,17 @@ class SlotBuffers:
                 old.copy_(new)
             else:
                 self.replace(name, new)
+        for name, old in self.head_state.items():
+            self.head_state[name] = old.index_select(1, index.to(old.device))
+
+    def new_tokens(self, batch: int, tokens: int) -> dict[str, torch.Tensor]:
+        """The per-slot state of ``tokens`` new tokens of ``batch`` rows: each field's ``initial``
+        (``[B, Hkv, T]`` expanded views; empty without state)."""
+        out = {}
+        for name in self.slot_state:
+            t: torch.Tensor = getattr(self, name)
+            out[name] = t.new_full((), self.fill[name]).expand(batch, t.shape[2], tokens)
+        return out
 
 
 @dataclass(frozen=True)
@@ -143,17 +175,22 @@ class StepPlan:
         return None if isinstance(self.placement, Contiguous) else self.placement.mask
 
 
-def compact_rows(buffers: SlotBuffers, rows: slice | torch.Tensor, kept: torch.Tensor, count: int) -> None:
+def compact_rows(
+    buffers: SlotBuffers, rows: slice | torch.Tensor, kept: torch.Tensor, count: int,
+    sources: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Gather slots ``kept [Lyr, R, Hkv, K]`` of every layer of ``rows`` to the front, in place.
 
     The rows all hold ``count`` slots, and their positions are written out. ``kept`` is
     ascending, so slot ``kept[j] >= j``; each gather reads every kept slot into a ``K``-slot
     temporary before the write, so the source is never overwritten early. With a slice of rows
     the reads are views; with an index (rows out of phase with the batch) those rows are copied.
+    ``sources`` replaces some fields' held slots (``[Lyr, R, Hkv, count]``: the state an
+    eviction brought up to date) before the gather.
     """
     k = kept.shape[-1]
-    for _, buf in buffers.tensors():
-        src = block(buf, rows, count)
+    for name, buf in buffers.tensors():
+        src = sources[name] if sources and name in sources else block(buf, rows, count)
         gathered = gather_slots(src, kept) if src.dim() == 5 else torch.gather(src, 3, kept)
         if isinstance(rows, slice):
             buf[:, rows, :, :k] = gathered

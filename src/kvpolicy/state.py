@@ -89,6 +89,8 @@ class LayerGroup:
         self.layer_steps = [0] * len(layer_ids)  # steps each layer has written
         self.eviction_steps = 0
         self.slots_evicted = 0
+        #: A step too long for the window under a stateful policy: its queries' (positions, valid).
+        self.long_step: tuple[torch.Tensor, torch.Tensor] | None = None
         self.plan = self._plan(t, token_valid, added)
 
     # -- properties ---------------------------------------------------------------------------
@@ -191,7 +193,10 @@ class LayerGroup:
             placement = Scattered.of(before, t, token_valid, needed, device)
         ring = self.ring.advance(t, token_valid)
         is_prompt = self.tokens_seen == 0
+        self._plan_long_step(t, token_valid)
         self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, is_prompt))
+        if self.long_step is not None:
+            self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = self.extent_now, needed
         self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
         self.steps += 1
@@ -207,13 +212,32 @@ class LayerGroup:
         after = count + t
         self._reserve(after)
         ring = self.ring.advance(t, None)
+        self._plan_long_step(t, None)
         self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.tokens_seen == 0)))
+        if self.long_step is not None:
+            self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = count, after
         self.tokens_seen_before, self.tokens_seen = self.tokens_seen, self.tokens_seen + t
         self.steps += 1
         return StepPlan(
             tokens=t, batch=self.batch, placement=Contiguous(count), ring=ring, written_from=count, written_to=after
         )
+
+    def _plan_long_step(self, t: int, token_valid: torch.Tensor | None) -> None:
+        """A step with more queries than the window holds, under a policy that keeps state: each
+        layer's state sees all of them as the layer is written (``Executor.observe_step``), from
+        the token positions and validity set here (before the rows' counters advance)."""
+        self.long_step = None
+        if t <= self.schedule.window or not self.layout.executor.policy.observes_queries:
+            return
+        device = self.device
+        before = self.rows.seen().to(device)[:, None]
+        if token_valid is None:
+            valid = torch.ones(self.batch, t, dtype=torch.bool, device=device)
+        else:
+            valid = token_valid.to(device)
+        positions = torch.where(valid, before + valid.long().cumsum(-1) - 1, -1)
+        self.long_step = (positions, valid)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
         """Write ``layer``'s part of the current step (shapes as planned)."""
@@ -230,12 +254,19 @@ class LayerGroup:
                 f"layer {layer} appends keys {tuple(keys.shape)} but this step was begun with "
                 f"{plan.batch} rows of {plan.tokens} tokens"
             )
-        self.layout.write(i, {"keys": keys, "values": values}, plan)
-        if plan.ring.take:
-            if queries is None:
-                raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
-            self.ring.write(i, queries, plan.ring)
+        new = {"keys": keys, "values": values}
+        if self.buffers.slot_state:  # a new token's state starts at its field's initial value
+            new.update(self.buffers.new_tokens(plan.batch, plan.tokens))
+        if (plan.ring.take or self.long_step is not None) and queries is None:
+            raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
+        self.layout.write(i, new, plan)
         self.layer_steps[i] = self.steps
+        if self.long_step is not None:  # before the ring keeps only the step's last queries
+            assert queries is not None
+            self.layout.executor.observe_step(self, layer, queries, *self.long_step)
+        if plan.ring.take:
+            assert queries is not None
+            self.ring.write(i, queries, plan.ring)
 
     def require_complete(self, action: str) -> None:
         if not self.complete:
@@ -251,10 +282,12 @@ class LayerGroup:
         past each row's count), on every layer: ``position = slot + tokens - counts``. Safe in
         mid-step: a layer that has not written the step yet gets its new slots' positions early."""
         rows = self.rows
-        if bool((rows.stored == rows.counts).all()) and rows.stored.numel():
-            return
-        self.layout.materialise_positions()
-        rows.stored = rows.counts.clone()
+        was_alike = rows.alike is not None
+        if not (bool((rows.stored == rows.counts).all()) and rows.stored.numel()):
+            self.layout.materialise_positions()
+            rows.stored = rows.counts.clone()
+        if was_alike:
+            rows.resume_alike()  # reading the counts left the int fast path; nothing changed them
 
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s query window in time order: ``[B, Hq, W, D]`` and its ``[B, W]`` validity."""

@@ -145,10 +145,13 @@ def test_entry_point_is_installed():
     assert installed_entry_point().value == "kvpolicy_keydiff.plugin"
 
 
-def test_the_plugin_declares_the_contract_kvpolicy_implements():
+def test_the_plugin_declares_a_contract_kvpolicy_loads():
+    """KeyDiff keeps no state: it stays on contract 2, which contract 3 only adds to."""
     from kvpolicy_keydiff import plugin
 
-    assert plugin.kvpolicy_contract() == kvpolicy.PLUGIN_CONTRACT == 2
+    from kvpolicy.hookspecs import ACCEPTED_CONTRACTS
+
+    assert plugin.kvpolicy_contract() == 2 and 2 in ACCEPTED_CONTRACTS and kvpolicy.PLUGIN_CONTRACT == 3
 
 
 def test_registry_discovers_the_plugin():

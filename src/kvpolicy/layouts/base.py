@@ -75,6 +75,8 @@ class GroupState(Protocol):
     def batch_alike(self) -> bool: ...
     @property
     def any_due(self) -> bool: ...
+    @property
+    def complete(self) -> bool: ...
     def counts_of(self, layer: int) -> torch.Tensor: ...
     def written(self, layer: int) -> bool: ...
     def extent(self, layer: int) -> int: ...
@@ -93,6 +95,10 @@ class PolicyRunner(Protocol):
     ) -> EvictionInput: ...
 
     def selected_slots(self, group: Any, layer: int) -> list[ChosenSlots]: ...
+
+    def observe_step(
+        self, group: Any, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+    ) -> None: ...
 
 
 class SlotLayout(ABC):
@@ -117,8 +123,10 @@ class SlotLayout(ABC):
         b, h, _, d = keys.shape
         self.group = group
         self.executor = executor
+        state = {name: spec for name, (_, _, spec) in executor.policy.state_fields.items()}
         self.buffers = SlotBuffers(
-            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device
+            len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device,
+            state=state,
         )
 
     @classmethod  # noqa: B027  (a hook: most layouts refuse nothing)
@@ -204,4 +212,40 @@ class SlotLayout(ABC):
     def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
         """Run the policy on ``rows`` (host ``[R]``; ``row_sel``: all rows, or them on the
         device), every layer at once, and compact what it keeps; returns the slots each row
-        holds now. The positions are written out."""
+        holds now. The positions are written out. A policy that keeps state sees it up to date
+        (``Policy.observe``) and the new state moves with the kept slots."""
+
+    # -- state (policies whose stages keep state) -------------------------------------------------
+    @abstractmethod
+    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+        """Every layer's slots of ``rows`` (holding ``count`` each) as the policy sees them at an
+        eviction, layers stacked on the batch axis: every per-slot field and per-head state."""
+
+    @abstractmethod
+    def store_rows_state(
+        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Write state fields (``[Lyr * R, Hkv, N]`` per slot, ``[Lyr * R, Hkv]`` per head, in
+        ``held``'s arrangement) back to ``rows``' slots, without moving any."""
+
+    def observe(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> None:
+        """Bring the state of ``rows`` up to date with their window's unseen queries, every layer
+        at once, evicting nothing."""
+        held = self.held_rows(rows, row_sel, count)
+        inp = self.executor.eviction_input(self.group, rows, row_sel, held)
+        _, state = self.executor.policy.observe(inp, eviction=False)
+        self.store_rows_state(rows, row_sel, held, state)
+
+    @abstractmethod
+    def layer_slots(self, layer: int) -> HeldSlots:
+        """``layer``'s slots of every row, ``[B, Hkv, L, ...]``, every per-slot field and per-head
+        state: what a long step's queries update (``Executor.observe_step``)."""
+
+    @abstractmethod
+    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Write ``layer``'s state fields back, in ``layer_slots``' arrangement."""
+
+    def settle_observed(self) -> None:  # noqa: B027  (a hook)
+        """Record rows whose state a layout brought up to date during a step on every layer
+        (select mode's choices), once the step's last layer has: before the next step at the
+        latest. Nothing by default."""

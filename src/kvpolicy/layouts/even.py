@@ -101,8 +101,55 @@ class EvenRows(SlotLayout):
         """Every layer's rows stacked on the batch axis (free views when every row is due), one
         policy call, the kept slots ``[Lyr, R, Hkv, K]`` gathered to the front in place."""
         n_layers, executor = self.buffers.keys.shape[0], self.executor
-        held = HeldSlots({name: block(t, row_sel, count).flatten(0, 1) for name, t in self.buffers.tensors()}, None)
-        kept = executor.policy.select_from(executor.eviction_input(self.group, rows, row_sel, held))
+        held = self.held_rows(rows, row_sel, count)
+        inp, state = executor.policy.observe(executor.eviction_input(self.group, rows, row_sel, held))
+        kept = executor.policy.select_from(inp, inputs_checked=bool(state))  # observe checked them
         kept = kept.unflatten(0, (n_layers, rows.numel()))
-        compact_rows(self.buffers, row_sel, kept, count)
+        lead = (n_layers, rows.numel())
+        slot_state = {k: v.unflatten(0, lead) for k, v in state.items() if k not in self.buffers.head_state}
+        compact_rows(self.buffers, row_sel, kept, count, sources=slot_state)
+        self._store_head_state(row_sel, state)
         return kept.shape[-1]
+
+    # -- state ----------------------------------------------------------------------------------
+    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+        fields = {name: block(t, row_sel, count).flatten(0, 1) for name, t in self.buffers.tensors()}
+        for name, t in self.buffers.head_state.items():
+            fields[name] = t[:, row_sel].flatten(0, 1)
+        return HeldSlots(fields, None)
+
+    def store_rows_state(
+        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+    ) -> None:
+        n_layers = self.buffers.keys.shape[0]
+        for name, t in state.items():
+            if name in self.buffers.head_state:
+                continue
+            count = t.shape[-1]
+            buf = getattr(self.buffers, name)
+            where = row_sel if isinstance(row_sel, slice) else row_sel.to(buf.device)
+            buf[:, where, :, :count] = t.unflatten(0, (n_layers, rows.numel()))
+        self._store_head_state(row_sel, state)
+
+    def _store_head_state(self, row_sel: slice | torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
+        head_state = self.buffers.head_state
+        for name, t in state.items():
+            if name in head_state:
+                where = row_sel if isinstance(row_sel, slice) else row_sel.to(t.device)
+                head_state[name][:, where] = t.unflatten(0, (head_state[name].shape[0], -1))
+
+    def layer_slots(self, layer: int) -> HeldSlots:
+        i, length = self.group.member[layer], self.group.extent(layer)
+        self.group.materialise_positions()
+        fields = {name: t[i, :, :, :length] for name, t in self.buffers.tensors()}
+        for name, t in self.buffers.head_state.items():
+            fields[name] = t[i]
+        return HeldSlots(fields, self._valid(layer).expand(-1, self.buffers.keys.shape[2], -1))
+
+    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+        i = self.group.member[layer]
+        for name, t in state.items():
+            if name in self.buffers.head_state:
+                self.buffers.head_state[name][i] = t
+            else:
+                getattr(self.buffers, name)[i, :, :, : t.shape[-1]] = t

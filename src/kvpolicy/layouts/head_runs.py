@@ -160,6 +160,24 @@ class HeadRuns(EvenRows):
         heads, buffers, executor, group = self.heads, self.buffers, self.executor, self.group
         cap = buffers.capacity
         n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
+        held, flat = self._picked(rows, row_sel, count)
+        inp, state = executor.policy.observe(executor.eviction_input(group, rows, row_sel, held))
+        self._store_picked(row_sel, flat, held, state)
+        keep, kept_counts = executor.policy.select_heads_from(inp, inputs_checked=bool(state))  # observe checked
+        keep = keep.view(n_layers, n_rows, hkv, flat.shape[-1])
+        row_of = torch.arange(group.batch, device=flat.device)[row_sel]
+        move = heads.compaction(cap, inp.budget, flat, keep, row_of)
+        for _, t in buffers.tensors():
+            move.apply(t, t)
+        heads.set_deficit(slice(None), row_sel, inp.budget - kept_counts.view(n_layers, n_rows, hkv))
+        return inp.budget
+
+    # -- state ----------------------------------------------------------------------------------
+    def _picked(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> tuple[HeldSlots, torch.Tensor]:
+        """``held_rows``, and the flat slot ``[Lyr, R, Hkv, N]`` each column was read from."""
+        heads, buffers, group = self.heads, self.buffers, self.group
+        cap = buffers.capacity
+        n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
         counts = torch.full((n_rows,), count, dtype=torch.long)
         flat, valid = heads.slots(cap, counts, heads.width(counts, row_sel), rows=row_sel)  # [Lyr, R, Hkv, N]
         width = flat.shape[-1]
@@ -169,13 +187,64 @@ class HeadRuns(EvenRows):
         for name, t in buffers.tensors():
             src = t.flatten(2, 3)[lyr, row_of[None, :, None], flat.flatten(2)]  # [Lyr, R, Hkv * N, ...]
             picked[name] = src.view(n_layers, n_rows, hkv, width, *t.shape[4:]).flatten(0, 1)
+        for name, t in buffers.head_state.items():
+            picked[name] = t[:, row_sel].flatten(0, 1)
         slot_valid = valid.flatten(0, 1)
         picked["positions"] = picked["positions"].masked_fill(~slot_valid, -1)
-        inp = executor.eviction_input(group, rows, row_sel, HeldSlots(picked, slot_valid))
-        keep, kept_counts = executor.policy.select_heads_from(inp)
-        keep = keep.view(n_layers, n_rows, hkv, width)
-        move = heads.compaction(cap, inp.budget, flat, keep, row_of)
-        for _, t in buffers.tensors():
-            move.apply(t, t)
-        heads.set_deficit(slice(None), row_sel, inp.budget - kept_counts.view(n_layers, n_rows, hkv))
-        return inp.budget
+        return HeldSlots(picked, slot_valid), flat
+
+    def _store_picked(
+        self, row_sel: slice | torch.Tensor, flat: torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Write state read through ``_picked`` back to the flat slots it came from (valid
+        columns only: an empty column's address may hold another head's token)."""
+        buffers = self.buffers
+        assert held.valid is not None
+        valid = held.valid.view(flat.shape)
+        lyr, r, h, c = valid.nonzero(as_tuple=True)
+        row_of = torch.arange(self.group.batch, device=flat.device)[row_sel]
+        for name, t in state.items():
+            if name in buffers.head_state:
+                where = row_sel if isinstance(row_sel, slice) else row_sel.to(t.device)
+                buffers.head_state[name][:, where] = t.view(*flat.shape[:3])
+                continue
+            dst = getattr(buffers, name).flatten(2, 3)
+            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(flat.shape)[lyr, r, h, c]
+
+    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+        if self.heads.even:
+            return EvenRows.held_rows(self, rows, row_sel, count)
+        return self._picked(rows, row_sel, count)[0]
+
+    def store_rows_state(
+        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+    ) -> None:
+        if self.heads.even:
+            EvenRows.store_rows_state(self, rows, row_sel, held, state)
+            return
+        count = int(self.group.counts[rows[0]])
+        self._store_picked(row_sel, self._picked(rows, row_sel, count)[1], held, state)
+
+    def layer_slots(self, layer: int) -> HeldSlots:
+        if self.heads.even:
+            return EvenRows.layer_slots(self, layer)
+        fields, valid = self._gathered(layer)
+        i = self.group.member[layer]
+        for name, t in self.buffers.head_state.items():
+            fields[name] = t[i]
+        return HeldSlots(fields, valid)
+
+    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+        if self.heads.even:
+            EvenRows.store_layer_state(self, layer, state)
+            return
+        i, cap = self.group.member[layer], self.buffers.capacity
+        counts = self.group.counts_of(layer)
+        flat, valid = self.heads.slots(cap, counts, self.heads.width(counts), layers=slice(i, i + 1))
+        flat, valid = flat[0], valid[0]  # [B, Hkv, N]
+        b, h, c = valid.nonzero(as_tuple=True)
+        for name, t in state.items():
+            if name in self.buffers.head_state:
+                self.buffers.head_state[name][i] = t
+            else:
+                getattr(self.buffers, name)[i].flatten(1, 2)[b, flat[b, h, c]] = t[b, h, c]

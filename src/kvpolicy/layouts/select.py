@@ -44,6 +44,7 @@ class SelectRows(EvenRows):
         page_sizes: frozenset[int], per_head: bool, growth: float = SELECT_GROWTH,
     ) -> None:
         self.growth = growth
+        self._observed: list[torch.Tensor] = []  # rows whose state a choice updated in this step
         super().__init__(group, keys, values, needed, executor)
         b, h = keys.shape[:2]
         self.select = SelectionState(
@@ -162,6 +163,8 @@ class SelectRows(EvenRows):
                 counts = select.head_counts[i, row_sel][..., None]
                 valid = (cols < counts) | (cols >= chosen.shape[-1])
             out.append(ChosenSlots(row_sel, count, index, valid))
+        if self._observed and group.complete:  # the step's last layer chose: every layer's state saw it
+            self.settle_observed()
         return out
 
     def _choose(self, layer: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:
@@ -171,6 +174,8 @@ class SelectRows(EvenRows):
         fields = {
             name: block(t[i : i + 1], row_sel, count)[0] for name, t in self.buffers.tensors() if name != "positions"
         }
+        for name, t in self.buffers.head_state.items():
+            fields[name] = t[i, row_sel]
         shape = (*fields["keys"].shape[:2], count)
         device = self.buffers.keys.device
         # Rows are packed and nothing is evicted: every slot is valid and slots are positions
@@ -180,6 +185,10 @@ class SelectRows(EvenRows):
         key_pages = {p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()}
         inp = executor.eviction_input(self.group, rows.rows, row_sel, held, layer=layer, key_pages=key_pages)
         policy = executor.policy
+        if policy.keeps_state:  # the state sees this layer's new queries (the step's included) first
+            inp, state = policy.observe(inp)
+            self._store_state(i, row_sel, state)
+            self._observed.append(rows.rows)
         if select.per_head:  # each head chooses its own count out of the layer's pool
             select.store_heads(i, row_sel, *policy.select_heads_from(_with_own_masks(inp)))
             return
@@ -187,6 +196,20 @@ class SelectRows(EvenRows):
         if kept is None:  # every token was checked as it entered the cache
             kept = policy.select_from(_with_own_masks(inp), inputs_checked=True)
         select.selection[i, row_sel] = kept
+
+    def _store_state(self, i: int, row_sel: slice | torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
+        where = row_sel if isinstance(row_sel, slice) else row_sel.to(self.buffers.keys.device)
+        for name, t in state.items():
+            if name in self.buffers.head_state:
+                self.buffers.head_state[name][i, where] = t
+            else:
+                getattr(self.buffers, name)[i, where, :, : t.shape[-1]] = t
+
+    def settle_observed(self) -> None:
+        """Rows that chose during the last step had every layer's state brought up to date then."""
+        for rows in self._observed:
+            self.group.rows.mark_observed(rows)
+        self._observed.clear()
 
     def _row_phases(self) -> list[RowPhase]:
         """Rows that share a count and a point in the cycle; one phase while every row is alike

@@ -1,21 +1,28 @@
 """Built-in stages, one per module. Import from here or from ``kvpolicy``."""
 
+from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
-from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage
+from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
+from .duo import DuoAllocation
+from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
+from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .normalized import NormalizedScorer
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
 from .sinks import SinksReservation
+from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
@@ -24,31 +31,41 @@ from .value_magnitude import ValueMagnitudeScorer
 
 BUILTIN_STAGES = (
     AttentionScorer,
+    AccumulatedAttentionScorer,
+    SmoothedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
     RedundancyScorer,
     LeverageScorer,
     ValueMagnitudeScorer,
     KeyNormScorer,
+    LagScorer,
     RandomScorer,
     CombinationScorer,
+    GKVScorer,
+    NormalizedScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
+    ChunkSelector,
     UniformAllocation,
     PyramidAllocation,
     LayerListAllocation,
     AdaptiveAllocation,
     ProfileAllocation,
+    DuoAllocation,
 )
 
 __all__ = [
     "BUILTIN_STAGES",
+    "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
     "Allocation",
     "AllocationSpec",
+    "ChunkSelector",
+    "DuoAllocation",
     "LayerListAllocation",
     "ProfileAllocation",
     "PyramidAllocation",
@@ -57,11 +74,14 @@ __all__ = [
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",
+    "GKVScorer",
     "GreedySelector",
     "KeepProtectedSelector",
     "KeyNormScorer",
+    "LagScorer",
     "QuestScorer",
     "LeverageScorer",
+    "NormalizedScorer",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",
@@ -71,7 +91,9 @@ __all__ = [
     "SelectorSpec",
     "Selector",
     "SinksReservation",
+    "SmoothedAttentionScorer",
     "Stage",
+    "StateField",
     "StochasticSelector",
     "TopScoresReservation",
     "ValueMagnitudeScorer",

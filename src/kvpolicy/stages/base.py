@@ -8,6 +8,7 @@ memory (the executor does that).
 
 from __future__ import annotations
 
+import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -35,6 +36,30 @@ REMOVED_INPUT_ATTRIBUTES = {
     "rows_per_layer": "rows of one call may come from different layers, and each row carries its own seeds: "
     "inp.layer_seed and inp.row_seed are [B]",
 }
+
+
+@dataclass(frozen=True)
+class StateField:
+    """One field of state a stage keeps across evictions (``Stage.state_fields``).
+
+    ``per="slot"``: one value per cached token, ``[B, Hkv, N]`` in the stage's input, carried
+    with its token wherever the token's slot moves (compaction, padded rows, row reordering,
+    per-head runs, select mode) and dropped with it. ``per="head"``: one value per row and KV
+    head, ``[B, Hkv]`` (running statistics of a head). A new token (or a new row) starts at
+    ``initial``.
+    """
+
+    dtype: torch.dtype = torch.float32
+    initial: float = 0.0
+    per: Literal["slot", "head"] = "slot"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or self.dtype.is_complex:
+            raise TypeError(f"StateField.dtype must be a real torch dtype, got {self.dtype!r}")
+        if self.per not in ("slot", "head"):
+            raise ValueError(f'StateField.per must be "slot" or "head", got {self.per!r}')
+        if not math.isfinite(self.initial):
+            raise ValueError(f"StateField.initial must be finite, got {self.initial!r}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,13 @@ class EvictionInput:
             sharded: a tensor-parallel rank holds heads ``head_offset .. head_offset + Hkv - 1``).
             Per-head draws (``head_uniform``/``head_normal``) are keyed by the model's head, so a
             sharded run draws exactly what an unsharded one does.
+        query_positions: ``[B, W]`` long, the token index of each window query among its row's
+            real tokens (``-1`` where ``query_valid`` is False). Query ``w`` sees the slots whose
+            position is at most ``query_positions[:, w]`` (causal attention).
+        query_new: ``[B, W]`` bool, the window queries no stage's state has seen yet (those since
+            the state was last brought up to date): what ``Stage.update_state`` adds.
+        state: every stateful stage's fields (``Stage.state_fields``), read with
+            ``inp.state_of(stage)``. None when the policy keeps no state.
     """
 
     keys: torch.Tensor
@@ -87,6 +119,23 @@ class EvictionInput:
     #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     head_offset: int = 0
+    query_positions: torch.Tensor | None = None
+    query_new: torch.Tensor | None = None
+    state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+
+    def state_of(self, stage: Stage) -> Mapping[str, torch.Tensor]:
+        """``stage``'s state fields by name: ``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per head (see
+        ``StateField``). In ``Stage.update_state`` they hold the state before this eviction's
+        new queries; in every other stage method, after them (the executor brings the state up
+        to date before any stage scores)."""
+        fields = None if self.state is None else self.state.get(stage.state_key)
+        if fields is None:
+            raise KeyError(
+                f"{stage.kind} {stage.type_name!r} reads state this input does not carry: a stage with "
+                "state_fields runs only where kvpolicy keeps its state (a cache, select mode, vLLM), or through "
+                "Policy.select(..., state=...)"
+            )
+        return fields
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: explain the attributes contract 2 removed.
@@ -220,6 +269,43 @@ class Stage(BaseModel, ABC):
         """Page sizes whose per-page key summaries the stage reads (``EvictionInput.key_pages``).
         A cache that keeps every token (select mode) maintains them as tokens arrive."""
         return frozenset()
+
+    # -- state (plugin contract 3) ----------------------------------------------------------
+    #: When ``update_state`` runs. ``"every_query"``: the state sees every query exactly once, in
+    #: order (H2O's accumulated attention, LazyEviction's recurrences): at each eviction, with
+    #: the window's unseen queries, and also before unseen queries would leave the window, and
+    #: on a step longer than the window, as it is written. ``"eviction"``: once per eviction
+    #: (or select-mode choice), with the window as it is then, every valid entry in
+    #: ``query_new`` (G-KV's score smoothed across compressions).
+    state_updates: ClassVar[Literal["every_query", "eviction"]] = "every_query"
+
+    @property
+    def state_fields(self) -> Mapping[str, StateField]:
+        """Fields of state the stage keeps across evictions, by name (none: a stateless stage).
+
+        kvpolicy stores them beside the keys and values, moves per-slot fields with their tokens
+        everywhere slots move, counts them in ``memory_bytes()``, and calls ``update_state``
+        whenever queries arrive that the state has not seen (at each eviction, before any stage
+        scores; and before unseen queries would leave the window). The stage reads them with
+        ``inp.state_of(self)``."""
+        return {}
+
+    def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
+        """The stage's state after the window queries ``inp.query_new`` (in time order, each
+        seeing the slots at or before its position): every field of ``state_fields``, the shape
+        and dtype it has in ``inp.state_of(self)``, finite. A pure function: kvpolicy checks the
+        result (``kvpolicy.stages.guards.run_state_update``) and stores it only if the whole
+        eviction succeeds, so a refused update leaves the cache as it was.
+
+        Called with windows of any length (a long prompt arrives in chunks of queries), so the
+        update must process queries in order and not assume one per step."""
+        raise NotImplementedError(f"{self.kind} {self.type_name!r} declares state_fields but no update_state")
+
+    @property
+    def state_key(self) -> str:
+        """What the stage's state is stored under: its type and hyperparameters, so two equal
+        stages of one policy share one state (they would compute the same)."""
+        return f"{self.type_name}:{json.dumps(self.describe(), sort_keys=True, default=str)}"
 
 
 def _plain(value: Any) -> Any:

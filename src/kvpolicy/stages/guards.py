@@ -11,6 +11,7 @@ buffer) or a bare torch error. Each check costs at most one host-device synchron
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from .base import Reservation
 
 if TYPE_CHECKING:
-    from .base import Allocation, EvictionInput, Scorer, Selector
+    from .base import Allocation, EvictionInput, Scorer, Selector, Stage
 
 #: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
 #: strictly above every candidate's priority (clamped to this).
@@ -123,6 +124,55 @@ def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.
         check_inputs(inp)  # the error path only: name the inputs if they are at fault
         raise SelectionError(_non_finite_scores_message(name, bad, inp))
     return scores
+
+
+def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor]:
+    """``stage.update_state(inp)``, checked: every declared field, nothing else, each of the
+    shape, dtype and device its current value has (``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per
+    head), finite wherever it is read (valid slots; every head). One synchronisation.
+
+    Refuses (``SelectionError`` naming the stage and the field) anything else: the caller stores
+    nothing, so the cache is left as it was.
+    """
+    name = f"{stage.kind} {stage.type_name!r}"
+    declared = stage.state_fields
+    old = inp.state_of(stage)
+    new = stage.update_state(inp)
+    if not isinstance(new, Mapping):
+        raise SelectionError(f"{name} update_state returned {type(new).__name__}, expected a mapping of its state fields")
+    missing, extra = sorted(set(declared) - set(new)), sorted(set(new) - set(declared))
+    if missing or extra:
+        raise SelectionError(
+            f"{name} update_state returned fields {sorted(new)}, expected exactly its state_fields {sorted(declared)}"
+            + (f" (missing {missing})" if missing else "") + (f" (undeclared {extra})" if extra else "")
+        )
+    out: dict[str, torch.Tensor] = {}
+    bad_any = []
+    for field, spec in declared.items():
+        t, before = new[field], old[field]
+        where = f"{name} state field {field!r}"
+        if not isinstance(t, torch.Tensor):
+            raise SelectionError(f"{where} is {type(t).__name__}, expected a tensor")
+        if tuple(t.shape) != tuple(before.shape):
+            shape = "[B, Hkv, N]" if spec.per == "slot" else "[B, Hkv]"
+            raise SelectionError(f"{where} has shape {tuple(t.shape)}, expected {shape} = {tuple(before.shape)}")
+        if t.dtype != spec.dtype:
+            raise SelectionError(f"{where} has dtype {t.dtype}, expected its declared {spec.dtype}")
+        if t.device != before.device:
+            raise SelectionError(f"{where} is on {t.device}, expected the inputs' device {before.device}")
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t)
+            if spec.per == "slot":
+                bad &= inp.slot_valid
+            bad_any.append((field, bad))
+        out[field] = t
+    if bad_any and bool(torch.stack([b.any() for _, b in bad_any]).any()):
+        field, bad = next((f, b) for f, b in bad_any if bool(b.any()))
+        raise SelectionError(
+            f"{name} state field {field!r} holds {int(bad.sum())} non-finite values (NaN or inf), the first at "
+            f"index {bad.nonzero()[0].tolist()}: state must stay finite; the cache keeps the state it had"
+        )
+    return out
 
 
 def _non_finite_scores_message(name: str, bad: torch.Tensor, inp: EvictionInput) -> str:

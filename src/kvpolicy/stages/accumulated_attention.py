@@ -1,0 +1,56 @@
+"""Accumulated attention (H2O's heavy hitters): a stage that keeps state across evictions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from .attention import window_attention
+from .base import EvictionInput, Scorer, StateField
+
+_STATE = {"attention": StateField(torch.float32, 0.0)}
+
+
+class AccumulatedAttentionScorer(Scorer):
+    """The attention each token has received from every query since it arrived, summed.
+
+    State: ``attention [B, Hkv, N]`` float32 per slot, 0 for a new token. Each query adds its
+    softmax over the slots it saw at its own step (every held slot up to its position, its own
+    included: ``window_attention(softmax_over="all")``), reduced over the ``G`` query heads of
+    the KV head (``group_reduce``, default the sum). The cache feeds every query exactly once,
+    so the state is H2O's accumulated score however evictions and the window fall (see
+    ``docs/concepts.md``, "Stages that remember"). The score is the state.
+    """
+
+    type_name: ClassVar[str] = "accumulated_attention"
+    reads_queries: ClassVar[bool] = True
+
+    group_reduce: Literal["sum", "mean", "max"] = "sum"
+    tile_elements: int = Field(
+        1 << 20, ge=1, le=1 << 26,
+        description="Logits computed per tile (performance only; results do not depend on it).",
+    )
+
+    @property
+    def state_fields(self) -> Mapping[str, StateField]:
+        return _STATE
+
+    def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
+        new = inp.query_new if inp.query_new is not None else inp.query_valid
+        probs = window_attention(
+            inp, new.float(), softmax_over="all", group_reduce=self.group_reduce, group_reduce_at="after_softmax",
+            tile_elements=self.tile_elements,
+        )
+        if self.group_reduce == "sum":
+            added = probs.sum(2)
+        elif self.group_reduce == "mean":
+            added = probs.mean(2)
+        else:
+            added = probs.amax(2)
+        return {"attention": inp.state_of(self)["attention"] + added}
+
+    def score(self, inp: EvictionInput) -> torch.Tensor:
+        return inp.state_of(self)["attention"]

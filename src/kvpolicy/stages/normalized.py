@@ -1,0 +1,59 @@
+"""A scorer divided by its largest magnitude per row and head (G-KV's normalised redundancy)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from .base import EvictionInput, Scorer
+from .guards import run_scorer
+from .spec import ScorerSpec
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+class NormalizedScorer(Scorer):
+    """``scorer``'s scores divided, per row and KV head, by their largest magnitude over the
+    valid candidates, so that terms of a ``combination`` weigh on one scale (G-KV divides R-KV's
+    redundancy by its maximum before mixing it with the attention score). Order and sign are
+    kept; a head whose scores are all 0 stays 0."""
+
+    type_name: ClassVar[str] = "normalized"
+
+    scorer: ScorerSpec
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return self.scorer.stochastic
+
+    @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return self.scorer.draws_per_layer
+
+    @property
+    def reads_queries(self) -> bool:  # type: ignore[override]
+        return self.scorer.reads_queries
+
+    @property
+    def may_be_negative(self) -> bool:
+        return self.scorer.may_be_negative
+
+    @property
+    def couples_heads(self) -> bool:
+        return self.scorer.couples_heads
+
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        return self.scorer.key_page_sizes
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        self.scorer.validate_schedule(schedule)
+
+    def score(self, inp: EvictionInput) -> torch.Tensor:
+        scores = run_scorer(self.scorer, inp, where=f" (in scorer {self.type_name!r})").float()
+        cand = inp.candidate_mask
+        scores = torch.where(cand, scores, torch.zeros_like(scores))
+        top = scores.abs().amax(-1, keepdim=True)
+        return scores / torch.where(top > 0, top, torch.ones_like(top))

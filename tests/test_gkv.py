@@ -1,0 +1,342 @@
+"""G-KV: the smoothed attention score kept across compressions, against a float64 loop reference
+of G-KV's rules (EvictingCache and generate()), padded rows, and its stages' edges."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy import EvictingCache, load_policy
+from kvpolicy.schedule import Schedule
+from kvpolicy.stages import GKVScorer, NormalizedScorer, SmoothedAttentionScorer
+
+SMALL = {"budget": 16, "recent": 4, "interval": 4, "window": 4}
+
+
+def _gkv(**over) -> kvpolicy.Policy:
+    return load_policy("gkv", **{**SMALL, **over})
+
+
+# -- a float64 loop reference of G-KV -------------------------------------------------------------
+class GKVReference:
+    """G-KV on one layer, token by token, in float64 Python loops (microsoft/G-KV's
+    ``ScoreBasedKV.update_kv`` with ``enable_score_cache``, ``suppressing_redundancy``, max
+    smoothing).
+
+    At a compression of a row, per KV head, over the ``C`` oldest held tokens (the rest is the
+    window of recent tokens):
+
+    - local ``l_j``: for each of the last ``window`` queries, the softmax of its logits over every
+      held token at or before it; the max over the query heads of the group; the mean over the
+      queries; divided by the max over the ``C`` tokens;
+    - ``s_j = max(alpha * s_old_j, l_j)`` for a token scored at an earlier compression, else ``l_j``;
+    - redundancy: unit keys, cosine matrix over all held tokens with a zero diagonal, each row's
+      most recent column above 0.5 (column 0 when none) zeroed, column means, softmax over all
+      tokens, the first ``C`` divided by their max;
+    - keep the ``budget - recent`` tokens of largest ``lam * s - (1 - lam) * red`` and the window;
+      the kept tokens store ``s``.
+    """
+
+    def __init__(self, schedule: Schedule, batch: int, hkv: int, hq: int, alpha=0.8, lam=0.5):
+        self.s, self.hkv, self.g, self.alpha, self.lam = schedule, hkv, hq // hkv, alpha, lam
+        self.held: list[list[list[dict]]] = [[[] for _ in range(hkv)] for _ in range(batch)]
+        self.queries = [deque(maxlen=schedule.window) for _ in range(batch)]  # (position, [Hq, D])
+        self.tokens = [0] * batch
+        self.steps = 0
+
+    def feed(self, k, v, q, valid) -> list[torch.Tensor | None]:
+        """One step; returns each row's attention outputs ``[Hq, T_real, D]``."""
+        outs = []
+        d = k.shape[-1]
+        for b in range(k.shape[0]):
+            row_out = []
+            for t in range(k.shape[2]):
+                if not valid[b, t]:
+                    continue
+                pos = self.tokens[b]
+                self.tokens[b] += 1
+                for h in range(self.hkv):
+                    self.held[b][h].append({"pos": pos, "k": k[b, h, t].double(), "v": v[b, h, t].double(), "s": None})
+                self.queries[b].append((pos, q[b, :, t].double()))
+                heads = []
+                for qh in range(self.g * self.hkv):
+                    probs = _softmax([float(q[b, qh, t].double() @ e["k"]) / math.sqrt(d) for e in self.held[b][qh // self.g]])
+                    heads.append(sum(p * e["v"] for e, p in zip(self.held[b][qh // self.g], probs, strict=True)))
+                row_out.append(torch.stack(heads))
+            outs.append(torch.stack(row_out, 1) if row_out else None)
+        self.steps += 1
+        return outs
+
+    def due(self, b: int) -> bool:
+        return bool(self.s.due(len(self.held[b][0]), self.tokens[b], prompt=self.steps == 1))
+
+    def scores(self, b: int, h: int) -> tuple[list[float], list[float]]:
+        """``(s, final)`` for the ``C`` candidate tokens of row ``b``, head ``h``."""
+        entries = self.held[b][h]
+        n = len(entries)
+        c = n - self.s.recent
+        d = entries[0]["k"].numel()
+        local = [0.0] * c
+        window = list(self.queries[b])
+        for qpos, q in window:
+            seen = [e for e in entries if e["pos"] <= qpos]
+            per_head = [_softmax([float(q[qh] @ e["k"]) / math.sqrt(d) for e in seen])
+                        for qh in range(h * self.g, (h + 1) * self.g)]
+            for j in range(min(c, len(seen))):
+                local[j] += max(p[j] for p in per_head) / len(window)
+        top = max(local)
+        local = [x / top for x in local]
+        s = [x if e["s"] is None else max(self.alpha * e["s"], x) for x, e in zip(local, entries, strict=False)]
+        unit = [e["k"] / (e["k"].norm() + 1e-8) for e in entries]
+        sim = [[0.0 if i == j else float(unit[i] @ unit[j]) for j in range(n)] for i in range(n)]
+        for i in range(n):
+            above = [j for j in range(n) if sim[i][j] > 0.5]
+            sim[i][above[-1] if above else 0] = 0.0
+        red = _softmax([sum(sim[i][j] for i in range(n)) / n for j in range(n)])[:c]
+        red = [x / max(red) for x in red]
+        return s, [self.lam * x - (1 - self.lam) * r for x, r in zip(s, red, strict=True)]
+
+    def evict(self, b: int, kept: list[set[int]], tol: float) -> None:
+        """Check that ``kept`` (per head, the positions the cache kept) is the window and a top
+        ``budget - recent`` of the reference's final scores (within ``tol``: float32 against
+        float64), then continue from it with the kept tokens' smoothed scores stored."""
+        for h in range(self.hkv):
+            s, final = self.scores(b, h)
+            entries = self.held[b][h]
+            c = len(entries) - self.s.recent
+            recent = entries[c:]
+            assert {e["pos"] for e in recent} <= kept[h], (b, h)
+            chosen = [j for j in range(c) if entries[j]["pos"] in kept[h]]
+            dropped = [j for j in range(c) if entries[j]["pos"] not in kept[h]]
+            assert len(chosen) == self.s.budget - self.s.recent, (b, h, sorted(kept[h]))
+            if dropped:
+                assert min(final[j] for j in chosen) >= max(final[j] for j in dropped) - tol, (b, h)
+            for j in chosen:
+                entries[j]["s"] = s[j]
+            self.held[b][h] = [entries[j] for j in chosen] + recent
+
+    def positions(self, b: int, h: int) -> list[int]:
+        return [e["pos"] for e in self.held[b][h]]
+
+    def stored(self, b: int, h: int) -> list[float]:
+        return [-1.0 if e["s"] is None else e["s"] for e in self.held[b][h]]
+
+
+def _softmax(logits: list[float]) -> list[float]:
+    top = max(logits)
+    ex = [math.exp(x - top) for x in logits]
+    z = sum(ex)
+    return [x / z for x in ex]
+
+
+def _steps(batch, hkv, hq, d, prompt, n, seed, pads=None):
+    g = torch.Generator().manual_seed(seed)
+    for i, t in enumerate([prompt] + [1] * n):
+        k = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
+        v = torch.randn(batch, hkv, t, d, generator=g, dtype=torch.float64)
+        q = torch.randn(batch, hq, t, d, generator=g, dtype=torch.float64) * 2
+        valid = torch.ones(batch, t, dtype=torch.bool)
+        if i == 0 and pads:
+            for r, p in enumerate(pads):
+                valid[r, :p] = False
+        yield k, v, q, valid
+
+
+def _held(view, b: int) -> list[list[int]]:
+    return [view.positions[b, h][view.valid[b, h]].tolist() for h in range(view.positions.shape[1])]
+
+
+@pytest.mark.parametrize("hkv,hq", [(2, 2), (2, 6)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("compress_prompt,count", [(True, "tokens"), (False, "slots")])
+def test_gkv_cache_equals_float64_reference(hkv, hq, compress_prompt, count):
+    """Held tokens, attention outputs and every token's stored score equal the loop reference
+    through many compressions (a prompt longer than the budget, compressed once it is in or not),
+    MHA and GQA. The smoothing is exercised: kept scores decay by alpha until refreshed."""
+    policy = _gkv(compress_prompt=compress_prompt, count=count)
+    cache = EvictingCache(policy, num_layers=2)
+    refs = [GKVReference(policy.schedule, 2, hkv, hq) for _ in range(2)]
+    evicted = decayed = 0
+    for step, (k, v, q, valid) in enumerate(_steps(2, hkv, hq, 8, prompt=22, n=40, seed=21 + hkv)):
+        for layer in range(2):
+            out = cache.attend(layer, q, k, v)
+            want = refs[layer].feed(k, v, q, valid)
+            for b in range(2):
+                torch.testing.assert_close(out[b], want[b], rtol=1e-9, atol=1e-9)
+        cache.evict_due()  # the reference compresses at the end of the step; the cache before the next
+        for layer, ref in enumerate(refs):
+            view = cache.layers[layer]
+            state = view.state["state0.score"]
+            for b in range(2):
+                if ref.due(b):
+                    before = {id(e): e["s"] for head in ref.held[b] for e in head}
+                    ref.evict(b, [set(p) for p in _held(view, b)], tol=1e-6)
+                    decayed += sum(  # kept on its decayed old score, not its new local one
+                        1 for head in ref.held[b] for e in head
+                        if before.get(id(e)) is not None and e["s"] == 0.8 * before[id(e)]
+                    )
+                    evicted += 1
+                assert _held(view, b) == [ref.positions(b, h) for h in range(hkv)], (step, layer, b)
+                for h in range(hkv):
+                    torch.testing.assert_close(
+                        state[b, h][view.valid[b, h]].double(), torch.tensor(ref.stored(b, h), dtype=torch.float64),
+                        rtol=1e-6, atol=1e-6, msg=lambda m, s=step, h=h: f"step {s} head {h}: {m}",
+                    )
+    assert evicted >= 30 and decayed >= 10, (evicted, decayed)
+
+
+def test_gkv_padded_rows_equal_rows_alone():
+    """A left-padded batch: each row's held tokens and stored scores equal the row run alone."""
+    policy = _gkv()
+    for pads in ((0, 5), (3, 0)):
+        batch = EvictingCache(policy, num_layers=1)
+        alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
+        for k, v, q, valid in _steps(2, 2, 4, 8, prompt=20, n=25, seed=3, pads=pads):
+            batch.attend(0, q, k, v, token_valid=None if bool(valid.all()) else valid)
+            for r in range(2):
+                keep = valid[r]
+                alone[r].attend(0, q[r : r + 1, :, keep], k[r : r + 1, :, keep], v[r : r + 1, :, keep])
+            view = batch.layers[0]
+            for r in range(2):
+                mine = alone[r].layers[0]
+                held = view.valid[r]
+                assert view.positions[r][held].view(2, -1).tolist() == mine.positions[0].tolist()
+                assert torch.equal(view.state["state0.score"][r][held].view(2, -1), mine.state["state0.score"][0])
+        assert batch.stats()[0].evictions >= 5
+
+
+# -- through generate() ------------------------------------------------------------------------
+@pytest.mark.usefixtures("one_thread")
+def test_gkv_generate_equals_float64_reference():
+    """``generate()`` with the policy's cache: after every layer call, the held tokens, the
+    attention outputs and, at every compression, the stored scores equal the loop reference fed
+    the same keys, values and queries (a prompt longer than the budget, compressed at prefill)."""
+    pytest.importorskip("transformers")
+    from hf_util import generate, tiny_qwen3
+
+    model = tiny_qwen3(layers=2, vocab=128)
+    policy = _gkv()
+    cache = kvpolicy.KVPolicyCache(policy, model)
+    evicting = cache.evicting
+    calls = []
+    attend = evicting.attend
+
+    def recording(layer_idx, queries, keys, values, token_valid=None, *, scaling=None):
+        out = attend(layer_idx, queries, keys, values, token_valid, scaling=scaling)
+        view = evicting.layers[layer_idx]
+        calls.append((layer_idx, queries.clone(), keys.clone(), values.clone(), out.clone(), _held(view, 0), view.state))
+        return out
+
+    evicting.attend = recording
+    ids = torch.randint(3, 128, (1, 22), generator=torch.Generator().manual_seed(2))
+    generate(model, cache, ids, torch.ones_like(ids), 30)
+    del evicting.attend
+
+    refs: dict[int, GKVReference] = {}
+    evicted = 0
+    for layer, q, k, v, out, held, state in calls:
+        ref = refs.setdefault(layer, GKVReference(policy.schedule, 1, k.shape[1], q.shape[1]))
+        if ref.steps and ref.due(0):  # the cache compressed as this call began: the newest tokens are new
+            before = ref.tokens[0]
+            ref.evict(0, [{p for p in head if p < before} for head in held], tol=1e-4)
+            for h in range(ref.hkv):
+                n = len(ref.held[0][h])
+                torch.testing.assert_close(state["state0.score"][0, h, :n].double(),
+                                           torch.tensor(ref.stored(0, h), dtype=torch.float64), rtol=1e-4, atol=1e-5)
+            evicted += 1
+        want = ref.feed(k, v, q, torch.ones(1, k.shape[2], dtype=torch.bool))
+        torch.testing.assert_close(out[0].double(), want[0], rtol=1e-4, atol=1e-5)
+        assert held == [ref.positions(0, h) for h in range(ref.hkv)], (layer, ref.steps)
+    assert evicted >= 10, evicted
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gkv_generate_padded_rows_decode_as_alone():
+    pytest.importorskip("transformers")
+    from hf_util import assert_rows_decode_as_alone, left_padded_prompt, tiny_qwen3
+
+    model = tiny_qwen3(layers=2, vocab=128)
+    ids, mask = left_padded_prompt(128, batch=2, length=20, pads=(0, 5))
+    assert_rows_decode_as_alone(model, _gkv(), ids, mask, 24)
+
+
+# -- the stages at their edges --------------------------------------------------------------------
+def test_gkv_defaults_follow_the_official_script():
+    policy = load_policy("gkv")
+    s = policy.schedule
+    assert (s.budget, s.recent, s.interval, s.window, s.count, s.compress_prompt) == (1024, 16, 128, 16, "tokens", True)
+    scorer = policy.config.scorer
+    assert isinstance(scorer, GKVScorer) and scorer.mix_lambda == 0.5
+    att = scorer.attention
+    assert isinstance(att, SmoothedAttentionScorer)
+    assert (att.alpha, att.smooth, att.normalize, att.group_reduce) == (0.8, "max", True, "max")
+    assert isinstance(scorer.redundancy, NormalizedScorer)
+    assert scorer.redundancy.scorer.describe() == {"type": "redundancy", "threshold": 0.5, "over": "all",
+                                                   "chunk_elements": 1 << 21}
+    assert policy.keeps_state and not policy.observes_queries  # updated once per compression
+    assert list(policy.state_fields) == ["state0.score"] and not policy.stochastic
+
+
+@pytest.mark.parametrize("smooth", ["max", "mean", "sum"])
+def test_smoothing_rules(smooth):
+    """One candidate scored before (0.5) and one new, against the local score computed alone."""
+    att = SmoothedAttentionScorer(alpha=0.6, smooth=smooth)
+    policy = load_policy({"name": "s", "schedule": {"budget": 4, "recent": 1, "interval": 2, "window": 2},
+                          "scorer": att, "selector": "greedy"})
+    g = torch.Generator().manual_seed(4)
+    k, v, q = torch.randn(1, 1, 6, 4, generator=g), torch.randn(1, 1, 6, 4, generator=g), torch.randn(1, 2, 2, 4, generator=g)
+    inp = kvpolicy.policy.eviction_input(k, v, q, budget=4, recent=1, slot_valid=None, query_valid=None,
+                                         positions=None, seed=0)
+    local = att.local_scores(inp)[0, 0]
+    old = torch.tensor([0.5, -1.0, 0.5, -1.0, -1.0, -1.0]).view(1, 1, 6)
+    state = {"state0.score": old}
+    new = policy.observe(kvpolicy.policy.eviction_input(
+        k, v, q, budget=4, recent=1, slot_valid=None, query_valid=None, positions=None, seed=0,
+        state=policy.nest_state(state)))[1]["state0.score"][0, 0]
+    mixed = {"max": max(0.3, float(local[0])), "mean": 0.3 + 0.4 * float(local[0]), "sum": 0.3 + float(local[0])}[smooth]
+    torch.testing.assert_close(new[0], torch.tensor(mixed))
+    torch.testing.assert_close(new[1], local[1])
+    assert float(new[5]) == -1.0  # the recent slot is not scored: new at the next compression
+    assert float(local.max()) == pytest.approx(1.0)
+
+
+def test_local_score_without_queries_is_zero():
+    att = SmoothedAttentionScorer()
+    k = torch.randn(1, 2, 6, 4)
+    inp = kvpolicy.policy.eviction_input(k, k, torch.randn(1, 2, 3, 4), budget=4, recent=1, slot_valid=None,
+                                         query_valid=torch.zeros(1, 3, dtype=torch.bool), positions=None, seed=0)
+    assert torch.equal(att.local_scores(inp), torch.zeros(1, 2, 6))
+
+
+def test_normalized_keeps_order_and_sign():
+    from kvpolicy.stages import RandomScorer
+
+    inner = RandomScorer()
+    norm = NormalizedScorer(scorer=inner)
+    k = torch.randn(2, 2, 10, 4)
+    inp = kvpolicy.policy.eviction_input(k, k, torch.randn(2, 2, 1, 4), budget=6, recent=2, slot_valid=None,
+                                         query_valid=None, positions=None, seed=5)
+    raw, scaled = inner.score(inp), norm.score(inp)
+    cand = inp.candidate_mask
+    top = raw.masked_fill(~cand, 0).abs().amax(-1, keepdim=True)
+    torch.testing.assert_close(scaled, torch.where(cand, raw / top, 0.0))
+    assert norm.stochastic and not norm.may_be_negative
+
+
+@pytest.mark.parametrize("bad", [
+    {"alpha": 1.5}, {"alpha": -0.1}, {"alpha": float("nan")}, {"smooth": "ema"}, {"group_reduce": "sum"},
+    {"tile_elements": 0},
+])
+def test_bad_hyperparameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SmoothedAttentionScorer(**bad)
+
+
+@pytest.mark.parametrize("mix_lambda", [-0.1, 1.1, float("inf")])
+def test_bad_mix_is_refused(mix_lambda):
+    with pytest.raises(kvpolicy.PolicyError, match="mix_lambda"):
+        load_policy({"name": "g", "schedule": SMALL, "selector": "greedy", "scorer": {
+            "type": "gkv", "mix_lambda": mix_lambda, "attention": "smoothed_attention", "redundancy": "redundancy"}})

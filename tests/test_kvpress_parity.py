@@ -1,0 +1,312 @@
+"""kvpolicy against kvpress 0.5.5, the field's reference implementations, on real tensors.
+
+``tests/fixtures/kvpress_parity.pt`` holds the bundled model's (SmolLM2-135M) keys, values and
+window queries at four layers for 1,024 tokens of prose, and the slots each kvpress press kept
+there per KV head at 256 of 1,024 (``make parity-fixtures`` regenerates it in a venv of its own;
+``benchmarks/parity/capture_kvpress.py`` says how). Neither kvpress nor a network is needed here.
+
+Each test runs a kvpolicy policy on the captured tensors and compares the kept slots per head as
+sets. Where kvpress departs from the paper or the authors' code, kvpolicy follows the paper and
+the test shows the departure explicitly (docs/parity.md lists every result).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import kvpolicy
+from kvpolicy.stages.leverage import LeverageScorer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "kvpress_parity.pt"
+
+
+@pytest.fixture(scope="module")
+def fx():
+    if not FIXTURE.is_file():
+        pytest.fail(f"{FIXTURE} is missing: run `make parity-fixtures` (docs/parity.md)")
+    data = torch.load(FIXTURE, weights_only=True)
+    # kvpress scored float32 upcasts of the stored float16 tensors: so does every test.
+    data["keys"] = data["keys"].float()
+    data["values"] = data["values"].float()
+    return data
+
+
+def layers(fx) -> range:
+    return range(len(fx["meta"]["layers"]))
+
+
+def layer_inputs(fx, i: int, queries: str = "queries"):
+    """Keys, values and queries of captured layer ``i``, with a batch axis."""
+    return fx["keys"][i : i + 1], fx["values"][i : i + 1], fx[queries][i : i + 1]
+
+
+def kvpress_kept(fx, press: str, i: int) -> list[set[int]]:
+    """The slots kvpress's ``press`` kept at captured layer ``i``, one set per KV head."""
+    kept = fx["kept"][press][i]
+    if kept.dtype == torch.bool:  # Ada-KV: a keep mask per head
+        return [set(row.nonzero().flatten().tolist()) for row in kept]
+    return [set(row.tolist()) for row in kept]
+
+
+def kept_sets(kept: torch.Tensor) -> list[set[int]]:
+    """``[1, Hkv, K]`` slot indices, or a ``[1, Hkv, N]`` keep mask, as one set per head."""
+    if kept.dtype == torch.bool:
+        return [set(row.nonzero().flatten().tolist()) for row in kept[0]]
+    return [set(row.tolist()) for row in kept[0]]
+
+
+def assert_same_slots(got: list[set[int]], want: list[set[int]], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} heads, kvpress {len(want)}"
+    for h, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a == b, (
+            f"{what}, head {h}: {len(a & b)} of kvpress's {len(b)} slots kept; kvpolicy only "
+            f"{sorted(a - b)[:10]}, kvpress only {sorted(b - a)[:10]}"
+        )
+
+
+def overlap(fx, press: str, select) -> float:
+    """Fraction of kvpress's kept slots that ``select(i)`` also keeps, over every layer and head."""
+    same = total = 0
+    for i in layers(fx):
+        for a, b in zip(select(i), kvpress_kept(fx, press, i), strict=True):
+            same += len(a & b)
+            total += len(b)
+    return same / total
+
+
+def variant(name: str, schedule: dict | None = None, **fields) -> kvpolicy.Policy:
+    """A built-in policy with schedule fields or whole top-level fields (stages) replaced."""
+    doc = yaml.safe_load(kvpolicy.load_policy(name).to_yaml())
+    doc["schedule"].update(schedule or {})
+    doc.update(fields)
+    return kvpolicy.load_policy(doc)
+
+
+def test_fixture_is_what_the_tests_assume(fx):
+    meta = fx["meta"]
+    n, kept, w = meta["tokens"], meta["kept"], meta["window"]
+    nl, hkv, hq, d = len(meta["layers"]), meta["num_key_value_heads"], meta["num_attention_heads"], meta["head_dim"]
+    assert meta["kvpress"] == "0.5.5"
+    assert fx["keys"].shape == fx["values"].shape == (nl, hkv, n, d)
+    assert fx["queries"].shape == (nl, hq, w, d) and fx["last_query"].shape == (nl, hq, 1, d)
+    assert fx["queries"].dtype == torch.float32  # exactly the queries kvpress used, not rounded
+    for press, per_layer in fx["kept"].items():
+        assert len(per_layer) == nl, press
+        for t in per_layer:
+            if t.dtype == torch.bool:
+                assert t.shape == (hkv, n) and int(t.sum()) == hkv * kept, press
+            else:
+                assert t.shape[0] == hkv and t.shape[1] <= n, press
+                assert all(len(set(row.tolist())) == t.shape[1] for row in t), f"{press}: duplicate slots"
+
+
+# -- identical kept slots ------------------------------------------------------------------------
+
+
+def test_streamingllm_keeps_kvpress_slots(fx):
+    policy = kvpolicy.load_policy("streamingllm", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "streaming_llm", i), f"streamingllm, layer {fx['meta']['layers'][i]}")
+
+
+def test_knorm_keeps_kvpress_slots(fx):
+    policy = kvpolicy.load_policy("knorm", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "knorm", i), f"knorm, layer {fx['meta']['layers'][i]}")
+
+
+def test_tova_keeps_kvpress_slots(fx):
+    # TOVA reads the current query only: kvpress's one-row projection of the last position.
+    policy = kvpolicy.load_policy("tova", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i, "last_query")))
+        assert_same_slots(got, kvpress_kept(fx, "tova", i), f"tova, layer {fx['meta']['layers'][i]}")
+
+
+def test_tova_departure_kvpress_always_keeps_the_newest_token(fx):
+    """kvpress pads the newest token's TOVA score to max + 1; TOVA's code keeps it only if its
+    attention earns it. On the captured layers it always does (hence identical slots above); here
+    the newest key is turned away from every query so that it does not."""
+    budget = fx["meta"]["kept"]
+    keys, values, q = layer_inputs(fx, 0, "last_query")
+    keys = keys.clone()
+    n = keys.shape[2]
+    g = q.shape[1] // keys.shape[1]
+    # Each head's newest key becomes minus its group's mean query, scaled: the lowest attention.
+    keys[0, :, -1] = -q[0, :, 0].view(keys.shape[1], g, -1).mean(1) * 10
+    paper = kept_sets(kvpolicy.load_policy("tova", budget=budget).select(keys, values, q))
+    as_kvpress = kept_sets(kvpolicy.load_policy("tova", budget=budget, recent=1).select(keys, values, q))
+    assert all(n - 1 not in s for s in paper)  # the paper's rule drops it...
+    assert all(n - 1 in s for s in as_kvpress)  # ...kvpress's keeps it
+    # The rest of kvpress's rule is the paper's: the top budget - 1 of the older slots.
+    logits = torch.einsum("hd,hnd->hn", q[0, :, 0], keys[0].repeat_interleave(g, 0)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(logits, -1)  # over every key, the newest included
+    score = probs.mean(0)  # [N]: every query head of the layer, one decision for all KV heads
+    want = set(score[:-1].topk(budget - 1).indices.tolist()) | {n - 1}
+    assert all(s == want for s in as_kvpress)
+
+
+def test_keydiff_scorer_keeps_kvpress_slots(fx):
+    # kvpress's KeyDiffPress scores every key against the mean unit key, with no sinks and no
+    # recent buffer: the plugin's scorer composed the same way keeps the same slots.
+    policy = variant("keydiff", {"budget": fx["meta"]["kept"], "recent": 0}, reservations=[])
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "keydiff", i), f"keydiff scorer, layer {fx['meta']['layers'][i]}")
+    # The shipped `keydiff` policy adds sinks and a recent buffer of 64 (the anchor then spans
+    # the candidates only), so it keeps other slots: a composition choice, not a definition.
+    shipped = kvpolicy.load_policy("keydiff", budget=fx["meta"]["kept"])
+    assert overlap(fx, "keydiff", lambda i: kept_sets(shipped.select(*layer_inputs(fx, i)))) < 1.0
+
+
+@pytest.mark.parametrize(("press", "local_window", "index"), [("cur_projected", 16, 0), ("cur_projected_global", None, 1)])
+def test_leverage_keeps_kvpress_cur_slots_given_its_projection(fx, monkeypatch, press, local_window, index):
+    """CURPress with its random projection is CurDKV's leverage, as kvpolicy's `leverage` scorer:
+    handed kvpress's own draw of the projection, kvpolicy keeps its slots, with kvpress's local
+    windows of 16 and without them (CurDKV / VaSE). kvpress keeps sinks 4 and no recent buffer."""
+    policy = variant(
+        "curdkv", {"budget": fx["meta"]["kept"], "recent": 0},
+        scorer={"type": "leverage", "rank": 20, "mode": "kv_product", "projection": "fixed", "local_window": local_window},
+    )
+    for i in layers(fx):
+        p = fx["cur_projection"][i, index]  # [D, r], already scaled by 1/sqrt(r)
+        monkeypatch.setattr(LeverageScorer, "projections", lambda self, inp, p=p: p.expand(inp.batch, -1, -1))
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, press, i), f"{press}, layer {fx['meta']['layers'][i]}")
+
+
+# -- SnapKV and the allocations built on it --------------------------------------------------------
+
+
+def all_keys(name: str, **schedule) -> kvpolicy.Policy:
+    """``name`` with SnapKV's own normalisation (softmax over every key, the window's included)."""
+    doc = yaml.safe_load(kvpolicy.load_policy(name).to_yaml())
+    doc["schedule"].update(schedule)
+    doc["scorer"]["softmax_over"] = "all"
+    return kvpolicy.load_policy(doc)
+
+
+def test_snapkv_paper_keeps_kvpress_slots(fx):
+    policy = kvpolicy.load_policy("snapkv-paper", budget=fx["meta"]["kept"])
+    assert policy.schedule.window == fx["meta"]["window"] == policy.schedule.recent
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "snapkv", i), f"snapkv-paper, layer {fx['meta']['layers'][i]}")
+
+
+def test_snapkv_departure_softmax_over_the_candidates(fx):
+    """The shipped `snapkv` (VaSE's decode-time "Attn", as the spec and the reference tables
+    define it) normalises each window query's softmax over the candidates only, so it keeps
+    most but not all of the slots kvpress's SnapKV keeps; `snapkv-paper` keeps them all (above)."""
+    policy = kvpolicy.load_policy("snapkv", budget=fx["meta"]["kept"])
+    share = overlap(fx, "snapkv", lambda i: kept_sets(policy.select(*layer_inputs(fx, i))))
+    assert 0.9 < share < 1.0, f"snapkv keeps {share:.4f} of kvpress's SnapKV slots"
+    # The whole difference is the normalisation: the same policy over every key matches.
+    same = all_keys("snapkv", budget=fx["meta"]["kept"])
+    assert overlap(fx, "snapkv", lambda i: kept_sets(same.select(*layer_inputs(fx, i)))) == 1.0
+
+
+def test_ada_snapkv_with_snapkv_normalisation_keeps_kvpress_slots(fx):
+    """kvpress's AdaKVPress over SnapKVPress: the layer's slots pooled across heads by score after
+    a floor of int(0.2 * 256) per head. The window (64 per head) ranks first in both and already
+    covers the floor, so the rules coincide: per head, the same keep mask."""
+    policy = all_keys("ada-snapkv", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        keep, counts = policy.select_heads(*layer_inputs(fx, i))
+        assert int(counts.sum()) == counts.shape[1] * fx["meta"]["kept"]
+        assert_same_slots(kept_sets(keep), kvpress_kept(fx, "ada_snapkv", i), f"ada-snapkv, layer {fx['meta']['layers'][i]}")
+    shipped = kvpolicy.load_policy("ada-snapkv", budget=fx["meta"]["kept"])
+    share = overlap(fx, "ada_snapkv", lambda i: kept_sets(shipped.select_heads(*layer_inputs(fx, i))[0]))
+    assert share < 1.0  # the shipped one normalises over the candidates, as `snapkv`
+
+
+@pytest.mark.parametrize("press", ["pyramidkv", "pyramidkv_beta4"])
+def test_pyramidkv_keeps_kvpress_slots_at_its_layer_budgets(fx, press):
+    """Within a layer PyramidKV is SnapKV at that layer's budget: at each layer's kvpress count,
+    kvpolicy's pyramidkv (with SnapKV's normalisation) keeps kvpress's slots."""
+    policy = all_keys("pyramidkv", budget=fx["meta"]["kept"])
+    for i in layers(fx):
+        count = fx["kept"][press][i].shape[1]
+        keep, counts = policy.select_heads(*layer_inputs(fx, i), budget=count)
+        assert bool((counts == count).all())
+        assert_same_slots(kept_sets(keep), kvpress_kept(fx, press, i), f"{press}, layer {fx['meta']['layers'][i]}")
+
+
+@pytest.mark.parametrize("beta", [20, 4])
+def test_pyramidkv_departure_layer_budgets(fx, beta):
+    """kvpolicy's layer budgets follow PyramidKV's code (KVCache-Factory): every layer keeps the
+    window, and the line from 2(k - w) - (k - w)/beta (first layer) to (k - w)/beta (last) runs
+    over the rest. kvpress runs the line over the whole budget, from 2k - k/beta to k/beta,
+    window included, and falls back to uniform SnapKV when k/beta is below the window (beta 20
+    here). Its first layer thus keeps w(1 - 1/beta) more, its last w(1 - 1/beta) fewer."""
+    meta = fx["meta"]
+    k, w, m = meta["kept"], meta["window"], meta["num_layers"]
+    doc = yaml.safe_load(kvpolicy.load_policy("pyramidkv").to_yaml())
+    doc["schedule"]["budget"] = k
+    doc["allocation"]["beta"] = beta
+    budgets = [s.budget for s in kvpolicy.load_policy(doc).layer_schedules(m)]
+    assert doc["schedule"]["recent"] == doc["schedule"]["window"] == w
+    first, last = w + 2 * (k - w) - (k - w) / beta, w + (k - w) / beta
+    authors = [first + (last - first) * layer / (m - 1) for layer in range(m)]
+    assert sum(budgets) == m * k
+    assert all(abs(b - a) < 1 for b, a in zip(budgets, authors, strict=True))
+
+    press = "pyramidkv" if beta == 20 else "pyramidkv_beta4"
+    counts = [t.shape[1] for t in fx["kept"][press]]
+    if k / beta < w:  # kvpress's fallback
+        assert counts == [k] * len(meta["layers"])
+    else:
+        line = [2 * k - k / beta - layer * (2 * k - 2 * k / beta) / (m - 1) for layer in meta["layers"]]
+        assert counts == [round(x) for x in line]
+    mine = [budgets[layer] for layer in meta["layers"]]
+    assert counts != mine
+    assert budgets[0] > budgets[-1]  # kvpolicy's pyramid slopes whatever beta
+
+
+def _top_with_sinks(score: torch.Tensor, budget: int, sinks: int = 4) -> list[set[int]]:
+    """Per head, the first ``sinks`` slots and the top of ``score [Hkv, N]`` up to ``budget``."""
+    score = score.clone()
+    score[:, :sinks] = float("inf")
+    return [set(row.tolist()) for row in score.topk(budget, dim=-1).indices]
+
+
+def _windowed(x: torch.Tensor, window: int = 16) -> torch.Tensor:
+    """``x [..., N]`` divided by its sum over consecutive windows of ``window`` slots."""
+    n = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, (-n) % window)).unflatten(-1, (-1, window))
+    return (blocks / blocks.sum(-1, keepdim=True)).flatten(-2)[..., :n]
+
+
+def test_curdkv_follows_the_paper_where_kvpress_default_does_not(fx):
+    """kvpress's default CURPress scores exact squared norms (no random projection) normalised in
+    windows of 16: not CurDKV's Gaussian-projection leverage (spec: P ~ N(0, 1)/sqrt(r), r = 20),
+    which kvpolicy's `curdkv` computes. Shown here: kvpress's default keeps the top of the exact
+    norms, and `curdkv` the top of the paper's projected score, with its own projection."""
+    from kvpolicy.policy import eviction_input
+
+    meta = fx["meta"]
+    budget = meta["kept"]
+    policy = kvpolicy.load_policy("curdkv", budget=budget, recent=0)
+    scorer = policy.config.scorer
+    assert isinstance(scorer, LeverageScorer) and scorer.local_window is None
+    differs = False
+    for i in layers(fx):
+        keys, values, q = layer_inputs(fx, i)
+        layer = meta["layers"][i]
+        exact = _windowed(keys[0].square().sum(-1)) * _windowed(values[0].square().sum(-1))
+        assert _top_with_sinks(exact, budget) == kvpress_kept(fx, "cur", i)
+        # The paper's score, with the projection kvpolicy draws for this layer.
+        inp = eviction_input(keys, values, q, budget=budget, recent=0, seed=policy.resolve_seed(), layer_idx=layer)
+        p = scorer.projections(inp)[0]
+        paper = (keys[0] @ p).square().sum(-1) * (values[0] @ p).square().sum(-1)
+        got = kept_sets(policy.select(keys, values, q, layer_idx=layer))
+        assert got == _top_with_sinks(paper, budget)
+        differs |= got != kvpress_kept(fx, "cur", i)
+    assert differs
