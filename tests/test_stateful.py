@@ -472,3 +472,17 @@ def test_every_query_is_seen_exactly_once(layout, budget, recent, interval, wind
             unseen_sees = ((qpos[:, None, None, :] >= view.positions[..., None]) & unseen[:, None, None, :]).sum(-1)
             expected = (tokens[:, None, None] - view.positions - unseen_sees).float()
             assert torch.equal(state["state0.seen_by"][view.valid], expected[view.valid]), (i, layer)
+
+
+def test_updated_state_then_select_is_select_on_the_old_state():
+    """A caller that keeps the state itself (vLLM's worker): ``updated_state`` then ``select``
+    with nothing new keeps what ``select`` on the old state and the new queries keeps."""
+    policy = _h2o(budget=8, recent=2)
+    g = torch.Generator().manual_seed(4)
+    k, v, q = torch.randn(2, 2, 20, 8, generator=g), torch.randn(2, 2, 20, 8, generator=g), torch.randn(2, 4, 4, 8, generator=g)
+    old = {"state0.attention": torch.rand(2, 2, 20, generator=g)}
+    new = policy.updated_state(k, v, q, state=old)
+    assert set(new) == {"state0.attention"} and bool((new["state0.attention"] >= old["state0.attention"]).all())
+    nothing = torch.zeros(2, 4, dtype=torch.bool)
+    assert torch.equal(policy.select(k, v, q, state=new, query_new=nothing), policy.select(k, v, q, state=old))
+    assert load_policy("snapkv", budget=8, recent=2, window=4, interval=4).updated_state(k, v, q, state=None) == {}

@@ -248,6 +248,45 @@ class Policy:
         )
         return self.select_from(self.observe(inp)[0])
 
+    def updated_state(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        queries: torch.Tensor,
+        *,
+        state: Mapping[str, torch.Tensor] | None,
+        query_new: torch.Tensor | None = None,
+        eviction: bool = True,
+        slot_valid: torch.Tensor | None = None,
+        query_valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        query_positions: torch.Tensor | None = None,
+        layer_idx: int | torch.Tensor = 0,
+        evictions: int | torch.Tensor = 0,
+        streams: int | torch.Tensor = 0,
+        seed: int | None = None,
+        head_offset: int = 0,
+    ) -> dict[str, torch.Tensor]:
+        """The policy's state after the window's new queries: what ``select(..., state=...)``
+        ranks by, by stored name (``state_fields``), for a caller that keeps the state itself
+        (vLLM's worker): call it before ``select`` with the same arguments, then pass the result
+        with ``query_new`` all False. ``eviction``: False for an update between evictions (stages
+        updated once per eviction keep their state). Arguments as ``select``; ``query_positions``
+        ``[B, W]`` when the window's queries are not the rows' latest tokens (a long step's chunk).
+        """
+        _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
+        b, hkv, n, _ = keys.shape
+        nested = self._given_state(state, b, hkv, n, keys.device)
+        if nested is None:
+            return {}
+        inp = eviction_input(
+            keys, values, queries, budget=self.budget, recent=self.schedule.recent,
+            slot_valid=slot_valid, query_valid=query_valid, positions=positions,
+            seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
+            head_offset=head_offset, query_positions=query_positions, query_new=query_new, state=nested,
+        )
+        return self.observe(inp, eviction=eviction)[1]
+
     def _given_state(
         self, state: Mapping[str, torch.Tensor] | None, b: int, hkv: int, n: int, device: torch.device,
     ) -> dict[str, dict[str, torch.Tensor]] | None:
