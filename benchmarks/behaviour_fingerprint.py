@@ -28,6 +28,7 @@ from hf_util import fresh, generate, left_padded_prompt, tiny_qwen3  # noqa: E40
 
 import kvpolicy  # noqa: E402
 from kvpolicy import EvictingCache, KVPolicyCache, load_policy  # noqa: E402
+from kvpolicy.hf import model_facts  # noqa: E402
 
 
 def fingerprint() -> dict:
@@ -52,8 +53,9 @@ def fingerprint() -> dict:
             over["recent"] = 12
         policy = load_policy(name, **over)
         label = name + ("@select" if extra else "")
-        try:  # duo-attention is bound to its head profile's model, not the 4-layer test model
+        try:  # duo-attention and triattention are bound to their files' model, not the 4-layer test model
             policy.layer_schedules(4, 2)
+            policy.check_model_facts(model_facts(model))
         except kvpolicy.PolicyError:
             out[(label, "skipped")] = "bound to another model's shape"
             continue

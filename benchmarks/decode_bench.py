@@ -118,10 +118,15 @@ def print_overhead(results: dict[str, tuple], budget: int, batch: int) -> None:
         print(name.ljust(20) + f"{pol * 1e3:12.3f}{stat * 1e3:12.3f}{100 * (pol / stat - 1):+11.1f}%")
 
 
-def fits(policy: kvpolicy.Policy, layers: int, kv_heads: int) -> bool:
-    """Whether the policy serves a model of this shape."""
+def fits(policy: kvpolicy.Policy, model) -> bool:
+    """Whether the policy serves this model (a head profile or a calibration file for another
+    model's shape does not)."""
+    from kvpolicy.hf import model_facts
+
+    cfg = model.config
     try:
-        policy.layer_schedules(layers, kv_heads)
+        policy.layer_schedules(cfg.num_hidden_layers, cfg.num_key_value_heads)
+        policy.check_model_facts(model_facts(model))
     except kvpolicy.PolicyError:
         return False
     return True
@@ -146,10 +151,9 @@ def main() -> None:
     if args.quick:
         checkpoints = [c for c in checkpoints if c >= 256]
     model = build_model()
-    cfg = model.config
-    policies = args.policies or [  # a policy bound to another model's head profile (duo-attention) is left out
+    policies = args.policies or [  # a policy bound to another model (duo-attention, triattention) is left out
         *sorted(n for n in kvpolicy.available_policies()
-                if fits(kvpolicy.load_policy(n), cfg.num_hidden_layers, cfg.num_key_value_heads)),
+                if fits(kvpolicy.load_policy(n), model)),
         "vase-attnv@select",
     ]
     if args.overhead_only:

@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.quick else 7)
     registry = kvpolicy.get_registry()
-    names = args.policies or sorted(n for n, r in registry.policies.items() if r.plugin == "kvpolicy")
+    # Policies whose stages read the model (RoPE, output projections) need a model's facts, which
+    # random tensors have none of: left out unless named.
+    names = args.policies or sorted(n for n, r in registry.policies.items()
+                                    if r.plugin == "kvpolicy" and not kvpolicy.load_policy(n).needs_model)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, "
           f"Hkv={args.kv_heads} Hq={args.q_heads} D={args.head_dim} W={args.window} "

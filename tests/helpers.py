@@ -88,3 +88,27 @@ def assert_greedy_matches(kept: torch.Tensor, ref_kept, ref_scores: torch.Tensor
                 f"row {b} head {h}: kept {sorted(extra)} over {sorted(lost)} "
                 f"({worst_kept} < {best_lost})"
             )
+
+
+def model_facts(layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 8, hidden: int = 12, seed: int = 0,
+                name: str = "test-model"):
+    """``ModelFacts`` of a made-up model of this shape: plain RoPE (base 10000) and a random output
+    projection per layer, for policies whose stages read the model (``Policy.needs_model``)."""
+    from kvpolicy.stages.model_facts import ModelFacts
+
+    g = torch.Generator().manual_seed(seed)
+    projections = torch.randn(layers, hq, d, hidden, generator=g) / d**0.5
+    return ModelFacts(
+        name=name, num_layers=layers, num_attention_heads=hq, num_kv_heads=hkv, head_dim=d, hidden_size=hidden,
+        rope_fn=ModelFacts.standard_rope(d), output_projection_fn=lambda layer: projections[layer],
+    )
+
+
+def facts_for(policy, layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 8):
+    """Made-up model facts for ``policy`` if its stages read any, else None; raises
+    ``PolicyError`` when the policy cannot serve such a model (a calibration file for another)."""
+    if not policy.needs_model:
+        return None
+    facts = model_facts(layers, hkv, hq, d)
+    policy.check_model_facts(facts, num_layers=layers, num_kv_heads=hkv, head_dim=d)
+    return facts

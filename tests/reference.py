@@ -489,3 +489,145 @@ def duo_counts(retrieval, *, budget: int, recent: int, sinks: int) -> list[list[
     pool = layers * heads * budget - (layers * heads - n_r) * stream
     assert pool % n_r == 0, "choose numbers that divide evenly"
     return [[pool // n_r if r else stream for r in row] for row in retrieval]
+
+
+# -- model facts: RoPE and the methods that read it (Expected Attention, TriAttention, CriticalKV) --
+def rope_rotation(position: int, d: int, theta: float = 10000.0) -> torch.Tensor:
+    """``[D, D]`` float64: the RoPE matrix of ``position`` (rotate-half pairs ``i``, ``i + D/2``),
+    built entry by entry."""
+    r = torch.zeros(d, d, dtype=torch.float64)
+    half = d // 2
+    for i in range(half):
+        angle = position * theta ** (-2 * i / d)
+        c, s = math.cos(angle), math.sin(angle)
+        r[i, i], r[i, i + half] = c, -s
+        r[i + half, i], r[i + half, i + half] = s, c
+    return r
+
+
+def expected_attention(K, V, Q, query_positions, query_valid=None, slot_valid=None, positions=None, *,
+                       n_future: int, n_sink: int, theta: float = 10000.0, use_covariance: bool = True,
+                       use_vnorm: bool = True, epsilon: float = 0.0, candidates: int | None = None) -> torch.Tensor:
+    """Expected Attention (kvpress's rules, statistics from the window's queries at their own
+    positions), one query head and key at a time, in float64."""
+    K, V, Q = K.double(), V.double(), Q.double()
+    B, Hkv, N, D = K.shape
+    Hq, W = Q.shape[1], Q.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        qv = _qvalid(query_valid, b, W)
+        used = [w for w in range(W) if qv[w] and int(query_positions[b, w]) >= n_sink]
+        newest = max(int(p) for p in query_positions[b].tolist())
+        rbar = sum(rope_rotation(newest + 1 + i, D, theta) for i in range(n_future)) / n_future
+        for h in range(Hkv):
+            sv = _valid(slot_valid, b, h, N)
+            pos = list(range(N)) if positions is None else (positions[b] if positions.dim() == 2 else positions[b, h]).tolist()
+            inside = [j for j in range(N) if sv[j] and pos[j] >= n_sink and (candidates is None or j < candidates)]
+            att = [0.0] * N
+            for g in range(G):
+                pre = [rope_rotation(int(query_positions[b, w]), D, theta).T @ Q[b, h * G + g, w] for w in used]
+                m = len(pre)
+                mu = sum(pre) / m if m else torch.zeros(D, dtype=torch.float64)
+                cov = sum(torch.outer(p - mu, p - mu) for p in pre) / m if m else torch.zeros(D, D, dtype=torch.float64)
+                mu_f, cov_f = rbar @ mu, rbar @ cov @ rbar.T
+                z = {}
+                for j in inside:
+                    k = K[b, h, j]
+                    z[j] = float(mu_f @ k) / math.sqrt(D) + (float(k @ cov_f @ k) / (2 * D) if use_covariance else 0.0)
+                p = softmax([z[j] for j in inside])
+                for j, pj in zip(inside, p, strict=True):
+                    att[j] += pj / G
+            for j in inside:
+                a = att[j]
+                out[b, h, j] = (a + epsilon) * float(V[b, h, j].norm()) if use_vnorm else a
+    return out
+
+
+def output_value_norm(V, W, *, norm: int = 1, reduce: str = "mean") -> torch.Tensor:
+    """``||v_j W_h||_p`` reduced over the query heads ``h`` of each KV head; ``W`` ``[Hq, D, hidden]``."""
+    V, W = V.double(), W.double()
+    B, Hkv, N, _ = V.shape
+    G = W.shape[0] // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(N):
+                vals = []
+                for g in range(G):
+                    x = V[b, h, j] @ W[h * G + g]
+                    vals.append(float(x.abs().sum()) if norm == 1 else float(x.norm()))
+                out[b, h, j] = sum(vals) / G if reduce == "mean" else max(vals)
+    return out
+
+
+def attention_all(K, Q, query_positions, *, kernel: int = 5) -> torch.Tensor:
+    """SnapKV's own score: each window query's softmax over every slot it sees (causal; slots at
+    positions ``0 .. N-1``), mean over the window, average-pooled (zero padding), group mean; the
+    scores of every slot, in float64."""
+    K, Q = K.double(), Q.double()
+    B, Hkv, N, D = K.shape
+    Hq, W = Q.shape[1], Q.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hkv):
+            heads = []
+            for g in range(G):
+                acc = [0.0] * N
+                for w in range(W):
+                    t = int(query_positions[b, w])
+                    p = softmax([float(Q[b, h * G + g, w] @ K[b, h, j]) / math.sqrt(D) if j <= t else -math.inf
+                                 for j in range(N)])
+                    for j in range(N):
+                        acc[j] += p[j] / W
+                heads.append(acc)
+            mean = [sum(hd[j] for hd in heads) / G for j in range(N)]
+            out[b, h] = torch.tensor(mean, dtype=torch.float64)
+    return out
+
+
+def triattention(K, positions, q_mean, q_abs, *, offsets: list[int], theta: float = 10000.0, normalize: bool = True,
+                 reduce: str = "max", candidates: int, trig: bool = True, mlr: bool = True) -> torch.Tensor:
+    """TriAttention's score as its authors state it: the key taken back to before RoPE, its
+    frequency pairs' moduli and phases against the calibrated mean query, the cosine series at
+    ``t0 + delta - p`` summed over pairs, plus the spread term, averaged over ``offsets``; z-score
+    per query head over the candidates; ``reduce`` over the group. ``q_mean`` ``[Hq, D/2]``
+    complex, ``q_abs`` ``[Hq, D/2]`` (one layer). Plain RoPE (scaling 1)."""
+    K = K.double()
+    B, Hkv, N, D = K.shape
+    half = D // 2
+    G = q_mean.shape[0] // Hkv
+    out = torch.zeros(B, Hkv, N, dtype=torch.float64)
+    for b in range(B):
+        t0 = max(int(p) for p in positions[b].flatten().tolist()) + 1
+        for h in range(Hkv):
+            per_head = []
+            for g in range(G):
+                qm = q_mean[h * G + g].to(torch.complex128)
+                qa = q_abs[h * G + g].double()
+                scores = []
+                for j in range(candidates):
+                    p = int(positions[b, h, j]) if positions.dim() == 3 else int(positions[b, j])
+                    k = rope_rotation(p, D, theta).T @ K[b, h, j]
+                    total = 0.0
+                    for delta in offsets:
+                        s = 0.0
+                        for f in range(half):
+                            kf = complex(float(k[f]), float(k[f + half]))
+                            omega = theta ** (-2 * f / D)
+                            phi = math.atan2((qm[f] * kf.conjugate()).imag, (qm[f] * kf.conjugate()).real)
+                            if trig:
+                                s += abs(qm[f]) * abs(kf) * math.cos(omega * (t0 + delta - p) + phi)
+                            s += (float(qa[f]) - (abs(qm[f]) if mlr else 0.0)) * abs(kf)
+                        total += s
+                    scores.append(total / len(offsets))
+                if normalize:
+                    mean = sum(scores) / len(scores)
+                    std = max(math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores)), 1e-6)
+                    scores = [(x - mean) / std for x in scores]
+                per_head.append(scores)
+            for j in range(candidates):
+                vals = [s[j] for s in per_head]
+                out[b, h, j] = max(vals) if reduce == "max" else sum(vals) / G
+    return out

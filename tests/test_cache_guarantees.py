@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from helpers import facts_for  # noqa: E402
 from hf_util import CACHE_ARG, assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 
@@ -72,6 +73,7 @@ def _fits(policy, layers: int, hkv: int) -> bool:
     profile's model: tests/test_duo_attention.py runs it in a cache)."""
     try:
         policy.layer_schedules(layers, hkv)
+        facts_for(policy, layers, hkv, 2 * hkv)
     except kvpolicy.PolicyError:
         return False
     return True
@@ -92,7 +94,8 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
     over = {"budget": 16, "recent": 12, "interval": 4} if name == "streamingllm" else {
         "budget": 16, "recent": 4, "interval": 4, "window": 4}
     policy = load_policy(source, seed=3, **over)
-    cache = EvictingCache(policy, num_layers=2, independent_rows=name == "random")
+    facts = facts_for(policy, 2, 2, 4)
+    cache = EvictingCache(policy, num_layers=2, independent_rows=name == "random", model_facts=facts)
     checked = 0
     for step, (k, v, q) in enumerate(_steps(seed=1, n=30)):
         expected = {}
@@ -102,7 +105,7 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
                 keep, _ = policy.select_heads(
                     view.keys, view.values, window, slot_valid=view.valid, query_valid=wvalid,
                     positions=view.positions, layer_idx=layer, evictions=view.evictions, streams=view.streams,
-                    budget=cache.schedules[layer].budget, state=view.state, query_new=view.window_new,
+                    budget=cache.schedules[layer].budget, state=view.state, query_new=view.window_new, model=facts,
                 )
                 expected[layer] = _held(view.positions, keep)
         for layer in range(2):

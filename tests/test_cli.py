@@ -20,10 +20,13 @@ from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
 from kvpolicy.stages import Selector
 
 BUILTIN_POLICIES = [
+    "cake",
     "chunkkv",
+    "criticalkv",
     "curdkv",
     "duo-attention",
     "evict-large-range",
+    "expected-attention",
     "gkv",
     "h2o",
     "knorm",
@@ -36,6 +39,7 @@ BUILTIN_POLICIES = [
     "snapkv-paper",
     "streamingllm",
     "tova",
+    "triattention",
     "vase-attnv",
     "vase-dkv",
 ]
@@ -65,7 +69,7 @@ def test_policies_lists_builtins_with_their_plugin(capsys):
         assert name in rows, name
         cells = [c.strip() for c in rows[name].split("│")]
         assert cells[2] == "kvpolicy"
-        assert cells[3] == "1024"
+        assert cells[3] == str(kvpolicy.load_policy(name).budget)
         assert cells[4]  # a description
     for title in ("Policies", "Scorers", "Reservations", "Selectors"):
         assert title in out
@@ -495,3 +499,43 @@ def test_show_seed_override_within_int64(capsys):
     code, out, _ = run(capsys, "show", "snapkv", "--set", f"seed={2**63 - 1}")
     assert code == 0
     assert yaml.safe_load(out)["seed"] == 2**63 - 1
+
+
+# -- calibrate ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["-o", "q.pt"], "--output must end in .safetensors"),
+    (["-o", "no/such/folder/q.safetensors"], "--output: no such folder"),
+    (["-o", "q.safetensors", "--tokens", "1"], "--tokens must be at least 2"),
+])
+def test_calibrate_refuses_bad_arguments_before_loading_a_model(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "calibrate", *argv)
+    assert code == 2 and message in err
+
+
+def test_calibrate_writes_a_file_the_triattention_scorer_loads(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from hf_util import tiny_qwen3
+
+    import kvpolicy.eval.models as models
+
+    model = tiny_qwen3(layers=2, vocab=64)
+    source = models.ModelSource("tiny", tmp_path)
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3 + ord(c) % 60 for c in text]}
+
+    monkeypatch.setattr(models, "resolve_model", lambda spec: source)
+    monkeypatch.setattr(models, "load_tokenizer", lambda src: Tokenizer())
+    monkeypatch.setattr(models, "load_model", lambda src, dtype, device: model)
+    text = tmp_path / "text.txt"
+    text.write_text("some calibration prose " * 20, encoding="utf-8")
+    out = tmp_path / "tiny.safetensors"
+    code, _, err = run(capsys, "calibrate", "--text", str(text), "--tokens", "200", "-o", str(out))
+    assert code == 0, err
+    assert "2 layers x 4 query heads x 8 frequency pairs" in err
+    cal = kvpolicy.stages.QueryCalibration.load(out)
+    assert cal.shape["num_layers"] == 2 and cal.info["tokens"] == "200"
+    code, _, err = run(capsys, "calibrate", "--text", str(text), "--tokens", "5000", "-o", str(out))
+    assert code == 2 and "--tokens: the text has 460 tokens, fewer than the 5000 asked for" in err

@@ -310,3 +310,95 @@ def test_curdkv_follows_the_paper_where_kvpress_default_does_not(fx):
         assert got == _top_with_sinks(paper, budget)
         differs |= got != kvpress_kept(fx, "cur", i)
     assert differs
+
+
+# -- presses that read the model (model facts: RoPE, the output projection) ----------------------
+def fixture_facts(fx) -> kvpolicy.ModelFacts:
+    """The bundled model's facts as the fixture stores them: its RoPE table (positions up to
+    N + 512) and the output projection of the layers where the model-reading presses ran."""
+    meta, mf = fx["meta"], fx["model_facts"]
+    cos, sin = mf["rope_cos"], mf["rope_sin"]
+    projections = {meta["layers"][i]: mf["output_projection"][j].float() for j, i in enumerate(mf["layers"])}
+
+    def rope(positions):
+        return cos[positions], sin[positions]
+
+    def projection(layer):
+        if layer not in projections:
+            raise KeyError(f"the fixture holds no output projection of layer {layer}")
+        return projections[layer]
+
+    return kvpolicy.ModelFacts(
+        name=meta["model"], num_layers=meta["num_layers"], num_attention_heads=meta["num_attention_heads"],
+        num_kv_heads=meta["num_key_value_heads"], head_dim=meta["head_dim"],
+        hidden_size=mf["output_projection"].shape[-1], rope_fn=rope, output_projection_fn=projection,
+    )
+
+
+def facts_layers(fx):
+    """``(j, i, layer)``: the model-facts index, the captured-layer index and the model layer."""
+    return [(j, i, fx["meta"]["layers"][i]) for j, i in enumerate(fx["model_facts"]["layers"])]
+
+
+def kvpress_kept_facts(fx, press: str, j: int) -> list[set[int]]:
+    return [set(row.tolist()) for row in fx["model_facts"]["kept"][press][j]]
+
+
+@pytest.mark.parametrize("covariance, press", [(True, "expected_attention"), (False, "expected_attention_nocov")])
+def test_expected_attention_keeps_kvpress_slots(fx, covariance, press):
+    """kvpress scores at prefill, from every prompt query past the 4 sinks, with the future
+    positions right after the prompt: the same policy given the whole prompt's queries (rotated
+    to their positions, as a cache holds them) and no recent buffer keeps the same slots."""
+    facts = fixture_facts(fx)
+    policy = variant("expected-attention", {"budget": fx["meta"]["kept"], "recent": 0},
+                     scorer={**kvpolicy.load_policy("expected-attention").config.scorer.describe(),
+                             "use_covariance": covariance, "n_future_positions": fx["model_facts"]["future"]})
+    n = fx["meta"]["tokens"]
+    for j, i, layer in facts_layers(fx):
+        pre = fx["model_facts"]["prerope_queries"][j].float()[None]  # [1, Hq, N, D]
+        cos, sin = facts.rope(torch.arange(n))
+        queries = pre * cos + torch.cat([-pre[..., 32:], pre[..., :32]], -1) * sin  # RoPE, as the model applies it
+        keys, values, _ = layer_inputs(fx, i)
+        got = kept_sets(policy.select(keys, values, queries, layer_idx=layer, model=facts))
+        assert_same_slots(got, kvpress_kept_facts(fx, press, j), f"expected-attention, layer {layer}")
+
+
+def test_criticalkv_keeps_kvpress_slots(fx):
+    facts = fixture_facts(fx)
+    policy = kvpolicy.load_policy("criticalkv", budget=fx["meta"]["kept"])
+    assert policy.schedule.window == fx["meta"]["window"] == policy.schedule.recent
+    for j, i, layer in facts_layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i), layer_idx=layer, model=facts))
+        assert_same_slots(got, kvpress_kept_facts(fx, "criticalkv", j), f"criticalkv, layer {layer}")
+
+
+def test_expected_attention_departure_kvpress_rotates_a_buffer_from_its_length(fx):
+    """kvpress's DecodingPress hands ExpectedAttentionPress a buffer of recent hidden states and
+    takes the buffer's length as the position: the last 64 queries are then statistics of tokens
+    0..63, carried to positions [64, 576), not to those after the 1,024 tokens. kvpolicy takes each
+    query at its own position and rotates to the positions that follow it (the paper's rule), so it
+    keeps other slots; given kvpress's positions instead, it keeps exactly kvpress's."""
+    from kvpolicy.policy import eviction_input
+
+    facts = fixture_facts(fx)
+    policy = variant("expected-attention", {"budget": fx["meta"]["kept"], "recent": 0})
+    n, w = fx["meta"]["tokens"], fx["meta"]["window"]
+    same = total = 0
+    for j, i, layer in facts_layers(fx):
+        pre = fx["model_facts"]["prerope_queries"][j].float()[None, :, n - w:]  # the buffer's queries
+        keys, values, _ = layer_inputs(fx, i)
+        want = kvpress_kept_facts(fx, "expected_attention_buffer", j)
+
+        def rotated(positions, pre=pre):
+            cos, sin = facts.rope(positions)
+            return pre * cos + torch.cat([-pre[..., 32:], pre[..., :32]], -1) * sin
+
+        paper = kept_sets(policy.select(keys, values, rotated(torch.arange(n - w, n)), layer_idx=layer, model=facts))
+        for a, b in zip(paper, want, strict=True):
+            same += len(a & b)
+            total += len(b)
+        inp = eviction_input(keys, values, rotated(torch.arange(w)), budget=policy.budget, recent=0, seed=0,
+                             layer_idx=layer, query_positions=torch.arange(w)[None], model=facts)
+        as_kvpress = kept_sets(policy.select_from(inp))
+        assert_same_slots(as_kvpress, want, f"expected-attention at kvpress's buffer positions, layer {layer}")
+    assert same < total, "the rotation to the positions that follow the prompt changes no slot here"

@@ -5,13 +5,20 @@ from __future__ import annotations
 import pytest
 import reference as ref
 import torch
-from helpers import assert_greedy_matches, assert_valid_selection, left_padding, make_input, make_tensors
+from helpers import (
+    assert_greedy_matches,
+    assert_valid_selection,
+    facts_for,
+    left_padding,
+    make_input,
+    make_tensors,
+)
 
 import kvpolicy
 from kvpolicy import PolicyError
 
-BUILTIN = ["chunkkv", "curdkv", "evict-large-range", "knorm", "lagkv", "random", "rkv", "snapkv", "streamingllm", "tova",
-           "vase-attnv", "vase-dkv"]
+BUILTIN = ["chunkkv", "criticalkv", "curdkv", "evict-large-range", "expected-attention", "knorm", "lagkv", "random", "rkv",
+           "snapkv", "streamingllm", "tova", "vase-attnv", "vase-dkv"]
 SHAPES = [  # (B, Hkv, Hq, N, budget)
     (1, 1, 1, 20, 32),  # N <= budget: everything is kept
     (2, 2, 4, 48, 32),
@@ -28,11 +35,13 @@ def small(name: str, budget: int) -> kvpolicy.Policy:
         return kvpolicy.load_policy(name, budget=budget)
 
 
-def fits(policy: kvpolicy.Policy, layers: int, hkv: int) -> bool:
+def fits(policy: kvpolicy.Policy, layers: int, hkv: int, hq: int | None = None, d: int = 8) -> bool:
     """Whether the policy serves a model of this shape (one bound to a head profile, such as
-    ``duo-attention``, serves its profile's model only: tests/test_duo_attention.py covers it)."""
+    ``duo-attention``, or to a calibration file, such as ``triattention``, serves its file's model
+    only: tests/test_duo_attention.py and tests/test_triattention.py cover them)."""
     try:
         policy.layer_schedules(layers, hkv)
+        facts_for(policy, layers, hkv, hq or hkv, d)
     except PolicyError:
         return False
     return True
@@ -56,21 +65,22 @@ def test_builtin_policies_are_registered():
 def test_every_policy_end_to_end(name, shape):
     b, hkv, hq, n, budget = shape
     policy = small(name, budget)
-    if not fits(policy, 1, hkv):
+    if not fits(policy, 1, hkv, hq):
         pytest.skip(f"{name} is bound to another model's shape")
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hq, n=n, d=8, w=8, seed=n)
+    facts = facts_for(policy, 1, hkv, hq)
     k_keep = min(n, budget)
     if policy.allocation.per_head:  # heads keep different counts: a keep mask and counts
-        keep, counts = policy.select_heads(k, v, q, seed=0)
+        keep, counts = policy.select_heads(k, v, q, seed=0, model=facts)
         assert torch.equal(keep.sum(-1), counts) and bool((counts.sum(-1) == hkv * k_keep).all())
         assert not bool((protected_mask(policy, b, hkv, n) & ~keep).any()), "protected slots dropped"
-        assert torch.equal(keep, policy.select_heads(k, v, q, seed=0)[0])
+        assert torch.equal(keep, policy.select_heads(k, v, q, seed=0, model=facts)[0])
         return
-    kept = policy.select(k, v, q, seed=0)
+    kept = policy.select(k, v, q, seed=0, model=facts)
     assert_valid_selection(kept, n, k_keep, protected_mask(policy, b, hkv, n))
     if n <= budget:
         assert torch.equal(kept, torch.arange(n).expand(b, hkv, n))
-    again = policy.select(k, v, q, seed=0)
+    again = policy.select(k, v, q, seed=0, model=facts)
     assert torch.equal(kept, again)
 
 
@@ -79,8 +89,9 @@ def test_every_policy_end_to_end(name, shape):
 def test_builtin_policies_low_precision(name, dtype):
     policy = small(name, 32)
     k, v, q = make_tensors(b=2, hkv=2, hq=4, n=72, d=16, w=8, seed=5)
-    kept32 = policy.select(k, v, q, seed=0)
-    kept = policy.select(k.to(dtype), v.to(dtype), q.to(dtype), seed=0)
+    facts = facts_for(policy, 1, 2, 4, 16)
+    kept32 = policy.select(k, v, q, seed=0, model=facts)
+    kept = policy.select(k.to(dtype), v.to(dtype), q.to(dtype), seed=0, model=facts)
     assert_valid_selection(kept, 72, 32, protected_mask(policy, 2, 2, 72))
     if name not in ("random", "vase-attnv"):  # deterministic given the scores: mostly the same set
         overlap = sum(len(set(a.tolist()) & set(c.tolist())) for a, c in zip(kept.flatten(0, 1), kept32.flatten(0, 1),
@@ -96,7 +107,7 @@ def test_builtin_policies_with_padding(name):
     query_valid = torch.ones(3, 8, dtype=torch.bool)
     query_valid[2, :5] = False
     kept = policy.select(k, v, q, slot_valid=slot_valid, query_valid=query_valid,
-                         seed=0)
+                         seed=0, model=facts_for(policy, 1, 2, 4))
     assert_valid_selection(kept, 60, 32)
     for b in range(3):
         n_valid = int(slot_valid[b].sum())

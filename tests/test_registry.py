@@ -24,11 +24,14 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "ada-snapkv",
     "ada-vase-attnv",
+    "cake",
     "chunkkv",
+    "criticalkv",
     "duo-attention",
     "pyramidkv",
     "curdkv",
     "evict-large-range",
+    "expected-attention",
     "gkv",
     "h2o",
     "knorm",
@@ -41,6 +44,7 @@ BUILTIN_POLICIES = {
     "snapkv-paper",
     "streamingllm",
     "tova",
+    "triattention",
     "vase-attnv",
     "vase-dkv",
 }
@@ -107,22 +111,27 @@ def test_builtins_by_kind():
     assert set(registry.stages["scorer"]) == {
         "accumulated_attention",
         "attention",
+        "cake_attention",
         "combination",
         "current_attention",
+        "expected_attention",
         "gkv",
         "key_norm",
         "lag",
         "leverage",
         "normalized",
+        "output_value_norm",
+        "product",
         "quest",
         "random",
         "redundancy",
         "smoothed_attention",
+        "triattention",
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
     assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
-    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo"}
+    assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo", "cake"}
 
 
 def test_every_builtin_policy_loads():

@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import Contract2Plugin, assert_valid_selection, make_input, make_tensors
-from hypothesis import event, given, settings
+from helpers import Contract2Plugin, assert_valid_selection, facts_for, make_input, make_tensors
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy
@@ -325,9 +325,18 @@ def test_an_empty_query_window_is_refused_when_a_stage_reads_the_queries(name):
 
 # Policy.select's promises; per-head allocations answer through Policy.select_heads, whose
 # promises (counts, protected slots, reproducible draws) tests/test_allocation.py fuzzes.
+def _serves_made_up_models(policy: kvpolicy.Policy) -> bool:
+    """Whether made-up model facts serve the policy (``triattention`` is bound to its calibration's model)."""
+    try:
+        facts_for(policy, 1, 2, 2, 8)
+    except kvpolicy.PolicyError:
+        return False
+    return True
+
+
 POLICIES = {
     name: _load_small(name) for name in kvpolicy.available_policies()
-    if not kvpolicy.load_policy(name).allocation.per_head
+    if not kvpolicy.load_policy(name).allocation.per_head and _serves_made_up_models(kvpolicy.load_policy(name))
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -381,8 +390,13 @@ def test_select_keeps_its_promises_or_says_why(case):
         if not bool((t.double().abs() <= torch.finfo(torch.float32).max).all())
     ]
     huge = any(bool((t.double().abs() >= 1e29).any()) for t in named.values())
+    model = None
+    if policy.needs_model:  # made-up facts of this shape (RoPE pairs dimensions: an even D)
+        assume(d % 2 == 0)
+        model = facts_for(policy, 1, hkv, hkv * g, d)
     try:
-        kept = policy.select(named["keys"], named["values"], named["queries"], slot_valid=slot_valid, query_valid=qv)
+        kept = policy.select(named["keys"], named["values"], named["queries"], slot_valid=slot_valid, query_valid=qv,
+                             model=model)
     except ValueError as exc:
         assert isinstance(exc, SelectionError), exc
         message = str(exc)
@@ -432,7 +446,8 @@ def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name
     whatever the eviction count, the stream and (for ``seed: null``) the seed each call resolves."""
     policy = POLICIES[name].with_overrides(seed=seed)
     keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=30, d=8, w=4, seed=data_seed)
-    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream)
+    model = facts_for(policy, 41, 2, 4, 8)  # layers up to 40
+    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream, model=model)
             for evictions, stream in calls]
     if not policy.stochastic:
         assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)

@@ -18,7 +18,12 @@ What it does:
    them in float32;
 4. stores, per press and layer, the slots kvpress keeps per KV head (``topk`` of ``score`` as
    ``ScorerPress.compress`` does, the per-layer count for PyramidKV, the unmasked slots for
-   Ada-KV) in ``--out`` (a ``torch.save`` dict, read with ``weights_only=True``).
+   Ada-KV) in ``--out`` (a ``torch.save`` dict, read with ``weights_only=True``);
+5. for the presses that read the model (Expected Attention: pre-RoPE queries of the whole prompt
+   and RoPE at future positions; CriticalKV: the output projection), at the ``--facts-layers``
+   among them: the pre-RoPE queries kvpress computes, rounded to float16 and handed back to the
+   press in place of its own, the layer's output projection rounded to float16 (the press runs
+   with the rounded weight), and the model's RoPE table over positions ``[0, N + 512)``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, nargs="+", default=[1, 10, 19, 28], help="layers captured")
     p.add_argument("--window", type=int, default=64, help="SnapKV's window (kvpress default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of CURPress's random projection")
+    p.add_argument("--facts-layers", type=int, nargs="+", default=[1, 19],
+                   help="captured layers where the presses that read the model run (Expected Attention, CriticalKV)")
+    p.add_argument("--future", type=int, default=512, help="Expected Attention's n_future_positions (kvpress default 512)")
     p.add_argument("--out", type=Path, default=Path("tests/fixtures/kvpress_parity.pt"))
     args = p.parse_args(argv)
     if args.model_dir is None:
@@ -74,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kept must lie in (0, --tokens), got {args.kept} of {args.tokens}")
     if args.window >= args.kept:
         p.error(f"--window ({args.window}) must be below --kept ({args.kept})")
+    if not set(args.facts_layers) <= set(args.layers):
+        p.error(f"--facts-layers {args.facts_layers} must be among --layers {args.layers}")
     return args
 
 
@@ -205,6 +215,54 @@ def run_presses(args, layer):
     return out
 
 
+def run_model_presses(args, model, layer):
+    """Expected Attention and CriticalKV (over SnapKV) on one layer: the slots each keeps, the
+    float16 pre-RoPE queries Expected Attention read, and the float16 output projection
+    ``[Hq, D, hidden]`` CriticalKV read."""
+    import kvpress
+    from kvpress.presses import expected_attention_press
+    from kvpress.utils import get_prerope_query_states
+
+    module, hidden, keys, values, rope = layer
+    n = keys.shape[2]
+    ratio = 1.0 - args.kept / n
+    kwargs = {"position_embeddings": rope}
+    module.rotary_emb = model.model.rotary_emb  # what kvpress's pipeline sets before a press runs
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        pre = f16(get_prerope_query_states(module, hidden))  # [1, Hq, N, D], the whole prompt's
+        real = expected_attention_press.get_prerope_query_states
+
+        def stored_queries(mod, h):
+            # The press asks for the queries of hidden[:, n_sink:]: the stored ones of those rows.
+            if h.shape[1] > n or not torch.equal(h, hidden[:, n - h.shape[1]:]):
+                raise SystemExit("ExpectedAttentionPress asked for queries of other hidden states: kvpress changed")
+            return pre[:, :, n - h.shape[1]:]
+
+        expected_attention_press.get_prerope_query_states = stored_queries
+        try:
+            press = kvpress.ExpectedAttentionPress(compression_ratio=ratio, n_future_positions=args.future)
+            out["expected_attention"] = kept_by_topk(press.score(module, hidden, keys, values, None, kwargs), args.kept)
+            press = kvpress.ExpectedAttentionPress(compression_ratio=ratio, n_future_positions=args.future,
+                                                   use_covariance=False)
+            out["expected_attention_nocov"] = kept_by_topk(
+                press.score(module, hidden, keys, values, None, kwargs), args.kept)
+            # DecodingPress hands the press a buffer of recent hidden states: T is then the
+            # buffer's length. A buffer of the last --window rows, as a decode-time call sees it.
+            press = kvpress.ExpectedAttentionPress(compression_ratio=ratio, n_future_positions=args.future)
+            out["expected_attention_buffer"] = kept_by_topk(
+                press.score(module, hidden[:, -args.window:], keys, values, None, kwargs), args.kept)
+        finally:
+            expected_attention_press.get_prerope_query_states = real
+        weight = module.o_proj.weight
+        weight.data = f16(weight.data)  # the press reads the stored (rounded) projection
+        press = kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=args.window, kernel_size=5))
+        out["criticalkv"] = kept_by_topk(press.score(module, hidden, keys, values, None, kwargs), args.kept)
+        cfg = module.config
+        projection = weight.data.t().reshape(cfg.num_attention_heads, module.head_dim, cfg.hidden_size)
+    return out, pre[0], projection
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -219,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
 
     store: dict[str, list[torch.Tensor]] = {"keys": [], "values": [], "queries": [], "last_query": [], "hidden": []}
     per_press: dict[str, list[torch.Tensor]] = {}
-    for module, hidden, keys, values, rope in layers:
+    facts: dict[str, list[torch.Tensor]] = {"prerope_queries": [], "output_projection": []}
+    facts_kept: dict[str, list[torch.Tensor]] = {}
+    for layer_id, (module, hidden, keys, values, rope) in zip(args.layers, layers, strict=True):
         hidden, keys, values = f16(hidden), f16(keys), f16(values)
         with torch.no_grad():
             q = window_queries(module, hidden, rope, args.window)
@@ -235,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         layer = (module, hidden, keys, values, rope)
         for name, kept in run_presses(args, layer).items():
             per_press.setdefault(name, []).append(kept)
+        if layer_id in args.facts_layers:
+            kept_by, pre, projection = run_model_presses(args, model, layer)
+            for name, kept in kept_by.items():
+                facts_kept.setdefault(name, []).append(kept)
+            facts["prerope_queries"].append(pre.half())
+            facts["output_projection"].append(projection.half())
         store["keys"].append(keys[0].half())
         store["values"].append(values[0].half())
         store["queries"].append(q[0])
@@ -248,6 +314,18 @@ def main(argv: list[str] | None = None) -> int:
         if name != "cur_projection"
     }
     fixture["cur_projection"] = torch.stack(per_press["cur_projection"])  # [L, 2, D, r]
+    # The presses that read the model, at --facts-layers: their inputs and kept slots.
+    positions = torch.arange(args.tokens + args.future)[None]
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(torch.zeros(1), positions)
+    fixture["model_facts"] = {
+        "layers": [args.layers.index(i) for i in args.facts_layers],  # indices into the captured layers
+        "prerope_queries": torch.stack(facts["prerope_queries"]),  # [F, Hq, N, D] float16
+        "output_projection": torch.stack(facts["output_projection"]),  # [F, Hq, D, hidden] float16
+        "rope_cos": cos[0].float(), "rope_sin": sin[0].float(),  # [N + future, D]
+        "kept": {name: [t.to(torch.int16) for t in ts] for name, ts in facts_kept.items()},
+        "future": args.future,
+    }
     fixture["meta"] = {
         "kvpress": md.version("kvpress"),
         "transformers": md.version("transformers"),
@@ -264,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": int(layers[0][0].head_dim),
         "seed": args.seed,
-        "storage": "keys, values, hidden (last `window` rows) float16; every press ran on these values in float32",
+        "storage": "keys, values, hidden (last `window` rows), pre-RoPE queries and output projections float16; "
+        "every press ran on these values in float32",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(fixture, args.out)

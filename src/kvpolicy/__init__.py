@@ -10,6 +10,7 @@ from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
 from .stages import Allocation, EvictionInput, Reservation, Scorer, Selector
 from .stages.guards import SelectionError
+from .stages.model_facts import ModelFacts
 from .state import CacheStateError
 
 __version__ = "0.2.0"  # also in pyproject.toml; CHANGELOG.md says what changed
@@ -23,6 +24,7 @@ __all__ = [
     "EvictingCache",
     "EvictionInput",
     "KVPolicyCache",
+    "ModelFacts",
     "PLUGIN_CONTRACT",
     "Policy",
     "PolicyConfig",

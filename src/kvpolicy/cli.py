@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schema)
 
     _add_profile(sub)
+    _add_calibrate(sub)
     _add_eval(sub)
     return parser
 
@@ -252,6 +253,73 @@ def cmd_profile(args: argparse.Namespace) -> int:
     profile.save(args.output)
     _print_profile_summary(profile.head_weights(), args.method)
     print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+CALIBRATE_EPILOG = """\
+examples:
+  kvpolicy calibrate -o smollm2.safetensors                 # bundled model, bundled prose
+  kvpolicy calibrate --model path/to/model --text traces.txt --tokens 32768 --device cuda -o q.safetensors
+then: {type: triattention, calibration: q.safetensors} in a policy file
+"""
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure a query calibration of a model (TriAttention's per-head query statistics)",
+        description="Run a model once over a calibration text and write, per layer and query head, the mean\n"
+        "and mean modulus of its pre-RoPE queries in each RoPE frequency pair: the statistics the\n"
+        "triattention scorer reads (docs/policies/triattention.md).",
+        epilog=CALIBRATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="bundled", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, "
+                                                      "a .gguf file or a Hugging Face id (org/name)")
+    p.add_argument("--text", metavar="FILE", help="a UTF-8 calibration text file (default: reasoning-gym's "
+                                                  "public-domain prose, in_the_year_2889.txt)")
+    p.add_argument("--tokens", type=int, default=4096, help="calibration tokens fed to the model (default: 4096)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="float32",
+                   help="the model's dtype (default: float32); the statistics are computed in float64")
+    p.add_argument("--output", "--out", "-o", type=Path, required=True, metavar="FILE",
+                   help="the calibration file to write (.safetensors)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.output.suffix.lower() != ".safetensors":
+        raise CommandError(f"--output must end in .safetensors, got {str(args.output)!r}")
+    if not args.output.parent.is_dir():  # found out before the model runs, not after
+        raise CommandError(f"--output: no such folder: {args.output.parent}")
+    if args.tokens < 2:
+        raise CommandError(f"--tokens must be at least 2, got {args.tokens}")
+    try:
+        from .calibrate import measure_query_calibration
+        from .eval.config import EvalError
+        from .eval.data import read_text
+        from .eval.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_model
+    except ImportError as exc:
+        raise CommandError(f"calibrating needs the evaluation harness, to load the model "
+                           f"({type(exc).__name__}: {exc}); install it with: pip install 'kvpolicy[eval]'") from None
+    try:
+        source = resolve_model(args.model)
+        device = resolve_device(args.device)
+        text, text_name = read_text(args.text)
+        ids = load_tokenizer(source)(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < args.tokens:
+            raise CommandError(f"--tokens: the text has {len(ids)} tokens, fewer than the {args.tokens} asked for")
+        print(f"kvpolicy calibrate: {source.name} on {args.tokens} tokens of {text_name}", file=sys.stderr)
+        model = load_model(source, resolve_dtype(args.dtype, device), device)
+        calibration = measure_query_calibration(model, ids[: args.tokens], text=text_name)
+    except (EvalError, ValueError) as exc:
+        if isinstance(exc, PolicyError):
+            raise
+        raise CommandError(str(exc)) from None
+    calibration.save(args.output)
+    shape = calibration.shape
+    print(f"wrote {args.output}: {calibration.model}, {shape['num_layers']} layers x {shape['num_attention_heads']} "
+          f"query heads x {shape['head_dim'] // 2} frequency pairs", file=sys.stderr)
     return 0
 
 

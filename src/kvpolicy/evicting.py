@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from .config import PolicyError
 from .executor import Executor
 from .layouts import layout_for
 from .policy import Policy, load_policy, window_positions
 from .selection import SELECT_GROWTH, check_select_growth
+from .stages.model_facts import ModelFacts
 from .state import CacheStateError, EvictionStats, LayerGroup
 
 
@@ -42,6 +44,11 @@ class EvictingCache:
             buffers grow to this many times the slots it needs (at least 16 more), a number in
             ``(1, 16]``. The default, 1.1, keeps at most 10 % headroom and copies the cache once
             per 10 % of growth; 2.0 copies less often and holds up to twice the cache.
+        model_facts: what the policy's stages may ask of the model (``ModelFacts``: RoPE, the
+            output projection), required when they read any (``Policy.needs_model``: Expected
+            Attention, CriticalKV, TriAttention); checked here, before any work, and against the
+            keys' shape at the first append. Slot positions are taken for RoPE positions: number
+            each row's real tokens from 0, as ``generate()`` does.
 
     Typical use in a hand-written loop, per layer and step::
 
@@ -60,16 +67,20 @@ class EvictingCache:
         independent_rows: bool = False,
         num_kv_heads: int | None = None,
         select_growth: float = SELECT_GROWTH,
+        model_facts: ModelFacts | None = None,
     ) -> None:
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        # Refused here, before any work, when a stage needs a fact these do not give.
+        self.policy.check_model_facts(model_facts, num_layers=num_layers, num_kv_heads=num_kv_heads)
+        self.model_facts = model_facts if self.policy.needs_model else None
         # Each layer's schedule under the policy's allocation (refused here, before any work,
         # when the allocation cannot serve this model).
         self.schedules = self.policy.layer_schedules(num_layers, num_kv_heads)
         self._num_kv_heads = num_kv_heads
         self.seed = self.policy.resolve_seed(seed)
-        self.executor = Executor(self.policy, self.seed)
+        self.executor = Executor(self.policy, self.seed, self.model_facts)
         self.independent_rows = independent_rows
         self.select_growth = check_select_growth(select_growth)
         self._layout = layout_for(self.policy, self.executor, self.select_growth)
@@ -79,6 +90,16 @@ class EvictingCache:
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
         self._groups: list[LayerGroup | None] = [None] * num_layers
         self.layers = [LayerView(self, i) for i in range(num_layers)]
+        # An allocation that decides the layer budgets from the prompt (CAKE) does so once every
+        # layer holds it, before the first eviction; until then the schedules are provisional.
+        self._from_prompt = self.policy.allocation.from_prompt
+        if self._from_prompt and self.policy.mode != "evict":
+            raise PolicyError(
+                [f"allocation {self.policy.allocation.type_name!r} decides the layer budgets from the prompt, "
+                 "before the first eviction: evict mode only"], self.policy.name,
+            )
+        self._nominal_schedules = list(self.schedules)
+        self._prompt_decided = False
 
     def __repr__(self) -> str:
         return f"EvictingCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.tokens_seen()})"
@@ -131,7 +152,41 @@ class EvictingCache:
     def evict_due(self) -> int:
         """Run every pending eviction now (they otherwise run when the next step begins);
         return how many rows were evicted, summed over layer groups."""
-        return sum(self.executor.evict(g) for g in self._unique_groups())
+        groups = self._unique_groups()
+        if any(g.any_due for g in groups):
+            self._decide_from_prompt()
+        return sum(self.executor.evict(g) for g in groups)
+
+    def _decide_from_prompt(self) -> None:
+        """``from_prompt`` allocations: each layer's budget from what every layer holds now, once,
+        before the first eviction (every layer has written the step that made it due)."""
+        if not self._from_prompt or self._prompt_decided:
+            return
+        groups = self._groups
+        if not self._step_complete():
+            raise CacheStateError(
+                f"allocation {self.policy.allocation.type_name!r} decides the layer budgets once every layer holds the "
+                "prompt: every layer must finish the step before the first eviction"
+            )
+        inputs = []
+        for layer, group in enumerate(groups):
+            assert group is not None
+            group.materialise_positions()
+            rows = torch.arange(group.batch)
+            inputs.append(self.executor.eviction_input(group, rows, slice(None), group.layout.layer_slots(layer),
+                                                       layer=layer))
+        schedule = self.policy.schedule
+        budgets = self.policy.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
+        if len(budgets) != len(groups) or sum(budgets) != len(groups) * schedule.budget or min(budgets) <= schedule.recent:
+            raise PolicyError(
+                [f"allocation {self.policy.allocation.type_name!r} gave the layer budgets {budgets}: {len(groups)} "
+                 f"budgets above the recent {schedule.recent}, adding up to {len(groups) * schedule.budget}, were due"],
+                self.policy.name,
+            )
+        for layer, (group, budget) in enumerate(zip(groups, budgets, strict=True)):
+            assert group is not None
+            group.schedule = self.schedules[layer] = schedule.model_copy(update={"budget": budget})
+        self._prompt_decided = True
 
     def tokens_to_next_eviction(self) -> int | None:
         """Real tokens per row, appended one step at a time from now, until the next eviction
@@ -170,6 +225,8 @@ class EvictingCache:
     def reset(self) -> None:
         """Forget every token and free the buffers: the cache is then exactly a fresh one."""
         self._groups = [None] * len(self.layers)
+        self.schedules = list(self._nominal_schedules)
+        self._prompt_decided = False
 
     # -- internals ---------------------------------------------------------------------------
     def _unique_groups(self) -> list[LayerGroup]:
@@ -214,10 +271,23 @@ class EvictingCache:
         if group is None:
             group = self._new_group(layer_idx, keys, values, queries, token_valid)
         elif group.written(layer_idx):  # this layer opens the next step for the whole group
+            if group.any_due:
+                self._decide_from_prompt()
             self.executor.before_step(group, keys.shape[2])
             group.begin_step(keys.shape[2], token_valid)
         group.write(layer_idx, keys, values, queries)
+        if self._from_prompt and not self._prompt_decided and self._step_complete():
+            if any(g.any_due for g in self._unique_groups()):
+                self._decide_from_prompt()  # as soon as every layer holds the prompt: schedules final
         return group
+
+    def _step_complete(self) -> bool:
+        """Whether every layer has written the same, current step."""
+        groups = self._groups
+        if any(g is None for g in groups):
+            return False
+        steps = {g.steps for g in groups if g is not None}
+        return len(steps) == 1 and all(g is not None and g.written(i) for i, g in enumerate(groups))
 
     def _new_group(
         self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
@@ -233,13 +303,17 @@ class EvictingCache:
             )
         device = keys.device
         if self._num_kv_heads is None:  # the model's shape is known now: check it before any work
+            self.policy.check_model_facts(self.model_facts, num_kv_heads=keys.shape[1])
             self._num_kv_heads = keys.shape[1]
             self.schedules = self.policy.layer_schedules(len(self.layers), keys.shape[1])
+            self._nominal_schedules = list(self.schedules)
+        if self.model_facts is not None:
+            self.model_facts.check_shape(num_kv_heads=keys.shape[1], head_dim=keys.shape[3])
         schedule = self.schedules[layer_idx]
-        peers = [
+        peers = [  # layers whose budgets are still to be decided (from_prompt) get buffers of their own
             i for i in range(len(self.layers))
             if self._groups[i] is None and self._layer_devices[i] in (None, device)
-            and self.schedules[i].budget == schedule.budget
+            and self.schedules[i].budget == schedule.budget and not self._from_prompt
         ]
         if layer_idx not in peers:
             peers.insert(0, layer_idx)

@@ -25,6 +25,7 @@ from .layouts.base import HeldSlots
 from .layouts.select import ChosenSlots
 from .policy import Policy, eviction_input, window_positions
 from .stages.base import EvictionInput
+from .stages.model_facts import ModelFacts
 from .state import LayerGroup
 
 __all__ = ["ChosenSlots", "Executor"]
@@ -37,9 +38,11 @@ OBSERVE_ELEMENTS = 1 << 22
 class Executor:
     """Evicts due rows of a policy's layer groups, with the cache's seed."""
 
-    def __init__(self, policy: Policy, seed: int) -> None:
+    def __init__(self, policy: Policy, seed: int, model_facts: ModelFacts | None = None) -> None:
         self.policy = policy
         self.seed = seed
+        #: What every input carries as ``EvictionInput.model`` (the cache checked it against the policy).
+        self.model_facts = model_facts
         #: Optional hook around the policy's work: ``with timer("evict")`` wraps each due eviction
         #: (every layer of a group), ``with timer("select")`` each ``selected_slots`` call (one
         #: layer's step in select mode). None, the default, costs one attribute test per call.
@@ -166,7 +169,7 @@ class Executor:
             held.fields["keys"], held.fields["values"], queries, budget=schedule.budget, recent=schedule.recent,
             seed=self.seed, slot_valid=held.valid, query_valid=query_valid, positions=held.fields["positions"],
             layer_idx=layer_idx, evictions=draws, streams=streams, key_pages=key_pages,
-            query_positions=query_positions, query_new=query_new, state=state,
+            query_positions=query_positions, query_new=query_new, state=state, model=self.model_facts,
         )
 
     def selected_slots(self, group: LayerGroup, layer: int) -> list[ChosenSlots]:

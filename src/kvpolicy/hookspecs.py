@@ -37,15 +37,18 @@ CONTRACTS: dict[int, str] = {
     2: "kvpolicy 0.2.x: stages draw from counter-based streams (inp.uniform, inp.normal, "
     "inp.head_uniform, inp.head_normal), and inp.layer_seed and inp.row_seed are [B], one per row",
     3: "kvpolicy 0.3.x: contract 2, plus stages that keep state across evictions (Stage.state_fields, "
-    "Stage.update_state, inp.state_of, inp.query_new) and the window queries' positions "
-    "(inp.query_positions); contract 2 plugins load unchanged",
+    "Stage.update_state, inp.state_of, inp.query_new), the window queries' positions "
+    "(inp.query_positions), and facts about the model served (inp.model, a ModelFacts: its shape, "
+    "rope(positions), output_projection(layer)), which a stage declares in Stage.needs_model and "
+    "checks in Stage.check_model_facts, and allocations that decide the layer budgets from the prompt "
+    "(Allocation.from_prompt, Allocation.prompt_budgets); contract 2 plugins load unchanged",
 }
 
 
 @hookspec
 def kvpolicy_contract() -> int:
     """Return the plugin contract this plugin was written for, as an int (now ``3``; ``2`` for a
-    plugin that keeps no state and reads no query positions, which loads too).
+    plugin that keeps no state and reads neither query positions nor model facts, which loads too).
 
     Called once per plugin when it is registered, before any other hook of it. A plugin whose
     contract is not in ``ACCEPTED_CONTRACTS`` is skipped (none of its stages or policies registered)

@@ -18,6 +18,7 @@ from .registry import get_registry
 from .schedule import Schedule
 from .stages import guards
 from .stages.base import EvictionInput, Stage, StateField
+from .stages.model_facts import ModelFacts
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -103,6 +104,72 @@ class Policy:
             for i, (key, stage) in enumerate(self.stateful_stages.items())
             for field, spec in stage.state_fields.items()
         }
+
+    @cached_property
+    def needs_model(self) -> frozenset[str]:
+        """The model facts the policy's stages read (``Stage.needs_model``, nested stages
+        included): what a cache must be given (``check_model_facts``)."""
+        return frozenset().union(*(s.needs_model for s in self.stages))
+
+    def check_model_facts(
+        self, facts: ModelFacts | None, *, num_layers: int | None = None, num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        """Refuse, before any work, model facts that cannot serve the policy: a fact a stage needs
+        and ``facts`` lacks (or no facts at all), facts of another shape than the cache's, or a
+        stage that cannot serve the model they describe (``Stage.check_model_facts``: a calibration
+        file for another model). Nothing to check for a policy that needs no facts.
+
+        Raises:
+            PolicyError: naming the stage and the missing fact or the field at fault.
+        """
+        needed = self.needs_model
+        if not needed:
+            return
+        readers = {f: [s.type_name for s in self.stages if f in s.needs_model] for f in sorted(needed)}
+        if facts is None:
+            raise PolicyError(
+                [f"stage {', '.join(r)} needs the model's {f}" for f, r in readers.items()]
+                + ["no model facts were given: build KVPolicyCache with the model (not its config), pass "
+                   "model_facts= to EvictingCache or model= to Policy.select (kvpolicy.ModelFacts)"],
+                self.name,
+            )
+        if not isinstance(facts, ModelFacts):
+            raise TypeError(f"model facts must be a kvpolicy.ModelFacts, got {type(facts).__name__}")
+        missing = [
+            f"stage {', '.join(r)} needs the model's {f}, which the model facts of {facts.name!r} lack: "
+            f"{facts.why_missing(f)}"
+            for f, r in readers.items() if f not in facts.available
+        ]
+        if missing:
+            raise PolicyError(missing, self.name)
+        try:
+            facts.check_shape(num_layers, num_kv_heads, head_dim)
+        except ValueError as exc:
+            raise PolicyError([f"model facts: {exc}"], self.name) from None
+        problems = []
+        for stage in self.stages:
+            if stage.needs_model:
+                try:
+                    stage.check_model_facts(facts)
+                except ValueError as exc:
+                    problems.append(f"{stage.kind} {stage.type_name!r}: {exc}")
+        if problems:
+            raise PolicyError(problems, self.name)
+
+    def _check_facts_for_heads(self, facts: ModelFacts | None, head_offset: int, hkv: int, hq: int, d: int) -> None:
+        """``check_model_facts`` for ``select``: the ``hkv`` KV heads given are the model's heads
+        ``head_offset ..`` (all of them, or a tensor-parallel shard), with ``hq / hkv`` query heads each."""
+        self.check_model_facts(facts, head_dim=d)
+        if facts is None or not self.needs_model:
+            return
+        if head_offset + hkv > facts.num_kv_heads or hq // hkv != facts.group_size:
+            raise PolicyError(
+                [f"model facts: KV heads {head_offset} .. {head_offset + hkv - 1} with {hq // hkv} query heads each "
+                 f"were given, but the model facts of {facts.name!r} have {facts.num_kv_heads} KV heads with "
+                 f"{facts.group_size} each"],
+                self.name,
+            )
 
     @cached_property
     def keeps_state(self) -> bool:
@@ -199,6 +266,7 @@ class Policy:
         head_offset: int = 0,
         state: Mapping[str, torch.Tensor] | None = None,
         query_new: torch.Tensor | None = None,
+        model: ModelFacts | None = None,
     ) -> torch.Tensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
@@ -226,6 +294,10 @@ class Policy:
                 were before this eviction (``LayerView.state`` of a cache); default: every field
                 at its initial value (a fresh state). Brought up to date with ``query_new``
                 (``[B, W]`` bool, default every valid window entry) before any stage scores.
+            model: the model facts (``ModelFacts``) for a policy whose stages read them
+                (``needs_model``: RoPE, the output projection); checked before any work.
+                ``positions`` are then the keys' RoPE positions, and the window's queries are
+                taken for the latest tokens (see ``eviction_input``'s ``query_positions``).
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
@@ -238,6 +310,7 @@ class Policy:
             )
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
+        self._check_facts_for_heads(model, head_offset, hkv, queries.shape[1], keys.shape[3])
         if n <= self.budget:
             return torch.arange(n, device=keys.device).expand(b, hkv, n).clone()
         inp = eviction_input(
@@ -245,6 +318,7 @@ class Policy:
             slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
             head_offset=head_offset, query_new=query_new, state=self._given_state(state, b, hkv, n, keys.device),
+            model=model,
         )
         return self.select_from(self.observe(inp)[0])
 
@@ -397,6 +471,8 @@ class Policy:
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
         _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
+        self._check_facts_for_heads(kwargs.get("model"), kwargs.get("head_offset", 0), hkv, queries.shape[1],
+                                    keys.shape[3])
         budget = self.budget if budget is None else budget
         seed = self.resolve_seed(kwargs.pop("seed", None))
         state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device)
@@ -482,6 +558,7 @@ def eviction_input(
     query_positions: torch.Tensor | None = None,
     query_new: torch.Tensor | None = None,
     state: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    model: ModelFacts | None = None,
 ) -> EvictionInput:
     """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
     ``Policy.select`` and the executor alike.
@@ -532,6 +609,7 @@ def eviction_input(
         query_positions=query_positions,
         query_new=query_new,
         state=state,
+        model=model,
     )
 
 

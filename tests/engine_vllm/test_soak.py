@@ -2,7 +2,7 @@
 
 Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
 completions mixing per-request policies and a shared prefix; 6 clients drop their stream midway;
-4 requests carry malformed kvpolicy settings. Afterwards: every completed stream equals the same
+4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
 request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
 pool is empty again (vLLM's usage metric back to 0), and the server still answers.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import subprocess
 import time
@@ -21,8 +22,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from engine_util import ASYNC_DEFAULT  # noqa: E402
 from test_serve import POLICY, XARGS, _free_port, _post_status, _serve_command, _wait_healthy  # noqa: E402
 
+from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU  # noqa: E402
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -61,7 +64,10 @@ def _stream(port: int, body: dict, drop_after: int | None) -> tuple[int, list[in
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunks += 1
-            ids.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+            data = json.loads(line[6:])
+            if "choices" not in data:  # an error reported inside the stream
+                return 200, None, line
+            ids.extend(data["choices"][0].get("token_ids") or [])
             if drop_after is not None and chunks >= drop_after:
                 return 200, None, ""  # the client goes away mid-stream: vLLM aborts the request
         return 200, ids, ""
@@ -90,23 +96,33 @@ def test_soak_of_the_openai_server(tmp_path):
         ids, n, xargs = r
         return {**body, "prompt": ids, "max_tokens": n, "min_tokens": n, **({"vllm_xargs": xargs} if xargs else {})}
 
+    extra, env = [], dict(os.environ)
+    if ASYNC_DEFAULT:  # the server with async scheduling on (kvpolicy's CPU test switch, in every process)
+        extra, env[TEST_ASYNC_ON_CPU] = ["--async-scheduling"], "1"
     with open(log, "w") as f:
         proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config, "--enable-prefix-caching",
-                                               "--num-gpu-blocks-override", "16", "--max-num-seqs", "32"),
-                                stdout=f, stderr=subprocess.STDOUT)
+                                               "--num-gpu-blocks-override", "16", "--max-num-seqs", "32", *extra),
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_healthy(proc, port, log)
         t0 = time.monotonic()
         drops = set(random.Random(6).sample(range(N), DROPPED))
-        jobs = [(params(r), 3 if i in drops else None) for i, r in enumerate(reqs)]
-        jobs += [({**params((list(range(5, 30)), 20, None)), "vllm_xargs": x}, None) for x, _ in MALFORMED]
+        jobs = [lambda r=r, i=i: _stream(port, params(r), 3 if i in drops else None) for i, r in enumerate(reqs)]
+        bad = [{**params((list(range(5, 30)), 20, None)), "vllm_xargs": x} for x, _ in MALFORMED]
+        # malformed ones plain (an HTTP 400), and the first once more as a stream (vLLM answers a
+        # stream 200, then an error event with code 400)
+        jobs += [lambda b=b: _post_status(port, b) for b in bad]
+        jobs += [lambda: _stream(port, bad[0], None)]
         with ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(lambda j: _stream(port, *j), jobs))
+            results = list(pool.map(lambda job: job(), jobs))
         soak_s = time.monotonic() - t0
-        for (status, _, text), (_, message) in zip(results[N:], MALFORMED, strict=True):
-            assert status == 400 and message in text, (status, text)
+        for (status, answer), (_, message) in zip(results[N:N + len(MALFORMED)], MALFORMED, strict=True):
+            assert status == 400 and message in answer["error"]["message"], (status, answer)
+        status, ids, event = results[-1]
+        assert status == 200 and ids is None and '"code": 400' in event and MALFORMED[0][1] in event
         completed = [i for i in range(N) if i not in drops]
-        assert all(results[i][0] == 200 and results[i][1] is not None for i in completed)
+        for i in completed:
+            assert results[i][0] == 200 and results[i][1] is not None, (i, reqs[i][2], results[i][2][:500])
         # the pool drains (cached prefix blocks sit free in the queue: usage counts held blocks)
         deadline = time.monotonic() + 60
         while _usage(port) > 0 and time.monotonic() < deadline:
@@ -123,3 +139,6 @@ def test_soak_of_the_openai_server(tmp_path):
         proc.wait(timeout=120)
     steps = [json.loads(line) for p in (tmp_path / "trace").glob("scheduler-*.jsonl") for line in p.read_text().splitlines()]
     assert sum(s["evicted"] for s in steps) > 0 and steps[-1]["held_blocks"] == 0
+    assert max(s["waiting"] for s in steps) > 0  # the pool could not take the load at once
+    assert all(s["async"] is ASYNC_DEFAULT for s in steps)
+    print(f"soak: {steps[-1]['preempted_total']} preemptions, at most {max(s['waiting'] for s in steps)} waiting")

@@ -14,6 +14,7 @@ from .attention import (
     replaced_implementation,
 )
 from .cache import KVPolicyCache, KVPolicyLayer
+from .facts import model_facts
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -21,6 +22,7 @@ __all__ = [
     "KVPolicyLayer",
     "kvpolicy_attention",
     "kvpolicy_mask",
+    "model_facts",
     "register",
     "replaced_implementation",
 ]

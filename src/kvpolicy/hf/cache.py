@@ -35,6 +35,7 @@ from ..evicting import EvictingCache, LayerView
 from ..policy import Policy, load_policy
 from ..state import SELECT_GROWTH, EvictionStats
 from .attention import ATTN_IMPLEMENTATION, KVPOLICY_KV_OFFSET, record_replaced, register, tag_keys
+from .facts import model_facts
 
 
 class KVPolicyLayer(CacheLayerMixin):
@@ -128,7 +129,9 @@ class KVPolicyCache(Cache):
             cache, or none, run as the replaced implementation (bit for bit). Given a config,
             load the model with ``attn_implementation="kvpolicy"`` after
             ``kvpolicy.hf.register()`` (other caches then run as ``"sdpa"``); a model not using
-            it makes the cache raise.
+            it makes the cache raise. A policy whose stages read the model (``needs_model``:
+            RoPE, output projections) needs the model: its facts (``kvpolicy.hf.facts``) are
+            built from it, and a config alone is refused.
         seed: overrides the policy's ``seed`` (kept by ``reset()``: a reset cache decodes exactly
             as a fresh one).
         independent_rows: row ``r`` draws from random stream ``r`` (for several samples of one
@@ -161,10 +164,13 @@ class KVPolicyCache(Cache):
         num_layers = _check_layers(text_config)
         layer_devices = _layer_devices(model, num_layers) if model is not None else None
         self.policy = policy if isinstance(policy, Policy) else load_policy(policy)
+        # Stages that read the model (RoPE, output projections) get its facts; a config has none,
+        # and EvictingCache refuses such a policy then, before any work.
+        facts = model_facts(model) if model is not None and self.policy.needs_model else None
         self.evicting = EvictingCache(
             self.policy, num_layers, layer_devices=layer_devices, seed=seed, independent_rows=independent_rows,
             num_kv_heads=getattr(text_config, "num_key_value_heads", None) or getattr(text_config, "num_attention_heads", None),
-            select_growth=select_growth,
+            select_growth=select_growth, model_facts=facts,
         )
         # The layer whose update returned keys that kvpolicy attention has not taken yet.
         self._staged_layer: int | None = None

@@ -4,10 +4,12 @@ from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
 from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .cake import CakeAllocation, CakeScorer
 from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
 from .current_attention import CurrentAttentionScorer
 from .duo import DuoAllocation
+from .expected_attention import ExpectedAttentionScorer
 from .gkv import GKVScorer
 from .greedy import GreedySelector
 from .head_profile import ProfileAllocation
@@ -16,7 +18,10 @@ from .key_norm import KeyNormScorer
 from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .model_facts import ModelFacts
 from .normalized import NormalizedScorer
+from .output_norm import OutputValueNormScorer
+from .product import Factor, ProductScorer
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
@@ -26,6 +31,7 @@ from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
+from .triattention import QueryCalibration, TriAttentionScorer
 from .uniform import UniformAllocation
 from .value_magnitude import ValueMagnitudeScorer
 
@@ -42,8 +48,13 @@ BUILTIN_STAGES = (
     LagScorer,
     RandomScorer,
     CombinationScorer,
+    ExpectedAttentionScorer,
+    OutputValueNormScorer,
+    ProductScorer,
+    TriAttentionScorer,
     GKVScorer,
     NormalizedScorer,
+    CakeScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
@@ -56,6 +67,7 @@ BUILTIN_STAGES = (
     AdaptiveAllocation,
     ProfileAllocation,
     DuoAllocation,
+    CakeAllocation,
 )
 
 __all__ = [
@@ -71,9 +83,13 @@ __all__ = [
     "PyramidAllocation",
     "UniformAllocation",
     "AttentionScorer",
+    "CakeAllocation",
+    "CakeScorer",
     "CombinationScorer",
     "CurrentAttentionScorer",
     "EvictionInput",
+    "ExpectedAttentionScorer",
+    "Factor",
     "GKVScorer",
     "GreedySelector",
     "KeepProtectedSelector",
@@ -81,6 +97,10 @@ __all__ = [
     "LagScorer",
     "QuestScorer",
     "LeverageScorer",
+    "ModelFacts",
+    "OutputValueNormScorer",
+    "ProductScorer",
+    "QueryCalibration",
     "NormalizedScorer",
     "RandomScorer",
     "RedundancyScorer",
@@ -96,6 +116,7 @@ __all__ = [
     "StateField",
     "StochasticSelector",
     "TopScoresReservation",
+    "TriAttentionScorer",
     "ValueMagnitudeScorer",
     "WeightedTerm",
 ]

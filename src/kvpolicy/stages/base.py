@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .. import seeds
+from .model_facts import Fact, ModelFacts
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -100,6 +101,11 @@ class EvictionInput:
             the state was last brought up to date): what ``Stage.update_state`` adds.
         state: every stateful stage's fields (``Stage.state_fields``), read with
             ``inp.state_of(stage)``. None when the policy keeps no state.
+        model: facts about the model the cache serves (``ModelFacts``: its shape, the RoPE of
+            any position, a layer's output projection), for stages that declare them in
+            ``Stage.needs_model``; None where unknown (a policy needing them is then refused
+            before any work). ``positions`` and ``query_positions`` are the RoPE positions when
+            the model numbers its tokens among each row's real ones (what ``generate()`` does).
     """
 
     keys: torch.Tensor
@@ -122,6 +128,7 @@ class EvictionInput:
     query_positions: torch.Tensor | None = None
     query_new: torch.Tensor | None = None
     state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+    model: ModelFacts | None = None
 
     def state_of(self, stage: Stage) -> Mapping[str, torch.Tensor]:
         """``stage``'s state fields by name: ``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per head (see
@@ -199,6 +206,27 @@ class EvictionInput:
         """``[B]`` long on the host: the model layer of each (stacked) row."""
         return self._seed_key().layer_idx
 
+    def facts(self, stage: Stage) -> ModelFacts:
+        """The model facts, for ``stage`` (which declares them in ``needs_model``); a clear error
+        where the input carries none (``Policy.check_model_facts`` refuses such a policy before
+        any work, so only a hand-built input reaches it)."""
+        if self.model is None:
+            raise KeyError(
+                f"{stage.kind} {stage.type_name!r} reads model facts ({', '.join(sorted(stage.needs_model))}) this "
+                "input does not carry: pass model_facts= to EvictingCache, model= to Policy.select, or build "
+                "KVPolicyCache with the model"
+            )
+        return self.model
+
+    def rows_by_layer(self) -> list[tuple[int, torch.Tensor]]:
+        """``(layer, rows)`` for each model layer among the stacked rows (``rows``: a long tensor
+        of row indices on the keys' device): for stages that read a per-layer fact."""
+        layers = self.layer_index
+        return [
+            (int(layer), (layers == layer).nonzero().flatten().to(self.keys.device))
+            for layer in torch.unique(layers).tolist()
+        ]
+
     @property
     def batch(self) -> int:
         return self.keys.shape[0]
@@ -245,6 +273,11 @@ class Stage(BaseModel, ABC):
     #: ``schedule.window >= 1`` (refused at load otherwise), and ``select`` refuses queries with
     #: ``W = 0``. A window whose entries are all invalid (``query_valid`` False) is allowed.
     reads_queries: ClassVar[bool] = False
+    #: The model facts the stage reads (``inp.model``; plugin contract 3): ``"rope"``,
+    #: ``"output_projection"``. A policy using it is refused before any work where the cache
+    #: cannot give them (``Policy.check_model_facts``). A nesting stage need not repeat its
+    #: children's: the policy collects them from every stage, nested ones included.
+    needs_model: ClassVar[frozenset[Fact]] = frozenset()
 
     def describe(self) -> dict[str, Any]:
         """The stage as it appears in a resolved policy file."""
@@ -256,6 +289,11 @@ class Stage(BaseModel, ABC):
 
     def validate_schedule(self, schedule: Schedule) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` if the stage cannot run under this schedule (checked at load)."""
+
+    def check_model_facts(self, facts: ModelFacts) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` naming the field if the stage cannot serve the model these facts
+        describe (a calibration file measured on another model). Called before any work, by
+        ``Policy.check_model_facts``, for stages that declare ``needs_model``."""
 
     @property
     def couples_heads(self) -> bool:
@@ -413,6 +451,10 @@ class Allocation(Stage):
     kind: ClassVar[StageKind] = "allocation"
     #: True when heads of one layer keep different numbers of slots (``head_counts`` is called).
     per_head: ClassVar[bool] = False
+    #: True when the layer budgets are decided from the prompt (``prompt_budgets``), once every
+    #: layer holds it, before the first eviction (CAKE); ``layer_budgets`` then gives the
+    #: provisional ones, and each layer gets buffers of its own. Evict mode only.
+    from_prompt: ClassVar[bool] = False
 
     @property
     def uneven(self) -> bool:
@@ -424,6 +466,12 @@ class Allocation(Stage):
         ``num_layers * budget`` (``recent``: the schedule's recent buffer, which every layer
         keeps). Raise ``ValueError`` naming the field for an impossible share."""
         return [budget] * num_layers
+
+    def prompt_budgets(self, budget: int, recent: int, inputs: Sequence[EvictionInput]) -> list[int]:
+        """``from_prompt`` allocations: each layer's budget from what it holds before its first
+        eviction (``inputs[l]``: layer ``l``'s slots and window, every row), ints above ``recent``
+        adding up to ``len(inputs) * budget``."""
+        raise NotImplementedError(f"allocation {self.type_name!r} does not decide its budgets from the prompt")
 
     def check_model(self, num_layers: int, num_kv_heads: int) -> None:  # noqa: B027 - optional hook
         """Raise ``ValueError`` if the stage cannot serve a model of this shape (a profile for

@@ -35,6 +35,7 @@ class TopScoresReservation(Reservation):
         "(0 < f <= 1; finite).",
     )
     include_prior: bool = True
+    count_recent: bool = Field(False, description="Count the recent buffer's slots towards n.")
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
@@ -74,6 +75,9 @@ class TopScoresReservation(Reservation):
         need = torch.full(protected.shape[:2], n, device=protected.device)
         if self.include_prior:
             need = (need - (protected & cand).sum(-1)).clamp_min(0)
+        if self.count_recent:
+            recent = inp.slot_valid & (torch.arange(inp.num_slots, device=cand.device) >= inp.num_candidates)
+            need = (need - recent.sum(-1)).clamp_min(0)
         open_slots = cand & ~protected
         need = torch.minimum(need, open_slots.sum(-1))
         kmax = int(need.max()) if need.numel() else 0

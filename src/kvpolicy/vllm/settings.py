@@ -176,6 +176,9 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
+    facts = facts_refusal(policy)
+    if facts is not None:
+        raise KVPolicyVLLMError(facts)
 
 
 def _is_file(source: str) -> bool:
@@ -331,6 +334,18 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
         f"policy {policy.name!r} chooses for all KV heads of a layer together (over all its query heads), but "
         f"tensor_parallel_size {tensor_parallel_size} gives each rank a share of the heads to evict alone: "
         "serve it with tensor_parallel_size 1"
+    )
+
+
+def facts_refusal(policy: Policy | None) -> str | None:
+    """Why vLLM cannot serve ``policy`` (None: it can): the engine does not hand kvpolicy the
+    model facts (RoPE, output projections) that some stages read (``Policy.needs_model``)."""
+    if policy is None or not policy.needs_model:
+        return None
+    return (
+        f"policy {policy.name!r} reads the model's {', '.join(sorted(policy.needs_model))} "
+        "(Policy.needs_model), which the vLLM integration does not provide yet: run it with KVPolicyCache or "
+        "EvictingCache"
     )
 
 

@@ -1,0 +1,89 @@
+"""``ModelFacts`` of a transformers decoder: its shape, its rotary embedding, its output projections.
+
+``KVPolicyCache(policy, model)`` builds them when the policy's stages read any
+(``Policy.needs_model``). A fact the model cannot give (no rotary embedding found, a partial
+rotary embedding, no ``o_proj`` in an attention layer) is left out with the reason, which the
+refusal of a policy needing it reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..stages.model_facts import ModelFacts
+
+
+def model_facts(model: Any) -> ModelFacts:
+    """The facts a stage may ask of ``model`` (a transformers causal LM)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    hidden = int(config.hidden_size)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(config.num_hidden_layers)
+    name = str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__)
+    missing: dict[str, str] = {}
+
+    rope_fn = None
+    rotary = _rotary_embedding(model)
+    if rotary is None:
+        missing["rope"] = f"{type(model).__name__} has no rotary embedding module (rotary_emb)"
+    else:
+        probe_cos, _ = _call_rotary(rotary, torch.zeros(1, dtype=torch.long))
+        if probe_cos.shape[-1] != head_dim:
+            missing["rope"] = (
+                f"its rotary embedding covers {probe_cos.shape[-1]} of the head's {head_dim} dimensions "
+                "(partial RoPE), which the rotate-half convention over the whole head cannot describe"
+            )
+        else:
+            def rope_fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return _call_rotary(rotary, positions)
+
+    projection_fn = None
+    projections = [getattr(m, "o_proj", None) for m in _attention_modules(model, layers)]
+    absent = [i for i, p in enumerate(projections) if not isinstance(p, torch.nn.Linear)]
+    if absent:
+        missing["output_projection"] = f"no o_proj linear layer found in attention layer(s) {absent[:5]}"
+    else:
+        linears: list[torch.nn.Linear] = [p for p in projections if isinstance(p, torch.nn.Linear)]
+
+        def projection_fn(layer: int) -> torch.Tensor:
+            weight = linears[layer].weight  # [hidden, Hq * D]: out = attn_out @ weight.T
+            return weight.t().unflatten(0, (heads, head_dim))
+
+    return ModelFacts(
+        name=name, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        hidden_size=hidden, rope_fn=rope_fn, output_projection_fn=projection_fn, missing=missing,
+    )
+
+
+def _rotary_embedding(model: Any) -> torch.nn.Module | None:
+    """The model's shared rotary embedding (``model.model.rotary_emb`` on Llama-like decoders)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    rotary = getattr(decoder, "rotary_emb", None)
+    return rotary if isinstance(rotary, torch.nn.Module) else None
+
+
+def _call_rotary(rotary: torch.nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[*positions.shape, D]`` float32 from a transformers rotary embedding, which
+    takes ``(x, position_ids [B, T])`` and returns ``[B, T, D]`` in ``x``'s dtype."""
+    buffer = next(iter(rotary.buffers()), None)
+    device = buffer.device if buffer is not None else positions.device
+    flat = positions.reshape(1, -1).to(device)
+    probe = torch.zeros(1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        cos, sin = rotary(probe, flat)
+    shape = (*positions.shape, cos.shape[-1])
+    return cos.float().reshape(shape).to(positions.device), sin.float().reshape(shape).to(positions.device)
+
+
+def _attention_modules(model: Any, layers: int) -> list[torch.nn.Module | None]:
+    """Each decoder layer's attention module (the module with ``layer_idx`` and ``o_proj``)."""
+    found: list[torch.nn.Module | None] = [None] * layers
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and 0 <= idx < layers and found[idx] is None and hasattr(module, "o_proj"):
+            found[idx] = module
+    return found

@@ -1,0 +1,170 @@
+"""Facts about the model a cache serves, for stages that need more than the cached tensors.
+
+Most stages read only keys, values and queries. Some methods need the model itself: Expected
+Attention and TriAttention carry query statistics to future positions through RoPE (and take
+post-RoPE keys back to before it), CriticalKV weighs each value by its norm through the output
+projection. ``ModelFacts`` is what a stage may ask of the model, in a general form: its shape,
+the RoPE of any position, and a layer's output projection. A stage declares the facts it reads
+(``Stage.needs_model``); a policy whose stages need a fact the cache was not given is refused
+before any work (``Policy.check_model_facts``), naming the fact and why it is missing.
+
+Where facts come from: ``KVPolicyCache(policy, model)`` builds them from the transformers model
+(``kvpolicy.hf.facts.model_facts``); an ``EvictingCache`` in a loop of your own takes
+``model_facts=``, and ``Policy.select`` ``model=``; ``ModelFacts.standard_rope`` builds the RoPE of
+a plain (Llama-style) rotary embedding from its base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+#: The facts a stage may declare in ``Stage.needs_model``.
+Fact = Literal["rope", "output_projection"]
+FACTS: tuple[Fact, ...] = get_args(Fact)
+
+RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ProjectionFn = Callable[[int], torch.Tensor]
+
+
+class ModelFactsError(ValueError):
+    """Model facts that are malformed, or that a stage asked for and the cache does not have."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a stage may ask of the model it serves (``EvictionInput.model``; None where unknown).
+
+    Attributes:
+        name: the model's name (a Hugging Face id or folder), for messages and calibration files.
+        num_layers, num_attention_heads, num_kv_heads, head_dim, hidden_size: its shape.
+        rope_fn: ``positions`` (a long tensor of any shape) -> ``(cos, sin)``, each
+            ``[*positions.shape, head_dim]`` float32: the model's rotary embedding at those positions,
+            attention scaling included, in the rotate-half convention (dimension ``i`` pairs with
+            ``i + head_dim / 2``; ``post = pre * cos + rotate_half(pre) * sin``). None: unknown.
+        output_projection_fn: ``layer`` -> ``[num_attention_heads, head_dim, hidden_size]``: the
+            slice of the layer's output projection that each query head's attention output is
+            multiplied by (``o_proj.weight.T`` split by head), in the model's dtype and device.
+            None: unknown.
+        missing: why a fact is unknown, by fact (reported when a stage needs it).
+
+    Read through ``rope`` and ``output_projection``, which check what the functions return.
+    """
+
+    name: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int | None = None
+    rope_fn: RopeFn | None = None
+    output_projection_fn: ProjectionFn | None = None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for label in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, label)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelFactsError(f"ModelFacts.{label} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ModelFactsError(
+                f"ModelFacts.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelFactsError(f"ModelFacts.head_dim must be even (RoPE pairs dimensions), got {self.head_dim}")
+        if self.output_projection_fn is not None and not self.hidden_size:
+            raise ModelFactsError("ModelFacts.hidden_size is required with an output projection")
+
+    @property
+    def available(self) -> frozenset[str]:
+        """The facts these can give (``FACTS`` with a function)."""
+        have = {"rope": self.rope_fn, "output_projection": self.output_projection_fn}
+        return frozenset(name for name, fn in have.items() if fn is not None)
+
+    def why_missing(self, fact: str) -> str:
+        return self.missing.get(fact, "not given")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[*positions.shape, head_dim]`` float32 on ``positions``' device (see
+        ``rope_fn``). Negative positions are allowed (a rotation backwards)."""
+        if self.rope_fn is None:
+            raise ModelFactsError(f"model facts of {self.name!r} have no RoPE: {self.why_missing('rope')}")
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
+            raise ModelFactsError(f"rope(positions) takes an integer tensor, got {positions!r}")
+        cos, sin = self.rope_fn(positions)
+        want = (*positions.shape, self.head_dim)
+        for label, t in (("cos", cos), ("sin", sin)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                raise ModelFactsError(
+                    f"model facts of {self.name!r}: rope gave {label} of shape {tuple(getattr(t, 'shape', ()))}, "
+                    f"expected [*positions.shape, head_dim] = {want}"
+                )
+        return cos.to(torch.float32, copy=False), sin.to(torch.float32, copy=False)
+
+    def output_projection(self, layer: int) -> torch.Tensor:
+        """``[num_attention_heads, head_dim, hidden_size]``: layer ``layer``'s output projection,
+        split by query head (see ``output_projection_fn``)."""
+        if self.output_projection_fn is None:
+            raise ModelFactsError(
+                f"model facts of {self.name!r} have no output projection: {self.why_missing('output_projection')}"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ModelFactsError(f"layer {layer} out of range for a model of {self.num_layers} layers")
+        w = self.output_projection_fn(layer)
+        want = (self.num_attention_heads, self.head_dim, self.hidden_size)
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != want:
+            raise ModelFactsError(
+                f"model facts of {self.name!r}: output_projection({layer}) has shape "
+                f"{tuple(getattr(w, 'shape', ()))}, expected [Hq, head_dim, hidden] = {want}"
+            )
+        return w
+
+    def check_shape(self, num_layers: int | None = None, num_kv_heads: int | None = None,
+                    head_dim: int | None = None) -> None:
+        """Raise ``ModelFactsError`` unless the facts describe a model of this shape (None: not checked)."""
+        for label, given in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if given is not None and getattr(self, label) != given:
+                raise ModelFactsError(
+                    f"model facts of {self.name!r} give {label} = {getattr(self, label)}, but the cache serves "
+                    f"{given}: were the facts built for another model?"
+                )
+
+    @staticmethod
+    def standard_rope(head_dim: int, theta: float = 10000.0, attention_scaling: float = 1.0) -> RopeFn:
+        """The ``rope_fn`` of a plain rotary embedding (Llama, Qwen, SmolLM2 without rope scaling):
+        frequencies ``theta ** (-2i / head_dim)``, angles computed in float64."""
+        if head_dim < 2 or head_dim % 2:
+            raise ModelFactsError(f"head_dim must be even and positive, got {head_dim}")
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+        def rope(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+            angles = torch.cat([angles, angles], dim=-1)
+            return (angles.cos() * attention_scaling).float(), (angles.sin() * attention_scaling).float()
+
+        return rope
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` for ``x = [x1, x2]`` along the last axis: RoPE's rotate-half convention."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated by ``(cos, sin)`` (``ModelFacts.rope``): ``x * cos + rotate_half(x) * sin``."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The pre-RoPE vector of post-RoPE ``x`` at the positions of ``(cos, sin)``: the inverse of
+    ``apply_rope``, attention scaling divided out (``cos^2 + sin^2`` is its square)."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)

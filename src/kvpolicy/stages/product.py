@@ -1,0 +1,76 @@
+"""A product of scorers, e.g. CriticalKV's ``(attention + epsilon) * ||v W_o||_1``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .base import EvictionInput, Scorer
+from .guards import run_scorer
+from .spec import ScorerSpec
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+class Factor(BaseModel):
+    """One factor of a product: ``scorer + offset``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scorer: ScorerSpec
+    offset: float = Field(0.0, allow_inf_nan=False, description="Added to the scores before multiplying.")
+
+
+class ProductScorer(Scorer):
+    """``prod_i (score_i + offset_i)`` over its factors: one score reweighted by another."""
+
+    type_name: ClassVar[str] = "product"
+
+    factors: Annotated[list[Factor], Field(min_length=1)]
+
+    @property
+    def stochastic(self) -> bool:  # type: ignore[override]
+        return any(f.scorer.stochastic for f in self.factors)
+
+    @property
+    def draws_per_layer(self) -> bool:  # type: ignore[override]
+        return any(f.scorer.draws_per_layer for f in self.factors)
+
+    @property
+    def reads_queries(self) -> bool:  # type: ignore[override]
+        return any(f.scorer.reads_queries for f in self.factors)
+
+    @property
+    def may_be_negative(self) -> bool:
+        return any(f.offset < 0 or f.scorer.may_be_negative for f in self.factors)
+
+    @property
+    def couples_heads(self) -> bool:
+        return any(f.scorer.couples_heads for f in self.factors)
+
+    @property
+    def key_page_sizes(self) -> frozenset[int]:
+        return frozenset().union(*(f.scorer.key_page_sizes for f in self.factors))
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        for f in self.factors:
+            f.scorer.validate_schedule(schedule)
+
+    def score(self, inp: EvictionInput) -> torch.Tensor:
+        total = None
+        for i, factor in enumerate(self.factors):
+            s = run_scorer(factor.scorer, inp, where=f" (factors[{i}] of scorer {self.type_name!r})")
+            s = s + factor.offset
+            total = s if total is None else total.mul_(s)
+        if total is None:  # never: factors has at least one entry
+            raise ValueError("a product needs at least one factor")
+        return total
+
+    def describe(self):
+        return {
+            "type": self.type_name,
+            "factors": [{"scorer": f.scorer.describe(), "offset": f.offset} for f in self.factors],
+        }

@@ -1,0 +1,163 @@
+"""The built-in ``cake`` policy: the ``cake`` allocation (layer budgets from each layer's prompt
+attention, decided once every layer holds the prompt) and the ``cake_attention`` scorer, against
+float64 loop references written from CAKE's code (antgroup/cakekv), in a cache and through
+``generate()``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import make_tensors
+
+import kvpolicy
+from kvpolicy import EvictingCache, PolicyError
+from kvpolicy.policy import eviction_input
+from kvpolicy.stages import CakeAllocation, CakeScorer
+from kvpolicy.stages.cake import adjust_budgets
+
+
+def _probs(K, Q, qpos, slot_pos, b, h, g, w, G):
+    """One window query's softmax over the slots it sees (position at most its own), float64."""
+    D = K.shape[-1]
+    logits = [float(Q[b, h * G + g, w] @ K[b, h, j]) / math.sqrt(D) if slot_pos[j] <= qpos[b, w] else -math.inf
+              for j in range(K.shape[2])]
+    m = max(logits)
+    e = [math.exp(x - m) if x != -math.inf else 0.0 for x in logits]
+    return [x / sum(e) for x in e]
+
+
+def ref_preference(K, Q, qpos, *, tau1=1.0, tau2=1.0):
+    """CAKE's preference: entropy summed over rows, heads, window queries and the slots before the
+    window; the unbiased variance over the window's queries, summed over rows, heads and those slots."""
+    K, Q = K.double(), Q.double()
+    B, Hkv, N, _ = K.shape
+    G, W = Q.shape[1] // Hkv, Q.shape[2]
+    H = V = 0.0
+    for b in range(B):
+        first = int(qpos[b].min())
+        for h in range(Hkv):
+            for g in range(G):
+                rows = [_probs(K, Q, qpos, list(range(N)), b, h, g, w, G) for w in range(W)]
+                for j in range(first):
+                    col = [r[j] for r in rows]
+                    H += -sum(a * math.log(a + 1e-10) for a in col)
+                    mean = sum(col) / W
+                    V += sum((a - mean) ** 2 for a in col) / (W - 1)
+    return H ** (1 / tau1) * V ** (1 / tau2)
+
+
+def ref_adjust(shares, total, cap):
+    """The authors' adjust_budgets, step by step (numpy's order: excess, then the total)."""
+    shares = list(shares)
+    excess = sum(max(s - cap, 0) for s in shares)
+    shares = [min(s, cap) for s in shares]
+
+    def spread(amount, idx):
+        per, rem = divmod(abs(amount), len(idx))
+        for k, i in enumerate(idx):
+            shares[i] += (1 if amount > 0 else -1) * (per + (k < rem))
+
+    if excess > 0 and any(s < cap for s in shares):
+        spread(excess, [i for i, s in enumerate(shares) if s < cap])
+    diff = total - sum(shares)
+    idx = [i for i, s in enumerate(shares) if (s < cap if diff > 0 else s > 1)]
+    if diff and idx:
+        spread(diff, idx)
+    return shares
+
+
+def test_defaults_follow_the_authors():
+    policy = kvpolicy.load_policy("cake")
+    s = policy.schedule
+    assert (s.budget, s.recent, s.window, s.count, s.compress_prompt) == (1024, 32, 32, "tokens", True)
+    assert (policy.allocation.type_name, policy.allocation.tau1, policy.allocation.tau2) == ("cake", 1.0, 1.0)
+    assert (policy.config.scorer.gamma, policy.config.scorer.kernel) == (200.0, 5)
+
+
+@pytest.mark.parametrize("shares, total, cap", [
+    ([10, 0, 50], 60, 40), ([7, 7, 7, 7], 30, 100), ([30, 30, 1], 50, 20), ([5, 5, 5], 15, 5),
+])
+def test_adjust_budgets_is_the_authors(shares, total, cap):
+    assert adjust_budgets(list(shares), total, cap) == ref_adjust(shares, total, cap)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 30, 5), (1, 1, 3, 23, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_preference_matches_reference(shape):
+    b, hkv, hq, n, w = shape
+    k, v, q = make_tensors(b=b, hkv=hkv, hq=hq, n=n, d=8, w=w, seed=n)
+    q = 3 * q  # peakier attention
+    inp = eviction_input(k, v, q, budget=12, recent=w, seed=0)
+    for tau1, tau2 in ((1.0, 1.0), (1.6, 0.4)):
+        got = CakeAllocation(tau1=tau1, tau2=tau2).preference(inp)
+        want = ref_preference(k, q, inp.query_positions, tau1=tau1, tau2=tau2)
+        assert math.isclose(got, want, rel_tol=1e-5), (got, want)
+
+
+def test_token_score_matches_reference():
+    b, hkv, hq, n, w = 2, 2, 4, 26, 4
+    k, v, q = make_tensors(b=b, hkv=hkv, hq=hq, n=n, d=8, w=w, seed=3)
+    inp = eviction_input(k, v, 3 * q, budget=12, recent=w, seed=0)
+    got = CakeScorer(gamma=200.0, kernel=5).score(inp).double()
+    G, c = hq // hkv, n - w
+    for bi in range(b):
+        for h in range(hkv):
+            heads = []
+            for g in range(G):
+                rows = [_probs(k.double(), 3 * q.double(), inp.query_positions, list(range(n)), bi, h, g, x, G)
+                        for x in range(w)]
+                mean = [sum(r[j] for r in rows) / w for j in range(c)]
+                var = [sum((r[j] - mean[j]) ** 2 for r in rows) / (w - 1) for j in range(c)]
+                raw = [m + 200.0 * s for m, s in zip(mean, var, strict=True)]
+                heads.append([sum(raw[max(0, j - 2): j + 3]) / 5 for j in range(c)])  # avg-pool 5, zero padding
+            want = torch.tensor([sum(hd[j] for hd in heads) / G for j in range(c)], dtype=torch.float64)
+            torch.testing.assert_close(got[bi, h, :c], want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_cache_decides_each_layers_budget_once_from_the_prompt():
+    """After the prompt step, before the first eviction: every layer's budget is the reference's
+    share of its preference (adjusted as the authors do), adding up to the uniform total; every
+    layer is then cut to its own budget; a reset cache decides anew for a new prompt."""
+    layers, budget, recent = 3, 20, 4
+    policy = kvpolicy.load_policy("cake", budget=budget, recent=recent, window=recent, interval=4)
+    cache = EvictingCache(policy, layers)
+    for trial in range(2):
+        g = torch.Generator().manual_seed(trial)
+        prompt = [(torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g),
+                   (1 + 2 * trial) * torch.randn(1, 4, 40, 8, generator=g)) for _ in range(layers)]
+        for layer, (k, v, q) in enumerate(prompt):
+            assert [s.budget for s in cache.schedules] == [budget] * layers  # provisional until every layer holds it
+            cache.step(layer, k, v, q)
+        prefs = [ref_preference(k, q[:, :, -recent:], torch.arange(40 - recent, 40)[None]) for k, _, q in prompt]
+        shares = [int(p / sum(prefs) * (budget - recent) * layers) for p in prefs]
+        want = [recent + s for s in ref_adjust(shares, (budget - recent) * layers, 40 - recent)]
+        got = [s.budget for s in cache.schedules]
+        assert got == want and sum(got) == budget * layers
+        for _ in range(3):
+            for layer in range(layers):
+                cache.step(layer, torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g),
+                           torch.randn(1, 4, 1, 8, generator=g))
+        assert [cache.layers[i].counts[0] for i in range(layers)] == [b + 3 for b in got]
+        cache.reset()
+
+
+def test_select_mode_is_refused():
+    with pytest.raises(PolicyError, match="evict mode only"):
+        EvictingCache(kvpolicy.load_policy("cake@select", compress_prompt=False), 2)
+
+
+def test_generate_on_the_test_model():
+    pytest.importorskip("transformers")
+    from hf_util import generate, left_padded_prompt, tiny_qwen3
+
+    model = tiny_qwen3(layers=4, vocab=256)
+    ids, mask = left_padded_prompt(256, batch=2, length=60, pads=(0, 6))
+    policy = kvpolicy.load_policy("cake", budget=24, recent=4, window=4, interval=4)
+    cache = kvpolicy.KVPolicyCache(policy, model)
+    out = generate(model, cache, ids, mask, 30)
+    assert out.shape == (2, 90)
+    budgets = [s.budget for s in cache.evicting.schedules]
+    assert sum(budgets) == 4 * 24 and len(set(budgets)) > 1
+    for layer, b in zip(cache.evicting.layers, budgets, strict=True):
+        assert max(layer.counts) <= b + 4 + 2  # its own budget (+ the interval, + the padded row's phase)

@@ -1,0 +1,179 @@
+"""Model facts in the stage contract (``EvictionInput.model``, ``Stage.needs_model``): what they
+give (the model's RoPE and output projections, checked against a transformers model and float64
+rotation matrices), where they reach a stage (every cache's eviction, ``Policy.select``), and the
+clear refusals, before any work, of a policy whose stages need facts the cache lacks."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import reference as ref
+import torch
+from helpers import make_tensors, model_facts
+
+import kvpolicy
+from kvpolicy import EvictingCache, ModelFacts, PolicyError
+from kvpolicy.stages import Scorer
+from kvpolicy.stages.model_facts import ModelFactsError, apply_rope, unrotate
+
+ROPE_POLICY = {
+    "name": "needs-rope", "schedule": {"budget": 16, "recent": 4, "interval": 4, "window": 4},
+    "scorer": {"type": "expected_attention", "n_future_positions": 8}, "selector": "greedy",
+}
+PROJECTION_POLICY = {
+    "name": "needs-projection", "schedule": {"budget": 16, "recent": 4, "interval": 4, "window": 0},
+    "scorer": {"type": "output_value_norm"}, "selector": "greedy",
+}
+
+
+def test_standard_rope_is_the_rotation_matrix_and_unrotate_inverts_it():
+    d = 8
+    rope = ModelFacts.standard_rope(d)
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    cos, sin = rope(positions)
+    x = torch.randn(len(positions), d, dtype=torch.float64)
+    rotated = apply_rope(x, cos.double(), sin.double())
+    for i, p in enumerate(positions.tolist()):
+        torch.testing.assert_close(rotated[i], ref.rope_rotation(p, d) @ x[i], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(unrotate(rotated, cos.double(), sin.double()), x, rtol=1e-6, atol=1e-6)
+    # Attention scaling multiplies both; unrotate divides it out.
+    scaled = ModelFacts.standard_rope(d, attention_scaling=1.3)(positions)
+    torch.testing.assert_close(unrotate(apply_rope(x.float(), *scaled), *scaled), x.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_facts_are_the_models_rope_and_output_projection():
+    pytest.importorskip("transformers")
+    from hf_util import tiny_qwen3
+
+    from kvpolicy.hf import model_facts as hf_facts
+
+    model = tiny_qwen3(layers=2, vocab=64)
+    facts = hf_facts(model)
+    assert (facts.num_layers, facts.num_attention_heads, facts.num_kv_heads, facts.head_dim, facts.hidden_size) == (
+        2, 4, 2, 16, 64)
+    assert facts.available == {"rope", "output_projection"}
+    positions = torch.tensor([[0, 5, 9000], [3, 2, 1]])
+    cos, sin = facts.rope(positions)
+    want_cos, want_sin = model.model.rotary_emb(torch.zeros(1), positions.reshape(1, -1))
+    torch.testing.assert_close(cos, want_cos.reshape(2, 3, 16))
+    torch.testing.assert_close(sin, want_sin.reshape(2, 3, 16))
+    theta = model.config.rope_parameters["rope_theta"] if hasattr(model.config, "rope_parameters") else 10000.0
+    # transformers computes the angles in float32: 2e-5 apart at position 9000
+    torch.testing.assert_close(cos, ModelFacts.standard_rope(16, theta)(positions)[0], rtol=0, atol=1e-4)
+    # The attention output of head h reaches the residual stream through W[h] [D, hidden].
+    out = torch.randn(5, 4 * 16)
+    w = facts.output_projection(1)
+    via_heads = sum(out[:, h * 16:(h + 1) * 16] @ w[h] for h in range(4))
+    torch.testing.assert_close(via_heads, model.model.layers[1].self_attn.o_proj(out), rtol=1e-5, atol=1e-5)
+
+
+def test_facts_are_checked_naming_the_field():
+    with pytest.raises(ModelFactsError, match="num_kv_heads"):
+        ModelFacts(name="m", num_layers=2, num_attention_heads=6, num_kv_heads=4, head_dim=8)
+    with pytest.raises(ModelFactsError, match="head_dim must be even"):
+        ModelFacts(name="m", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=7)
+    with pytest.raises(ModelFactsError, match="hidden_size"):
+        ModelFacts(name="m", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                   output_projection_fn=lambda layer: torch.zeros(4, 8, 3))
+    bad = ModelFacts(name="m", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                     rope_fn=lambda p: (torch.ones(3), torch.zeros(3)))
+    with pytest.raises(ModelFactsError, match=r"rope gave cos of shape \(3,\), expected"):
+        bad.rope(torch.arange(5))
+    with pytest.raises(ModelFactsError, match="no output projection: not given"):
+        bad.output_projection(0)
+
+
+@pytest.mark.parametrize("source, fact", [(ROPE_POLICY, "rope"), (PROJECTION_POLICY, "output_projection")])
+def test_a_policy_needing_facts_is_refused_before_any_work(source, fact):
+    policy = kvpolicy.load_policy(source)
+    assert policy.needs_model == {fact}
+    with pytest.raises(PolicyError, match=f"needs the model's {fact}") as err:
+        EvictingCache(policy, 2)
+    assert "model_facts=" in str(err.value)
+    k, v, q = make_tensors(n=30, w=4)
+    with pytest.raises(PolicyError, match=f"needs the model's {fact}"):
+        policy.select(k, v, q)
+    lacking = ModelFacts(name="rope-less", num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=8,
+                         missing={fact: "the test says so"})
+    with pytest.raises(PolicyError, match="which the model facts of 'rope-less' lack: the test says so"):
+        EvictingCache(policy, 2, model_facts=lacking)
+    with pytest.raises(PolicyError, match="num_layers = 2, but the cache serves 3"):
+        EvictingCache(policy, 3, model_facts=model_facts(layers=2))
+    cache = EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, d=8))
+    with pytest.raises(ValueError, match="num_kv_heads = 2, but the cache serves 3"):
+        cache.step(0, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), torch.randn(1, 6, 5, 8))
+    assert cache.layers[0].length == 0  # nothing was stored
+
+
+def test_a_config_alone_cannot_serve_a_policy_that_reads_the_model():
+    pytest.importorskip("transformers")
+    from hf_util import tiny_qwen3
+
+    model = tiny_qwen3(layers=2, vocab=64)
+    with pytest.raises(PolicyError, match="build KVPolicyCache with the model"):
+        kvpolicy.KVPolicyCache(kvpolicy.load_policy("criticalkv"), model.config)
+
+
+def test_nested_stages_count():
+    nested = kvpolicy.load_policy({
+        **PROJECTION_POLICY, "name": "nested",
+        "scorer": {"type": "combination", "terms": [{"weight": 1.0, "scorer": {"type": "key_norm"}},
+                                                    {"weight": 0.5, "scorer": {"type": "output_value_norm"}}]},
+    })
+    assert nested.needs_model == {"output_projection"}
+    assert kvpolicy.load_policy("snapkv").needs_model == frozenset()
+
+
+def test_vllm_refuses_a_policy_that_reads_the_model():
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, facts_refusal, resolve
+
+    assert facts_refusal(kvpolicy.load_policy("snapkv")) is None
+    assert "reads the model's output_projection" in facts_refusal(kvpolicy.load_policy("criticalkv"))
+    with pytest.raises(KVPolicyVLLMError, match="reads the model's rope"):  # a server's policy, or a request's
+        resolve({"policy": "expected-attention"})
+
+
+class _Recorder(Scorer):
+    """A plugin-style scorer that reads a per-layer fact: it records what each eviction saw."""
+
+    type_name: ClassVar[str] = "facts_recorder"
+    needs_model: ClassVar[frozenset] = frozenset({"output_projection"})
+    seen: ClassVar[list] = []
+
+    def score(self, inp):
+        facts = inp.facts(self)
+        for layer, rows in inp.rows_by_layer():
+            type(self).seen.append((layer, rows.tolist(), facts.output_projection(layer).shape))
+        return inp.keys.float().norm(dim=-1)
+
+
+def test_every_eviction_of_a_cache_carries_the_facts_and_each_rows_layer():
+    kvpolicy.get_registry().register_plugin(_RecorderPlugin())
+    try:
+        policy = kvpolicy.load_policy({**PROJECTION_POLICY, "scorer": {"type": "facts_recorder"}})
+        facts = model_facts(layers=3, hkv=2, hq=4, d=8, hidden=12)
+        cache = EvictingCache(policy, 3, model_facts=facts)
+        _Recorder.seen.clear()
+        g = torch.Generator().manual_seed(0)
+        for step in range(12):
+            t = 16 if step == 0 else 1
+            for layer in range(3):
+                cache.step(layer, torch.randn(2, 2, t, 8, generator=g), torch.randn(2, 2, t, 8, generator=g))
+        assert cache.stats()[0].evictions >= 2
+        # Every layer of the group at once, stacked layer-major: rows 0-1 layer 0, 2-3 layer 1, ...
+        assert _Recorder.seen[:3] == [(0, [0, 1], (4, 8, 12)), (1, [2, 3], (4, 8, 12)), (2, [4, 5], (4, 8, 12))]
+    finally:
+        from kvpolicy.registry import reset_registry
+
+        reset_registry()
+
+
+class _RecorderPlugin:
+    @kvpolicy.hookimpl
+    def kvpolicy_contract(self):
+        return 3
+
+    @kvpolicy.hookimpl
+    def kvpolicy_stages(self):
+        return [_Recorder]
