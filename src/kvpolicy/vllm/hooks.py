@@ -400,7 +400,10 @@ def install_backend(impl_cls: type) -> None:
             state = worker.active()
             if state is not None and attn_metadata is not None:
                 state.capture_queries(getattr(layer, "layer_name", ""), query)
-            return original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if state is not None and attn_metadata is not None and state.long_steps:
+                state.after_attention(getattr(layer, "layer_name", ""), query)  # the layer's keys are in
+            return out
 
         return forward
 

@@ -72,6 +72,7 @@ class SchedulerEviction:
         self.resolved = resolved
         self.ledger = SlotLedger()
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
+        self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
@@ -93,7 +94,13 @@ class SchedulerEviction:
         if r.policy_yaml not in self.schedules:
             policy = r.policy()
             self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
+            self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
         return self.schedules[r.policy_yaml]
+
+    def _sees_every_query(self, request: Any) -> bool:
+        """Whether the request's policy keeps state that must see every query of its tokens."""
+        self._schedule(request)
+        return self.sees_every_query[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
 
     def _tracked(self, req_id: str) -> bool:
         """Track a request the scheduler knows (on its first allocation); False for unknown ids."""
@@ -189,6 +196,10 @@ class SchedulerEviction:
         where its first eviction needs queries of the hit tokens (``prefix_hit_cap``)."""
         schedule = self._schedule(request)
         cap = prefix_hit_cap(schedule, request.num_prompt_tokens)
+        if self._sees_every_query(request):
+            # Its state must see every prompt query, and a hit's tokens are never computed: it
+            # computes its whole prompt (exact; it still fills the prefix cache for others).
+            cap = 0
         if schedule is not None and REPLAY_ATTR in request.__dict__:
             # A recompute starts its ledger at the hit: the hit must end inside the prompt, as a
             # new request's does (the prompt's end is a replay boundary).

@@ -32,14 +32,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..policy import Policy
+from ..policy import Policy, window_positions
+from ..stages.base import StateField
 from .layout import BlockLayout, LayoutError
 from .ledger import SlotLedger
 from .paged import compact, gather_paged, slot_address
@@ -106,31 +108,65 @@ class RequestQueryRing:
 
 @dataclass(frozen=True)
 class KeptSlots:
-    """What the worker keeps per slot of a request beside vLLM's keys and values, for the slots
-    kept at its last eviction: ``[Lyr, Hkv, K]`` tensors that move with the slots.
+    """What the worker keeps per slot of a request beside vLLM's keys and values, for its first
+    ``K`` slots (those kept at its last eviction, or every slot its policy's state was last
+    brought up to date over): ``[Lyr, Hkv, K]`` tensors that move with the slots.
 
-    Every per-slot field lives here, and only here: ``fresh`` says what a slot appended since the
-    last eviction holds, ``extend`` joins the kept and the fresh slots for an eviction's input, and
-    ``take`` keeps the chosen ones. (A stage's per-slot state, when stages have one, is one more
-    field, handled in these three methods.)"""
+    Every per-slot field lives here, and only here: ``fresh`` says what a slot appended since
+    holds, ``extend`` joins the kept and the fresh slots for an eviction's input, and ``take``
+    keeps the chosen ones. The fields are the token positions and the policy's per-slot state
+    (``Policy.state_fields``, by stored name)."""
 
-    positions: torch.Tensor  # token index of each kept slot
+    positions: torch.Tensor  # token index of each slot
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the policy's per-slot state
+
+    @property
+    def count(self) -> int:
+        return self.positions.shape[-1]
 
     @staticmethod
-    def fresh(start: int, n: int, offset: int, layers: int, heads: int, device: torch.device) -> KeptSlots:
-        """Slots ``start .. n-1`` appended since the last eviction: slot ``s`` holds token ``s + offset``."""
+    def fresh(
+        start: int, n: int, offset: int, layers: int, heads: int, device: torch.device,
+        fields: Mapping[str, StateField] | None = None,
+    ) -> KeptSlots:
+        """Slots ``start .. n-1`` appended since: slot ``s`` holds token ``s + offset``, and each
+        state field its ``initial`` value."""
         pos = (torch.arange(start, n, device=device) + offset).expand(layers, heads, n - start)
-        return KeptSlots(pos.clone())
+        state = {name: torch.full((layers, heads, n - start), spec.initial, dtype=spec.dtype, device=device)
+                 for name, spec in (fields or {}).items() if spec.per == "slot"}
+        return KeptSlots(pos.clone(), state)
 
     @staticmethod
     def extend(kept: KeptSlots | None, fresh: KeptSlots) -> KeptSlots:
         if kept is None:
             return fresh
-        return KeptSlots(torch.cat([kept.positions, fresh.positions], dim=-1))
+        state = {name: torch.cat([kept.state[name], t], dim=-1) for name, t in fresh.state.items()}
+        return KeptSlots(torch.cat([kept.positions, fresh.positions], dim=-1), state)
+
+    def with_state(self, state: Mapping[str, torch.Tensor]) -> KeptSlots:
+        """These slots with some state fields replaced (``[Lyr, Hkv, K]`` each)."""
+        return KeptSlots(self.positions, {**self.state, **{k: v for k, v in state.items() if k in self.state}})
 
     def take(self, idx: torch.Tensor) -> KeptSlots:
         """The slots at ``idx [Lyr, Hkv, K]`` (a copy)."""
-        return KeptSlots(self.positions.gather(-1, idx))
+        return KeptSlots(self.positions.gather(-1, idx), {name: t.gather(-1, idx) for name, t in self.state.items()})
+
+
+@dataclass(frozen=True)
+class LongStep:
+    """A request whose chunk in this step holds more tokens than its policy's window, under a
+    policy whose state sees every query: where its queries are, and its slots after the chunk."""
+
+    row: int  # its row in the runner's batch
+    first: int  # its first token's index in the step's flattened tokens
+    tokens: int  # tokens in its chunk
+    before: int  # tokens it had computed before the chunk (the first one's position)
+    offset: int  # tokens evicted so far
+    slots_after: int  # slots it holds once the chunk is written
+
+
+#: Logits per chunk when a long chunk's queries update a policy's state (``[Hq, chunk, N]``).
+OBSERVE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -187,6 +223,13 @@ class WorkerEviction:
         self.dtype = self.caches[0].dtype
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
         self.kept: dict[str, KeptSlots] = {}  # req -> per-slot state of its kept slots
+        # A policy whose stages keep state (Policy.state_fields): per request, its per-head state
+        # ([Lyr, Hkv] per field), how many of its tokens' queries the state has seen, and this
+        # step's requests whose chunk is longer than their window (seen layer by layer, as the
+        # chunk is computed: LongStep).
+        self.head_state: dict[str, dict[str, torch.Tensor]] = {}
+        self.observed: dict[str, int] = {}
+        self.long_steps: dict[str, LongStep] = {}
         self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
@@ -227,6 +270,8 @@ class WorkerEviction:
     def _drop(self, req_id: str) -> None:
         self.ledger.reset(req_id)
         self.kept.pop(req_id, None)
+        self.head_state.pop(req_id, None)
+        self.observed.pop(req_id, None)
         self.replays.pop(req_id, None)
         self.policy_of.pop(req_id, None)
         for ring in self.rings.values():
@@ -295,6 +340,29 @@ class WorkerEviction:
             dev = self.device
             self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
                                               torch.from_numpy(flat).to(dev)))
+        self._plan_state(req_ids, n, before)
+
+    def _plan_state(self, req_ids: list[str], n: np.ndarray, before: np.ndarray) -> None:
+        """For requests whose policy's state sees every query: bring it up to date now (every
+        layer, from the ring) where this step's tokens would push unseen queries out of the
+        window, and note the chunks longer than the window (``LongStep``: seen as computed)."""
+        self.long_steps = {}
+        pending: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        ends = np.cumsum(n)
+        for i, req_id in enumerate(req_ids):
+            rp = self.policy_of[req_id]
+            if rp.policy is None or not rp.policy.observes_queries:
+                continue
+            window, ledger = rp.policy.schedule.window, self.ledger.get(req_id)
+            tokens, done = int(n[i]), int(before[i])
+            unseen = done - self.observed.get(req_id, 0)
+            if unseen > 0 and unseen + tokens > window:
+                pending.setdefault((rp.resolved.policy_yaml or "", ledger.slots), []).append((i, req_id))
+            if tokens > window:
+                self.long_steps[req_id] = LongStep(i, int(ends[i]) - tokens, tokens, done, ledger.offset,
+                                                   ledger.slots + tokens)
+        for (_, count), group in sorted(pending.items()):
+            self._observe(self.policy_of[group[0][1]], count, group)
 
     def _hold_generators(self, num_reqs: int) -> None:
         """Take the seeded generators of requests whose step ends inside their known tokens (a
@@ -357,6 +425,10 @@ class WorkerEviction:
         if plan is None:
             return
         self.step += 1
+        for i, req_id in enumerate(plan.req_ids):
+            if req_id in self.long_steps:  # its chunk's queries were seen layer by layer
+                self.observed[req_id] = plan.tokens_after(i)
+        self.long_steps = {}
         due: list[tuple[int, str]] = []
         for i, req_id in enumerate(plan.req_ids):
             self._policy(req_id)  # tracked in the ledger under its policy's schedule
@@ -401,9 +473,22 @@ class WorkerEviction:
         layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
         evictions = torch.tensor([s.evictions for s in states], dtype=torch.long, device=self.device).repeat(lyr)
         flat_pos = positions.flatten(0, 1)
+        stateful: dict[str, Any] = {}
+        if policy.keeps_state:  # brought up to date with the window's unseen queries, then ranked by
+            new = policy.updated_state(
+                keys, values, queries, state=self._state_of(req_ids, slots, policy),
+                query_new=self._query_new(req_ids, [s.tokens for s in states], query_valid),
+                query_valid=query_valid, positions=flat_pos, layer_idx=layer_idx, evictions=evictions,
+                seed=rp.resolved.seed, head_offset=self.head_offset,
+            )
+            slots = self._keep_state(req_ids, slots, new)
+            stateful = {"state": new, "query_new": None if query_valid is None else torch.zeros_like(query_valid)}
+            for req_id, s in zip(req_ids, states, strict=True):
+                self.observed[req_id] = s.tokens
         kept = policy.select(
             keys, values, queries, query_valid=query_valid, positions=flat_pos,
             layer_idx=layer_idx, evictions=evictions, seed=rp.resolved.seed, head_offset=self.head_offset,
+            **stateful,
         )
         k = kept.shape[-1]
         keep_blocks = -(-k // self.block_size)
@@ -460,9 +545,125 @@ class WorkerEviction:
     def _slots(self, req_id: str, offset: int, n: int) -> KeptSlots:
         """The per-slot state ``[Lyr, Hkv, N]`` of the request's ``n`` slots: kept, then fresh."""
         kept = self.kept.get(req_id)
-        start = 0 if kept is None else kept.positions.shape[-1]
-        fresh = KeptSlots.fresh(start, n, offset, len(self.caches), self.kv_heads, self.device)
+        start = 0 if kept is None else kept.count
+        policy = self.policy_of[req_id].policy
+        fields = None if policy is None else {name: spec for name, (_, _, spec) in policy.state_fields.items()}
+        fresh = KeptSlots.fresh(start, n, offset, len(self.caches), self.kv_heads, self.device, fields)
         return KeptSlots.extend(kept, fresh)
+
+    # -- a policy's state ---------------------------------------------------------------------
+    def _heads(self, req_id: str, policy: Policy) -> dict[str, torch.Tensor]:
+        """The request's per-head state fields, ``[Lyr, Hkv]`` each (initial on first use)."""
+        known = self.head_state.get(req_id)
+        if known is None:
+            known = self.head_state[req_id] = {
+                name: torch.full((len(self.caches), self.kv_heads), spec.initial, dtype=spec.dtype, device=self.device)
+                for name, (_, _, spec) in policy.state_fields.items() if spec.per == "head"
+            }
+        return known
+
+    def _state_of(self, req_ids: list[str], slots: list[KeptSlots], policy: Policy) -> dict[str, torch.Tensor]:
+        """The requests' state, layer-major on the batch axis as the keys are: ``[Lyr * R, Hkv, N]``
+        per slot, ``[Lyr * R, Hkv]`` per head."""
+        state = {name: torch.stack([x.state[name] for x in slots], dim=1).flatten(0, 1) for name in slots[0].state}
+        for name in policy.state_fields:
+            if name not in state:
+                state[name] = torch.stack([self._heads(q, policy)[name] for q in req_ids], dim=1).flatten(0, 1)
+        return state
+
+    def _keep_state(self, req_ids: list[str], slots: list[KeptSlots], state: Mapping[str, torch.Tensor]) -> list[KeptSlots]:
+        """Store the requests' new state (as ``_state_of`` lays it out): per-head fields here, and
+        the requests' slots with their new per-slot fields, returned."""
+        lyr, r = len(self.caches), len(req_ids)
+        out = []
+        for j, (req_id, x) in enumerate(zip(req_ids, slots, strict=True)):
+            per_slot = {name: t.view(lyr, r, *t.shape[1:])[:, j] for name, t in state.items() if name in x.state}
+            for name, t in state.items():
+                if name not in x.state:
+                    self.head_state[req_id][name] = t.view(lyr, r, -1)[:, j].clone()
+            out.append(x.with_state(per_slot))
+        return out
+
+    def _query_new(self, req_ids: list[str], tokens: list[int], query_valid: torch.Tensor | None) -> torch.Tensor | None:
+        """``[Lyr * R, W]``: the window queries the requests' state has not seen."""
+        if query_valid is None:
+            return None
+        lyr = len(self.caches)
+        seen = torch.tensor(tokens, dtype=torch.long, device=self.device).repeat(lyr)
+        observed = torch.tensor([self.observed.get(q, 0) for q in req_ids], dtype=torch.long, device=self.device)
+        positions = window_positions(query_valid, seen)
+        return query_valid & (positions >= observed.repeat(lyr)[:, None])
+
+    def _observe(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]]) -> None:
+        """Bring the state of ``group``'s requests (batch row, request id; ``n`` slots each) up to
+        date with their window's unseen queries, every layer at once, evicting nothing: before
+        this step's queries push unseen ones out of the window."""
+        policy = rp.policy
+        assert policy is not None
+        table = self.runner.input_batch.block_table.block_tables[0]
+        rows = torch.tensor([i for i, _ in group], dtype=torch.long)
+        req_ids = [r for _, r in group]
+        r = len(group)
+        blocks, offs = slot_address(table.get_cpu_tensor()[rows].to(self.device), n, self.block_size)
+        gathered = [gather_paged(kv, blocks, offs) for kv in self.kv]
+        keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)
+        values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
+        states = [self.ledger.get(q) for q in req_ids]
+        slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
+        positions = torch.stack([x.positions for x in slots], dim=1).flatten(0, 1)
+        tokens = [s.tokens for s in states]
+        queries, query_valid = self._window(policy.schedule.window, req_ids, tokens, keys)
+        layer_idx = torch.tensor(self.layer_ids, dtype=torch.long, device=self.device).repeat_interleave(r)
+        new = policy.updated_state(
+            keys, values, queries, state=self._state_of(req_ids, slots, policy),
+            query_new=self._query_new(req_ids, tokens, query_valid), eviction=False, query_valid=query_valid,
+            positions=positions, layer_idx=layer_idx, seed=rp.resolved.seed, head_offset=self.head_offset,
+        )
+        for req_id, x, s in zip(req_ids, self._keep_state(req_ids, slots, new), states, strict=True):
+            self.kept[req_id] = x
+            self.observed[req_id] = s.tokens
+
+    def after_attention(self, layer_name: str, query: torch.Tensor) -> None:
+        """After a layer's attention, for the requests whose chunk is longer than their window
+        (``LongStep``): the state sees each of the chunk's queries over the layer's slots (written
+        by now), in chunks of queries, before the ring keeps only the last ``window``."""
+        if not self.long_steps:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        q = query.view(query.shape[0], self.q_heads, self.head_dim)
+        table = self.runner.input_batch.block_table.block_tables[0]
+        for req_id, step in self.long_steps.items():
+            rp = self.policy_of[req_id]
+            policy = rp.policy
+            assert policy is not None
+            n = step.slots_after
+            blocks, offs = slot_address(table.get_cpu_tensor()[step.row : step.row + 1].to(self.device), n, self.block_size)
+            keys, values = gather_paged(self.kv[layer], blocks, offs)  # [1, Hkv, N, D]
+            slots = self._slots(req_id, step.offset, n)
+            state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
+            for name, t in self._heads(req_id, policy).items():
+                state[name] = t[layer : layer + 1]
+            chunk = max(1, min(step.tokens, OBSERVE_ELEMENTS // max(1, self.q_heads * n)))
+            for c0 in range(0, step.tokens, chunk):
+                c1 = min(step.tokens, c0 + chunk)
+                window = q[step.first + c0 : step.first + c1].to(keys.dtype).permute(1, 0, 2)[None]  # [1, Hq, c, D]
+                state = policy.updated_state(
+                    keys, values, window, state=state, eviction=False,
+                    positions=slots.positions[layer : layer + 1],
+                    query_positions=torch.arange(step.before + c0, step.before + c1, device=self.device)[None],
+                    layer_idx=self.layer_ids[layer], seed=rp.resolved.seed, head_offset=self.head_offset,
+                )
+            per_slot = {}
+            for name, t in state.items():
+                if name in slots.state:
+                    full = slots.state[name].clone()
+                    full[layer] = t[0]
+                    per_slot[name] = full
+                else:
+                    self.head_state[req_id][name][layer] = t[0]
+            self.kept[req_id] = slots.with_state(per_slot)
 
     def _write_trace(self, rp, req_ids, states, n, keys, values, queries, query_valid, positions, layer_idx,
                      evictions, kept) -> None:
