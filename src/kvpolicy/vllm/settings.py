@@ -179,13 +179,6 @@ def refuse_unservable(policy: Policy) -> None:
     facts = facts_refusal(policy)
     if facts is not None:
         raise KVPolicyVLLMError(facts)
-    if policy.keeps_state:
-        names = ", ".join(repr(s.type_name) for s in policy.stateful_stages.values())
-        raise KVPolicyVLLMError(
-            f"policy {policy.name!r} has stages that keep state across evictions ({names}); vLLM serving does not "
-            "carry such state yet (it would rank by a fresh state at every eviction: other numbers than the "
-            "policy's). Serve it with the transformers integration (KVPolicyCache)"
-        )
 
 
 def _is_file(source: str) -> bool:
