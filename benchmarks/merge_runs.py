@@ -1,7 +1,7 @@
 """Merge the run folders of one configuration run in pieces (shards run side by side, each with
 ``--policies``/``--budgets`` of its own) into one folder, then write its tables and plots.
 
-    python docs/examples/merge_runs.py CONFIG OUT SHARD [SHARD ...]
+    python benchmarks/merge_runs.py CONFIG OUT SHARD [SHARD ...]
     kvpolicy eval --report OUT
 
 OUT gets CONFIG as its ``config.yaml`` (policies resolved now), every finished pair of the shards
