@@ -1,12 +1,15 @@
 """Merge the run folders of one configuration run in pieces (shards run side by side, each with
-``--policies``/``--budgets`` of its own) into one folder, then write its tables and plots.
+``--policies``/``--budgets``/``--metrics`` of its own) into one folder, then write its tables and plots.
 
     python benchmarks/merge_runs.py CONFIG OUT SHARD [SHARD ...]
     kvpolicy eval --report OUT
 
-OUT gets CONFIG as its ``config.yaml`` (policies resolved now), every finished pair of the shards
-(a pair finished in two shards must have the same figures in both, or the merge stops), their
-predictions and the full cache's references. The figures are the shards' own: nothing is run.
+OUT gets CONFIG as its ``config.yaml`` (policies resolved now), every finished pair of the shards,
+their predictions and the full cache's references. A pair may be split over shards by metric (its
+perplexity in one, its passkey in another): its values are the union, and its seconds the sum. A
+figure that two shards both have must be equal in both (the figures are deterministic), or the
+merge stops. The figures are the shards' own: nothing is run. ``benchmarks/start_shard.py`` starts
+a shard with the full cache's row of an earlier one, so that it is not run again.
 """
 
 from __future__ import annotations
@@ -26,20 +29,26 @@ def main(argv: list[str]) -> int:
     folder.write_config(plan)
     wanted = {p.key for p in plan.pairs}
     rows: dict[str, dict] = {}
-    source: dict[str, Path] = {}
+    sources: dict[str, list[Path]] = {}
     for shard in map(Path, shards):
         for line in (shard / "results.jsonl").read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             key = row["key"]
             if key not in wanted:
                 raise SystemExit(f"{shard}: pair {key} is not in {config_path}")
-            if key in rows:
-                a, b = rows[key]["values"], row["values"]
-                if a != b:  # deterministic figures: a pair run twice must agree exactly
-                    raise SystemExit(f"{key}: {shard} and {source[key]} disagree: {b} against {a}")
+            if key not in rows:
+                rows[key] = row
+                sources[key] = [shard]
                 continue
-            rows[key] = row
-            source[key] = shard
+            merged, new = rows[key]["values"], row["values"]
+            clash = {k: (merged[k], new[k]) for k in merged.keys() & new.keys() if merged[k] != new[k]}
+            if clash:
+                raise SystemExit(f"{key}: {shard} and {sources[key][0]} disagree: {clash}")
+            if new.keys() <= merged.keys():  # the same pair run twice: one copy
+                continue
+            rows[key] = {**rows[key], "values": {**merged, **new},
+                         "seconds": round(rows[key]["seconds"] + row["seconds"], 2)}
+            sources[key].append(shard)
     refs: dict = {}
     for shard in map(Path, shards):
         for name, ref in json.loads((shard / "reference.json").read_text(encoding="utf-8")).items():
@@ -47,10 +56,11 @@ def main(argv: list[str]) -> int:
                 raise SystemExit(f"{shard}: the full cache's {name} reference differs from another shard's")
     folder.save_references(refs)
     for key in [p.key for p in plan.pairs if p.key in rows]:
-        shard = source[key]
-        preds = [json.loads(x) for x in (shard / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
-                 if x.strip()]
-        folder.append(rows[key], [p for p in preds if p.get("key") == key])
+        preds = []
+        for shard in sources[key]:
+            preds += [p for x in (shard / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+                      if x.strip() and (p := json.loads(x)).get("key") == key]
+        folder.append(rows[key], preds)
     missing = sorted(wanted - set(rows))
     print(f"{out}: {len(rows)} of {len(wanted)} pairs" + (f"; not run: {', '.join(missing)}" if missing else ""))
     return 0

@@ -299,7 +299,12 @@ def test_normalized_keeps_order_and_sign():
     cand = inp.candidate_mask
     top = raw.masked_fill(~cand, 0).abs().amax(-1, keepdim=True)
     torch.testing.assert_close(scaled, torch.where(cand, raw / top, 0.0))
-    assert norm.stochastic and not norm.may_be_negative
+    assert not norm.may_be_negative
+    # What the nested scorer declares counts for the policy: it draws, so the policy is stochastic.
+    assert [type(s) for s in norm.walk()] == [NormalizedScorer, RandomScorer]
+    policy = load_policy({"name": "p", "schedule": {"budget": 8, "recent": 2}, "selector": {"type": "greedy"},
+                          "scorer": {"type": "normalized", "scorer": {"type": "random"}}})
+    assert policy.stochastic
 
 
 @pytest.mark.parametrize("bad", [
@@ -316,3 +321,30 @@ def test_bad_mix_is_refused(mix_lambda):
     with pytest.raises(kvpolicy.PolicyError, match="mix_lambda"):
         load_policy({"name": "g", "schedule": SMALL, "selector": "greedy", "scorer": {
             "type": "gkv", "mix_lambda": mix_lambda, "attention": "smoothed_attention", "redundancy": "redundancy"}})
+
+
+def test_gkv_is_a_combination_with_its_state():
+    """The ``gkv`` scorer equals a ``combination`` of the same two scorers weighted ``lam`` and
+    ``-(1 - lam)``: the combination's nested ``smoothed_attention`` keeps its state too (the policy
+    walks stages nested in a combination's terms), and both caches hold the same tokens and the
+    same stored scores after every step."""
+    gkv = _gkv()
+    scorer = gkv.config.scorer
+    data = gkv.config.model_dump(mode="json", exclude_defaults=True)
+    data["name"] = "gkv-as-combination"
+    data["scorer"] = {"type": "combination", "terms": [
+        {"weight": scorer.mix_lambda, "scorer": scorer.attention.describe()},
+        {"weight": -(1.0 - scorer.mix_lambda), "scorer": scorer.redundancy.describe()},
+    ]}
+    combo = load_policy(data)
+    assert list(combo.state_fields) == list(gkv.state_fields) == ["state0.score"]
+    caches = [EvictingCache(p, num_layers=1) for p in (gkv, combo)]
+    for k, v, q, _ in _steps(2, 2, 6, 8, prompt=22, n=40, seed=5):
+        outs = [c.attend(0, q, k, v) for c in caches]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        for c in caches:
+            c.evict_due()
+        a, b = (c.layers[0] for c in caches)
+        assert torch.equal(a.positions[a.valid], b.positions[b.valid])
+        assert torch.equal(a.state["state0.score"][a.valid], b.state["state0.score"][b.valid])
+    assert caches[0].stats()[0].evictions >= 5

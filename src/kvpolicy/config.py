@@ -97,8 +97,8 @@ class PolicyConfig(BaseModel):
                 "at least 1"
             )
         for stage in [self.scorer, *self.reservations, self.selector]:
-            if stage is not None:
-                stage.validate_schedule(sched)
+            for s in stage.walk() if stage is not None else ():  # nested stages checked too
+                s.validate_schedule(sched)
         return self
 
     def query_readers(self) -> list[str]:
@@ -106,7 +106,8 @@ class PolicyConfig(BaseModel):
         ``"scorer 'current_attention'"``, ``"reservations[1] 'top_scores'"``, ..."""
         roles = [("scorer", self.scorer), *((f"reservations[{i}]", r) for i, r in enumerate(self.reservations)),
                  ("selector", self.selector)]
-        return [f"{role} {stage.type_name!r}" for role, stage in roles if stage is not None and stage.reads_queries]
+        return [f"{role} {stage.type_name!r}" for role, stage in roles
+                if stage is not None and any(s.reads_queries for s in stage.walk())]
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved policy, as a policy file would write it."""

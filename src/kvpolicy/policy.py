@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel
 
 from . import seeds
 from .config import PolicyConfig, PolicyError, load_config
@@ -49,8 +48,7 @@ class Policy:
     @property
     def key_page_sizes(self) -> frozenset[int]:
         """Page sizes of the key summaries the policy's stages read (see ``Stage.key_page_sizes``)."""
-        stages = [self.config.scorer, *self.config.reservations, self.config.selector]
-        return frozenset().union(*(s.key_page_sizes for s in stages if s is not None))
+        return frozenset().union(*(s.key_page_sizes for s in self.stages))
 
     @property
     def mode(self) -> str:
@@ -72,8 +70,7 @@ class Policy:
         allocation (heads share the layer's slots) or a stage that reduces over all heads
         (``Stage.couples_heads``, e.g. TOVA's ``current_attention`` with ``head_reduce: layer``).
         A shard of the heads (a tensor-parallel rank) cannot then choose alone."""
-        stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
-        return self.config.allocation.per_head or any(s.couples_heads for s in stages)
+        return self.config.allocation.per_head or any(s.couples_heads for s in self.stages)
 
     # -- state ------------------------------------------------------------------------------
     # Cached: the policy is immutable, and caches ask at every step.
@@ -84,8 +81,9 @@ class Policy:
         cfg = self.config
         found: list[Stage] = []
         for stage in (cfg.scorer, *cfg.reservations, cfg.selector, cfg.allocation):
-            if stage is not None:
-                _walk(stage, found)
+            for s in stage.walk() if stage is not None else ():
+                if not any(s is f for f in found):
+                    found.append(s)
         return found
 
     @cached_property
@@ -221,10 +219,9 @@ class Policy:
         ``layer_idx`` (and the same ``seed=``, if any) keep the same slots, whatever their
         ``evictions`` and ``streams``.
         """
-        stages = [s for s in (self.config.scorer, *self.config.reservations, self.config.selector) if s is not None]
-        if any(s.stochastic for s in stages):
+        if any(s.stochastic for s in self.stages):
             return True
-        return self.config.seed is None and any(s.draws_per_layer for s in stages)
+        return self.config.seed is None and any(s.draws_per_layer for s in self.stages)
 
     def __repr__(self) -> str:
         s = self.schedule
@@ -620,25 +617,6 @@ def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.T
     with ``j`` valid ones after it is token ``tokens - 1 - j``."""
     later = query_valid.flip(-1).long().cumsum(-1).flip(-1)  # valid entries at or after each one
     return torch.where(query_valid, tokens.to(query_valid.device)[:, None] - later, -1)
-
-
-def _walk(stage: Stage, found: list[Stage]) -> None:
-    """``stage`` and the stages nested anywhere in its fields (lists, and models holding stages:
-    a combination's weighted terms), depth first, each object once."""
-    if any(s is stage for s in found):
-        return
-    found.append(stage)
-    _walk_value(stage, found)
-
-
-def _walk_value(model: BaseModel, found: list[Stage]) -> None:
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, Stage):
-                _walk(item, found)
-            elif isinstance(item, BaseModel):
-                _walk_value(item, found)
 
 
 #: Far above any model's KV-head count: a larger offset can only be a caller's mistake.

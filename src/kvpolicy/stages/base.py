@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
@@ -279,6 +279,17 @@ class Stage(BaseModel, ABC):
     #: children's: the policy collects them from every stage, nested ones included.
     needs_model: ClassVar[frozenset[Fact]] = frozenset()
 
+    def walk(self) -> Iterator[Stage]:
+        """This stage, then every stage nested anywhere in its fields (a reservation's scorer, a
+        combination's terms: stage-valued fields, lists of them, and models holding them), depth
+        first, each object once. What a stage declares (``stochastic``, ``reads_queries``,
+        ``couples_heads``, ``key_page_sizes``, ``needs_model``, ``state_fields``,
+        ``validate_schedule``) is collected by the policy over every stage it walks, so a stage
+        that nests others need not pass their declarations on."""
+        seen: list[Stage] = []
+        _walk(self, seen)
+        return iter(seen)
+
     def describe(self) -> dict[str, Any]:
         """The stage as it appears in a resolved policy file."""
         data: dict[str, Any] = {"type": self.type_name}
@@ -344,6 +355,23 @@ class Stage(BaseModel, ABC):
         """What the stage's state is stored under: its type and hyperparameters, so two equal
         stages of one policy share one state (they would compute the same)."""
         return f"{self.type_name}:{json.dumps(self.describe(), sort_keys=True, default=str)}"
+
+
+def _walk(stage: Stage, found: list[Stage]) -> None:
+    if any(s is stage for s in found):
+        return
+    found.append(stage)
+    _walk_fields(stage, found)
+
+
+def _walk_fields(model: BaseModel, found: list[Stage]) -> None:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, Stage):
+                _walk(item, found)
+            elif isinstance(item, BaseModel):
+                _walk_fields(item, found)
 
 
 def _plain(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,9 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import EvictionInput, Scorer
 from .guards import run_scorer
 from .spec import ScorerSpec
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 class WeightedTerm(BaseModel):
@@ -32,32 +29,8 @@ class CombinationScorer(Scorer):
     terms: Annotated[list[WeightedTerm], Field(min_length=1)]
 
     @property
-    def stochastic(self) -> bool:  # type: ignore[override]
-        return any(t.scorer.stochastic for t in self.terms)
-
-    @property
-    def draws_per_layer(self) -> bool:  # type: ignore[override]
-        return any(t.scorer.draws_per_layer for t in self.terms)
-
-    @property
-    def reads_queries(self) -> bool:  # type: ignore[override]
-        return any(t.scorer.reads_queries for t in self.terms)
-
-    @property
     def may_be_negative(self) -> bool:
         return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
-
-    @property
-    def couples_heads(self) -> bool:
-        return any(t.scorer.couples_heads for t in self.terms)
-
-    @property
-    def key_page_sizes(self) -> frozenset[int]:
-        return frozenset().union(*(t.scorer.key_page_sizes for t in self.terms))
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        for t in self.terms:
-            t.scorer.validate_schedule(schedule)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         # Each term checked on its own (a [B, N] term would broadcast in the sum; a non-finite one

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from .base import EvictionInput, Scorer
 from .guards import run_scorer
 from .spec import ScorerSpec
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 class NormalizedScorer(Scorer):
@@ -25,31 +22,8 @@ class NormalizedScorer(Scorer):
     scorer: ScorerSpec
 
     @property
-    def stochastic(self) -> bool:  # type: ignore[override]
-        return self.scorer.stochastic
-
-    @property
-    def draws_per_layer(self) -> bool:  # type: ignore[override]
-        return self.scorer.draws_per_layer
-
-    @property
-    def reads_queries(self) -> bool:  # type: ignore[override]
-        return self.scorer.reads_queries
-
-    @property
     def may_be_negative(self) -> bool:
         return self.scorer.may_be_negative
-
-    @property
-    def couples_heads(self) -> bool:
-        return self.scorer.couples_heads
-
-    @property
-    def key_page_sizes(self) -> frozenset[int]:
-        return self.scorer.key_page_sizes
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        self.scorer.validate_schedule(schedule)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         scores = run_scorer(self.scorer, inp, where=f" (in scorer {self.type_name!r})").float()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,9 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import EvictionInput, Scorer
 from .guards import run_scorer
 from .spec import ScorerSpec
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
 
 
 class Factor(BaseModel):
@@ -32,32 +29,8 @@ class ProductScorer(Scorer):
     factors: Annotated[list[Factor], Field(min_length=1)]
 
     @property
-    def stochastic(self) -> bool:  # type: ignore[override]
-        return any(f.scorer.stochastic for f in self.factors)
-
-    @property
-    def draws_per_layer(self) -> bool:  # type: ignore[override]
-        return any(f.scorer.draws_per_layer for f in self.factors)
-
-    @property
-    def reads_queries(self) -> bool:  # type: ignore[override]
-        return any(f.scorer.reads_queries for f in self.factors)
-
-    @property
     def may_be_negative(self) -> bool:
         return any(f.offset < 0 or f.scorer.may_be_negative for f in self.factors)
-
-    @property
-    def couples_heads(self) -> bool:
-        return any(f.scorer.couples_heads for f in self.factors)
-
-    @property
-    def key_page_sizes(self) -> frozenset[int]:
-        return frozenset().union(*(f.scorer.key_page_sizes for f in self.factors))
-
-    def validate_schedule(self, schedule: Schedule) -> None:
-        for f in self.factors:
-            f.scorer.validate_schedule(schedule)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         total = None

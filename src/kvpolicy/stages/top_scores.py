@@ -37,18 +37,6 @@ class TopScoresReservation(Reservation):
     include_prior: bool = True
     count_recent: bool = Field(False, description="Count the recent buffer's slots towards n.")
 
-    @property
-    def stochastic(self) -> bool:  # type: ignore[override]
-        return self.scorer.stochastic
-
-    @property
-    def draws_per_layer(self) -> bool:  # type: ignore[override]
-        return self.scorer.draws_per_layer
-
-    @property
-    def reads_queries(self) -> bool:  # type: ignore[override]
-        return self.scorer.reads_queries
-
     def count(self, budget: int) -> int:
         if isinstance(self.n, float):
             if not 0.0 < self.n <= 1.0:
@@ -61,13 +49,8 @@ class TopScoresReservation(Reservation):
     def reserved_count(self, budget: int) -> int:
         return self.count(budget)
 
-    @property
-    def key_page_sizes(self) -> frozenset[int]:
-        return self.scorer.key_page_sizes
-
     def validate_schedule(self, schedule: Schedule) -> None:
         self.count(schedule.budget)
-        self.scorer.validate_schedule(schedule)
 
     def reserve(self, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:
         n = self.count(inp.budget)
