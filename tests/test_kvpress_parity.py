@@ -20,6 +20,9 @@ import torch
 import yaml
 
 import kvpolicy
+from kvpolicy.profile_format import HeadProfile
+from kvpolicy.stages.attention import AttentionScorer
+from kvpolicy.stages.duo import resolve_profile_path
 from kvpolicy.stages.leverage import LeverageScorer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvpress_parity.pt"
@@ -103,6 +106,9 @@ def test_fixture_is_what_the_tests_assume(fx):
             else:
                 assert t.shape[0] == hkv and t.shape[1] <= n, press
                 assert all(len(set(row.tolist())) == t.shape[1] for row in t), f"{press}: duplicate slots"
+    duo = fx["duo"]
+    assert duo["weights"].shape == duo["streaming"].shape == (meta["num_layers"], hkv)
+    assert len(duo["keep"]) == nl and all(t.shape == (hkv, n) and t.dtype == torch.bool for t in duo["keep"])
 
 
 # -- identical kept slots ------------------------------------------------------------------------
@@ -402,3 +408,132 @@ def test_expected_attention_departure_kvpress_rotates_a_buffer_from_its_length(f
         as_kvpress = kept_sets(policy.select_from(inp))
         assert_same_slots(as_kvpress, want, f"expected-attention at kvpress's buffer positions, layer {layer}")
     assert same < total, "the rotation to the positions that follow the prompt changes no slot here"
+
+
+# -- ChunkKV, LagKV, DuoAttention ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [10, 20])
+def test_chunkkv_departure_kvpress_shares_chunks_across_kv_heads(fx, monkeypatch, length):
+    """kvpress's ChunkKVPress sums its base press's scores over the KV heads, so every KV head of
+    a layer keeps the same chunks; kvpolicy's chunkkv ranks each head's chunks by that head's own
+    attention. Set to kvpress's other settings (chunks of 10, kvpolicy's, or 20, kvpress's default;
+    SnapKVPress without pooling as the base press, so the softmax over every key; kvpress's count,
+    whole chunks, the window's included), kvpolicy keeps most but not all of kvpress's slots;
+    given the scores summed over the KV heads, exactly kvpress's."""
+    press = f"chunkkv_{length}"
+    count = fx["kept"][press][0].shape[1]
+    assert all(bool((t == t[0]).all()) for t in fx["kept"][press])  # the same slots at every head
+    assert (count - fx["meta"]["window"]) % length == 0  # whole chunks, and the window
+    scorer = {**kvpolicy.load_policy("chunkkv").config.scorer.describe(), "softmax_over": "all"}
+    policy = variant("chunkkv", {"budget": count}, scorer=scorer, selector={"type": "chunks", "chunk_size": length})
+    assert policy.schedule.recent == policy.schedule.window == fx["meta"]["window"]
+    share = overlap(fx, press, lambda i: kept_sets(policy.select(*layer_inputs(fx, i))))
+    assert 0.5 < share < 1.0, f"chunkkv per KV head keeps {share:.4f} of kvpress's ChunkKV slots"
+    # The shipped chunkkv (chunks of 10, softmax over the candidates, the exact budget) also differs.
+    shipped = kvpolicy.load_policy("chunkkv", budget=fx["meta"]["kept"])
+    assert overlap(fx, press, lambda i: kept_sets(shipped.select(*layer_inputs(fx, i)))) < 1.0
+    # The whole difference is where the chunks are chosen: scores summed over the KV heads match.
+    per_head = AttentionScorer.score
+    monkeypatch.setattr(AttentionScorer, "score", lambda self, inp: per_head(self, inp).sum(1, keepdim=True)
+                        .expand(-1, inp.num_kv_heads, -1))
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, press, i), f"chunkkv over shared scores, layer {fx['meta']['layers'][i]}")
+
+
+def _lagkv(fx) -> kvpolicy.Policy:
+    """The shipped lagkv at the count LagKV ran with (its sinks and tail, 256, and a quarter of
+    each scored partition)."""
+    meta = fx["meta"]
+    policy = kvpolicy.load_policy("lagkv", budget=meta["lag_kept"])
+    scorer = policy.config.scorer
+    assert (scorer.lag_size, scorer.sink, scorer.score_v_ratio) == (meta["lag_size"], meta["lag_sink"], 1.0)
+    return policy
+
+
+def test_lagkv_keeps_kvpress_cross_scoring_slots(fx):
+    """LagKVPress with cross_scoring ranks the partitions' tokens by their score, (s_K + s_V) / 2,
+    across partitions, as kvpolicy's lag scorer ranks s_K + s_V; its sinks and tail score 1, above
+    every token, as kvpolicy ranks them first. The shipped lagkv keeps kvpress's slots (its recent
+    64 lie in the tail)."""
+    policy = _lagkv(fx)
+    for i in layers(fx):
+        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "lagkv_cross", i), f"lagkv, layer {fx['meta']['layers'][i]}")
+
+
+def test_lagkv_departure_kvpress_ranks_within_each_partition(fx):
+    """kvpress's default LagKVPress replaces each token's score by its rank within its partition,
+    so that every partition keeps the same share (the official code keeps ratio x lag_size tokens
+    of each); kvpolicy's lagkv ranks the scores across partitions (the page's departure: a
+    partition that stands out keeps more). The shipped lagkv keeps most but not all of kvpress's
+    slots; kvpolicy's own lag scores, ranked within each partition, keep exactly kvpress's."""
+    from kvpolicy.policy import eviction_input
+
+    meta = fx["meta"]
+    n, lag, sink, count = meta["tokens"], meta["lag_size"], meta["lag_sink"], meta["lag_kept"]
+    parts = (n - sink) // lag - 1  # scored partitions: the last full one is the tail's
+    fixed = set(range(sink)) | set(range(sink + parts * lag, n))  # sinks and tail: always kept
+    per_part = (count - len(fixed)) // parts
+    assert len(fixed) + parts * per_part == count
+    policy = _lagkv(fx)
+    share = overlap(fx, "lagkv", lambda i: kept_sets(policy.select(*layer_inputs(fx, i))))
+    assert 0.9 < share < 1.0, f"lagkv keeps {share:.4f} of kvpress's LagKV slots"
+
+    def per_partition(kept: set[int]) -> list[int]:
+        assert kept >= fixed
+        return [sum(sink + p * lag <= j < sink + (p + 1) * lag for j in kept) for p in range(parts)]
+
+    uneven = False
+    for i in layers(fx):
+        keys, values, q = layer_inputs(fx, i)
+        want = kvpress_kept(fx, "lagkv", i)
+        assert all(per_partition(b) == [per_part] * parts for b in want)  # kvpress: the same share of each
+        got = kept_sets(policy.select(keys, values, q))
+        uneven |= any(per_partition(a) != [per_part] * parts for a in got)
+        score = policy.config.scorer.score(eviction_input(keys, values, q, budget=count, recent=0, seed=0))[0]
+        by_part = score[:, sink : sink + parts * lag].unflatten(-1, (parts, lag))
+        top = by_part.topk(per_part, dim=-1).indices + sink + lag * torch.arange(parts)[:, None]
+        within = [fixed | set(row.flatten().tolist()) for row in top]
+        assert_same_slots(within, want, f"lag scores ranked within each partition, layer {meta['layers'][i]}")
+    assert uneven, "kvpolicy's lagkv keeps the same number of every partition here: no departure shown"
+
+
+def test_duo_attention_departure_retrieval_heads_share_a_fixed_total(fx):
+    """DuoAttentionPress, handed the weights of kvpolicy's duo-attention profile with its 4 sinks
+    and 64 recent tokens, streams the same heads (the lowest-weighted half of the model's); its
+    streaming heads keep the sinks and recent tokens, its retrieval heads every token (the paper).
+    kvpolicy fixes the model's total (layers x KV heads x budget), so at the fixture's budget a
+    retrieval head keeps only its share, about 2 x 256 - 68 = 444 slots (the page's departure): kvpolicy
+    keeps a subset of kvpress's slots, all of them on the streaming heads. At a layer budget whose
+    share covers the prompt, it keeps every slot kvpress keeps and beyond them only the layer's
+    remainder (Hkv x the layer budget - kvpress's count, fewer than Hkv), on its streaming heads."""
+    meta, duo = fx["meta"], fx["duo"]
+    hkv = meta["num_key_value_heads"]
+    policy = kvpolicy.load_policy("duo-attention", budget=meta["kept"])
+    alloc = policy.config.allocation
+    assert torch.equal(duo["weights"], HeadProfile.load(resolve_profile_path(alloc.path)).head_weights())
+    assert torch.equal(duo["streaming"], ~alloc.retrieval)  # the same streaming heads
+    assert duo["head_compression_ratio"] == alloc.streaming_fraction
+    assert (duo["sink"], duo["recent"]) == (alloc.sinks, policy.schedule.recent)
+    schedules = policy.layer_schedules(meta["num_layers"])
+    same = total = 0
+    for i, layer in enumerate(meta["layers"]):
+        want = kept_sets(duo["keep"][i][None])
+        streaming = duo["streaming"][layer].tolist()
+        assert all(len(b) == (duo["sink"] + duo["recent"] if s else meta["tokens"]) for b, s in zip(want, streaming, strict=True))
+        keep, _ = policy.select_heads(*layer_inputs(fx, i), layer_idx=layer, budget=schedules[layer].budget)
+        for h, (a, b, s) in enumerate(zip(kept_sets(keep), want, streaming, strict=True)):
+            assert a <= b, f"layer {layer}, head {h}: kvpolicy keeps slots kvpress masks"
+            assert a == b or not s, f"layer {layer}, streaming head {h}: other slots than kvpress's"
+            same += len(a & b)
+            total += len(b)
+        # A layer budget whose retrieval share covers the prompt: every slot kvpress keeps.
+        count = sum(len(b) for b in want)
+        budget = -(-count // hkv)
+        keep, _ = policy.select_heads(*layer_inputs(fx, i), layer_idx=layer, budget=budget)
+        got = kept_sets(keep)
+        assert all(a == b if not s else a >= b for a, b, s in zip(got, want, streaming, strict=True)), layer
+        assert sum(map(len, got)) - count == hkv * budget - count < hkv
+    assert 0 < same / total < 1, f"duo-attention keeps {same / total:.4f} of kvpress's DuoAttention slots"

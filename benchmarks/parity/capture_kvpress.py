@@ -23,7 +23,13 @@ What it does:
    and RoPE at future positions; CriticalKV: the output projection), at the ``--facts-layers``
    among them: the pre-RoPE queries kvpress computes, rounded to float16 and handed back to the
    press in place of its own, the layer's output projection rounded to float16 (the press runs
-   with the rounded weight), and the model's RoPE table over positions ``[0, N + 512)``.
+   with the rounded weight), and the model's RoPE table over positions ``[0, N + 512)``;
+6. ChunkKV (``ChunkKVPress`` over ``SnapKVPress`` without pooling, kvpolicy's ``chunkkv``
+   scorer, with chunks of 10 and of 20), LagKV (``LagKVPress``, lag 128, sinks 4, with and
+   without ``cross_scoring``, at ``--lag-kept`` slots) and DuoAttention (``DuoAttentionPress``
+   handed the head weights of kvpolicy's ``duo-attention`` profile, read from ``--duo-profile``,
+   in place of the patterns it downloads; the weights and the streaming heads it chose are
+   stored with the keep masks).
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ import torch  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_FILE = "in_the_year_2889.txt"
+# The head profile kvpolicy's duo-attention reads (a data file: the capture never imports kvpolicy).
+DUO_PROFILE = Path(__file__).resolve().parents[2] / "src" / "kvpolicy" / "policies" / "heads" / "smollm2-135m-passkey.yaml"
+# ChunkKV's chunk lengths: kvpolicy's chunkkv (the paper's robust default) and kvpress's default.
+CHUNK_LENGTHS = (10, 20)
+LAG_SIZE, LAG_SINK = 128, 4  # kvpolicy's lagkv and kvpress's LagKVPress defaults
+DUO_SINK, DUO_RECENT, DUO_STREAMING = 4, 64, 0.5  # kvpolicy's duo-attention: sinks, recent, streaming_fraction
 
 
 def _package_dir(name: str) -> Path | None:
@@ -67,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--facts-layers", type=int, nargs="+", default=[1, 19],
                    help="captured layers where the presses that read the model run (Expected Attention, CriticalKV)")
     p.add_argument("--future", type=int, default=512, help="Expected Attention's n_future_positions (kvpress default 512)")
+    p.add_argument("--lag-kept", type=int, default=448,
+                   help="slots LagKV keeps (default 448: its sinks and tail, 256, and a quarter of each scored partition)")
+    p.add_argument("--duo-profile", type=Path, default=DUO_PROFILE,
+                   help="head profile whose weights DuoAttentionPress is handed (default: kvpolicy's duo-attention's)")
     p.add_argument("--out", type=Path, default=Path("tests/fixtures/kvpress_parity.pt"))
     args = p.parse_args(argv)
     if args.model_dir is None:
@@ -82,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--kept must lie in (0, --tokens), got {args.kept} of {args.tokens}")
     if args.window >= args.kept:
         p.error(f"--window ({args.window}) must be below --kept ({args.kept})")
+    if not args.duo_profile.is_file():
+        p.error(f"--duo-profile: no such file: {args.duo_profile}")
     if not set(args.facts_layers) <= set(args.layers):
         p.error(f"--facts-layers {args.facts_layers} must be among --layers {args.layers}")
     return args
@@ -212,7 +230,68 @@ def run_presses(args, layer):
             raise SystemExit(f"CURPress drew {len(drawn)} tensors, expected one per call: kvpress changed")
         rank = drawn[0].shape[-1]
         out["cur_projection"] = torch.stack(drawn) / math.sqrt(rank)  # [2, D, r], as CURPress scales it
+
+        # ChunkKV over SnapKV without pooling (kernel 1: kvpolicy's chunkkv scorer). ChunkKVPress
+        # returns the gathered keys and values, not the indices: its base press never reads the
+        # values, so it is handed each slot's index as its values and the kept ones come back.
+        index = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand_as(values).contiguous()
+        for length in CHUNK_LENGTHS:
+            base = kvpress.SnapKVPress(compression_ratio=ratio, window_size=args.window, kernel_size=1)
+            if not torch.equal(base.score(module, hidden, keys, values, None, kwargs),
+                               base.score(module, hidden, keys, index, None, kwargs)):
+                raise SystemExit("SnapKVPress's score reads the values: kvpress changed")
+            press = kvpress.ChunkKVPress(press=base, chunk_length=length)
+            _, picked = press.compress(module, hidden, keys, index, None, kwargs)
+            out[f"chunkkv_{length}"] = picked[0, :, :, 0].long()
+
+        # LagKV at --lag-kept slots: its sinks and tail (scored 1) and the best of each scored
+        # partition, by rank within the partition (its default) or by score across them.
+        end = LAG_SINK + (n - LAG_SINK) // LAG_SIZE * LAG_SIZE
+        parts, fixed = (end - LAG_SINK) // LAG_SIZE - 1, LAG_SINK + LAG_SIZE + n - end
+        per_part, rest = divmod(args.lag_kept - fixed, max(parts, 1))
+        if parts < 1 or rest or not 0 < per_part < LAG_SIZE:
+            raise SystemExit(f"--lag-kept must be {fixed} + a multiple of the {parts} scored partitions (below "
+                             f"{LAG_SIZE} each), so that LagKV's ranks within a partition leave no tie at the cut")
+        lag_ratio = 1.0 - args.lag_kept / n
+        if compute_n_kept(n, lag_ratio) != args.lag_kept:
+            raise SystemExit(f"compression ratio {lag_ratio} keeps {compute_n_kept(n, lag_ratio)} slots, not {args.lag_kept}")
+        for name, cross in (("lagkv", False), ("lagkv_cross", True)):
+            press = kvpress.LagKVPress(compression_ratio=lag_ratio, n_sink=LAG_SINK, lag_size=LAG_SIZE, cross_scoring=cross)
+            out[name] = kept_by_topk(press.score(module, hidden, keys, values, None, kwargs), args.lag_kept)
     return out
+
+
+def duo_press(args, cfg, model):
+    """DuoAttentionPress handed the head weights of ``--duo-profile`` with kvpolicy's sinks and
+    recent buffer: ``(press, weights [L, Hkv] float64)``. kvpress's own code then picks the
+    streaming heads (the lowest-weighted ``head_compression_ratio`` of them)."""
+    import kvpress
+    import numpy as np
+    import yaml
+
+    weights = np.array(yaml.safe_load(args.duo_profile.read_text(encoding="utf-8"))["weights"], dtype=np.float64)
+    if weights.shape != (cfg.num_hidden_layers, cfg.num_key_value_heads):
+        raise SystemExit(f"--duo-profile holds {weights.shape} weights, the model has "
+                         f"{(cfg.num_hidden_layers, cfg.num_key_value_heads)} KV heads")
+    if not ((weights >= 0) & (weights <= 1)).all():
+        raise SystemExit("--duo-profile: weights outside [0, 1] (kvpress clips its patterns to it)")
+    press = kvpress.DuoAttentionPress(head_compression_ratio=DUO_STREAMING)
+    # In place of load_attention_pattern, which downloads DuoAttention's released patterns (a
+    # few 7-8B models): the profile's weights, with kvpolicy's sinks and recent buffer.
+    press.load_attention_pattern = lambda model: (DUO_SINK, DUO_RECENT, weights)
+    press.post_init_from_model(model)
+    return press, torch.from_numpy(weights)
+
+
+def run_duo(press, layer) -> torch.Tensor:
+    """``[Hkv, N]`` bool: the slots DuoAttentionPress leaves unmasked at ``layer``."""
+    module, hidden, keys, values, rope = layer
+    press.compress(module, hidden, keys, values, None, {"position_embeddings": rope})
+    _, head, slot = module.masked_key_indices
+    del module.masked_key_indices
+    keep = torch.ones(keys.shape[1], keys.shape[2], dtype=torch.bool)
+    keep[head, slot] = False
+    return keep
 
 
 def run_model_presses(args, model, layer):
@@ -272,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if max(args.layers) >= cfg.num_hidden_layers or min(args.layers) < 0:
         raise SystemExit(f"--layers must lie in [0, {cfg.num_hidden_layers})")
     layers = capture_layers(model, input_ids, args.layers)
+    duo, duo_weights = duo_press(args, cfg, model)
+    duo_keep: list[torch.Tensor] = []
 
     from kvpress.presses.snapkv_press import SnapKVPress
 
@@ -295,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         layer = (module, hidden, keys, values, rope)
         for name, kept in run_presses(args, layer).items():
             per_press.setdefault(name, []).append(kept)
+        duo_keep.append(run_duo(duo, layer))
         if layer_id in args.facts_layers:
             kept_by, pre, projection = run_model_presses(args, model, layer)
             for name, kept in kept_by.items():
@@ -326,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
         "kept": {name: [t.to(torch.int16) for t in ts] for name, ts in facts_kept.items()},
         "future": args.future,
     }
+    # DuoAttention: the weights it was handed, the heads it streams, what each captured layer keeps.
+    fixture["duo"] = {
+        "profile": args.duo_profile.name,
+        "weights": duo_weights,  # [L_model, Hkv] float64
+        "streaming": duo.streaming_mask.clone(),  # [L_model, Hkv] bool
+        "head_compression_ratio": DUO_STREAMING,
+        "sink": duo.sink_size,
+        "recent": duo.recent_size,
+        "keep": duo_keep,  # per captured layer, [Hkv, N] bool
+    }
     fixture["meta"] = {
         "kvpress": md.version("kvpress"),
         "transformers": md.version("transformers"),
@@ -342,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": int(layers[0][0].head_dim),
         "seed": args.seed,
+        "chunk_lengths": list(CHUNK_LENGTHS),
+        "lag_size": LAG_SIZE,
+        "lag_sink": LAG_SINK,
+        "lag_kept": args.lag_kept,
         "storage": "keys, values, hidden (last `window` rows), pre-RoPE queries and output projections float16; "
         "every press ran on these values in float32",
     }
