@@ -442,14 +442,17 @@ def chunk_select(scores, *, budget: int, recent: int, chunk_size: int, sinks: in
     return out
 
 
-def lag(K, V, *, lag_size: int, sink: int, score_v_ratio: float = 1.0, slot_valid=None):
+def lag(K, V, *, lag_size: int, sink: int, score_v_ratio: float = 1.0, slot_valid=None,
+        rank_within_partition: bool = False):
     """LagKV (official ``lag_kv.py``), float64 loops. Per row and head, the held slots after the
     first ``sink`` form partitions of ``lag_size``; partition ``p`` is scored against ``p + 1``:
     per channel ``(x - min) / (max - min)`` over the reference (0 where the reference's range is
     0), the unbiased std over the channels, a softmax over the partition; keys plus
     ``score_v_ratio`` times values. The sinks and the tail (the last full partition and the rest)
     are not scored: they get ``1e9`` (sinks) and ``1e6 + rank`` (tail, newest highest), above
-    every partition score. Padding scores 0."""
+    every partition score. Padding scores 0. With ``rank_within_partition`` a partition's scores
+    are then replaced by their ranks in it over ``lag_size`` (0 the lowest; equal scores ranked by
+    position), plus ``p / (N // lag_size + 1)`` ranks, so equal ranks favour the newer partition."""
     B, H, N, _ = K.shape
 
     def states(X, members, ref):
@@ -474,8 +477,12 @@ def lag(K, V, *, lag_size: int, sink: int, score_v_ratio: float = 1.0, slot_vali
             for p in range(full - 1):
                 sk = states(K[b, h].double(), parts[p], parts[p + 1])
                 sv = states(V[b, h].double(), parts[p], parts[p + 1])
+                raw = [sk[i] + score_v_ratio * sv[i] for i in range(len(parts[p]))]
+                if rank_within_partition:
+                    order = sorted(range(len(raw)), key=lambda i: (raw[i], i))
+                    raw = [(order.index(i) + p / (N // lag_size + 1)) / lag_size for i in range(len(raw))]
                 for i, j in enumerate(parts[p]):
-                    out[b, h, j] = sk[i] + score_v_ratio * sv[i]
+                    out[b, h, j] = raw[i]
     return out
 
 

@@ -442,35 +442,24 @@ def test_chunkkv_departure_kvpress_shares_chunks_across_kv_heads(fx, monkeypatch
         assert_same_slots(got, kvpress_kept(fx, press, i), f"chunkkv over shared scores, layer {fx['meta']['layers'][i]}")
 
 
-def _lagkv(fx) -> kvpolicy.Policy:
+def _lagkv(fx, **scorer) -> kvpolicy.Policy:
     """The shipped lagkv at the count LagKV ran with (its sinks and tail, 256, and a quarter of
-    each scored partition)."""
+    each scored partition), with ``scorer`` fields changed."""
     meta = fx["meta"]
-    policy = kvpolicy.load_policy("lagkv", budget=meta["lag_kept"])
-    scorer = policy.config.scorer
-    assert (scorer.lag_size, scorer.sink, scorer.score_v_ratio) == (meta["lag_size"], meta["lag_sink"], 1.0)
+    data = kvpolicy.load_policy("lagkv").config.to_dict()
+    data["scorer"].update(scorer)
+    policy = kvpolicy.load_policy(data, budget=meta["lag_kept"])
+    s = policy.config.scorer
+    assert (s.lag_size, s.sink, s.score_v_ratio) == (meta["lag_size"], meta["lag_sink"], 1.0)
     return policy
 
 
-def test_lagkv_keeps_kvpress_cross_scoring_slots(fx):
-    """LagKVPress with cross_scoring ranks the partitions' tokens by their score, (s_K + s_V) / 2,
-    across partitions, as kvpolicy's lag scorer ranks s_K + s_V; its sinks and tail score 1, above
-    every token, as kvpolicy ranks them first. The shipped lagkv keeps kvpress's slots (its recent
-    64 lie in the tail)."""
-    policy = _lagkv(fx)
-    for i in layers(fx):
-        got = kept_sets(policy.select(*layer_inputs(fx, i)))
-        assert_same_slots(got, kvpress_kept(fx, "lagkv_cross", i), f"lagkv, layer {fx['meta']['layers'][i]}")
-
-
-def test_lagkv_departure_kvpress_ranks_within_each_partition(fx):
+def test_lagkv_keeps_kvpress_slots(fx):
     """kvpress's default LagKVPress replaces each token's score by its rank within its partition,
     so that every partition keeps the same share (the official code keeps ratio x lag_size tokens
-    of each); kvpolicy's lagkv ranks the scores across partitions (the page's departure: a
-    partition that stands out keeps more). The shipped lagkv keeps most but not all of kvpress's
-    slots; kvpolicy's own lag scores, ranked within each partition, keep exactly kvpress's."""
-    from kvpolicy.policy import eviction_input
-
+    of each), as the shipped lagkv does (``rank_within_partition``); its sinks and tail score 1,
+    above every token, as kvpolicy ranks them first. Identical slots, the same count of every
+    partition (its recent 64 lie in the tail)."""
     meta = fx["meta"]
     n, lag, sink, count = meta["tokens"], meta["lag_size"], meta["lag_sink"], meta["lag_kept"]
     parts = (n - sink) // lag - 1  # scored partitions: the last full one is the tail's
@@ -478,26 +467,27 @@ def test_lagkv_departure_kvpress_ranks_within_each_partition(fx):
     per_part = (count - len(fixed)) // parts
     assert len(fixed) + parts * per_part == count
     policy = _lagkv(fx)
-    share = overlap(fx, "lagkv", lambda i: kept_sets(policy.select(*layer_inputs(fx, i))))
-    assert 0.9 < share < 1.0, f"lagkv keeps {share:.4f} of kvpress's LagKV slots"
-
-    def per_partition(kept: set[int]) -> list[int]:
-        assert kept >= fixed
-        return [sum(sink + p * lag <= j < sink + (p + 1) * lag for j in kept) for p in range(parts)]
-
-    uneven = False
+    assert policy.config.scorer.rank_within_partition
     for i in layers(fx):
-        keys, values, q = layer_inputs(fx, i)
         want = kvpress_kept(fx, "lagkv", i)
-        assert all(per_partition(b) == [per_part] * parts for b in want)  # kvpress: the same share of each
-        got = kept_sets(policy.select(keys, values, q))
-        uneven |= any(per_partition(a) != [per_part] * parts for a in got)
-        score = policy.config.scorer.score(eviction_input(keys, values, q, budget=count, recent=0, seed=0))[0]
-        by_part = score[:, sink : sink + parts * lag].unflatten(-1, (parts, lag))
-        top = by_part.topk(per_part, dim=-1).indices + sink + lag * torch.arange(parts)[:, None]
-        within = [fixed | set(row.flatten().tolist()) for row in top]
-        assert_same_slots(within, want, f"lag scores ranked within each partition, layer {meta['layers'][i]}")
-    assert uneven, "kvpolicy's lagkv keeps the same number of every partition here: no departure shown"
+        for kept in want:  # kvpress: the same share of each partition
+            assert kept >= fixed
+            assert [sum(sink + p * lag <= j < sink + (p + 1) * lag for j in kept) for p in range(parts)] == (
+                [per_part] * parts)
+        assert_same_slots(kept_sets(policy.select(*layer_inputs(fx, i))), want, f"lagkv, layer {meta['layers'][i]}")
+
+
+def test_lagkv_across_partitions_keeps_kvpress_cross_scoring_slots(fx):
+    """LagKVPress with ``cross_scoring`` ranks the partitions' tokens by their score, (s_K + s_V) / 2,
+    across partitions, as the lag scorer ranks s_K + s_V with ``rank_within_partition: false``.
+    Identical slots; and the two rules differ on this fixture (the shipped rule keeps some but not
+    all of these), so each test decides something."""
+    cross = _lagkv(fx, rank_within_partition=False)
+    for i in layers(fx):
+        got = kept_sets(cross.select(*layer_inputs(fx, i)))
+        assert_same_slots(got, kvpress_kept(fx, "lagkv_cross", i), f"lagkv across partitions, layer {fx['meta']['layers'][i]}")
+    share = overlap(fx, "lagkv_cross", lambda i: kept_sets(_lagkv(fx).select(*layer_inputs(fx, i))))
+    assert 0.9 < share < 1.0, f"the shipped lagkv keeps {share:.4f} of kvpress's cross-scoring slots"
 
 
 def test_duo_attention_departure_retrieval_heads_share_a_fixed_total(fx):

@@ -17,10 +17,11 @@ import kvpolicy
 from kvpolicy.stages import LagScorer
 
 
-def _policy(budget, recent=4, lag=6, sink=2, ratio=1.0, interval=4):
+def _policy(budget, recent=4, lag=6, sink=2, ratio=1.0, interval=4, rank=True):
     return kvpolicy.load_policy({
         "name": "lag-small", "schedule": {"budget": budget, "recent": recent, "window": 0, "interval": interval},
-        "scorer": {"type": "lag", "lag_size": lag, "sink": sink, "score_v_ratio": ratio},
+        "scorer": {"type": "lag", "lag_size": lag, "sink": sink, "score_v_ratio": ratio,
+                   "rank_within_partition": rank},
         "reservations": [{"type": "sinks", "n": sink}], "selector": "greedy",
     })
 
@@ -31,21 +32,23 @@ def test_defaults_follow_kvpress_and_the_official_code():
     assert (s.budget, s.recent, s.interval, s.window, s.compress_prompt) == (1024, 64, 64, 0, True)
     scorer = policy.config.scorer
     assert (scorer.type_name, scorer.lag_size, scorer.sink, scorer.score_v_ratio) == ("lag", 128, 4, 1.0)
+    assert scorer.rank_within_partition  # every partition keeps the same share, as the official code
     assert [(r.type_name, r.n) for r in policy.config.reservations] == [("sinks", 4)]
     assert policy.config.selector.type_name == "greedy"
     assert not policy.config.query_readers()  # attention-free: no query window
 
 
+@pytest.mark.parametrize("rank", [True, False], ids=["ranked", "raw"])
 @pytest.mark.parametrize("ratio", [1.0, 0.0, 2.5])
 @pytest.mark.parametrize("shape", [(2, 2, 40, 20, 6), (1, 3, 57, 30, 8), (3, 1, 25, 18, 5)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_scores_match_reference(shape, ratio):
+def test_scores_match_reference(shape, ratio, rank):
     b, hkv, n, budget, lag = shape
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hkv, n=n, d=8, w=0, seed=n)
     v = v[..., :6].contiguous()  # values of another width than keys
     inp = make_input(k, v, q, recent=4, budget=budget)
-    got = LagScorer(lag_size=lag, sink=2, score_v_ratio=ratio).score(inp).double()
-    want = ref.lag(k, v, lag_size=lag, sink=2, score_v_ratio=ratio)
+    got = LagScorer(lag_size=lag, sink=2, score_v_ratio=ratio, rank_within_partition=rank).score(inp).double()
+    want = ref.lag(k, v, lag_size=lag, sink=2, score_v_ratio=ratio, rank_within_partition=rank)
     scored = want < 1e5
     torch.testing.assert_close(got[scored], want[scored], atol=1e-6, rtol=1e-5)
     # Sinks and tail rank above every partition token, sinks first, the tail newest first.
@@ -58,12 +61,13 @@ def test_scores_match_reference(shape, ratio):
 
 @pytest.mark.parametrize("shape", [(2, 2, 40, 20, 6), (1, 3, 57, 30, 8), (2, 2, 64, 24, 5)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_kept_slots_match_reference(shape):
+@pytest.mark.parametrize("rank", [True, False], ids=["ranked", "raw"])
+def test_kept_slots_match_reference(shape, rank):
     b, hkv, n, budget, lag = shape
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hkv, n=n, d=8, w=0, seed=2 * n)
-    policy = _policy(budget, lag=lag)
+    policy = _policy(budget, lag=lag, rank=rank)
     kept = policy.select(k, v, q)
-    scores = ref.lag(k, v, lag_size=lag, sink=2)
+    scores = ref.lag(k, v, lag_size=lag, sink=2, rank_within_partition=rank)
     want = ref.select(scores, budget=budget, recent=4, sinks=2)
     assert_greedy_matches(kept, want, scores, None, atol=1e-6)
     assert_valid_selection(kept, n, budget)
@@ -76,19 +80,25 @@ def test_a_hand_computed_partition():
     then a softmax over the two. Values equal to the keys: the score doubles."""
     k = torch.tensor([[0.0, 4.0], [1.0, 1.0], [0.0, 0.0], [2.0, 4.0], [7.0, 7.0], [7.0, 7.0]])[None, None]
     inp = make_input(k, k.clone(), torch.zeros(1, 1, 0, 2), recent=0, budget=3)
-    got = LagScorer(lag_size=2, sink=0, score_v_ratio=1.0).score(inp)[0, 0]
+    got = LagScorer(lag_size=2, sink=0, score_v_ratio=1.0, rank_within_partition=False).score(inp)[0, 0]
     a, c = 1 / math.sqrt(2), 0.25 / math.sqrt(2)
     p0 = math.exp(a) / (math.exp(a) + math.exp(c))
     torch.testing.assert_close(got[:2].double(), torch.tensor([2 * p0, 2 * (1 - p0)], dtype=torch.float64))
     # [2, 3] against the constant [4, 5]: every channel normalises to 0, so the softmax is uniform.
     torch.testing.assert_close(got[2:4], torch.ones(2))
     assert bool((got[4:] > 2.0).all()) and got[5] > got[4]  # the last partition is the tail, newest first
+    # Ranked within each partition (the default): slot 0 (p0 > 1/2) ranks above slot 1; the tie of
+    # [2, 3] is ranked by position. Ranks over lag_size, 0 and 1/2, and partition 1 is a quarter of
+    # a rank (1 / (6 // 2 + 1)) above partition 0, so equal ranks favour the newer partition.
+    ranked = LagScorer(lag_size=2, sink=0, score_v_ratio=1.0).score(inp)[0, 0]
+    assert ranked[:4].tolist() == [0.5, 0.0, 0.125, 0.625]
+    torch.testing.assert_close(ranked[4:], got[4:])
 
 
 def test_a_constant_reference_channel_normalises_to_zero_not_nan():
     k = torch.tensor([[0.0, 4.0], [1.0, 1.0], [3.0, 0.0], [3.0, 4.0], [7.0, 7.0], [7.0, 7.0]])[None, None]
     inp = make_input(k, k.clone(), torch.zeros(1, 1, 0, 2), recent=0, budget=3)
-    got = LagScorer(lag_size=2, sink=0).score(inp)
+    got = LagScorer(lag_size=2, sink=0, rank_within_partition=False).score(inp)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got[..., :2].double(), ref.lag(k, k.clone(), lag_size=2, sink=0)[..., :2])
 
@@ -106,7 +116,7 @@ def test_padding_ranks_slots_among_the_held_ones():
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hkv, n=n, d=8, w=0, seed=5)
     slot_valid = left_padding(b, n, [0, 9, 21])
     kept = _policy(budget, lag=5).select(k, v, q, slot_valid=slot_valid)
-    scores = ref.lag(k, v, lag_size=5, sink=2, slot_valid=slot_valid)
+    scores = ref.lag(k, v, lag_size=5, sink=2, slot_valid=slot_valid, rank_within_partition=True)
     want = ref.select(scores, budget=budget, recent=4, sinks=2, slot_valid=slot_valid)
     assert_greedy_matches(kept, want, scores, None, atol=1e-6)
     for bi in range(b):
@@ -149,7 +159,8 @@ def test_in_a_cache_each_eviction_is_the_reference_on_the_cache_state():
         state = cache.layers[0]
         expected = None
         if step > 0 and state.eviction_due:
-            scores = ref.lag(state.keys, state.values, lag_size=4, sink=2, slot_valid=state.valid)
+            scores = ref.lag(state.keys, state.values, lag_size=4, sink=2, slot_valid=state.valid,
+                             rank_within_partition=True)
             want = ref.select(scores, budget=budget, recent=4, sinks=2, slot_valid=state.valid,
                               positions=state.positions)
             pos = state.positions

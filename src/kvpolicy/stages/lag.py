@@ -27,6 +27,13 @@ class LagScorer(Scorer):
     So when the cache holds fewer than ``sink + 2 * lag_size`` slots nothing is scored by lag,
     and greedy keeps the sinks and the newest tokens (as kvpress does there).
 
+    With ``rank_within_partition`` (the default) each scored token's score is then replaced by its
+    rank within its partition over ``lag_size`` (0 for the lowest, in ``[0, 1)``; equal ranks of
+    two partitions go to the newer one), so that top-k takes the same share of every partition: the official code keeps ``ratio * lag_size`` tokens
+    of each partition, and kvpress's ``LagKVPress`` ranks this way by default. Without it the raw
+    scores are ranked across partitions (kvpress's ``cross_scoring``): a partition that stands out
+    keeps more.
+
     A channel whose reference range is 0 (``M = m``) normalises to 0 instead of dividing by 0
     (the official code gives NaN there). Partitions are formed from the slots held, so after an
     eviction a partition spans the survivors of a longer stretch of tokens.
@@ -38,6 +45,11 @@ class LagScorer(Scorer):
     sink: int = Field(4, ge=0, le=1 << 24, description="First slots left out of the partitions and always ranked first.")
     score_v_ratio: float = Field(
         1.0, ge=0.0, le=1e6, allow_inf_nan=False, description="Weight of the values' score (official: 1.0)."
+    )
+    rank_within_partition: bool = Field(
+        True, description="Score each token by its rank within its partition, so every partition keeps the same "
+        "share (the official code; kvpress's default). False: raw scores ranked across partitions (kvpress's "
+        "cross_scoring).",
     )
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
@@ -57,12 +69,32 @@ class LagScorer(Scorer):
         score = self._states_score(inp.keys, index, in_part, scored, parts)
         if self.score_v_ratio:
             score = score + self.score_v_ratio * self._states_score(inp.values, index, in_part, scored, parts)
+        if self.rank_within_partition:
+            score = self._rank_within(score, index, rank - self.sink - part * lag, scored, parts)
         top = 1.0 + self.score_v_ratio
         recency = rank.float() / max(n, 1)
         tail = valid & (rank >= self.sink) & ~scored
         score = torch.where(tail, top + 1.0 + recency, score)
         score = torch.where(valid & (rank < self.sink), top + 3.0, score)
         return torch.where(valid, score, 0.0).float()
+
+    def _rank_within(
+        self, score: torch.Tensor, index: torch.Tensor, offset: torch.Tensor, scored: torch.Tensor, parts: int
+    ) -> torch.Tensor:
+        """``score`` with each scored slot's value replaced by its rank among the ``lag_size``
+        slots of its partition, over ``lag_size``: the partitions laid out as a
+        ``[B, Hkv, parts, lag_size]`` grid (a scored partition is always full), ranked along it."""
+        lag = self.lag_size
+        b, h, _ = score.shape
+        cell = torch.where(scored, index * lag + offset, parts * lag)  # the spare cell for the rest
+        grid = score.new_full((b, h, parts * lag + 1), float("-inf"))
+        grid.scatter_(2, cell, torch.where(scored, score, float("-inf")))
+        ranks = grid[..., :-1].unflatten(-1, (parts, lag)).argsort(dim=-1, stable=True).argsort(dim=-1, stable=True)
+        ranks = torch.cat([ranks.flatten(-2), ranks.new_zeros(b, h, 1)], -1)
+        # Equal ranks of different partitions go to the newer partition (a fraction below one rank):
+        # top-k then never breaks a tie by its own unspecified order.
+        tiebreak = index.to(score.dtype) / parts
+        return torch.where(scored, (ranks.gather(2, cell).to(score.dtype) + tiebreak) / lag, score)
 
     @staticmethod
     def _states_score(
