@@ -387,8 +387,9 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
             for b in rk.measured(c):
                 v = rk.cells[name].get((c.key, b))
                 if v == REFUSED:
-                    ax.annotate(f"{b}: refused", (lo, y), xytext=(2, 0), textcoords="offset points",
-                                fontsize=6, va="center", color="0.45")
+                    # Above the row's line, where it cannot hide the budgets that did run.
+                    ax.annotate(f"{b}: refused", (lo, y), xytext=(2, 3), textcoords="offset points",
+                                fontsize=6, va="bottom", color="0.45")
                     continue
                 value = _number(v)
                 if value is None:
