@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy
-from kvpolicy import EvictingCache, load_policy
+from kvpolicy import CacheStateError, EvictingCache, load_policy
 from kvpolicy.policy import window_positions
 from kvpolicy.schedule import Schedule
 from kvpolicy.stages import Scorer, StateField
@@ -232,9 +232,24 @@ def test_bad_state_is_refused_and_the_cache_kept(fault, message):
         assert torch.equal(before[name], after[name]), name
     assert torch.equal(cache.layers[0].positions, positions)
     assert cache.layers[0].counts == counts
-    # A prompt longer than the window updates the state as it is written: refused there too.
-    with pytest.raises(SelectionError, match=message):
-        EvictingCache(policy, num_layers=1).attend(0, *(next(_steps(1, 2, 4, 8, prompt=9, n=0, seed=2))[i] for i in (2, 0, 1)))
+    # A prompt longer than the window updates the state as it is written: refused there too. The
+    # layer's keys are written by then, but its state missed the queries: the layer does not count
+    # as having written the step, so the next step (or another layer's) is refused until reset(),
+    # and after reset() the cache is a fresh one.
+    for layers in (1, 2):
+        long = EvictingCache(policy, num_layers=layers)
+        k, v, q, _ = next(_steps(1, 2, 4, 8, prompt=9, n=0, seed=2))
+        with pytest.raises(SelectionError, match=message):
+            long.attend(0, q, k, v)
+        if layers == 2:  # the forward goes on to layer 1, refused there as well
+            with pytest.raises(SelectionError, match=message):
+                long.attend(1, q, k, v)
+        with pytest.raises(CacheStateError, match=r"reset\(\)"):
+            long.attend(0, q[:, :, :1], k[:, :, :1], v[:, :, :1])
+        long.reset()
+        for layer in range(layers):
+            long.attend(layer, q[:, :, :3], k[:, :, :3], v[:, :, :3])
+        assert long.layers[0].counts == [3]
 
 
 def test_select_on_a_fresh_state_is_the_windows_attention():

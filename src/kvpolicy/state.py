@@ -252,7 +252,8 @@ class LayerGroup:
         if keys.shape[0] != plan.batch or keys.shape[2] != plan.tokens:
             raise CacheStateError(
                 f"layer {layer} appends keys {tuple(keys.shape)} but this step was begun with "
-                f"{plan.batch} rows of {plan.tokens} tokens"
+                f"{plan.batch} rows of {plan.tokens} tokens, which it has not written (a forward was "
+                "interrupted, or refused: call reset() before reusing the cache)"
             )
         new = {"keys": keys, "values": values}
         if self.buffers.slot_state:  # a new token's state starts at its field's initial value
@@ -260,10 +261,16 @@ class LayerGroup:
         if (plan.ring.take or self.long_step is not None) and queries is None:
             raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
         self.layout.write(i, new, plan)
-        self.layer_steps[i] = self.steps
+        self.layer_steps[i] = self.steps  # the layer's slots now include the step's (observe_step reads them)
         if self.long_step is not None:  # before the ring keeps only the step's last queries
             assert queries is not None
-            self.layout.executor.observe_step(self, layer, queries, *self.long_step)
+            try:
+                self.layout.executor.observe_step(self, layer, queries, *self.long_step)
+            except BaseException:
+                # The keys are written but the state missed these queries: the layer counts as
+                # not written, so the next step asks for reset() instead of going on with it.
+                self.layer_steps[i] = self.steps - 1
+                raise
         if plan.ring.take:
             assert queries is not None
             self.ring.write(i, queries, plan.ring)
