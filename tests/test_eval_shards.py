@@ -1,0 +1,98 @@
+"""The tools that run one configuration in pieces (``benchmarks/start_shard.py``,
+``benchmarks/merge_runs.py``): a piece starts from another's full-cache row without running it
+again, a pair whose metrics ran in two pieces merges to the union, and a mismatch stops them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpolicy.eval.cli import main as kvpolicy_main
+
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(run: Path) -> dict[str, dict]:
+    return {json.loads(x)["key"]: json.loads(x) for x in (run / "results.jsonl").read_text().splitlines() if x.strip()}
+
+
+def test_pieces_reuse_the_full_cache_and_merge_to_the_whole_run(tmp_path, capsys):
+    from test_eval_e2e import build_tiny_model
+
+    start_shard, merge_runs = _tool("start_shard"), _tool("merge_runs")
+    model = build_tiny_model(tmp_path / "tiny")
+    first = tmp_path / "first"
+    settings = ["--set", "perplexity.tokens=200", "--set", "fidelity.prompts=1", "--set", "fidelity.new_tokens=24",
+                "--set", "fidelity.free_running=false", "--no-progress"]
+    assert kvpolicy_main(["eval", "--model", str(model), "--policies", "streamingllm", "snapkv", "--budgets", "96",
+                          "--metrics", "perplexity", "fidelity", "--out", str(first), *settings]) == 0
+    whole = _rows(first)
+    config = tmp_path / "config.yaml"  # the whole configuration: both policies, both metrics
+    config.write_text((first / "config.yaml").read_text())
+
+    # Two pieces of snapkv, one metric each, both started from the first run's full-cache row.
+    pieces = []
+    for metric in ("perplexity", "fidelity"):
+        piece = tmp_path / metric
+        assert start_shard.main([str(config), str(piece), "--from", str(first), "--policies", "snapkv",
+                                 "--metrics", metric]) == 0
+        assert kvpolicy_main(["eval", "--resume", str(piece), "--no-progress"]) == 0
+        rows = _rows(piece)
+        assert rows["full"] == whole["full"]  # copied, not run again (its seconds too)
+        assert set(rows) == {"full", "snapkv@96"}
+        pieces.append(piece)
+    assert "ppl_ratio" in _rows(pieces[0])["snapkv@96"]["values"]
+    assert "agreement" in _rows(pieces[1])["snapkv@96"]["values"]
+
+    # The pieces and the first run's streamingllm merge to the whole run's figures.
+    only_streaming = tmp_path / "streaming"
+    only_streaming.mkdir()
+    for name in ("config.yaml", "reference.json", "predictions.jsonl"):
+        (only_streaming / name).write_text((first / name).read_text())
+    (only_streaming / "results.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for k, r in whole.items() if k != "snapkv@96"))
+    merged = tmp_path / "merged"
+    assert merge_runs.main([str(config), str(merged), str(only_streaming), *map(str, pieces)]) == 0
+    rows = _rows(merged)
+    assert set(rows) == set(whole)
+    for key, row in whole.items():
+        assert rows[key]["values"] == row["values"], key  # deterministic: the same figures in pieces
+    assert rows["snapkv@96"]["seconds"] == pytest.approx(
+        sum(_rows(p)["snapkv@96"]["seconds"] for p in pieces), abs=0.02)
+    metrics = {p["metric"] for p in map(json.loads, (merged / "predictions.jsonl").read_text().splitlines())
+               if p["key"] == "snapkv@96"}
+    assert "fidelity" in metrics
+    assert kvpolicy_main(["eval", "--report", str(merged), "--no-progress"]) == 0
+    assert "snapkv" in (merged / "ranking.md").read_text()
+
+    # Figures that disagree stop the merge, naming the pair.
+    clash = tmp_path / "clash"
+    clash.mkdir()
+    for name in ("config.yaml", "reference.json", "predictions.jsonl"):
+        (clash / name).write_text((pieces[0] / name).read_text())
+    changed = _rows(pieces[0])
+    changed["snapkv@96"]["values"]["ppl_ratio"] += 0.001
+    (clash / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed.values()))
+    with pytest.raises(SystemExit, match=r"snapkv@96: .* disagree: \{'ppl_ratio'"):
+        merge_runs.main([str(config), str(tmp_path / "merged2"), str(pieces[0]), str(clash)])
+
+    # A piece of another protocol cannot take the first run's full-cache row.
+    other = tmp_path / "other.yaml"
+    other.write_text(config.read_text().replace("tokens: 200", "tokens: 240"))
+    with pytest.raises(SystemExit, match="other settings than .*: perplexity"):
+        start_shard.main([str(other), str(tmp_path / "p3"), "--from", str(first), "--policies", "snapkv"])
+    with pytest.raises(SystemExit, match="did not run passkey"):
+        start_shard.main([str(config), str(tmp_path / "p4"), "--from", str(first), "--metrics", "passkey"])
+    capsys.readouterr()
