@@ -1,6 +1,7 @@
 """Preemption that replays evictions (tiny random Qwen3, block size 32, prefix caching on).
 
-A KV pool of 12 blocks (384 slots) serves requests of 450-530 tokens each under eviction: more
+A KV pool of 12 blocks (384 slots) serves five requests of 450-530 tokens each under eviction (one
+of them under H2O, whose state the replay must rebuild): more
 than the pool holds, which only eviction makes possible. Bursts of high-priority requests make
 vLLM preempt the long low-priority ones, and every 100 steps vLLM preempts every running request
 (``reset_prefix_cache(reset_running_requests=True)``), so each is preempted several times after it
@@ -31,6 +32,9 @@ LONG = [  # (extra_args, sampled): per-request policies, greedy and sampled
     ({"kvpolicy": {"policy": "vase-attnv", "budget": 32, "recent": 16, "interval": 16, "window": 16}}, True),
     ({"kvpolicy": "streamingllm", "kvpolicy_budget": 48, "kvpolicy_interval": 16}, False),
     ({"kvpolicy": {"policy": "snapkv", "budget": 64, "recent": 16, "interval": 32, "window": 16}}, True),
+    # A policy that keeps state (H2O's accumulated attention): its replay must rebuild the state
+    # from the recomputed queries, fed in chunks, exactly as decoding built it token by token.
+    ({"kvpolicy": {"policy": "h2o", "budget": 32, "recent": 16, "interval": 16, "window": 16}}, False),
 ]
 
 
