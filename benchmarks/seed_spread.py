@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
     ap.add_argument("--budgets", nargs="+", type=int, default=[256])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--model", default="bundled", help="as kvpolicy eval's --model (default: the bundled model)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--full-from", help="a run folder of the same protocol whose full-cache row is done")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     config = EvalConfig.model_validate({
-        "model": "bundled", "budgets": args.budgets, "metrics": ["perplexity"],
+        "model": args.model, "budgets": args.budgets, "metrics": ["perplexity"],
         "perplexity": {"tokens": args.tokens, "prefill": 64},
         "policies": variants(args.policies, args.seeds),
     })

@@ -1,6 +1,7 @@
 """The tools that run one configuration in pieces (``benchmarks/start_shard.py``,
 ``benchmarks/merge_runs.py``): a piece starts from another's full-cache row without running it
-again, a pair whose metrics ran in two pieces merges to the union, and a mismatch stops them."""
+again, a pair whose metrics ran in two pieces merges to the union, and a mismatch stops them; and
+``benchmarks/seed_spread.py``, a policy over seeds."""
 
 from __future__ import annotations
 
@@ -96,3 +97,27 @@ def test_pieces_reuse_the_full_cache_and_merge_to_the_whole_run(tmp_path, capsys
     with pytest.raises(SystemExit, match="did not run passkey"):
         start_shard.main([str(config), str(tmp_path / "p4"), "--from", str(first), "--metrics", "passkey"])
     capsys.readouterr()
+
+
+def test_seed_spread_runs_a_sampled_policy_once_per_seed(tmp_path, capsys):
+    from test_eval_e2e import build_tiny_model
+
+    seed_spread = _tool("seed_spread")
+    model = build_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "seeds"
+    assert seed_spread.main(["vase-attnv", "snapkv", "--seeds", "0", "1", "2", "--budgets", "96", "--tokens", "300",
+                             "--model", str(model), "--out", str(out), "--target", "1.0"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = _rows(out)
+    assert set(rows) == {"full", "vase-attnv#s0@96", "vase-attnv#s1@96", "vase-attnv#s2@96", "snapkv#s0@96"}
+    sampled = [rows[f"vase-attnv#s{s}@96"]["values"]["ppl_ratio"] for s in range(3)]
+    assert len(set(sampled)) > 1  # the seed changes what a sampled policy keeps
+    line = next(x for x in printed if x.startswith("vase-attnv@96:"))
+    assert " ".join(f"{v:.4f}" for v in sampled) in line and f"mean {sum(sampled) / 3:.4f}" in line
+    assert next(x for x in printed if x.startswith("snapkv@96:")).count(" sd 0.0000") == 1  # deterministic: one run
+    # An interrupted run continues where it stopped: the dropped pair runs again, to the same figures.
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    assert seed_spread.main(["vase-attnv", "snapkv", "--seeds", "0", "1", "2", "--budgets", "96", "--tokens", "300",
+                             "--model", str(model), "--out", str(out), "--resume"]) == 0
+    assert {k: r["values"] for k, r in _rows(out).items()} == {k: r["values"] for k, r in rows.items()}
