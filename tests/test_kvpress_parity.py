@@ -21,7 +21,6 @@ import yaml
 
 import kvpolicy
 from kvpolicy.profile_format import HeadProfile
-from kvpolicy.stages.attention import AttentionScorer
 from kvpolicy.stages.duo import resolve_profile_path
 from kvpolicy.stages.leverage import LeverageScorer
 
@@ -414,13 +413,13 @@ def test_expected_attention_departure_kvpress_rotates_a_buffer_from_its_length(f
 
 
 @pytest.mark.parametrize("length", [10, 20])
-def test_chunkkv_departure_kvpress_shares_chunks_across_kv_heads(fx, monkeypatch, length):
+def test_chunkkv_departure_kvpress_shares_chunks_across_kv_heads(fx, length):
     """kvpress's ChunkKVPress sums its base press's scores over the KV heads, so every KV head of
     a layer keeps the same chunks; kvpolicy's chunkkv ranks each head's chunks by that head's own
     attention. Set to kvpress's other settings (chunks of 10, kvpolicy's, or 20, kvpress's default;
     SnapKVPress without pooling as the base press, so the softmax over every key; kvpress's count,
     whole chunks, the window's included), kvpolicy keeps most but not all of kvpress's slots;
-    given the scores summed over the KV heads, exactly kvpress's."""
+    with the scores summed over the KV heads (``shared_heads``), exactly kvpress's."""
     press = f"chunkkv_{length}"
     count = fx["kept"][press][0].shape[1]
     assert all(bool((t == t[0]).all()) for t in fx["kept"][press])  # the same slots at every head
@@ -433,12 +432,12 @@ def test_chunkkv_departure_kvpress_shares_chunks_across_kv_heads(fx, monkeypatch
     # The shipped chunkkv (chunks of 10, softmax over the candidates, the exact budget) also differs.
     shipped = kvpolicy.load_policy("chunkkv", budget=fx["meta"]["kept"])
     assert overlap(fx, press, lambda i: kept_sets(shipped.select(*layer_inputs(fx, i)))) < 1.0
-    # The whole difference is where the chunks are chosen: scores summed over the KV heads match.
-    per_head = AttentionScorer.score
-    monkeypatch.setattr(AttentionScorer, "score", lambda self, inp: per_head(self, inp).sum(1, keepdim=True)
-                        .expand(-1, inp.num_kv_heads, -1))
+    # The whole difference is where the chunks are chosen: scores summed over the KV heads (the
+    # shared_heads scorer) keep exactly kvpress's slots.
+    shared = variant("chunkkv", {"budget": count}, scorer={"type": "shared_heads", "scorer": scorer},
+                     selector={"type": "chunks", "chunk_size": length})
     for i in layers(fx):
-        got = kept_sets(policy.select(*layer_inputs(fx, i)))
+        got = kept_sets(shared.select(*layer_inputs(fx, i)))
         assert_same_slots(got, kvpress_kept(fx, press, i), f"chunkkv over shared scores, layer {fx['meta']['layers'][i]}")
 
 

@@ -125,6 +125,7 @@ def test_builtins_by_kind():
         "quest",
         "random",
         "redundancy",
+        "shared_heads",
         "smoothed_attention",
         "triattention",
         "value_magnitude",

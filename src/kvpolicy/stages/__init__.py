@@ -26,6 +26,7 @@ from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
 from .redundancy import RedundancyScorer
+from .shared_heads import SharedHeadsScorer
 from .sinks import SinksReservation
 from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
@@ -54,6 +55,7 @@ BUILTIN_STAGES = (
     TriAttentionScorer,
     GKVScorer,
     NormalizedScorer,
+    SharedHeadsScorer,
     CakeScorer,
     SinksReservation,
     TopScoresReservation,
@@ -102,6 +104,7 @@ __all__ = [
     "ProductScorer",
     "QueryCalibration",
     "NormalizedScorer",
+    "SharedHeadsScorer",
     "RandomScorer",
     "RedundancyScorer",
     "Reservation",

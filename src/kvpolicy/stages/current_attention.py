@@ -34,8 +34,10 @@ class CurrentAttentionScorer(Scorer):
     row of scores is the same tensor, bit for bit, so greedy selection, which ranks each row
     with one deterministic ``topk``, keeps the same slots in every head, ties included, as long
     as the heads hold the same slots (which a policy that only ever keeps the same slots in
-    every head maintains). It couples the heads (``couples_heads``): a shard of them cannot
-    choose alone, so it is refused under tensor parallelism.
+    every head maintains; heads that hold different tokens are refused at the eviction,
+    ``EvictionInput.require_same_tokens_in_every_head``). It couples the heads
+    (``couples_heads``): a shard of them cannot choose alone, so it is refused under tensor
+    parallelism.
     """
 
     type_name: ClassVar[str] = "current_attention"
@@ -60,6 +62,8 @@ class CurrentAttentionScorer(Scorer):
         reports it). ``every_slot_valid``: the caller knows ``inp.slot_valid`` is all True (a select-mode
         cache's packed rows), so the mask is not applied: the same numbers, one pass fewer."""
         b, hkv, n, d = inp.keys.shape
+        if self.head_reduce == "layer":
+            inp.require_same_tokens_in_every_head(self)
         q, has_query = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
         logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]: the one pass over the keys
