@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from kvpolicy import load_policy
 from kvpolicy.eval.config import EvalConfig
 from kvpolicy.eval.runner import run_eval
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from start_shard import start_shard  # noqa: E402  (a sibling script, not a package)
 
 
 def variants(sources: list[str], seeds: list[int]) -> list[dict]:
@@ -61,11 +63,7 @@ def main(argv: list[str]) -> int:
         result = run_eval(None, resume=out, progress=False)
     else:
         if args.full_from:
-            config_file = out.with_name(out.name + ".config.yaml")
-            config_file.parent.mkdir(parents=True, exist_ok=True)
-            config_file.write_text(config.to_yaml({}), encoding="utf-8")
-            subprocess.run([sys.executable, str(Path(__file__).with_name("start_shard.py")), str(config_file),
-                            str(out), "--from", args.full_from], check=True)
+            start_shard(config.model_dump(), "these seed runs", out, args.full_from)
             result = run_eval(None, resume=out, progress=False)
         else:
             result = run_eval(config, out, progress=False)

@@ -29,6 +29,33 @@ SHARD_FIELDS = ("policies", "budgets", "metrics", "refusals")
 METRIC_SECTIONS = ("perplexity", "fidelity", "passkey", "accuracy", "reconstruction", "speed", "lm")
 
 
+def start_shard(data: dict, label: str, out: str | Path, source: str | Path) -> int:
+    """Start the shard ``data`` (an ``EvalConfig`` mapping; ``label`` names it in errors) in
+    ``out`` with ``source``'s full-cache row; returns the pairs left to run."""
+    source = Path(source)
+    theirs = EvalConfig.load(source / "config.yaml").model_dump()
+    missing = sorted(set(data["metrics"]) - set(theirs["metrics"]))
+    if missing:
+        raise SystemExit(f"{source} did not run {', '.join(missing)}: its full-cache row has no such figures")
+    skipped = set(SHARD_FIELDS) | (set(METRIC_SECTIONS) - set(data["metrics"]))
+    differs = sorted(k for k in data.keys() - skipped if data[k] != theirs.get(k))
+    if differs:
+        raise SystemExit(f"{source} was run with other settings than {label}: {', '.join(differs)}")
+    plan = plan_run(EvalConfig.model_validate(data))
+    full = [ln for ln in (source / "results.jsonl").read_text(encoding="utf-8").splitlines()
+            if ln.strip() and json.loads(ln)["key"] == "full"]
+    if not full:
+        raise SystemExit(f"{source} has no finished full-cache row")
+    folder = RunFolder.new(out)
+    folder.write_config(plan)
+    preds = [ln for ln in (source / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+             if ln.strip() and json.loads(ln).get("key") == "full"]
+    folder.predictions_file.write_text("".join(p + "\n" for p in preds), encoding="utf-8")
+    folder.results_file.write_text(full[0] + "\n", encoding="utf-8")
+    folder.reference_file.write_text((source / "reference.json").read_text(encoding="utf-8"), encoding="utf-8")
+    return len(plan.pairs) - 1
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
@@ -38,32 +65,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--budgets", nargs="+", type=int)
     ap.add_argument("--metrics", nargs="+")
     args = ap.parse_args(argv)
-    source = Path(args.source)
     data = EvalConfig.load(args.config).model_dump()
-    theirs = EvalConfig.load(source / "config.yaml").model_dump()
     for name in ("policies", "budgets", "metrics"):
         if getattr(args, name):
             data[name] = getattr(args, name)
-    missing = sorted(set(data["metrics"]) - set(theirs["metrics"]))
-    if missing:
-        raise SystemExit(f"{source} did not run {', '.join(missing)}: its full-cache row has no such figures")
-    skipped = set(SHARD_FIELDS) | (set(METRIC_SECTIONS) - set(data["metrics"]))
-    differs = sorted(k for k in data.keys() - skipped if data[k] != theirs.get(k))
-    if differs:
-        raise SystemExit(f"{source} was run with other settings than {args.config}: {', '.join(differs)}")
-    plan = plan_run(EvalConfig.model_validate(data))
-    full = [ln for ln in (source / "results.jsonl").read_text(encoding="utf-8").splitlines()
-            if ln.strip() and json.loads(ln)["key"] == "full"]
-    if not full:
-        raise SystemExit(f"{source} has no finished full-cache row")
-    folder = RunFolder.new(args.out)
-    folder.write_config(plan)
-    preds = [ln for ln in (source / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
-             if ln.strip() and json.loads(ln).get("key") == "full"]
-    folder.predictions_file.write_text("".join(p + "\n" for p in preds), encoding="utf-8")
-    folder.results_file.write_text(full[0] + "\n", encoding="utf-8")
-    folder.reference_file.write_text((source / "reference.json").read_text(encoding="utf-8"), encoding="utf-8")
-    print(f"{args.out}: {len(plan.pairs) - 1} pairs to run: kvpolicy eval --resume {args.out}")
+    pairs = start_shard(data, args.config, args.out, args.source)
+    print(f"{args.out}: {pairs} pairs to run: kvpolicy eval --resume {args.out}")
     return 0
 
 

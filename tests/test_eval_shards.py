@@ -121,3 +121,9 @@ def test_seed_spread_runs_a_sampled_policy_once_per_seed(tmp_path, capsys):
     assert seed_spread.main(["vase-attnv", "snapkv", "--seeds", "0", "1", "2", "--budgets", "96", "--tokens", "300",
                              "--model", str(model), "--out", str(out), "--resume"]) == 0
     assert {k: r["values"] for k, r in _rows(out).items()} == {k: r["values"] for k, r in rows.items()}
+    # --full-from: a second seed run takes the first one's full-cache row instead of running it.
+    again = tmp_path / "again"
+    assert seed_spread.main(["vase-attnv", "--seeds", "1", "--budgets", "96", "--tokens", "300", "--model", str(model),
+                             "--out", str(again), "--full-from", str(out)]) == 0
+    assert _rows(again)["full"] == rows["full"]
+    assert _rows(again)["vase-attnv#s1@96"]["values"] == rows["vase-attnv#s1@96"]["values"]

@@ -55,15 +55,16 @@ class CurrentAttentionScorer(Scorer):
         return self.head_reduce == "layer"
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
+        if self.head_reduce == "layer":
+            inp.require_same_tokens_in_every_head(self)
         return self.attention_mass(inp, every_slot_valid=False)
 
     def attention_mass(self, inp: EvictionInput, *, every_slot_valid: bool) -> torch.Tensor:
         """``score``: ``[B, Hkv, N]`` float32 (NaN where ``q . k`` overflowed float32: the guard
         reports it). ``every_slot_valid``: the caller knows ``inp.slot_valid`` is all True (a select-mode
-        cache's packed rows), so the mask is not applied: the same numbers, one pass fewer."""
+        cache's packed rows: every head holds every token), so the mask is not applied, nor are
+        the heads checked for holding the same tokens: the same numbers, one pass fewer."""
         b, hkv, n, d = inp.keys.shape
-        if self.head_reduce == "layer":
-            inp.require_same_tokens_in_every_head(self)
         q, has_query = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d) * d**-0.5
         logits = torch.matmul(q, inp.keys.float().transpose(-1, -2))  # [B, Hkv, G, N]: the one pass over the keys
