@@ -12,6 +12,7 @@ buffer. Scores come back as ``[B, Hkv, N]`` float64 with zeros outside the valid
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 
@@ -638,3 +639,127 @@ def triattention(K, positions, q_mean, q_abs, *, offsets: list[int], theta: floa
                 vals = [s[j] for s in per_head]
                 out[b, h, j] = max(vals) if reduce == "max" else sum(vals) / G
     return out
+
+
+# -- stages that keep state: one layer of the cache, token by token --------------------------------
+class TokenLoopCache:
+    """One layer of an evicting cache whose scorer keeps state, token by token, in float64 Python
+    loops: the part the references of H2O, G-KV and LazyEviction share. A subclass gives its
+    stage's rules: the state a new token starts with (``fresh``), the per-query update
+    (``update``) and the eviction's ranking (``rank``). ``schedule`` is read for ``budget``,
+    ``recent``, ``window`` and when a row is due (``due(count, tokens, prompt=...)``).
+
+    Every (row, KV head) holds its tokens in position order, each a dict ``{"pos", "k", "v"}``
+    plus its state. A row's real tokens are appended one at a time; each one's query, per query
+    head, takes its softmax over the tokens its KV head holds at that step (its own included;
+    scaled dot products); its attention output is the probability-weighted sum of the values.
+    Then ``update`` gets, per KV head, the probabilities of the ``G`` query heads of its group.
+    A row keeps its last ``window`` queries (``queries``: ``(position, [Hq, D])``) and its newest
+    token's position (``now``).
+
+    An eviction of a row, per KV head, keeps the ``recent`` newest tokens and ``budget - recent``
+    of the others (the candidates) by ``rank``: the reference's own choice (``evict(b)``: the
+    highest, ties to the older token), or the cache's, checked to be a top choice
+    (``evict(b, kept, tol)``) before the reference continues from it.
+    """
+
+    def __init__(self, schedule, batch: int, hkv: int, hq: int):
+        self.s, self.hkv, self.g = schedule, hkv, hq // hkv
+        self.held: list[list[list[dict]]] = [[[] for _ in range(hkv)] for _ in range(batch)]
+        self.queries = [deque(maxlen=schedule.window) for _ in range(batch)]
+        self.tokens = [0] * batch
+        self.now = [-1] * batch
+        self.steps = 0
+
+    # -- the stage's rules -------------------------------------------------------------------------
+    def fresh(self, pos: int) -> dict:
+        """The state of a token as it arrives at position ``pos``."""
+        return {}
+
+    def update(self, b: int, h: int, pos: int, entries: list[dict], probs: list[list[float]]) -> None:
+        """The query at ``pos`` of row ``b`` has attended ``entries`` (KV head ``h``'s tokens) with
+        ``probs[g][j]`` for each query head ``g`` of the group: update their state in place."""
+
+    def rank(self, b: int, h: int) -> tuple[list[float], list[dict] | None]:
+        """At an eviction: the score of each candidate of row ``b``, head ``h`` (higher is kept),
+        and optionally, per candidate, the state a kept one stores (``None``: nothing)."""
+        raise NotImplementedError
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def feed(self, k, v, q, valid) -> list[torch.Tensor | None]:
+        """One step: ``k, v [B, Hkv, T, D]``, ``q [B, Hq, T, D]``, ``valid [B, T]``; returns each
+        row's attention outputs ``[Hq, T_real, D]`` (its real queries, in order; ``None``: none)."""
+        outs = []
+        d = k.shape[-1]
+        for b in range(k.shape[0]):
+            row_out = []
+            for t in range(k.shape[2]):
+                if not valid[b, t]:
+                    continue
+                pos = self.tokens[b]
+                self.tokens[b] += 1
+                self.now[b] = pos
+                for h in range(self.hkv):
+                    self.held[b][h].append({"pos": pos, "k": k[b, h, t].double(), "v": v[b, h, t].double(),
+                                            **self.fresh(pos)})
+                self.queries[b].append((pos, q[b, :, t].double()))
+                heads = []
+                for h in range(self.hkv):
+                    entries = self.held[b][h]
+                    probs = []
+                    for qh in range(h * self.g, (h + 1) * self.g):
+                        p = softmax([float(q[b, qh, t].double() @ e["k"]) / math.sqrt(d) for e in entries])
+                        probs.append(p)
+                        heads.append(sum(pj * e["v"] for e, pj in zip(entries, p, strict=True)))
+                    self.update(b, h, pos, entries, probs)
+                row_out.append(torch.stack(heads))
+            outs.append(torch.stack(row_out, 1) if row_out else None)
+        self.steps += 1
+        return outs
+
+    def due(self, b: int) -> bool:
+        """Whether row ``b`` evicts after the last step (the first step is the prompt)."""
+        return bool(self.s.due(len(self.held[b][0]), self.tokens[b], prompt=self.steps == 1))
+
+    def evict(self, b: int, kept: list[set[int]] | None = None, tol: float = 0.0) -> None:
+        """Evict row ``b``: with ``kept=None`` the reference chooses; else ``kept`` (per head, the
+        positions the cache kept) must be the recent tokens and ``budget - recent`` candidates
+        none of which scores below a dropped one by more than ``tol`` (equal scores may go either
+        way), and the reference continues from it."""
+        take = self.s.budget - self.s.recent
+        for h in range(self.hkv):
+            entries = self.held[b][h]
+            cut = len(entries) - self.s.recent
+            old, recent = entries[:cut], entries[cut:]
+            scores, stored = self.rank(b, h)
+            if kept is None:
+                chosen = sorted(sorted(range(cut), key=lambda j: -scores[j])[:take])
+            else:
+                assert {e["pos"] for e in recent} <= kept[h], (b, h)  # the recent tokens are always kept
+                chosen = [j for j in range(cut) if old[j]["pos"] in kept[h]]
+                dropped = [j for j in range(cut) if old[j]["pos"] not in kept[h]]
+                assert len(chosen) == take == len(kept[h]) - len(recent), (b, h, sorted(kept[h]))
+                if dropped:
+                    worst_kept = min(scores[j] for j in chosen)
+                    best_dropped = max(scores[j] for j in dropped)
+                    assert worst_kept >= best_dropped - tol, (b, h, worst_kept, best_dropped)
+            if stored is not None:
+                for j in chosen:
+                    old[j].update(stored[j])
+            self.held[b][h] = [old[j] for j in chosen] + recent
+
+    def step(self, k, v, q, valid) -> list[torch.Tensor | None]:
+        """``feed``, then every due row evicts by the reference's own choice."""
+        outs = self.feed(k, v, q, valid)
+        for b in range(k.shape[0]):
+            if self.due(b):
+                self.evict(b)
+        return outs
+
+    def candidates(self, b: int, h: int) -> list[dict]:
+        """The tokens an eviction of row ``b``, head ``h`` ranks: all but the ``recent`` newest."""
+        entries = self.held[b][h]
+        return entries[: len(entries) - self.s.recent]
+
+    def positions(self, b: int, h: int) -> list[int]:
+        return [e["pos"] for e in self.held[b][h]]

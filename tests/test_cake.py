@@ -1,7 +1,7 @@
 """The built-in ``cake`` policy: the ``cake`` allocation (layer budgets from each layer's prompt
 attention, decided once every layer holds the prompt) and the ``cake_attention`` scorer, against
-float64 loop references written from CAKE's code (antgroup/cakekv), in a cache and through
-``generate()``."""
+float64 loop references written from CAKE's code (antgroup/cakekv), in a cache (through
+``generate()``: test_methods_generate.py)."""
 
 from __future__ import annotations
 
@@ -145,19 +145,3 @@ def test_a_cache_decides_each_layers_budget_once_from_the_prompt():
 def test_select_mode_is_refused():
     with pytest.raises(PolicyError, match="evict mode only"):
         EvictingCache(kvpolicy.load_policy("cake@select", compress_prompt=False), 2)
-
-
-def test_generate_on_the_test_model():
-    pytest.importorskip("transformers")
-    from hf_util import generate, left_padded_prompt, tiny_qwen3
-
-    model = tiny_qwen3(layers=4, vocab=256)
-    ids, mask = left_padded_prompt(256, batch=2, length=60, pads=(0, 6))
-    policy = kvpolicy.load_policy("cake", budget=24, recent=4, window=4, interval=4)
-    cache = kvpolicy.KVPolicyCache(policy, model)
-    out = generate(model, cache, ids, mask, 30)
-    assert out.shape == (2, 90)
-    budgets = [s.budget for s in cache.evicting.schedules]
-    assert sum(budgets) == 4 * 24 and len(set(budgets)) > 1
-    for layer, b in zip(cache.evicting.layers, budgets, strict=True):
-        assert max(layer.counts) <= b + 4 + 2  # its own budget (+ the interval, + the padded row's phase)

@@ -1,7 +1,7 @@
 """The built-in ``chunkkv`` policy and its ``chunks`` selector against a float64 loop reference
 (``reference.chunk_select`` over ``reference.attention``), a hand-computed case, the properties
 every eviction keeps (exactly ``budget`` slots, protected ones kept, no duplicates, at most one
-chunk cut) and a run through ``generate()``."""
+chunk cut); its run through ``generate()`` is in test_methods_generate.py."""
 
 from __future__ import annotations
 
@@ -191,19 +191,3 @@ def test_in_a_cache_each_eviction_is_the_reference_on_the_cache_state():
             assert got == expected, step
             checked += 1
     assert checked >= 5
-
-
-def test_generate_on_the_test_model():
-    pytest.importorskip("transformers")
-    from hf_util import generate, left_padded_prompt, tiny_qwen3
-
-    model = tiny_qwen3(layers=2, vocab=256)
-    ids, mask = left_padded_prompt(256, batch=2, length=40, pads=(0, 6))
-    policy = kvpolicy.load_policy("chunkkv", budget=24, recent=4, window=4, interval=4)
-    cache = kvpolicy.KVPolicyCache(policy, model)
-    out = generate(model, cache, ids, mask, 30)
-    assert out.shape == (2, 70)
-    stats = cache.stats()
-    assert all(s.evictions >= 5 for s in stats)
-    for layer in cache.evicting.layers:
-        assert max(layer.counts) <= 24 + 4

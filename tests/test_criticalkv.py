@@ -1,6 +1,6 @@
 """The built-in ``criticalkv`` policy (SnapKV's scores reweighted by ``||v W_o||_1`` in two stages),
 its ``output_value_norm`` and ``product`` scorers and ``top_scores``' ``count_recent``, against float64
-loop references, and runs in a cache and through ``generate()``."""
+loop references, and runs in a cache (through ``generate()``: test_methods_generate.py)."""
 
 from __future__ import annotations
 
@@ -98,19 +98,6 @@ def test_the_policy_keeps_the_reference_slots(shape):
     kept = policy.select(k, v, q, model=facts)
     want = _criticalkv_reference(k, v, q, facts, budget=budget, recent=6)
     assert [[set(h.tolist()) for h in row] for row in kept] == [[set(h) for h in row] for row in want]
-
-
-def test_generate_on_the_test_model():
-    pytest.importorskip("transformers")
-    from hf_util import generate, left_padded_prompt, tiny_qwen3
-
-    model = tiny_qwen3(layers=2, vocab=256)
-    ids, mask = left_padded_prompt(256, batch=2, length=40, pads=(0, 6))
-    policy = kvpolicy.load_policy("criticalkv", budget=24, recent=4, window=4, interval=4)
-    cache = kvpolicy.KVPolicyCache(policy, model)
-    out = generate(model, cache, ids, mask, 30)
-    assert out.shape == (2, 70)
-    assert all(s.evictions >= 5 for s in cache.stats())
 
 
 def test_make_input_without_facts_names_the_stage():

@@ -1,6 +1,6 @@
 """The built-in ``expected-attention`` policy and its ``expected_attention`` scorer against a float64
 loop reference (``reference.expected_attention``: rotation matrices built entry by entry), and runs
-in a cache and through ``generate()``."""
+in a cache (through ``generate()``: test_methods_generate.py)."""
 
 from __future__ import annotations
 
@@ -87,18 +87,3 @@ def test_the_policy_keeps_the_reference_slots():
     scores = ref.expected_attention(k, v, q, torch.arange(n - 8, n).expand(2, 8), n_future=512, n_sink=4)
     want = ref.select(scores, budget=budget, recent=8, sinks=4)
     assert [[set(h.tolist()) for h in row] for row in kept] == [[set(h) for h in row] for row in want]
-
-
-def test_generate_on_the_test_model():
-    pytest.importorskip("transformers")
-    from hf_util import generate, left_padded_prompt, tiny_qwen3
-
-    model = tiny_qwen3(layers=2, vocab=256)
-    ids, mask = left_padded_prompt(256, batch=2, length=40, pads=(0, 6))
-    policy = kvpolicy.load_policy("expected-attention", budget=24, recent=4, window=4, interval=4)
-    cache = kvpolicy.KVPolicyCache(policy, model)
-    out = generate(model, cache, ids, mask, 30)
-    assert out.shape == (2, 70)
-    assert all(s.evictions >= 5 for s in cache.stats())
-    for layer in cache.evicting.layers:
-        assert max(layer.counts) <= 24 + 4

@@ -4,15 +4,14 @@ of G-KV's rules (EvictingCache and generate()), padded rows, and its stages' edg
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import pytest
 import torch
 from helpers import assert_state_rows_alone, random_steps
+from reference import TokenLoopCache, softmax
 
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
-from kvpolicy.schedule import Schedule
 from kvpolicy.stages import GKVScorer, NormalizedScorer, SmoothedAttentionScorer
 
 SMALL = {"budget": 16, "recent": 4, "interval": 4, "window": 4}
@@ -23,10 +22,11 @@ def _gkv(**over) -> kvpolicy.Policy:
 
 
 # -- a float64 loop reference of G-KV -------------------------------------------------------------
-class GKVReference:
-    """G-KV on one layer, token by token, in float64 Python loops (microsoft/G-KV's
-    ``ScoreBasedKV.update_kv`` with ``enable_score_cache``, ``suppressing_redundancy``, max
-    smoothing).
+class GKVReference(TokenLoopCache):
+    """G-KV on one layer, token by token, in float64 Python loops (``reference.TokenLoopCache``),
+    microsoft/G-KV's ``ScoreBasedKV.update_kv`` with ``enable_score_cache``,
+    ``suppressing_redundancy``, max smoothing. No per-query state: a compression reads the
+    row's last ``window`` queries.
 
     At a compression of a row, per KV head, over the ``C`` oldest held tokens (the rest is the
     window of recent tokens):
@@ -42,41 +42,16 @@ class GKVReference:
       the kept tokens store ``s``.
     """
 
-    def __init__(self, schedule: Schedule, batch: int, hkv: int, hq: int, alpha=0.8, lam=0.5):
-        self.s, self.hkv, self.g, self.alpha, self.lam = schedule, hkv, hq // hkv, alpha, lam
-        self.held: list[list[list[dict]]] = [[[] for _ in range(hkv)] for _ in range(batch)]
-        self.queries = [deque(maxlen=schedule.window) for _ in range(batch)]  # (position, [Hq, D])
-        self.tokens = [0] * batch
-        self.steps = 0
+    def __init__(self, schedule, batch: int, hkv: int, hq: int, alpha=0.8, lam=0.5):
+        super().__init__(schedule, batch, hkv, hq)
+        self.alpha, self.lam = alpha, lam
 
-    def feed(self, k, v, q, valid) -> list[torch.Tensor | None]:
-        """One step; returns each row's attention outputs ``[Hq, T_real, D]``."""
-        outs = []
-        d = k.shape[-1]
-        for b in range(k.shape[0]):
-            row_out = []
-            for t in range(k.shape[2]):
-                if not valid[b, t]:
-                    continue
-                pos = self.tokens[b]
-                self.tokens[b] += 1
-                for h in range(self.hkv):
-                    self.held[b][h].append({"pos": pos, "k": k[b, h, t].double(), "v": v[b, h, t].double(), "s": None})
-                self.queries[b].append((pos, q[b, :, t].double()))
-                heads = []
-                for qh in range(self.g * self.hkv):
-                    probs = _softmax([float(q[b, qh, t].double() @ e["k"]) / math.sqrt(d) for e in self.held[b][qh // self.g]])
-                    heads.append(sum(p * e["v"] for e, p in zip(self.held[b][qh // self.g], probs, strict=True)))
-                row_out.append(torch.stack(heads))
-            outs.append(torch.stack(row_out, 1) if row_out else None)
-        self.steps += 1
-        return outs
+    def fresh(self, pos: int) -> dict:
+        return {"s": None}  # not scored yet
 
-    def due(self, b: int) -> bool:
-        return bool(self.s.due(len(self.held[b][0]), self.tokens[b], prompt=self.steps == 1))
-
-    def scores(self, b: int, h: int) -> tuple[list[float], list[float]]:
-        """``(s, final)`` for the ``C`` candidate tokens of row ``b``, head ``h``."""
+    def rank(self, b: int, h: int) -> tuple[list[float], list[dict]]:
+        """The final score of each of the ``C`` candidate tokens of row ``b``, head ``h``, and the
+        smoothed ``s`` a kept one stores."""
         entries = self.held[b][h]
         n = len(entries)
         c = n - self.s.recent
@@ -85,7 +60,7 @@ class GKVReference:
         window = list(self.queries[b])
         for qpos, q in window:
             seen = [e for e in entries if e["pos"] <= qpos]
-            per_head = [_softmax([float(q[qh] @ e["k"]) / math.sqrt(d) for e in seen])
+            per_head = [softmax([float(q[qh] @ e["k"]) / math.sqrt(d) for e in seen])
                         for qh in range(h * self.g, (h + 1) * self.g)]
             for j in range(min(c, len(seen))):
                 local[j] += max(p[j] for p in per_head) / len(window)
@@ -97,41 +72,13 @@ class GKVReference:
         for i in range(n):
             above = [j for j in range(n) if sim[i][j] > 0.5]
             sim[i][above[-1] if above else 0] = 0.0
-        red = _softmax([sum(sim[i][j] for i in range(n)) / n for j in range(n)])[:c]
+        red = softmax([sum(sim[i][j] for i in range(n)) / n for j in range(n)])[:c]
         red = [x / max(red) for x in red]
-        return s, [self.lam * x - (1 - self.lam) * r for x, r in zip(s, red, strict=True)]
-
-    def evict(self, b: int, kept: list[set[int]], tol: float) -> None:
-        """Check that ``kept`` (per head, the positions the cache kept) is the window and a top
-        ``budget - recent`` of the reference's final scores (within ``tol``: float32 against
-        float64), then continue from it with the kept tokens' smoothed scores stored."""
-        for h in range(self.hkv):
-            s, final = self.scores(b, h)
-            entries = self.held[b][h]
-            c = len(entries) - self.s.recent
-            recent = entries[c:]
-            assert {e["pos"] for e in recent} <= kept[h], (b, h)
-            chosen = [j for j in range(c) if entries[j]["pos"] in kept[h]]
-            dropped = [j for j in range(c) if entries[j]["pos"] not in kept[h]]
-            assert len(chosen) == self.s.budget - self.s.recent, (b, h, sorted(kept[h]))
-            if dropped:
-                assert min(final[j] for j in chosen) >= max(final[j] for j in dropped) - tol, (b, h)
-            for j in chosen:
-                entries[j]["s"] = s[j]
-            self.held[b][h] = [entries[j] for j in chosen] + recent
-
-    def positions(self, b: int, h: int) -> list[int]:
-        return [e["pos"] for e in self.held[b][h]]
+        final = [self.lam * x - (1 - self.lam) * r for x, r in zip(s, red, strict=True)]
+        return final, [{"s": x} for x in s]
 
     def stored(self, b: int, h: int) -> list[float]:
         return [-1.0 if e["s"] is None else e["s"] for e in self.held[b][h]]
-
-
-def _softmax(logits: list[float]) -> list[float]:
-    top = max(logits)
-    ex = [math.exp(x - top) for x in logits]
-    z = sum(ex)
-    return [x / z for x in ex]
 
 
 _steps = random_steps
@@ -159,7 +106,7 @@ def test_gkv_cache_equals_float64_reference(hkv, hq, compress_prompt, count):
         cache.evict_due()  # the reference compresses at the end of the step; the cache before the next
         for layer, ref in enumerate(refs):
             view = cache.layers[layer]
-            state = view.state["state0.score"]
+            state = view.state["smoothed_attention.score"]
             for b in range(2):
                 if ref.due(b):
                     before = {id(e): e["s"] for head in ref.held[b] for e in head}
@@ -182,7 +129,7 @@ def test_gkv_padded_rows_equal_rows_alone():
     """A left-padded batch: each row's held tokens and stored scores equal the row run alone."""
     for pads in ((0, 5), (3, 0)):
         steps = _steps(2, 2, 4, 8, prompt=20, n=25, seed=3, pads=pads)
-        batch = assert_state_rows_alone(_gkv(), steps, ["state0.score"])
+        batch = assert_state_rows_alone(_gkv(), steps, ["smoothed_attention.score"])
         assert batch.stats()[0].evictions >= 5
 
 
@@ -220,7 +167,7 @@ def test_gkv_generate_equals_float64_reference():
             ref.evict(0, [{p for p in head if p < before} for head in held], tol=1e-4)
             for h in range(ref.hkv):
                 n = len(ref.held[0][h])
-                torch.testing.assert_close(state["state0.score"][0, h, :n].double(),
+                torch.testing.assert_close(state["smoothed_attention.score"][0, h, :n].double(),
                                            torch.tensor(ref.stored(0, h), dtype=torch.float64), rtol=1e-4, atol=1e-5)
             evicted += 1
         want = ref.feed(k, v, q, torch.ones(1, k.shape[2], dtype=torch.bool))
@@ -253,7 +200,7 @@ def test_gkv_defaults_follow_the_official_script():
     assert scorer.redundancy.scorer.describe() == {"type": "redundancy", "threshold": 0.5, "over": "all",
                                                    "chunk_elements": 1 << 21}
     assert policy.keeps_state and not policy.observes_queries  # updated once per compression
-    assert list(policy.state_fields) == ["state0.score"] and not policy.stochastic
+    assert list(policy.state_fields) == ["smoothed_attention.score"] and not policy.stochastic
 
 
 @pytest.mark.parametrize("smooth", ["max", "mean", "sum"])
@@ -268,10 +215,10 @@ def test_smoothing_rules(smooth):
                                          positions=None, seed=0)
     local = att.local_scores(inp)[0, 0]
     old = torch.tensor([0.5, -1.0, 0.5, -1.0, -1.0, -1.0]).view(1, 1, 6)
-    state = {"state0.score": old}
+    state = {"smoothed_attention.score": old}
     new = policy.observe(kvpolicy.policy.eviction_input(
         k, v, q, budget=4, recent=1, slot_valid=None, query_valid=None, positions=None, seed=0,
-        state=policy.nest_state(state)))[1]["state0.score"][0, 0]
+        state=policy.nest_state(state)))[1]["smoothed_attention.score"][0, 0]
     mixed = {"max": max(0.3, float(local[0])), "mean": 0.3 + 0.4 * float(local[0]), "sum": 0.3 + float(local[0])}[smooth]
     torch.testing.assert_close(new[0], torch.tensor(mixed))
     torch.testing.assert_close(new[1], local[1])
@@ -337,7 +284,7 @@ def test_gkv_is_a_combination_with_its_state():
         {"weight": -(1.0 - scorer.mix_lambda), "scorer": scorer.redundancy.describe()},
     ]}
     combo = load_policy(data)
-    assert list(combo.state_fields) == list(gkv.state_fields) == ["state0.score"]
+    assert list(combo.state_fields) == list(gkv.state_fields) == ["smoothed_attention.score"]
     caches = [EvictingCache(p, num_layers=1) for p in (gkv, combo)]
     for k, v, q, _ in _steps(2, 2, 6, 8, prompt=22, n=40, seed=5):
         outs = [c.attend(0, q, k, v) for c in caches]
@@ -346,5 +293,5 @@ def test_gkv_is_a_combination_with_its_state():
             c.evict_due()
         a, b = (c.layers[0] for c in caches)
         assert torch.equal(a.positions[a.valid], b.positions[b.valid])
-        assert torch.equal(a.state["state0.score"][a.valid], b.state["state0.score"][b.valid])
+        assert torch.equal(a.state["smoothed_attention.score"][a.valid], b.state["smoothed_attention.score"][b.valid])
     assert caches[0].stats()[0].evictions >= 5

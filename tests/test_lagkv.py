@@ -1,6 +1,6 @@
 """The built-in ``lagkv`` policy and its ``lag`` scorer against a float64 loop reference
 (``reference.lag``), a hand-computed partition, the properties every eviction keeps, and runs in a
-cache and through ``generate()``."""
+cache (through ``generate()``: test_methods_generate.py)."""
 
 from __future__ import annotations
 
@@ -173,21 +173,3 @@ def test_in_a_cache_each_eviction_is_the_reference_on_the_cache_state():
             assert got == expected, step
             checked += 1
     assert checked >= 5
-
-
-def test_generate_on_the_test_model():
-    pytest.importorskip("transformers")
-    from hf_util import generate, left_padded_prompt, tiny_qwen3
-
-    model = tiny_qwen3(layers=2, vocab=256)
-    ids, mask = left_padded_prompt(256, batch=2, length=40, pads=(0, 6))
-    data = kvpolicy.load_policy("lagkv").config.to_dict()
-    data["scorer"]["lag_size"] = 4  # partitions that fit the small budget (128 would never be scored)
-    policy = kvpolicy.load_policy(data, budget=24, recent=4, interval=4)
-    cache = kvpolicy.KVPolicyCache(policy, model)
-    out = generate(model, cache, ids, mask, 30)
-    assert out.shape == (2, 70)
-    assert all(s.evictions >= 5 for s in cache.stats())
-    for layer in cache.evicting.layers:
-        assert max(layer.counts) <= 24 + 4
-        assert bool((layer.positions[..., :4][layer.valid[..., :4]] < 4).all())  # the 4 sinks stay

@@ -309,7 +309,7 @@ OLD_POLICY = {"old-policy": {"name": "old-policy", "schedule": {"budget": 8, "re
 def test_builtins_declare_the_contract_through_the_same_hook():
     from kvpolicy import builtin
 
-    assert kvpolicy.PLUGIN_CONTRACT == 3
+    assert kvpolicy.PLUGIN_CONTRACT == 4
     assert builtin.kvpolicy_contract() == kvpolicy.PLUGIN_CONTRACT
     registry = Registry(autoload=False)
     impls = registry.pm.hook.kvpolicy_contract.get_hookimpls()
@@ -320,9 +320,9 @@ def test_builtins_declare_the_contract_through_the_same_hook():
     "hooks,why",
     [
         ({"kvpolicy_contract": lambda: 1}, r"was written for plugin contract 1 \(kvpolicy 0\.1\.x: .*generator"),
-        ({"kvpolicy_contract": lambda: 4}, r"was written for plugin contract 4 \(a contract this kvpolicy does not know"),
+        ({"kvpolicy_contract": lambda: 5}, r"was written for plugin contract 5 \(a contract this kvpolicy does not know"),
         ({}, r"declares no plugin contract \(no kvpolicy_contract hook\), so it was written for contract 1 .*"
-             r"declare it with `@kvpolicy.hookimpl def kvpolicy_contract\(\): return 3`"),
+             r"declare it with `@kvpolicy.hookimpl def kvpolicy_contract\(\): return 4`"),
         ({"kvpolicy_contract": lambda: "2"}, r"its kvpolicy_contract hook returned '2'; it must return .* an int"),
         ({"kvpolicy_contract": lambda: 1 / 0}, r"its kvpolicy_contract hook failed: ZeroDivisionError"),
     ],
@@ -340,13 +340,76 @@ def test_a_plugin_of_another_contract_is_skipped_with_a_warning_that_says_why(mo
     assert set(registry.policies) == BUILTIN_POLICIES  # the others still load
 
 
-@pytest.mark.parametrize("contract", [2, 3])
+@pytest.mark.parametrize("contract", [2, 3, 4])
 def test_a_plugin_of_this_contract_loads_from_its_entry_point(monkeypatch, contract):
-    """Contract 3 only adds to contract 2 (stage state, query positions): plugins of both load."""
+    """Contract 4 only adds to contract 3 (position initials, query positions always given, stable
+    state names), which only adds to contract 2 (stage state, query positions): plugins of all load."""
     _entry_point_plugin(monkeypatch, "kvpolicy_new_plugin_xyz", kvpolicy_contract=lambda: contract,
                         kvpolicy_policies=lambda: OLD_POLICY)
     registry = Registry(autoload=True)
     assert registry.policies["old-policy"].plugin == "kvpolicy_new_plugin_xyz" and registry.skipped == {}
+
+
+class Contract3Arrival(Scorer):
+    """A stateful stage written for contract 3, as LazyEviction was: a ``-1`` sentinel for "since
+    the token arrived" (no ``initial="position"`` yet) and a guard for a ``query_new`` that contract
+    3 allowed to be None. It keeps each token's arrival (its position) and counts the queries
+    that saw it."""
+
+    type_name: ClassVar[str] = "contract3_arrival_test"
+    reads_queries: ClassVar[bool] = True
+
+    @property
+    def state_fields(self):
+        from kvpolicy.stages import StateField
+
+        return {"arrived": StateField(torch.float32, -1.0), "seen": StateField(torch.float32, 0.0)}
+
+    def update_state(self, inp):
+        state = inp.state_of(self)
+        new = inp.query_valid if inp.query_new is None else inp.query_new & inp.query_valid
+        qpos = inp.query_positions
+        if qpos is None:
+            raise ValueError("needs query_positions")
+        arrived = torch.where(state["arrived"] < 0, inp.positions.float(), state["arrived"])
+        sees = (inp.positions[..., None] <= qpos[:, None, None, :]) & new[:, None, None, :]  # [B, Hkv, N, W]
+        seen = state["seen"] + (sees & inp.slot_valid[..., None]).sum(-1).float()
+        return {"arrived": torch.where(inp.slot_valid, arrived, state["arrived"]), "seen": seen}
+
+    def score(self, inp):
+        return inp.state_of(self)["seen"]
+
+
+def test_a_contract_3_plugin_with_state_still_loads_and_runs(monkeypatch):
+    """Contract 4 changed what a cache stores its state under (``"<type_name>.<field>"``), not
+    what a stage reads (``inp.state_of``, its own field names): a contract 3 stateful stage loads
+    from its entry point and keeps its state through a cache's evictions."""
+    import warnings
+
+    _entry_point_plugin(monkeypatch, "kvpolicy_contract3_plugin_xyz", kvpolicy_contract=lambda: 3,
+                        kvpolicy_stages=lambda: [Contract3Arrival])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)
+        registry = get_registry()
+    assert registry.stages["scorer"]["contract3_arrival_test"].plugin == "kvpolicy_contract3_plugin_xyz"
+    assert registry.skipped == {}
+    policy = kvpolicy.load_policy({"name": "c3", "schedule": {"budget": 8, "recent": 2, "interval": 2, "window": 2},
+                                   "scorer": "contract3_arrival_test", "selector": "greedy"})
+    assert set(policy.state_fields) == {"contract3_arrival_test.arrived", "contract3_arrival_test.seen"}
+    cache = kvpolicy.EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    for t in [6] + [1] * 12:
+        cache.attend(0, torch.randn(1, 4, t, 4, generator=g), torch.randn(1, 2, t, 4, generator=g),
+                     torch.randn(1, 2, t, 4, generator=g))
+    view = cache.layers[0]
+    assert int(view.evictions[0]) >= 3
+    # each held token's arrival is its position once the state has seen it (-1 before: the sentinel)
+    arrived, positions, held = view.state["contract3_arrival_test.arrived"], view.positions.float(), view.valid
+    assert bool(((arrived == positions) | (arrived == -1))[held].all()) and int((arrived == positions)[held].sum()) >= 8
+    with pytest.raises(ValueError, match="state field 'contract3_arrival_test.seen' must be a"):
+        policy.select(torch.randn(1, 2, 12, 4), torch.randn(1, 2, 12, 4), torch.randn(1, 4, 2, 4),
+                      state={"contract3_arrival_test.arrived": torch.zeros(1, 2, 12),
+                             "contract3_arrival_test.seen": torch.zeros(1, 2, 11)})
 
 
 def test_a_runtime_plugin_is_checked_too():

@@ -154,3 +154,27 @@ def test_layout_refusals():
 def test_backend_names_pick_the_interior():
     assert BlockLayout.for_backend("CPU_ATTN", CPU, 64).interior == "cpu_pages"
     assert BlockLayout.for_backend("FLASH_ATTN", "LBNHC", 64).interior == "cells"
+
+
+def test_an_attention_layer_the_worker_cannot_name_is_refused():
+    """The worker finds a layer's query window by its ``layer_name``: a layer without it (or
+    with another name) is refused at start-up, and an unknown name at run time, never skipped."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm.settings import KVPolicyVLLMError
+    from kvpolicy.vllm.worker import WorkerEviction, check_layer_names
+
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    check_layer_names(names, {n: SimpleNamespace(layer_name=n) for n in names})  # vLLM 0.32's layers
+    with pytest.raises(KVPolicyVLLMError, match="layer_name"):
+        check_layer_names(names, {n: SimpleNamespace() for n in names})
+    with pytest.raises(KVPolicyVLLMError, match="layer_name"):
+        check_layer_names(names, {names[0]: SimpleNamespace(layer_name=names[0]),
+                                  names[1]: SimpleNamespace(layer_name="attn")})
+    worker = WorkerEviction.__new__(WorkerEviction)  # no runner: only the naming is exercised
+    worker.layer_of = {n: i for i, n in enumerate(names)}
+    assert worker._layer(SimpleNamespace(layer_name=names[1])) == 1
+    with pytest.raises(KVPolicyVLLMError, match="not one of the KV cache's layers"):
+        worker._layer(SimpleNamespace(layer_name="encoder.attn"))
+    with pytest.raises(KVPolicyVLLMError, match="None"):
+        worker._layer(SimpleNamespace())

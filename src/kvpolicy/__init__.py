@@ -5,7 +5,8 @@ from typing import TYPE_CHECKING, Any
 from .config import PolicyConfig, PolicyError
 from .evicting import EvictingCache
 from .hookspecs import PLUGIN_CONTRACT, hookimpl
-from .policy import Policy, load_policy
+from .loading import load_policy
+from .policy import Policy
 from .registry import UnknownStageError, get_registry
 from .schedule import Schedule
 from .stages import Allocation, EvictionInput, Reservation, Scorer, Selector

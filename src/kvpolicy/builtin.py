@@ -10,7 +10,7 @@ from .stages import BUILTIN_STAGES
 
 @hookimpl
 def kvpolicy_contract():
-    return 3  # a literal, as every plugin writes it (kvpolicy.PLUGIN_CONTRACT would always match)
+    return 4  # a literal, as every plugin writes it (kvpolicy.PLUGIN_CONTRACT would always match)
 
 
 @hookimpl

@@ -21,7 +21,7 @@ import yaml
 
 from . import __version__
 from .documents import PolicyError, load_yaml
-from .policy import load_policy
+from .loading import load_policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
 from .stages.base import STAGE_KINDS

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 
 from .config import PolicyError
+from .eviction import new_queries
 from .executor import Executor
 from .layouts import layout_for
-from .policy import Policy, load_policy, window_positions
+from .loading import load_policy
+from .policy import Policy
 from .selection import SELECT_GROWTH, check_select_growth
 from .stages.model_facts import ModelFacts
 from .state import CacheStateError, EvictionStats, LayerGroup
@@ -173,7 +175,7 @@ class EvictingCache:
             assert group is not None
             group.materialise_positions()
             rows = torch.arange(group.batch)
-            inputs.append(self.executor.eviction_input(group, rows, slice(None), group.layout.layer_slots(layer),
+            inputs.append(self.executor.group_input(group, rows, slice(None), group.layout.gather_layer(layer),
                                                        layer=layer))
         schedule = self.policy.schedule
         budgets = self.policy.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
@@ -411,10 +413,10 @@ class LayerView:
         L]`` per slot, in the columns of ``keys``, and ``[B, Hkv]`` per head (copies). Empty for a
         policy that keeps none. With ``window_new``, what ``Policy.select(state=...)`` takes."""
         group = self._group()
-        names = group.layout.executor.policy.state_fields
+        names = group.executor.policy.state_fields
         if not names:
             return {}
-        held = group.layout.layer_slots(self.layer_idx)
+        held = group.layout.gather_layer(self.layer_idx)
         return {name: held.fields[name].clone() for name in names}
 
     @property
@@ -423,8 +425,7 @@ class LayerView:
         group = self._group()
         _, valid = group.window(self.layer_idx)
         rows = group.rows
-        positions = window_positions(valid, rows.seen())
-        return valid & (positions >= rows.observed.to(valid.device)[:, None])
+        return new_queries(group.executor.policy, valid, rows.seen(), rows.observed)[1]
 
     @property
     def stats(self) -> EvictionStats:

@@ -6,7 +6,7 @@ group; kvpolicy's own stages and policies are registered through exactly the sam
 (``kvpolicy.builtin``).
 
 Every plugin declares the plugin contract it was written for with ``kvpolicy_contract``; the
-registry skips, with a warning, a plugin whose contract is not ``PLUGIN_CONTRACT``.
+registry skips, with a warning, a plugin whose contract is not in ``ACCEPTED_CONTRACTS``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ hookimpl = pluggy.HookimplMarker("kvpolicy")
 #: (a plugin using the addition needs a kvpolicy that has it) and keeps admitting the plugins
 #: written for the one before (``ACCEPTED_CONTRACTS``): semantic versioning's minor release. A
 #: contract that removes or reinterprets something drops the ones before: a major release.
-PLUGIN_CONTRACT = 3
+PLUGIN_CONTRACT = 4
 
-#: The contracts whose plugins this kvpolicy loads: 3, and 2, which 3 only adds to.
-ACCEPTED_CONTRACTS = frozenset({2, 3})
+#: The contracts whose plugins this kvpolicy loads: 4, and 3 and 2, which 4 and 3 only add to.
+ACCEPTED_CONTRACTS = frozenset({2, 3, 4})
 
 #: Every contract so far: the kvpolicy releases implementing it, and what a plugin relies on.
 CONTRACTS: dict[int, str] = {
@@ -36,19 +36,26 @@ CONTRACTS: dict[int, str] = {
     "one layer_seed per stacked layer ([L]) and rows_per_layer",
     2: "kvpolicy 0.2.x: stages draw from counter-based streams (inp.uniform, inp.normal, "
     "inp.head_uniform, inp.head_normal), and inp.layer_seed and inp.row_seed are [B], one per row",
-    3: "kvpolicy 0.3.x: contract 2, plus stages that keep state across evictions (Stage.state_fields, "
-    "Stage.update_state, inp.state_of, inp.query_new), the window queries' positions "
+    3: "kvpolicy 0.3 before its release (development versions only): contract 2, plus stages "
+    "that keep state across evictions (Stage.state_fields, Stage.update_state, inp.state_of, inp.query_new), the window queries' positions "
     "(inp.query_positions), and facts about the model served (inp.model, a ModelFacts: its shape, "
     "rope(positions), output_projection(layer)), which a stage declares in Stage.needs_model and "
     "checks in Stage.check_model_facts, and allocations that decide the layer budgets from the prompt "
     "(Allocation.from_prompt, Allocation.prompt_budgets); contract 2 plugins load unchanged",
+    4: "kvpolicy 0.3.x: contract 3, plus state fields that start at their token's position "
+    '(StateField(initial="position"), made by StateField.initial_values), inp.query_new and '
+    "inp.query_positions always given (never None: EvictionInput fills their defaults), and state "
+    'stored under stable names ("<type_name>.<field>", Policy.state_fields), which are what a '
+    "cache stores and a user reads, not what a stage reads: stages read their own fields by their "
+    "own names (inp.state_of), so contract 3 and contract 2 plugins load unchanged",
 }
 
 
 @hookspec
 def kvpolicy_contract() -> int:
-    """Return the plugin contract this plugin was written for, as an int (now ``3``; ``2`` for a
-    plugin that keeps no state and reads neither query positions nor model facts, which loads too).
+    """Return the plugin contract this plugin was written for, as an int (now ``4``; ``3`` for a
+    plugin whose state fields start at constants, ``2`` for one that keeps no state and reads
+    neither query positions nor model facts: they load too).
 
     Called once per plugin when it is registered, before any other hook of it. A plugin whose
     contract is not in ``ACCEPTED_CONTRACTS`` is skipped (none of its stages or policies registered)

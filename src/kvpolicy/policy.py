@@ -1,4 +1,9 @@
-"""A policy compiled from its config: one eviction over ``[B, Hkv, N, D]`` is ``Policy.select``."""
+"""A policy compiled from its config: the stage pipeline (observe, then scorer -> reservations ->
+selector), and ``Policy.select``, one eviction over ``[B, Hkv, N, D]`` in one call.
+
+The input it runs on is assembled in ``kvpolicy.inputs``, policies are loaded by
+``kvpolicy.loading.load_policy``, every engine's eviction step is ``kvpolicy.eviction``; the
+model-fact checks sit beside ``ModelFacts`` and the layer schedules beside ``Allocation``."""
 
 from __future__ import annotations
 
@@ -6,21 +11,20 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import seeds
 from .config import PolicyConfig, PolicyError, load_config
-from .registry import get_registry
+from .inputs import MAX_HEAD_OFFSET, check_tensors, eviction_input
 from .schedule import Schedule
 from .stages import guards
-from .stages.base import EvictionInput, Stage, StateField
-from .stages.model_facts import ModelFacts
+from .stages.base import EvictionInput, Stage, StateField, state_field_names, window_positions
+from .stages.model_facts import ModelFacts, check_model_facts
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
+#: ``eviction_input``, ``MAX_HEAD_OFFSET`` and ``window_positions`` are re-exported from where
+#: they live (``kvpolicy.inputs``, ``kvpolicy.stages.base``): their import path of kvpolicy 0.2.
+__all__ = ["MAX_HEAD_OFFSET", "Policy", "eviction_input", "keep_top", "window_positions"]
 
 class Policy:
     """Runs a policy's stages: scorer -> reservations -> selector, all rows and heads at once.
@@ -95,13 +99,9 @@ class Policy:
     @cached_property
     def state_fields(self) -> dict[str, tuple[str, str, StateField]]:
         """Every field of state the policy keeps, by the name a cache stores it under
-        (``"state<i>.<field>"``, ``i`` the stage's rank among the stateful ones): ``(stage key,
-        field, StateField)``."""
-        return {
-            f"state{i}.{field}": (key, field, spec)
-            for i, (key, stage) in enumerate(self.stateful_stages.items())
-            for field, spec in stage.state_fields.items()
-        }
+        (``"<type_name>.<field>"``, stable when stages are added; see
+        ``kvpolicy.stages.base.state_field_names``): ``(stage key, field, StateField)``."""
+        return state_field_names(self.stateful_stages)
 
     @cached_property
     def needs_model(self) -> frozenset[str]:
@@ -121,39 +121,8 @@ class Policy:
         Raises:
             PolicyError: naming the stage and the missing fact or the field at fault.
         """
-        needed = self.needs_model
-        if not needed:
-            return
-        readers = {f: [s.type_name for s in self.stages if f in s.needs_model] for f in sorted(needed)}
-        if facts is None:
-            raise PolicyError(
-                [f"stage {', '.join(r)} needs the model's {f}" for f, r in readers.items()]
-                + ["no model facts were given: build KVPolicyCache with the model (not its config), pass "
-                   "model_facts= to EvictingCache or model= to Policy.select (kvpolicy.ModelFacts)"],
-                self.name,
-            )
-        if not isinstance(facts, ModelFacts):
-            raise TypeError(f"model facts must be a kvpolicy.ModelFacts, got {type(facts).__name__}")
-        missing = [
-            f"stage {', '.join(r)} needs the model's {f}, which the model facts of {facts.name!r} lack: "
-            f"{facts.why_missing(f)}"
-            for f, r in readers.items() if f not in facts.available
-        ]
-        if missing:
-            raise PolicyError(missing, self.name)
-        try:
-            facts.check_shape(num_layers, num_kv_heads, head_dim)
-        except ValueError as exc:
-            raise PolicyError([f"model facts: {exc}"], self.name) from None
-        problems = []
-        for stage in self.stages:
-            if stage.needs_model:
-                try:
-                    stage.check_model_facts(facts)
-                except ValueError as exc:
-                    problems.append(f"{stage.kind} {stage.type_name!r}: {exc}")
-        if problems:
-            raise PolicyError(problems, self.name)
+        check_model_facts(self.stages, facts, self.name, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim)
 
     def _check_facts_for_heads(self, facts: ModelFacts | None, head_offset: int, hkv: int, hq: int, d: int) -> None:
         """``check_model_facts`` for ``select``: the ``hkv`` KV heads given are the model's heads
@@ -305,7 +274,7 @@ class Policy:
                 f"policy {self.name!r} keeps a different number of slots per head (allocation "
                 f"{self.config.allocation.type_name!r}): use Policy.select_heads, which returns a keep mask and counts"
             )
-        _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
+        check_tensors(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
         self._check_facts_for_heads(model, head_offset, hkv, queries.shape[1], keys.shape[3])
         if n <= self.budget:
@@ -314,55 +283,18 @@ class Policy:
             keys, values, queries, budget=self.budget, recent=self.schedule.recent,
             slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
-            head_offset=head_offset, query_new=query_new, state=self._given_state(state, b, hkv, n, keys.device),
-            model=model,
+            head_offset=head_offset, query_new=query_new,
+            state=self._given_state(state, b, hkv, n, keys.device, slot_valid, positions), model=model,
         )
         return self.select_from(self.observe(inp)[0])
 
-    def updated_state(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        queries: torch.Tensor,
-        *,
-        state: Mapping[str, torch.Tensor] | None,
-        query_new: torch.Tensor | None = None,
-        eviction: bool = True,
-        slot_valid: torch.Tensor | None = None,
-        query_valid: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        query_positions: torch.Tensor | None = None,
-        layer_idx: int | torch.Tensor = 0,
-        evictions: int | torch.Tensor = 0,
-        streams: int | torch.Tensor = 0,
-        seed: int | None = None,
-        head_offset: int = 0,
-    ) -> dict[str, torch.Tensor]:
-        """The policy's state after the window's new queries: what ``select(..., state=...)``
-        ranks by, by stored name (``state_fields``), for a caller that keeps the state itself
-        (vLLM's worker): call it before ``select`` with the same arguments, then pass the result
-        with ``query_new`` all False. ``eviction``: False for an update between evictions (stages
-        updated once per eviction keep their state). Arguments as ``select``; ``query_positions``
-        ``[B, W]`` when the window's queries are not the rows' latest tokens (a long step's chunk).
-        """
-        _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
-        b, hkv, n, _ = keys.shape
-        nested = self._given_state(state, b, hkv, n, keys.device)
-        if nested is None:
-            return {}
-        inp = eviction_input(
-            keys, values, queries, budget=self.budget, recent=self.schedule.recent,
-            slot_valid=slot_valid, query_valid=query_valid, positions=positions,
-            seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
-            head_offset=head_offset, query_positions=query_positions, query_new=query_new, state=nested,
-        )
-        return self.observe(inp, eviction=eviction)[1]
-
     def _given_state(
         self, state: Mapping[str, torch.Tensor] | None, b: int, hkv: int, n: int, device: torch.device,
+        slot_valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
     ) -> dict[str, dict[str, torch.Tensor]] | None:
         """``select``'s ``state=`` checked and nested (None: a fresh state), or None for a
-        policy that keeps none (then ``state=`` is refused)."""
+        policy that keeps none (then ``state=`` is refused). A fresh field starts at
+        ``StateField.initial_values`` of the input's positions (``select``'s defaults)."""
         fields = self.state_fields
         if not fields:
             if state:
@@ -375,8 +307,15 @@ class Policy:
         for name, (_, _, spec) in fields.items():
             shape = (b, hkv, n) if spec.per == "slot" else (b, hkv)
             t = state.get(name)
-            if t is None:
-                t = torch.full(shape, spec.initial, dtype=spec.dtype, device=device)
+            if t is None and spec.per == "head":
+                t = spec.initial_head_values(shape, device)
+            elif t is None:
+                if positions is None:  # select's default, as eviction_input fills it
+                    valid = torch.ones(b, n, dtype=torch.bool, device=device) if slot_valid is None else slot_valid
+                    positions = torch.where(valid, valid.long().cumsum(-1) - 1, -1)
+                if positions.dim() == 2:
+                    positions = positions[:, None, :].expand(b, hkv, n)
+                t = spec.initial_values(positions.to(device))
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != spec.dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"state field {name!r} must be a {shape} {spec.dtype} tensor, got {got}")
@@ -466,13 +405,13 @@ class Policy:
         every head keeps ``min(N, budget)``, the slots ``select`` returns.
         """
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
-        _check_inputs(keys, values, queries, slot_valid, query_valid, positions)
+        check_tensors(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
         self._check_facts_for_heads(kwargs.get("model"), kwargs.get("head_offset", 0), hkv, queries.shape[1],
                                     keys.shape[3])
         budget = self.budget if budget is None else budget
         seed = self.resolve_seed(kwargs.pop("seed", None))
-        state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device)
+        state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device, slot_valid, positions)
         inp = eviction_input(
             keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, state=state, **kwargs
         )
@@ -494,32 +433,10 @@ class Policy:
                 for another shape) or leaves a layer whose budget holds no candidate after the
                 protected slots; the problem names the ``allocation`` field.
         """
-        alloc = self.config.allocation
-        try:
-            alloc.check_model(num_layers, num_kv_heads if num_kv_heads is not None else 0)
-            budgets = alloc.layer_budgets(self.budget, num_layers, self.schedule.recent)
-        except ValueError as exc:
-            raise PolicyError([f"allocation: {exc}"], self.name) from None
-        if len(budgets) != num_layers or sum(budgets) != num_layers * self.budget:
-            raise PolicyError(
-                [f"allocation {alloc.type_name!r} gave {len(budgets)} layer budgets adding up to {sum(budgets)}; "
-                 f"{num_layers} adding up to {num_layers * self.budget} were due"],
-                self.name,
-            )
-        schedules: dict[int, Schedule] = {}
-        for layer, budget in enumerate(budgets):
-            if budget in schedules:
-                continue
-            protected = self.schedule.recent + sum(r.reserved_count(budget) for r in self.config.reservations)
-            if budget <= self.schedule.recent or protected > budget:
-                raise PolicyError(
-                    [f"allocation: layer {layer} gets a budget of {budget} slots, which leaves no candidate "
-                     f"after its {protected} protected slots (recent {self.schedule.recent} and reservations): "
-                     "raise the budget or flatten the allocation"],
-                    self.name,
-                )
-            schedules[budget] = self.schedule.model_copy(update={"budget": budget})
-        return [schedules[b] for b in budgets]
+        return self.config.allocation.layer_schedules(
+            self.schedule, self.config.reservations, num_layers, num_kv_heads, self.name
+        )
+
 
 def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:
     """The ``k_keep`` slots of largest ``priority [B, Hkv, N]``, ascending: ``[B, Hkv, k_keep]``.
@@ -534,207 +451,3 @@ def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:
     drop = priority.topk(n - k_keep, dim=-1, largest=False, sorted=False).indices
     keep = torch.ones_like(priority, dtype=torch.bool).scatter_(-1, drop, False)
     return keep.nonzero()[:, -1].view(b, hkv, k_keep)
-
-
-def eviction_input(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    queries: torch.Tensor,
-    *,
-    budget: int,
-    recent: int,
-    seed: int,
-    slot_valid: torch.Tensor | None = None,
-    query_valid: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    layer_idx: int | torch.Tensor = 0,
-    evictions: int | torch.Tensor = 0,
-    streams: int | torch.Tensor = 0,
-    key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    head_offset: int = 0,
-    query_positions: torch.Tensor | None = None,
-    query_new: torch.Tensor | None = None,
-    state: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
-    model: ModelFacts | None = None,
-) -> EvictionInput:
-    """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
-    ``Policy.select`` and the executor alike.
-
-    Fills the defaults ``Policy.select`` documents (all slots and queries valid, positions
-    ``0 .. N-1``, ``[B, N]`` masks broadcast over heads) and derives each row's seeds from
-    ``seed``, ``layer_idx``, ``evictions`` and ``streams`` (ints, or ``[B]`` tensors). Inputs are not checked
-    here: ``Policy.select`` checks them first. ``query_positions`` defaults to the window's valid
-    entries being the row's latest real tokens, the newest at the row's largest slot position;
-    ``query_new`` to every valid entry.
-    """
-    b, hkv, n, _ = keys.shape
-    device = keys.device
-    if slot_valid is None:
-        slot_valid = torch.ones(b, hkv, n, dtype=torch.bool, device=device)
-    elif slot_valid.dim() == 2:
-        slot_valid = slot_valid[:, None, :].expand(b, hkv, n)
-    if query_valid is None:
-        query_valid = torch.ones(b, queries.shape[2], dtype=torch.bool, device=device)
-    if positions is None:
-        positions = torch.where(slot_valid, slot_valid.long().cumsum(-1) - 1, -1)
-    elif positions.dim() == 2:
-        positions = positions[:, None, :].expand(b, hkv, n)
-    if query_positions is None:
-        newest = positions.flatten(1).amax(-1) if n else torch.full((b,), -1, dtype=torch.long, device=device)
-        query_positions = window_positions(query_valid, newest + 1)
-    if query_new is None:
-        query_new = query_valid
-    if not 0 <= seed <= seeds.INT64_MAX:
-        raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or not 0 <= head_offset <= MAX_HEAD_OFFSET:
-        raise ValueError(f"head_offset must be an int in [0, {MAX_HEAD_OFFSET}], got {head_offset!r}")
-    key = seeds.SeedKey(
-        seed, _per_row(layer_idx, b, "layer_idx"), _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
-    )
-    return EvictionInput(
-        keys=keys,
-        values=values,
-        queries=queries,
-        budget=min(n, budget),
-        num_candidates=max(0, n - recent),
-        slot_valid=slot_valid,
-        query_valid=query_valid,
-        positions=positions,
-        seed_key=key,
-        key_pages=key_pages,
-        head_offset=head_offset,
-        query_positions=query_positions,
-        query_new=query_new,
-        state=state,
-        model=model,
-    )
-
-
-def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[B, W]`` long: the token index of each valid window entry (``query_valid [B, W]``, in
-    time order) of rows that have seen ``tokens [B]`` real tokens, the last of which is the newest
-    entry; ``-1`` for invalid entries. A window holds a row's latest real queries, so the entry
-    with ``j`` valid ones after it is token ``tokens - 1 - j``."""
-    later = query_valid.flip(-1).long().cumsum(-1).flip(-1)  # valid entries at or after each one
-    return torch.where(query_valid, tokens.to(query_valid.device)[:, None] - later, -1)
-
-
-#: Far above any model's KV-head count: a larger offset can only be a caller's mistake.
-MAX_HEAD_OFFSET = 1 << 20
-
-
-def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:
-    """``[rows]`` int64 on the CPU from an int or a ``[rows]`` tensor (seeds are derived there)."""
-    t = torch.as_tensor(value, dtype=torch.long).cpu()
-    if t.dim() == 0:
-        return t.expand(rows).clone()
-    if tuple(t.shape) != (rows,):
-        raise ValueError(f"{label} must be an int or a [B={rows}] tensor, got shape {tuple(t.shape)}")
-    return t
-
-
-def load_policy(
-    source: str | bytes | bytearray | Path | Mapping[str, Any] | PolicyConfig | Policy, **overrides: Any
-) -> Policy:
-    """Load a policy: a registered name (``"vase-attnv"``), a YAML file, YAML text, a mapping or a config.
-
-    What ``source`` is taken for:
-
-    * a ``str``: a registered policy name if it is one; ``NAME@MODE`` for a registered policy in
-      another mode (``"vase-attnv@select"``: the same stages choosing a sparse subset of a full
-      cache at every step; named ``NAME@MODE``); else the path of an existing file; else
-      YAML text if it holds a newline or a ``:`` (``"{name: p, schedule: {budget: 64}, ...}"``);
-      else a missing file if it looks like a path (a suffix such as ``.yaml``, or a directory
-      part); else an unknown policy name (the error lists the registered ones);
-    * ``bytes``: YAML text, UTF-8 encoded;
-    * a ``pathlib.Path`` (any ``os.PathLike``): a policy file, read as UTF-8;
-    * a ``Mapping``: the policy as data, as a parsed policy file holds it;
-    * a ``PolicyConfig`` or a ``Policy``: used as is (with ``overrides`` applied).
-
-    ``overrides`` replace schedule fields (``budget``, ``recent``, ``interval``, ``window``,
-    ``count``, ``compress_prompt``) or top-level ones (``seed``, ``name``, ``description``,
-    ``mode``);
-    everything is validated before any tensor work, with errors naming file, line and field.
-
-    Raises:
-        PolicyError: (a ``ValueError``) for anything wrong with the document, the file or an
-            override: an unknown name, a missing or unreadable file, text that is not UTF-8,
-            invalid YAML (policy files also refuse anchors and aliases, duplicate keys and
-            nesting deeper than 64 levels), an unknown or invalid field, a value out of its
-            bounds (``seed`` in ``[0, 2**63 - 1]``, finite floats only, stage sizes capped) or
-            an inconsistent composition. Nothing else escapes for a bad document.
-        TypeError: only when ``source`` is a Python object of none of the kinds above (an
-            ``int``, ``None``, a list...): a programming error, not a bad document.
-    """
-    import os  # only this function needs it
-
-    def is_file(path: str) -> bool:
-        try:
-            return Path(path).is_file()
-        except (OSError, ValueError):  # a name too long for the OS, a NUL byte
-            return False
-
-    if isinstance(source, Policy):
-        return source.with_overrides(**overrides) if overrides else source
-    if isinstance(source, str):
-        registry = get_registry()
-        if source in registry.policies:
-            registered = registry.policies[source].obj  # a plugin's: a file, YAML text or data
-            if isinstance(registered, (Mapping, PolicyConfig, Policy, bytes, bytearray)):
-                return load_policy(registered, **overrides)
-            if isinstance(registered, str) and not is_file(registered):
-                return Policy(*load_config(registered, overrides, name=f"<{source}>"))
-            if isinstance(registered, str):
-                return Policy(*load_config(Path(registered), overrides, name=registered))
-            return Policy(*load_config(registered, overrides))  # a path, or a Traversable (importlib.resources)
-        if source.rpartition("@")[0] in registry.policies and not is_file(source):
-            base, _, mode = source.rpartition("@")
-            return load_policy(base, **{"mode": mode, "name": source, **overrides})
-        if is_file(source):
-            return Policy(*load_config(Path(source), overrides, name=source))
-        if "\n" in source or ":" in source:
-            return Policy(*load_config(source, overrides, name="<text>"))
-        if Path(source).suffix or len(Path(source).parts) > 1:
-            raise PolicyError([f"no such policy file: {source}"], source)
-        known = ", ".join(sorted(registry.policies))
-        raise PolicyError([f"unknown policy {source!r}; registered policies: {known}"], source)
-    if not isinstance(source, (PolicyConfig, Mapping, bytes, bytearray, os.PathLike)):
-        raise TypeError(
-            "load_policy takes a registered policy name, a path, YAML text (str or bytes), a mapping, "
-            f"a PolicyConfig or a Policy; got {type(source).__name__}"
-        )
-    return Policy(*load_config(source, overrides))
-
-
-def _check_inputs(keys, values, queries, slot_valid, query_valid, positions) -> None:
-    for label, t in (("keys", keys), ("values", values), ("queries", queries)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{label} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{label} must be float32, float16 or bfloat16, got {t.dtype}")
-    b, hkv, n, d = keys.shape
-    if values.shape[:3] != keys.shape[:3]:
-        raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, N]")
-    if queries.shape[0] != b or queries.shape[3] != d:
-        raise ValueError(f"queries {tuple(queries.shape)} must be [B={b}, Hq, W, D={d}] for keys {tuple(keys.shape)}")
-    if queries.shape[1] % hkv != 0:
-        raise ValueError(
-            f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({hkv}): "
-            f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
-        )
-    devices = {t.device for t in (keys, values, queries)}
-    checks = (
-        ("slot_valid", slot_valid, [(b, n), (b, hkv, n)]),
-        ("query_valid", query_valid, [(b, queries.shape[2])]),
-        ("positions", positions, [(b, n), (b, hkv, n)]),
-    )
-    for label, t, shapes in checks:
-        if t is None:
-            continue
-        if tuple(t.shape) not in shapes:
-            raise ValueError(f"{label} must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
-        devices.add(t.device)
-    if len(devices) > 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")

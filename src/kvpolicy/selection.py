@@ -14,10 +14,7 @@ from .policy import Policy, keep_top
 from .schedule import Schedule
 from .slots import StepPlan
 from .stages import guards
-from .stages.base import EvictionInput
-from .stages.current_attention import CurrentAttentionScorer
-from .stages.greedy import GreedySelector
-from .stages.quest import QuestScorer
+from .stages.base import EvictionInput, Stage
 
 #: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
 #: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
@@ -167,44 +164,53 @@ class SelectionState:
 
 
 def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
-    """What ``policy.select_from(inp)`` keeps, ``[B, Hkv, K]``, in fewer passes, for the
-    selection-native compositions (a ``quest`` or ``current_attention`` scorer, the ``greedy``
-    selector, no reservation); None for any other policy (it runs ``Policy.select_from``).
+    """What ``policy.select_from(inp)`` keeps, ``[B, Hkv, K]``, in fewer passes, where the
+    policy's stages declare it: a scorer that scores packed rows (``Scorer.score_packed``:
+    ``quest``, ``current_attention``, any plugin scorer that defines it), a selector whose
+    priority is the score (``Selector.priority_is_score``: ``greedy``) and no reservation; None
+    for any other policy, or when the scorer declines this input (the caller then runs
+    ``Policy.select_from``).
 
     For select mode's packed rows only: every slot of ``inp`` is valid and every token was
     checked as it entered the cache. The priorities are then the scorer's scores on the
-    candidates and +inf on the recent buffer, built here without the masks ``select_from``
-    combines, and ranked by the same ``keep_top`` call: the same slots come out, ties
-    included. Quest's scores are page-constant: the page scores (``C / P`` of them, from the
-    cache's page summaries) are written once into the priorities, and no key is read; oracle
-    top-k reads each key once (``q . K``).
+    candidates (checked: ``guards.run_packed_scorer``) and +inf on the recent buffer, built
+    without the masks ``select_from`` combines, and ranked by the same ``keep_top`` call: the
+    same slots come out, ties included, as long as the scores are ``score``'s. Quest's come
+    from the page summaries (no key is read); oracle top-k reads each key once (``q . K``).
+    A declaration counts only where it was made for the method it speaks of: a subclass that
+    overrides ``score`` (or ``priority``) without declaring again runs the full pipeline.
     """
     cfg = policy.config
-    scorer = cfg.scorer
-    if cfg.reservations or type(cfg.selector) is not GreedySelector:
+    scorer, selector = cfg.scorer, cfg.selector
+    if cfg.reservations or scorer is None:
         return None
-    if type(scorer) is not QuestScorer and type(scorer) is not CurrentAttentionScorer:
+    if not (selector.priority_is_score and _declared_for(type(selector), "priority_is_score", "priority")):
+        return None
+    if not _declared_for(type(scorer), "score_packed", "score"):  # a scorer of none has Scorer's
         return None
     guards.check_recent(inp)
-    b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
+    scores = guards.run_packed_scorer(scorer, inp)
+    if scores is None:
+        return None
+    # select_from's priorities: the candidates' scores (finite float32, so its clamp changes
+    # none) and +inf on the recent buffer. A tensor of its own: the scorer's is left alone.
     c = inp.num_candidates
-    priority = inp.keys.new_empty((b, hkv, n), dtype=torch.float32)
-    priority[..., c:] = float("inf")  # the recent buffer: always kept
-    if c and isinstance(scorer, QuestScorer):
-        pages = scorer.page_scores(inp, every_slot_valid=True)  # [B, Hkv, ceil(C / P)]
-        if not bool(torch.isfinite(pages).all()):
-            guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
-        pages = pages.clamp(-guards.F32_MAX, guards.F32_MAX)
-        p, full = scorer.page_size, c // scorer.page_size
-        priority[..., : full * p].unflatten(-1, (full, p)).copy_(pages[..., :full, None].expand(-1, -1, -1, p))
-        if full * p < c:
-            priority[..., full * p : c] = pages[..., full:]
-    elif c and isinstance(scorer, CurrentAttentionScorer):
-        scores = scorer.attention_mass(inp, every_slot_valid=True)
-        if not bool(torch.isfinite(scores[..., :c]).all()):  # q . k overflowed float32
-            guards.run_scorer(scorer, inp)  # raises, naming the scorer (as select_from would)
-        priority[..., :c] = scores[..., :c].clamp(-guards.F32_MAX, guards.F32_MAX)
+    priority = scores.new_empty(scores.shape)
+    priority[..., :c] = scores[..., :c]
+    priority[..., c:] = float("inf")
     return keep_top(priority, inp.budget)
+
+
+def _declared_for(cls: type[Stage], declaration: str, method: str) -> bool:
+    """Whether ``cls`` takes ``declaration`` from the class that gives it ``method`` or from one
+    before it in its MRO (a subclass of it), so that it was made for that ``method``: a class
+    that overrides ``method`` and inherits the declaration has not made it. (``Scorer`` itself
+    defines ``score_packed``, None, and every scorer its own ``score``: a scorer that does not
+    define ``score_packed`` is never asked.)"""
+    mro = cls.__mro__
+    owner = next(i for i, c in enumerate(mro) if declaration in c.__dict__)
+    implementer = next(i for i, c in enumerate(mro) if method in c.__dict__)
+    return owner <= implementer
 
 
 def select_capacity(needed: int, growth: float) -> int:

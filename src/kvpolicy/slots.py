@@ -40,13 +40,19 @@ class SlotBuffers:
         #: Per-(row, KV head) state fields ``[Lyr, B, Hkv]``: moved with rows, not with slots.
         self.head_state: dict[str, torch.Tensor] = {}
         self.head_fill: dict[str, float] = {}
-        for name, spec in (state or {}).items():
+        #: Every state field's ``StateField``: fresh values come from its ``initial_values``.
+        self.state_specs: dict[str, StateField] = dict(state or {})
+        #: Whether a per-slot field starts at its token's position (``initial="position"``):
+        #: ``new_tokens`` then needs the new tokens' positions.
+        self.needs_positions = any(spec.initial == "position" for spec in self.state_specs.values())
+        empty = torch.full((), -1, dtype=torch.long)  # an empty slot's position
+        for name, spec in self.state_specs.items():
             if spec.per == "slot":
-                setattr(self, name, torch.full(shape, spec.initial, dtype=spec.dtype, device=device))
-                self.fill[name] = spec.initial
+                setattr(self, name, spec.initial_values(self.positions))  # every slot empty
+                self.fill[name] = spec.initial_values(empty).item()
             else:
-                self.head_state[name] = torch.full(shape[:3], spec.initial, dtype=spec.dtype, device=device)
-                self.head_fill[name] = spec.initial
+                self.head_state[name] = spec.initial_head_values(shape[:3], device)
+                self.head_fill[name] = spec.initial_head_values((), "cpu").item()
 
     @property
     def slot_state(self) -> tuple[str, ...]:
@@ -93,13 +99,22 @@ class SlotBuffers:
         for name, old in self.head_state.items():
             self.head_state[name] = old.index_select(1, index.to(old.device))
 
-    def new_tokens(self, batch: int, tokens: int) -> dict[str, torch.Tensor]:
-        """The per-slot state of ``tokens`` new tokens of ``batch`` rows: each field's ``initial``
-        (``[B, Hkv, T]`` expanded views; empty without state)."""
-        out = {}
+    def new_tokens(self, batch: int, tokens: int, positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The per-slot state of ``tokens`` new tokens of ``batch`` rows, each field's
+        ``StateField.initial_values`` (``[B, Hkv, T]`` views expanded over the heads; empty
+        without state). ``positions [B, T]`` long: each new token's position (-1 for padding),
+        needed when ``needs_positions`` (None: constant fields only)."""
+        out: dict[str, torch.Tensor] = {}
+        if not self.slot_state:
+            return out
+        if positions is None:
+            if self.needs_positions:
+                raise ValueError("a state field starts at its token's position: new_tokens needs the positions")
+            positions = self.positions.new_full((), -1).expand(batch, tokens)  # only their shape is read
         for name in self.slot_state:
             t: torch.Tensor = getattr(self, name)
-            out[name] = t.new_full((), self.fill[name]).expand(batch, t.shape[2], tokens)
+            fresh = self.state_specs[name].initial_values(positions.to(t.device)[:, None, :])  # [B, 1, T]
+            out[name] = fresh.expand(batch, t.shape[2], tokens)
         return out
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .eviction import is_long_step
 from .heads import HeadLayout
 from .layouts import CacheStateError as CacheStateError
 from .layouts import LayoutChoice, SlotLayout
@@ -80,6 +81,8 @@ class LayerGroup:
         self.rows = RowCounters(b)
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         added = _added(token_valid, b, t)
+        #: Runs the policy over the group's slots (``kvpolicy.executor.Executor``).
+        self.executor = layout.executor
         self.layout: SlotLayout = layout.build(self, keys, values, int(added.max()))
         self.buffers: SlotBuffers = self.layout.buffers  # the layout's (one object for the group's life)
         self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
@@ -91,6 +94,9 @@ class LayerGroup:
         self.slots_evicted = 0
         #: A step too long for the window under a stateful policy: its queries' (positions, valid).
         self.long_step: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: ``[B, T]`` long positions of the step's tokens (-1: padding), for state fields that
+        #: start at their token's position (``StateField(initial="position")``); else None.
+        self.new_positions: torch.Tensor | None = None
         self.plan = self._plan(t, token_valid, added)
 
     # -- properties ---------------------------------------------------------------------------
@@ -194,6 +200,7 @@ class LayerGroup:
         ring = self.ring.advance(t, token_valid)
         is_prompt = self.tokens_seen == 0
         self._plan_long_step(t, token_valid)
+        self._plan_new_positions(t, token_valid)
         self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, is_prompt))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
@@ -213,6 +220,7 @@ class LayerGroup:
         self._reserve(after)
         ring = self.ring.advance(t, None)
         self._plan_long_step(t, None)
+        self._plan_new_positions(t, None)
         self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.tokens_seen == 0)))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
@@ -228,7 +236,7 @@ class LayerGroup:
         layer's state sees all of them as the layer is written (``Executor.observe_step``), from
         the token positions and validity set here (before the rows' counters advance)."""
         self.long_step = None
-        if t <= self.schedule.window or not self.layout.executor.policy.observes_queries:
+        if not is_long_step(t, self.schedule.window) or not self.executor.policy.observes_queries:
             return
         device = self.device
         before = self.rows.seen().to(device)[:, None]
@@ -238,6 +246,23 @@ class LayerGroup:
             valid = token_valid.to(device)
         positions = torch.where(valid, before + valid.long().cumsum(-1) - 1, -1)
         self.long_step = (positions, valid)
+
+    def _plan_new_positions(self, t: int, token_valid: torch.Tensor | None) -> None:
+        """The positions of the step's tokens, when a state field starts at its token's position
+        (before the rows' counters advance; a long step's, computed just before, are reused)."""
+        self.new_positions = None
+        if not self.buffers.needs_positions:
+            return
+        if self.long_step is not None:
+            self.new_positions = self.long_step[0]
+            return
+        device = self.device
+        before = self.rows.seen().to(device)[:, None]
+        if token_valid is None:
+            self.new_positions = before + torch.arange(t, device=device)
+        else:
+            valid = token_valid.to(device)
+            self.new_positions = torch.where(valid, before + valid.long().cumsum(-1) - 1, -1)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
         """Write ``layer``'s part of the current step (shapes as planned)."""
@@ -257,7 +282,7 @@ class LayerGroup:
             )
         new = {"keys": keys, "values": values}
         if self.buffers.slot_state:  # a new token's state starts at its field's initial value
-            new.update(self.buffers.new_tokens(plan.batch, plan.tokens))
+            new.update(self.buffers.new_tokens(plan.batch, plan.tokens, self.new_positions))
         if (plan.ring.take or self.long_step is not None) and queries is None:
             raise ValueError(f"layer {layer}: the policy keeps a window of queries; pass the step's queries")
         self.layout.write(i, new, plan)
@@ -265,7 +290,7 @@ class LayerGroup:
         if self.long_step is not None:  # before the ring keeps only the step's last queries
             assert queries is not None
             try:
-                self.layout.executor.observe_step(self, layer, queries, *self.long_step)
+                self.executor.observe_step(self, layer, queries, *self.long_step)
             except BaseException:
                 # The keys are written but the state missed these queries: the layer counts as
                 # not written, so the next step asks for reset() instead of going on with it.

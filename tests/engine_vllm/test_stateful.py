@@ -44,7 +44,8 @@ def refs(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = {}
     for name, policy in (("h2o", load_policy("h2o", budget=BUDGET)), ("h2o-w16", load_policy(H2O_W16)),
-                         ("gkv", load_policy("gkv", budget=BUDGET))):
+                         ("gkv", load_policy("gkv", budget=BUDGET)),
+                         ("gkv-b64", load_policy("gkv", budget=64, interval=16))):
         rows = []
         for text in PROMPTS:
             ids = tokenizer(text).input_ids
@@ -62,7 +63,10 @@ def refs(model_dir):
 
 def _requests():
     return {"h2o": None, "h2o-w16": {"kvpolicy": {"policy": H2O_W16}},
-            "gkv": {"kvpolicy": {"policy": "gkv", "budget": BUDGET}}}
+            "gkv": {"kvpolicy": {"policy": "gkv", "budget": BUDGET}},
+            # evicts at every 16th token: the worker once updated G-KV's state twice per eviction,
+            # and its tokens left generate()'s after about a hundred (the runs above evict at most once)
+            "gkv-b64": {"kvpolicy": {"policy": "gkv", "budget": 64, "interval": 16}}}
 
 
 def _check(llm, refs, requests) -> None:

@@ -17,10 +17,11 @@ from kvpolicy_lazyeviction import LazyEvictionScorer, plugin
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
 from kvpolicy.registry import PluginLoadWarning, Registry, reset_registry
-from kvpolicy.schedule import Schedule
 
-# The core suite's helpers for decoding with a tiny transformers model (tests/hf_util.py).
+# The core suite's helpers for decoding with a tiny transformers model (tests/hf_util.py) and its
+# float64 token-loop cache (tests/reference.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+from reference import TokenLoopCache, softmax  # noqa: E402
 
 THRESHOLD = 0.08  # of the order of 1/N for the few dozen slots held here: some hits, some misses
 
@@ -50,8 +51,9 @@ def _policy(budget=16, recent=4, interval=4, window=4, threshold=THRESHOLD, grou
 
 
 # -- a float64 loop reference of LazyEviction ---------------------------------------------------
-class LazyReference:
-    """LazyEviction on one layer, token by token, in float64 Python loops.
+class LazyReference(TokenLoopCache):
+    """LazyEviction on one layer, token by token, in float64 Python loops (the core suite's
+    ``reference.TokenLoopCache``).
 
     Every held token of every (row, KV head) carries ``last`` (the index of the query that last
     attended it above the threshold; its own index when it arrives) and ``mri`` (the longest gap
@@ -61,78 +63,23 @@ class LazyReference:
     keeps the ``recent`` newest tokens and the ``budget - recent`` others of highest
     ``1 - (now - last) / (mri + 1)``, ``now`` the newest query's index."""
 
-    def __init__(self, schedule: Schedule, batch: int, hkv: int, hq: int, threshold: float, group_reduce: str):
-        self.s, self.hkv, self.g = schedule, hkv, hq // hkv
+    def __init__(self, schedule, batch: int, hkv: int, hq: int, threshold: float, group_reduce: str):
+        super().__init__(schedule, batch, hkv, hq)
         self.threshold, self.group_reduce = threshold, group_reduce
-        self.held: list[list[list[dict]]] = [[[] for _ in range(hkv)] for _ in range(batch)]
-        self.tokens = [0] * batch
-        self.now = [-1] * batch
-        self.steps = 0
 
-    def feed(self, k, v, q, valid) -> list[torch.Tensor | None]:
-        """One step's tokens (``[B, H, T, D]``, ``valid [B, T]``); returns each row's attention
-        outputs ``[Hq, T_real, D]``."""
-        outs = []
-        d = k.shape[-1]
-        for b in range(k.shape[0]):
-            row_out = []
-            for t in range(k.shape[2]):
-                if not valid[b, t]:
-                    continue
-                pos = self.tokens[b]
-                self.tokens[b] += 1
-                self.now[b] = pos
-                for h in range(self.hkv):
-                    self.held[b][h].append(
-                        {"pos": pos, "k": k[b, h, t].double(), "v": v[b, h, t].double(), "last": pos, "mri": 0})
-                heads = []
-                for h in range(self.hkv):
-                    entries = self.held[b][h]
-                    per_head = []
-                    for qh in range(h * self.g, (h + 1) * self.g):
-                        logits = [float(q[b, qh, t].double() @ e["k"]) / math.sqrt(d) for e in entries]
-                        top = max(logits)
-                        ex = [math.exp(x - top) for x in logits]
-                        probs = [x / sum(ex) for x in ex]
-                        per_head.append(probs)
-                        heads.append(sum(p * e["v"] for e, p in zip(entries, probs, strict=True)))
-                    for j, e in enumerate(entries):
-                        column = [p[j] for p in per_head]
-                        a = max(column) if self.group_reduce == "max" else sum(column) / len(column)
-                        if a > self.threshold:
-                            e["mri"] = max(e["mri"], pos - e["last"])
-                            e["last"] = pos
-                row_out.append(torch.stack(heads))
-            outs.append(torch.stack(row_out, 1) if row_out else None)
-        self.steps += 1
-        return outs
+    def fresh(self, pos: int) -> dict:
+        return {"last": pos, "mri": 0}
 
-    def due(self, b: int) -> bool:
-        return bool(self.s.due(len(self.held[b][0]), self.tokens[b], prompt=self.steps == 1))
+    def update(self, b, h, pos, entries, probs) -> None:
+        for j, e in enumerate(entries):
+            column = [p[j] for p in probs]
+            a = max(column) if self.group_reduce == "max" else sum(column) / len(column)
+            if a > self.threshold:
+                e["mri"] = max(e["mri"], pos - e["last"])
+                e["last"] = pos
 
-    def score(self, b: int, e: dict) -> float:
-        return 1.0 - (self.now[b] - e["last"]) / (e["mri"] + 1)
-
-    def evict(self, b: int, kept: list[set[int]]) -> None:
-        """Check that ``kept`` (per head, the positions the cache kept) is the recent buffer and a top
-        ``budget - recent`` of the reference's scores (equal scores may go either way), and
-        continue from it."""
-        for h in range(self.hkv):
-            entries = self.held[b][h]
-            cut = len(entries) - self.s.recent
-            old, recent = entries[:cut], entries[cut:]
-            chosen = [e for e in old if e["pos"] in kept[h]]
-            dropped = [e for e in old if e["pos"] not in kept[h]]
-            assert {e["pos"] for e in recent} <= kept[h], (b, h)  # the recent buffer is always kept
-            assert len(chosen) == self.s.budget - self.s.recent == len(kept[h]) - len(recent), (b, h, sorted(kept[h]))
-            if dropped:
-                worst_kept = min(self.score(b, e) for e in chosen)
-                best_dropped = max(self.score(b, e) for e in dropped)
-                assert worst_kept >= best_dropped, (b, h, worst_kept, best_dropped)
-            self.held[b][h] = chosen + recent
-
-    def positions(self, b: int, h: int) -> list[int]:
-        return [e["pos"] for e in self.held[b][h]]
+    def rank(self, b: int, h: int) -> tuple[list[float], None]:
+        return [1.0 - (self.now[b] - e["last"]) / (e["mri"] + 1) for e in self.candidates(b, h)], None
 
 
 def _steps(batch, hkv, hq, d, prompt, n, seed, pads=None, dtype=torch.float64):
@@ -160,11 +107,11 @@ def _compare_state(view, ref: LazyReference, b: int, label: str) -> bool:
     state = view.state
     for h in range(ref.hkv):
         held = view.valid[b, h]
-        got_last = state["state0.last"][b, h][held].tolist()
-        got_mri = state["state0.mri"][b, h][held].tolist()
+        got_last = state["lazyeviction.last"][b, h][held].tolist()
+        got_mri = state["lazyeviction.mri"][b, h][held].tolist()
         assert got_last == [e["last"] for e in ref.held[b][h]], (label, b, h)
         assert got_mri == [e["mri"] for e in ref.held[b][h]], (label, b, h)
-    assert state["state0.now"][b].tolist() == [ref.now[b]] * ref.hkv, label
+    assert state["lazyeviction.now"][b].tolist() == [ref.now[b]] * ref.hkv, label
     return True
 
 
@@ -207,7 +154,7 @@ def test_the_state_sees_misses_and_long_intervals():
     cache.evict_due()
     state = cache.layers[0].state
     valid = cache.layers[0].valid
-    mri = state["state0.mri"][valid]
+    mri = state["lazyeviction.mri"][valid]
     assert int(mri.max()) >= 5 and bool((mri == 0).any())
     scores = LazyEvictionScorer(threshold=THRESHOLD)
     assert scores.may_be_negative
@@ -219,7 +166,7 @@ def test_padded_rows_equal_rows_alone(pads):
     from helpers import assert_state_rows_alone
 
     steps = _steps(2, 2, 4, 8, prompt=14, n=25, seed=3, pads=pads)
-    batch = assert_state_rows_alone(_policy(), steps, ["state0.last", "state0.mri"], ["state0.now"])
+    batch = assert_state_rows_alone(_policy(), steps, ["lazyeviction.last", "lazyeviction.mri"], ["lazyeviction.now"])
     assert batch.stats()[0].evictions >= 3
 
 
@@ -288,8 +235,8 @@ def test_generate_equals_float64_reference():
 def _assert_state(state, ref: LazyReference, lengths: list[int], label) -> None:
     """The first ``lengths[h]`` slots of row 0's state equal the reference's tokens, in order."""
     for h, n in enumerate(lengths):
-        assert state["state0.last"][0, h, :n].tolist() == [e["last"] for e in ref.held[0][h][:n]], label
-        assert state["state0.mri"][0, h, :n].tolist() == [e["mri"] for e in ref.held[0][h][:n]], label
+        assert state["lazyeviction.last"][0, h, :n].tolist() == [e["last"] for e in ref.held[0][h][:n]], label
+        assert state["lazyeviction.mri"][0, h, :n].tolist() == [e["mri"] for e in ref.held[0][h][:n]], label
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -327,7 +274,7 @@ def test_named_policy_loads_with_overrides():
     scorer = policy.config.scorer
     assert isinstance(scorer, LazyEvictionScorer) and scorer.threshold == 1e-4
     assert policy.keeps_state and policy.observes_queries
-    assert set(policy.state_fields) == {"state0.last", "state0.mri", "state0.now"}
+    assert set(policy.state_fields) == {"lazyeviction.last", "lazyeviction.mri", "lazyeviction.now"}
 
 
 def test_select_on_a_fresh_state():
@@ -342,14 +289,10 @@ def test_select_on_a_fresh_state():
     ref.held = [[[{"pos": j, "last": j, "mri": 0, "k": k[0, h, j].double()} for j in range(20)] for h in range(2)]]
     for w, t in enumerate(range(16, 20)):  # the window's queries are tokens 16..19
         for h in range(2):
-            probs = []
-            for qh in (2 * h, 2 * h + 1):
-                logits = [float(q[0, qh, w].double() @ e["k"]) / math.sqrt(8) for e in ref.held[0][h][: t + 1]]
-                z = sum(math.exp(x - max(logits)) for x in logits)
-                probs.append([math.exp(x - max(logits)) / z for x in logits])
-            for j, e in enumerate(ref.held[0][h][: t + 1]):
-                if max(p[j] for p in probs) > THRESHOLD:
-                    e["mri"], e["last"] = max(e["mri"], t - e["last"]), t
+            seen = ref.held[0][h][: t + 1]
+            probs = [softmax([float(q[0, qh, w].double() @ e["k"]) / math.sqrt(8) for e in seen])
+                     for qh in (2 * h, 2 * h + 1)]
+            ref.update(0, h, t, seen, probs)
     ref.now = [19]
     ref.evict(0, [set(kept[0, h].tolist()) for h in range(2)])
 
@@ -361,10 +304,11 @@ def test_entry_point_is_installed():
     assert matches[0].value == "kvpolicy_lazyeviction.plugin"
 
 
-def test_the_plugin_declares_contract_3():
+def test_the_plugin_declares_contract_4():
+    """``initial="position"`` (its ``last`` field) is contract 4's."""
     from kvpolicy.hookspecs import ACCEPTED_CONTRACTS
 
-    assert plugin.kvpolicy_contract() == 3 and 3 in ACCEPTED_CONTRACTS
+    assert plugin.kvpolicy_contract() == 4 and 4 in ACCEPTED_CONTRACTS
 
 
 def test_registry_discovers_the_plugin():

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PolicyError
-from ..policy import Policy, load_policy
+from ..loading import load_policy
+from ..policy import Policy
 from .config import FULL, POLICY_SETS, EvalConfig, EvalError
 from .decoding import stop_token_ids
 from .metrics import Column, Metric, RunContext, get_metrics

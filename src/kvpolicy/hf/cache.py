@@ -32,7 +32,8 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..evicting import EvictingCache, LayerView
-from ..policy import Policy, load_policy
+from ..loading import load_policy
+from ..policy import Policy
 from ..state import SELECT_GROWTH, EvictionStats
 from .attention import ATTN_IMPLEMENTATION, KVPOLICY_KV_OFFSET, record_replaced, register, tag_keys
 from .facts import model_facts

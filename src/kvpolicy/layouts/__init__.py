@@ -23,26 +23,27 @@ from ..selection import SELECT_GROWTH
 from .base import (
     CacheStateError,
     ChosenSlots,
+    GroupRunner,
     GroupState,
     HeldSlots,
-    PolicyRunner,
     RowClass,
     SlotLayout,
     SlotView,
 )
 from .even import EvenRows
 from .head_runs import HeadRuns
-from .select import RowPhase, SelectRows
+from .select import Chooser, RowPhase, SelectRows
 
 __all__ = [
     "CacheStateError",
+    "Chooser",
     "ChosenSlots",
     "EvenRows",
+    "GroupRunner",
     "GroupState",
     "HeadRuns",
     "HeldSlots",
     "LayoutChoice",
-    "PolicyRunner",
     "RowClass",
     "RowPhase",
     "SelectRows",
@@ -57,20 +58,23 @@ class LayoutChoice:
     """The layout every group of one cache is built with, and its options."""
 
     kind: type[SlotLayout]
-    executor: PolicyRunner
+    #: The executor that runs the policy over the groups' slots (layouts never see the policy).
+    executor: GroupRunner
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def build(self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int) -> SlotLayout:
         """The layout of a new ``group`` whose first step needs ``needed`` slots (``keys`` and
         ``values``: the first step's, for shapes, dtype and device)."""
-        return self.kind(group, keys, values, needed, self.executor, **self.options)
+        fields = {name: spec for name, (_, _, spec) in self.executor.policy.state_fields.items()}
+        return self.kind(group, keys, values, needed, fields, **self.options)
 
 
-def layout_for(policy: Policy, executor: PolicyRunner, select_growth: float = SELECT_GROWTH) -> LayoutChoice:
+def layout_for(policy: Policy, executor: GroupRunner, select_growth: float = SELECT_GROWTH) -> LayoutChoice:
     """The layout of ``policy``'s groups: select mode's, per-head runs for a per-head
     allocation, else even rows."""
     if policy.config.mode == "select":
-        options = {"page_sizes": policy.key_page_sizes, "per_head": policy.allocation.per_head, "growth": select_growth}
+        options = {"page_sizes": policy.key_page_sizes, "per_head": policy.allocation.per_head, "growth": select_growth,
+                   "choose": executor.choose}
         return LayoutChoice(SelectRows, executor, options)
     if policy.allocation.per_head:
         return LayoutChoice(HeadRuns, executor)

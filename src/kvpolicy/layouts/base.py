@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..eviction import Kept
 from ..heads import HeadLayout
 from ..policy import Policy
 from ..rows import RowCounters
 from ..schedule import Schedule
 from ..selection import SelectionState
 from ..slots import SlotBuffers, StepPlan
-from ..stages.base import EvictionInput
+from ..stages.base import StateField
 
 
 class CacheStateError(RuntimeError):
@@ -37,6 +38,11 @@ class HeldSlots(NamedTuple):
 
     fields: Mapping[str, torch.Tensor]
     valid: torch.Tensor | None
+    #: Where the layout read each column from (a layout's own; None: views of the buffers).
+    address: Any = None
+    #: Writes state fields, in this arrangement, back to the slots they were read from, moving
+    #: none (the layout's; None where the slots carry no state to store).
+    store: Callable[[Mapping[str, torch.Tensor]], None] | None = None
 
 
 class RowClass(NamedTuple):
@@ -83,22 +89,21 @@ class GroupState(Protocol):
     def materialise_positions(self) -> None: ...
 
 
-class PolicyRunner(Protocol):
-    """What a layout asks of the policy's executor (``kvpolicy.executor.Executor``): the policy,
-    its input for some rows' held slots, and select mode's choice for a step (timed there)."""
+class GroupRunner(Protocol):
+    """What a group asks of the executor that runs its policy (``kvpolicy.executor.Executor``):
+    the policy, a long step's update as a layer is written, select mode's choice (handed to
+    ``SelectRows``). Layouts never call it: the executor calls them."""
 
     policy: Policy
-
-    def eviction_input(
-        self, group: Any, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, *,
-        layer: int | None = None, key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> EvictionInput: ...
-
-    def selected_slots(self, group: Any, layer: int) -> list[ChosenSlots]: ...
 
     def observe_step(
         self, group: Any, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
     ) -> None: ...
+
+    def choose(
+        self, group: Any, layer: int, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots,
+        key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> Kept: ...
 
 
 class SlotLayout(ABC):
@@ -118,15 +123,14 @@ class SlotLayout(ABC):
     select: SelectionState | None = None
 
     def __init__(
-        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner,
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int,
+        state_fields: Mapping[str, StateField],
     ) -> None:
         b, h, _, d = keys.shape
         self.group = group
-        self.executor = executor
-        state = {name: spec for name, (_, _, spec) in executor.policy.state_fields.items()}
         self.buffers = SlotBuffers(
             len(group.layer_ids), b, h, self.capacity_for(needed), d, values.shape[-1], keys.dtype, keys.device,
-            state=state,
+            state=state_fields,
         )
 
     @classmethod  # noqa: B027  (a hook: most layouts refuse nothing)
@@ -199,51 +203,29 @@ class SlotLayout(ABC):
         """What the step's queries attend (``EvictingCache.step``): every held slot by default."""
         return self.slots(layer)
 
-    def chosen_slots(self, layer: int) -> list[ChosenSlots]:
-        """Select mode's choice for a decode step (``Executor.selected_slots``)."""
-        raise CacheStateError("a select-mode step on a group that is not in select mode")
-
     # -- eviction -------------------------------------------------------------------------------
     @abstractmethod
     def eviction_classes(self, due: torch.Tensor) -> list[RowClass]:
         """The due rows (``due [B]`` host bool) in classes evicted together."""
 
     @abstractmethod
-    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
-        """Run the policy on ``rows`` (host ``[R]``; ``row_sel``: all rows, or them on the
-        device), every layer at once, and compact what it keeps; returns the slots each row
-        holds now. The positions are written out. A policy that keeps state sees it up to date
-        (``Policy.observe``) and the new state moves with the kept slots."""
+    def compact(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int, held: HeldSlots, kept: Kept) -> int:
+        """Keep what the eviction ``kept`` of ``rows``' slots as ``gather_rows`` gave them (``held``;
+        ``row_sel``: all rows, or them on the device): move the kept slots, with their new state
+        (``kept.state``), into place, every layer at once; return the slots each row holds now."""
 
-    # -- state (policies whose stages keep state) -------------------------------------------------
+    # -- gathering (policies read slots through these) ---------------------------------------------
     @abstractmethod
-    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+    def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         """Every layer's slots of ``rows`` (holding ``count`` each) as the policy sees them at an
-        eviction, layers stacked on the batch axis: every per-slot field and per-head state."""
+        eviction, layers stacked on the batch axis: every per-slot field and per-head state, and
+        how to store a new state back (``HeldSlots.store``)."""
 
     @abstractmethod
-    def store_rows_state(
-        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
-    ) -> None:
-        """Write state fields (``[Lyr * R, Hkv, N]`` per slot, ``[Lyr * R, Hkv]`` per head, in
-        ``held``'s arrangement) back to ``rows``' slots, without moving any."""
-
-    def observe(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> None:
-        """Bring the state of ``rows`` up to date with their window's unseen queries, every layer
-        at once, evicting nothing."""
-        held = self.held_rows(rows, row_sel, count)
-        inp = self.executor.eviction_input(self.group, rows, row_sel, held)
-        _, state = self.executor.policy.observe(inp, eviction=False)
-        self.store_rows_state(rows, row_sel, held, state)
-
-    @abstractmethod
-    def layer_slots(self, layer: int) -> HeldSlots:
+    def gather_layer(self, layer: int) -> HeldSlots:
         """``layer``'s slots of every row, ``[B, Hkv, L, ...]``, every per-slot field and per-head
-        state: what a long step's queries update (``Executor.observe_step``)."""
-
-    @abstractmethod
-    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Write ``layer``'s state fields back, in ``layer_slots``' arrangement."""
+        state (what a long step's queries update, ``Executor.observe_step``; ``LayerView.state``),
+        and how to store a new state back."""
 
     def settle_observed(self) -> None:  # noqa: B027  (a hook)
         """Record rows whose state a layout brought up to date during a step on every layer

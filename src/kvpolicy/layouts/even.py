@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..attend import attend
+from ..eviction import Kept
 from ..slots import Contiguous, StepPlan, block, compact_rows
 from .base import HeldSlots, RowClass, SlotLayout, SlotView
 
@@ -97,30 +99,24 @@ class EvenRows(SlotLayout):
         counts = self.group.counts
         return [RowClass((due & (counts == c)).nonzero().squeeze(1), int(c)) for c in counts[due].unique().tolist()]
 
-    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
-        """Every layer's rows stacked on the batch axis (free views when every row is due), one
-        policy call, the kept slots ``[Lyr, R, Hkv, K]`` gathered to the front in place."""
-        n_layers, executor = self.buffers.keys.shape[0], self.executor
-        held = self.held_rows(rows, row_sel, count)
-        inp, state = executor.policy.observe(executor.eviction_input(self.group, rows, row_sel, held))
-        kept = executor.policy.select_from(inp, inputs_checked=bool(state))  # observe checked them
-        kept = kept.unflatten(0, (n_layers, rows.numel()))
-        lead = (n_layers, rows.numel())
-        slot_state = {k: v.unflatten(0, lead) for k, v in state.items() if k not in self.buffers.head_state}
-        compact_rows(self.buffers, row_sel, kept, count, sources=slot_state)
-        self._store_head_state(row_sel, state)
-        return kept.shape[-1]
+    def compact(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int, held: HeldSlots, kept: Kept) -> int:
+        """The kept slots ``[Lyr, R, Hkv, K]`` gathered to the front in place, their new state with them."""
+        assert kept.slots is not None  # even rows: every head keeps the same count
+        lead = (self.buffers.keys.shape[0], rows.numel())
+        slots = kept.slots.unflatten(0, lead)
+        slot_state = {k: v.unflatten(0, lead) for k, v in kept.state.items() if k not in self.buffers.head_state}
+        compact_rows(self.buffers, row_sel, slots, count, sources=slot_state)
+        self._store_head_state(row_sel, kept.state)
+        return slots.shape[-1]
 
     # -- state ----------------------------------------------------------------------------------
-    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+    def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         fields = {name: block(t, row_sel, count).flatten(0, 1) for name, t in self.buffers.tensors()}
         for name, t in self.buffers.head_state.items():
             fields[name] = t[:, row_sel].flatten(0, 1)
-        return HeldSlots(fields, None)
+        return HeldSlots(fields, None, store=partial(self._store_rows_state, rows, row_sel))
 
-    def store_rows_state(
-        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
-    ) -> None:
+    def _store_rows_state(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
         n_layers = self.buffers.keys.shape[0]
         for name, t in state.items():
             if name in self.buffers.head_state:
@@ -138,15 +134,16 @@ class EvenRows(SlotLayout):
                 where = row_sel if isinstance(row_sel, slice) else row_sel.to(t.device)
                 head_state[name][:, where] = t.unflatten(0, (head_state[name].shape[0], -1))
 
-    def layer_slots(self, layer: int) -> HeldSlots:
+    def gather_layer(self, layer: int) -> HeldSlots:
         i, length = self.group.member[layer], self.group.extent(layer)
         self.group.materialise_positions()
         fields = {name: t[i, :, :, :length] for name, t in self.buffers.tensors()}
         for name, t in self.buffers.head_state.items():
             fields[name] = t[i]
-        return HeldSlots(fields, self._valid(layer).expand(-1, self.buffers.keys.shape[2], -1))
+        valid = self._valid(layer).expand(-1, self.buffers.keys.shape[2], -1)
+        return HeldSlots(fields, valid, store=partial(self._store_layer_state, layer))
 
-    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+    def _store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
         i = self.group.member[layer]
         for name, t in state.items():
             if name in self.buffers.head_state:

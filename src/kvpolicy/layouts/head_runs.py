@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 
 from ..attend import attend_heads
+from ..eviction import Kept
 from ..heads import HeadLayout
 from ..slots import Contiguous, StepPlan
-from .base import GroupState, HeldSlots, PolicyRunner, RowClass, SlotView
+from ..stages.base import StateField
+from .base import GroupState, HeldSlots, RowClass, SlotView
 from .even import EvenRows
 
 
@@ -26,9 +29,10 @@ class HeadRuns(EvenRows):
     heads: HeadLayout
 
     def __init__(
-        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner,
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int,
+        state_fields: Mapping[str, StateField],
     ) -> None:
-        super().__init__(group, keys, values, needed, executor)
+        super().__init__(group, keys, values, needed, state_fields)
         self.heads = HeadLayout(len(group.layer_ids), keys.shape[0], keys.shape[1], keys.device)
 
     def _counts(self, layer: int) -> torch.Tensor | int:
@@ -153,33 +157,43 @@ class HeadRuns(EvenRows):
             for count, width in classes.tolist()
         ]
 
-    def evict(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> int:
-        """The policy sees each head's slots right-aligned (``HeadLayout.slots``) and keeps
-        ``counts[h]`` per head; the kept slots move to the rows' new runs (``HeadLayout.compaction``)
-        and the rows then hold ``budget``."""
-        heads, buffers, executor, group = self.heads, self.buffers, self.executor, self.group
-        cap = buffers.capacity
+    def compact(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int, held: HeldSlots, kept: Kept) -> int:
+        """The new state written to the slots it was read from, then each head's ``counts[h]``
+        kept slots moved to the rows' new runs (``HeadLayout.compaction``); the rows then hold
+        ``budget``."""
+        heads, buffers, group = self.heads, self.buffers, self.group
+        assert kept.keep is not None and kept.counts is not None  # per-head runs: a per-head allocation
         n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
-        held, flat = self._picked(rows, row_sel, count)
-        inp, state = executor.policy.observe(executor.eviction_input(group, rows, row_sel, held))
-        self._store_picked(row_sel, flat, held, state)
-        keep, kept_counts = executor.policy.select_heads_from(inp, inputs_checked=bool(state))  # observe checked
-        keep = keep.view(n_layers, n_rows, hkv, flat.shape[-1])
+        if held.address is None:  # read as even rows (before the first eviction): address them per head
+            held = self._picked(rows, row_sel, count, fields=held.fields)
+        flat = held.address
+        assert held.store is not None  # _picked always says how to store
+        held.store(kept.state)
+        budget = int(kept.counts[0].sum()) // hkv  # every row's heads share its budget
+        keep = kept.keep.view(n_layers, n_rows, hkv, flat.shape[-1])
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]
-        move = heads.compaction(cap, inp.budget, flat, keep, row_of)
+        move = heads.compaction(buffers.capacity, budget, flat, keep, row_of)
         for _, t in buffers.tensors():
             move.apply(t, t)
-        heads.set_deficit(slice(None), row_sel, inp.budget - kept_counts.view(n_layers, n_rows, hkv))
-        return inp.budget
+        heads.set_deficit(slice(None), row_sel, budget - kept.counts.view(n_layers, n_rows, hkv))
+        return budget
 
     # -- state ----------------------------------------------------------------------------------
-    def _picked(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> tuple[HeldSlots, torch.Tensor]:
-        """``held_rows``, and the flat slot ``[Lyr, R, Hkv, N]`` each column was read from."""
+    def _picked(
+        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int,
+        fields: Mapping[str, torch.Tensor] | None = None,
+    ) -> HeldSlots:
+        """``gather_rows`` with each column's flat slot ``[Lyr, R, Hkv, N]`` as its ``address``
+        (``fields``: already read, only the addresses are wanted)."""
         heads, buffers, group = self.heads, self.buffers, self.group
         cap = buffers.capacity
         n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
         counts = torch.full((n_rows,), count, dtype=torch.long)
         flat, valid = heads.slots(cap, counts, heads.width(counts, row_sel), rows=row_sel)  # [Lyr, R, Hkv, N]
+        slot_valid = valid.flatten(0, 1)
+        store = partial(self._store_picked, row_sel, flat, slot_valid)
+        if fields is not None:
+            return HeldSlots(fields, slot_valid, flat, store)
         width = flat.shape[-1]
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]
         lyr = torch.arange(n_layers, device=flat.device)[:, None, None]
@@ -189,18 +203,17 @@ class HeadRuns(EvenRows):
             picked[name] = src.view(n_layers, n_rows, hkv, width, *t.shape[4:]).flatten(0, 1)
         for name, t in buffers.head_state.items():
             picked[name] = t[:, row_sel].flatten(0, 1)
-        slot_valid = valid.flatten(0, 1)
         picked["positions"] = picked["positions"].masked_fill(~slot_valid, -1)
-        return HeldSlots(picked, slot_valid), flat
+        return HeldSlots(picked, slot_valid, flat, store)
 
     def _store_picked(
-        self, row_sel: slice | torch.Tensor, flat: torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
+        self, row_sel: slice | torch.Tensor, flat: torch.Tensor, slot_valid: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
     ) -> None:
         """Write state read through ``_picked`` back to the flat slots it came from (valid
         columns only: an empty column's address may hold another head's token)."""
         buffers = self.buffers
-        assert held.valid is not None
-        valid = held.valid.view(flat.shape)
+        valid = slot_valid.view(flat.shape)
         lyr, r, h, c = valid.nonzero(as_tuple=True)
         row_of = torch.arange(self.group.batch, device=flat.device)[row_sel]
         for name, t in state.items():
@@ -211,32 +224,23 @@ class HeadRuns(EvenRows):
             dst = getattr(buffers, name).flatten(2, 3)
             dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(flat.shape)[lyr, r, h, c]
 
-    def held_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
+    def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         if self.heads.even:
-            return EvenRows.held_rows(self, rows, row_sel, count)
-        return self._picked(rows, row_sel, count)[0]
+            return EvenRows.gather_rows(self, rows, row_sel, count)
+        return self._picked(rows, row_sel, count)
 
-    def store_rows_state(
-        self, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, state: Mapping[str, torch.Tensor],
-    ) -> None:
+    def gather_layer(self, layer: int) -> HeldSlots:
         if self.heads.even:
-            EvenRows.store_rows_state(self, rows, row_sel, held, state)
-            return
-        count = int(self.group.counts[rows[0]])
-        self._store_picked(row_sel, self._picked(rows, row_sel, count)[1], held, state)
-
-    def layer_slots(self, layer: int) -> HeldSlots:
-        if self.heads.even:
-            return EvenRows.layer_slots(self, layer)
+            return EvenRows.gather_layer(self, layer)
         fields, valid = self._gathered(layer)
         i = self.group.member[layer]
         for name, t in self.buffers.head_state.items():
             fields[name] = t[i]
-        return HeldSlots(fields, valid)
+        return HeldSlots(fields, valid, store=partial(self._store_layer_state, layer))
 
-    def store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
+    def _store_layer_state(self, layer: int, state: Mapping[str, torch.Tensor]) -> None:
         if self.heads.even:
-            EvenRows.store_layer_state(self, layer, state)
+            EvenRows._store_layer_state(self, layer, state)
             return
         i, cap = self.group.member[layer], self.buffers.capacity
         counts = self.group.counts_of(layer)

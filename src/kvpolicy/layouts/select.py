@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..attend import attend
-from ..selection import SELECT_GROWTH, SelectionState, choose_directly, select_capacity
+from ..eviction import Kept
+from ..selection import SELECT_GROWTH, SelectionState, select_capacity
 from ..slots import Contiguous, StepPlan, block, gather_slots
 from ..stages import guards
-from ..stages.base import EvictionInput
-from .base import ChosenSlots, GroupState, HeldSlots, PolicyRunner, RowClass, SlotView
+from ..stages.base import StateField
+from .base import ChosenSlots, GroupState, HeldSlots, RowClass, SlotView
 from .even import EvenRows
 
 
@@ -25,6 +25,17 @@ class RowPhase(NamedTuple):
     reselect: bool
     selected_at: int
     rows: torch.Tensor  # host [R]
+
+
+class Chooser(Protocol):
+    """Select mode's choice for some rows of one layer (``Executor.choose``: the policy runs
+    there, never in the layout): ``rows`` host ``[R]``, ``row_sel`` them on the device (or all),
+    ``held`` their slots, ``key_pages`` their page summaries."""
+
+    def __call__(
+        self, group: Any, layer: int, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots,
+        key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> Kept: ...
 
 
 class SelectRows(EvenRows):
@@ -40,12 +51,14 @@ class SelectRows(EvenRows):
     select: SelectionState
 
     def __init__(
-        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int, executor: PolicyRunner, *,
-        page_sizes: frozenset[int], per_head: bool, growth: float = SELECT_GROWTH,
+        self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int,
+        state_fields: Mapping[str, StateField], *, choose: Chooser, page_sizes: frozenset[int], per_head: bool,
+        growth: float = SELECT_GROWTH,
     ) -> None:
         self.growth = growth
+        self.choose = choose
         self._observed: list[torch.Tensor] = []  # rows whose state a choice updated in this step
-        super().__init__(group, keys, values, needed, executor)
+        super().__init__(group, keys, values, needed, state_fields)
         b, h = keys.shape[:2]
         self.select = SelectionState(
             len(group.layer_ids), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
@@ -117,7 +130,7 @@ class SelectRows(EvenRows):
         i = self.group.member[layer]
         keys, values = self.buffers.keys[i : i + 1], self.buffers.values[i : i + 1]
         out = queries.new_empty(queries.shape)
-        for row_sel, count, index, valid in self.executor.selected_slots(self.group, layer):
+        for row_sel, count, index, valid in self.chosen_slots(layer):
             k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
             if index is not None:
                 k, v = gather_slots(k, index), gather_slots(v, index)
@@ -131,7 +144,7 @@ class SelectRows(EvenRows):
         if not self.selecting:
             return view
         valid = view.valid.clone()
-        for row_sel, _, index, _ in self.executor.selected_slots(self.group, layer):
+        for row_sel, _, index, _ in self.chosen_slots(layer):
             if index is not None:  # columns past a head's count repeat a chosen slot
                 valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
         return view._replace(valid=valid)
@@ -169,7 +182,7 @@ class SelectRows(EvenRows):
 
     def _choose(self, layer: int, rows: RowClass, row_sel: slice | torch.Tensor) -> None:
         """Run the policy on ``layer``'s slots of ``rows`` and store its choice."""
-        select, executor, count = self.select, self.executor, rows.held
+        select, count = self.select, rows.held
         i = self.group.member[layer]
         fields = {
             name: block(t[i : i + 1], row_sel, count)[0] for name, t in self.buffers.tensors() if name != "positions"
@@ -183,19 +196,15 @@ class SelectRows(EvenRows):
         fields["positions"] = torch.arange(count, device=device).expand(shape)
         held = HeldSlots(fields, torch.ones((), dtype=torch.bool, device=device).expand(shape))
         key_pages = {p: (lo[i, row_sel], hi[i, row_sel]) for p, (lo, hi) in select.key_pages.items()}
-        inp = executor.eviction_input(self.group, rows.rows, row_sel, held, layer=layer, key_pages=key_pages)
-        policy = executor.policy
-        if policy.keeps_state:  # the state sees this layer's new queries (the step's included) first
-            inp, state = policy.observe(inp)
-            self._store_state(i, row_sel, state)
+        kept = self.choose(self.group, layer, rows.rows, row_sel, held, key_pages)
+        if kept.state:  # the state saw this layer's new queries (the step's included) first
+            self._store_state(i, row_sel, kept.state)
             self._observed.append(rows.rows)
-        if select.per_head:  # each head chooses its own count out of the layer's pool
-            select.store_heads(i, row_sel, *policy.select_heads_from(_with_own_masks(inp)))
+        if kept.slots is None:  # per head: each head chose its own count out of the layer's pool
+            assert kept.keep is not None and kept.counts is not None
+            select.store_heads(i, row_sel, kept.keep, kept.counts)
             return
-        kept = choose_directly(policy, inp)
-        if kept is None:  # every token was checked as it entered the cache
-            kept = policy.select_from(_with_own_masks(inp), inputs_checked=True)
-        select.selection[i, row_sel] = kept
+        select.selection[i, row_sel] = kept.slots
 
     def _store_state(self, i: int, row_sel: slice | torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
         where = row_sel if isinstance(row_sel, slice) else row_sel.to(self.buffers.keys.device)
@@ -224,9 +233,3 @@ class SelectRows(EvenRows):
             rows = ((counts == count) & (reselect == bool(fresh)) & (selected_at == chosen_at)).nonzero().squeeze(1)
             phases.append(RowPhase(count, bool(fresh), chosen_at, rows))
         return phases
-
-
-def _with_own_masks(inp: EvictionInput) -> EvictionInput:
-    """Select mode's input with ``slot_valid`` and ``positions`` as tensors of their own (they are
-    expanded views): a policy's stages, plugins included, get them as an eviction gives them."""
-    return replace(inp, slot_valid=inp.slot_valid.contiguous(), positions=inp.positions.contiguous())

@@ -39,10 +39,9 @@ class AccumulatedAttentionScorer(Scorer):
         return _STATE
 
     def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
-        new = inp.query_new if inp.query_new is not None else inp.query_valid
         probs = window_attention(
-            inp, new.float(), softmax_over="all", group_reduce=self.group_reduce, group_reduce_at="after_softmax",
-            tile_elements=self.tile_elements,
+            inp, inp.query_new.float(), softmax_over="all", group_reduce=self.group_reduce,
+            group_reduce_at="after_softmax", tile_elements=self.tile_elements,
         )
         if self.group_reduce == "sum":
             added = probs.sum(2)

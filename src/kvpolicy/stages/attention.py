@@ -121,8 +121,6 @@ def window_attention(
     no_slot: torch.Tensor | None  # [BH, W] or [BH, 1]: queries (rows) with no slot to attend
     if softmax_over == "all":
         qpos = inp.query_positions
-        if qpos is None:  # never from eviction_input, which fills it
-            raise ValueError("softmax over every slot needs the window queries' positions (query_positions)")
         slot_pos = inp.positions.flatten(0, 1)  # [BH, N]
         qpos = qpos.to(slot_pos.device).repeat_interleave(hkv, dim=0)  # [BH, W]
         visible = valid[:, None, :] & (slot_pos[:, None, :] <= qpos[:, :, None])
@@ -196,8 +194,6 @@ def query_attention(
     q = inp.queries[rows].to(dtype).reshape(r, hkv, g, w, d) * (1.0 / math.sqrt(d))
     logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype))
     qpos = inp.query_positions
-    if qpos is None:  # never from eviction_input, which fills it
-        raise ValueError("query_attention needs the window queries' positions (query_positions)")
     chosen = inp.query_valid if queries is None else queries & inp.query_valid
     visible = (
         inp.slot_valid[rows][:, :, None, :]

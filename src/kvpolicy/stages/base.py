@@ -8,6 +8,7 @@ memory (the executor does that).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
@@ -19,6 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .. import seeds
+from ..documents import PolicyError
 from .model_facts import Fact, ModelFacts
 
 if TYPE_CHECKING:
@@ -39,6 +41,11 @@ REMOVED_INPUT_ATTRIBUTES = {
 }
 
 
+#: The dtypes a field with ``initial="position"`` may have: they hold ``-1`` (an empty slot) and
+#: every position exactly (float32 up to ``2**24``, int32 up to ``2**31 - 1``, the others far beyond).
+POSITION_DTYPES = (torch.int64, torch.int32, torch.float64, torch.float32)
+
+
 @dataclass(frozen=True)
 class StateField:
     """One field of state a stage keeps across evictions (``Stage.state_fields``).
@@ -47,11 +54,23 @@ class StateField:
     with its token wherever the token's slot moves (compaction, padded rows, row reordering,
     per-head runs, select mode) and dropped with it. ``per="head"``: one value per row and KV
     head, ``[B, Hkv]`` (running statistics of a head). A new token (or a new row) starts at
-    ``initial``.
+    ``initial``:
+
+    - a finite number, the same for every token (representable in ``dtype``: an integer within
+      its range for an integer or bool dtype, within float range for a floating one);
+    - ``"position"`` (plugin contract 4; per-slot fields only): the token's own position, the
+      ``EvictionInput.positions`` value of its slot (what a field counting "since the token
+      arrived" starts at, with no sentinel). An empty or padding slot (position ``-1``) holds
+      ``-1``. Its ``dtype`` must hold every position exactly: ``POSITION_DTYPES`` (int64, int32,
+      float64, or float32, exact up to ``2**24`` tokens); float16, bfloat16, bool, unsigned and
+      narrower integer dtypes are refused, as is ``per="head"`` (a head has no position).
+
+    Every store makes fresh values with ``initial_values`` (per slot) or ``initial_head_values``
+    (per head), never from ``initial`` directly.
     """
 
     dtype: torch.dtype = torch.float32
-    initial: float = 0.0
+    initial: float | Literal["position"] = 0.0
     per: Literal["slot", "head"] = "slot"
 
     def __post_init__(self) -> None:
@@ -59,8 +78,93 @@ class StateField:
             raise TypeError(f"StateField.dtype must be a real torch dtype, got {self.dtype!r}")
         if self.per not in ("slot", "head"):
             raise ValueError(f'StateField.per must be "slot" or "head", got {self.per!r}')
+        if isinstance(self.initial, str):
+            if self.initial != "position":
+                raise ValueError(f'StateField.initial must be a finite number or "position", got {self.initial!r}')
+            if self.per != "slot":
+                raise ValueError(
+                    'StateField(initial="position") is for per-slot fields only (a token\'s own position); '
+                    'a per="head" field has no position: give it a constant initial'
+                )
+            if self.dtype not in POSITION_DTYPES:
+                raise ValueError(
+                    f'StateField(initial="position") needs a dtype that holds every position and -1 exactly '
+                    f"(torch.int64, torch.int32, torch.float64 or torch.float32), got {self.dtype}"
+                )
+            return
+        if not isinstance(self.initial, (int, float)):
+            raise TypeError(
+                f'StateField.initial must be a finite number or "position", got {type(self.initial).__name__} '
+                f"{self.initial!r}"
+            )
         if not math.isfinite(self.initial):
             raise ValueError(f"StateField.initial must be finite, got {self.initial!r}")
+        held = torch.tensor(float(self.initial), dtype=torch.float64).to(self.dtype)
+        exact = self.dtype.is_floating_point or float(held) == self.initial
+        if not exact or not bool(torch.isfinite(held)):
+            raise ValueError(f"StateField.initial {self.initial!r} is not representable in its dtype {self.dtype}")
+
+    def initial_values(self, positions: torch.Tensor) -> torch.Tensor:
+        """Fresh values for slots holding the tokens at ``positions`` (a long tensor of any
+        shape, ``[..., N]``; ``-1`` for an empty or padding slot): a new tensor of that shape, in
+        ``dtype``, on ``positions``' device. A constant ``initial`` fills it; ``"position"``
+        copies the positions (so an empty slot holds ``-1``). Every store of state calls it (or
+        ``initial_head_values``) to make fresh state: buffers, new tokens, a fresh ``select``."""
+        if self.initial == "position":
+            return positions.to(self.dtype, copy=True)
+        return torch.full(positions.shape, self.initial, dtype=self.dtype, device=positions.device)
+
+    def initial_head_values(self, shape: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """Fresh values of a per-head field (``[..., B, Hkv]``, a new row's): ``initial`` everywhere."""
+        if self.initial == "position":
+            raise ValueError('a field with initial="position" starts per slot: use initial_values(positions)')
+        return torch.full(tuple(shape), self.initial, dtype=self.dtype, device=device)
+
+
+def state_field_names(stages: Mapping[str, Stage]) -> dict[str, tuple[str, str, StateField]]:
+    """The name each field of state is stored under (``Policy.state_fields``): ``{stored name:
+    (state_key, field, StateField)}``, from the stateful stages by ``state_key`` in file order
+    (``Policy.stateful_stages``; equal stages, which share one state, are one entry).
+
+    The names are what a cache stores and a user reads (``LayerView.state``,
+    ``Policy.select(state=...)``, ``Policy.nest_state``); a stage reads its own fields by their
+    own names (``inp.state_of(stage)``). They depend on the stage alone, not on its place among
+    the policy's stages, so adding or removing another stage renames nothing:
+
+    - a stage whose ``type_name`` no other stateful stage of the policy has stores field ``f``
+      as ``"<type_name>.<f>"`` (H2O's ``"accumulated_attention.attention"``);
+    - when stateful stages of one type with different hyperparameters (different ``state_key``)
+      share a policy, each of them stores ``f`` as ``"<type_name>-<h>.<f>"``, ``h`` the first 8
+      hex digits of the SHA-1 of its ``state_key`` (UTF-8): the same stage gets the same name in
+      every policy that holds another one of its type.
+
+    Raises:
+        ValueError: two fields would share a name (two state keys of one type whose hashes
+            begin alike, or a type named like another's hashed name): never for real policies.
+    """
+    per_type: dict[str, int] = {}
+    for stage in stages.values():
+        per_type[stage.type_name] = per_type.get(stage.type_name, 0) + 1
+    names: dict[str, tuple[str, str, StateField]] = {}
+    for key, stage in stages.items():
+        prefix = stage.type_name
+        if per_type[prefix] > 1:
+            prefix = f"{prefix}-{hashlib.sha1(key.encode('utf-8')).hexdigest()[:8]}"
+        for field, spec in stage.state_fields.items():
+            name = f"{prefix}.{field}"
+            if name in names:
+                raise ValueError(f"two state fields of the policy would be stored as {name!r}: {names[name][0]} and {key}")
+            names[name] = (key, field, spec)
+    return names
+
+
+def window_positions(query_valid: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, W]`` long: the token index of each valid window entry (``query_valid [B, W]``, in
+    time order) of rows that have seen ``tokens [B]`` real tokens, the last of which is the newest
+    entry; ``-1`` for invalid entries. A window holds a row's latest real queries, so the entry
+    with ``j`` valid ones after it is token ``tokens - 1 - j``."""
+    later = query_valid.flip(-1).long().cumsum(-1).flip(-1)  # valid entries at or after each one
+    return torch.where(query_valid, tokens.to(query_valid.device)[:, None] - later, -1)
 
 
 @dataclass(frozen=True)
@@ -96,9 +200,13 @@ class EvictionInput:
             sharded run draws exactly what an unsharded one does.
         query_positions: ``[B, W]`` long, the token index of each window query among its row's
             real tokens (``-1`` where ``query_valid`` is False). Query ``w`` sees the slots whose
-            position is at most ``query_positions[:, w]`` (causal attention).
+            position is at most ``query_positions[:, w]`` (causal attention). Always a tensor
+            (plugin contract 4): an input built without it (None) gets, in ``__post_init__``,
+            the window's valid entries as the row's latest real tokens, the newest at the
+            row's largest slot position (``window_positions``), as ``eviction_input`` does.
         query_new: ``[B, W]`` bool, the window queries no stage's state has seen yet (those since
-            the state was last brought up to date): what ``Stage.update_state`` adds.
+            the state was last brought up to date): what ``Stage.update_state`` adds. Always a
+            tensor (plugin contract 4): built without it (None), every ``query_valid`` entry.
         state: every stateful stage's fields (``Stage.state_fields``), read with
             ``inp.state_of(stage)``. None when the policy keeps no state.
         model: facts about the model the cache serves (``ModelFacts``: its shape, the RoPE of
@@ -125,10 +233,24 @@ class EvictionInput:
     #: that lie within the candidates and compute the rest from ``keys``. None: not maintained.
     key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     head_offset: int = 0
-    query_positions: torch.Tensor | None = None
-    query_new: torch.Tensor | None = None
+    # Never None once built: None (the default, so that inputs built without them still build)
+    # asks __post_init__ for the documented default. Typed as the tensors stages read.
+    query_positions: torch.Tensor = None  # type: ignore[assignment]
+    query_new: torch.Tensor = None  # type: ignore[assignment]
     state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
     model: ModelFacts | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: fill the defaults the class docstring gives in place, once.
+        if self.query_positions is None:
+            b, n = self.positions.shape[0], self.positions.shape[-1]
+            if n:
+                newest = self.positions.flatten(1).amax(-1)
+            else:
+                newest = torch.full((b,), -1, dtype=torch.long, device=self.positions.device)
+            object.__setattr__(self, "query_positions", window_positions(self.query_valid, newest + 1))
+        if self.query_new is None:
+            object.__setattr__(self, "query_new", self.query_valid)
 
     def state_of(self, stage: Stage) -> Mapping[str, torch.Tensor]:
         """``stage``'s state fields by name: ``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per head (see
@@ -420,6 +542,32 @@ class Scorer(Stage):
         """Whether scores can be negative (a sampling selector needs non-negative weights)."""
         return False
 
+    def score_packed(self, inp: EvictionInput) -> torch.Tensor | None:
+        """``score(inp)`` on select mode's packed rows, computed faster, or None (the default)
+        to decline: a scorer that defines it declares that select mode may choose directly
+        (``kvpolicy.selection.choose_directly``).
+
+        Return ``[B, Hkv, N]`` float32 scores equal to ``score(inp)``'s on every candidate slot
+        ``[0, C)`` (entries past ``C`` are not read), or None for an input it cannot score
+        faster. Called only under a selector whose priority is the score
+        (``Selector.priority_is_score``: greedy) and no reservation, on a cache's packed rows:
+        every slot is valid (``slot_valid`` all True, ``positions`` ``0 .. N-1``, every head
+        holding the same tokens) and every key, value and query was checked finite as it
+        entered the cache, so masks, padding and those checks can be skipped. The state of a
+        stateful scorer is up to date, as for ``score``.
+
+        kvpolicy ranks these scores with the very call ``Policy.select`` ranks its priorities
+        with (``kvpolicy.policy.keep_top``), ``+inf`` on the recent buffer: equal scores keep
+        the slots the full pipeline keeps, ties included. Checked at every call
+        (``kvpolicy.stages.guards.run_packed_scorer``) as ``score`` is: another shape, dtype or
+        device, or NaN/inf on a candidate, is a ``SelectionError`` naming the scorer.
+
+        Define it on the class that defines ``score``: a subclass that overrides ``score``
+        without overriding ``score_packed`` is not asked (its promise was made for another
+        score).
+        """
+        return None
+
 
 class Reservation(Stage):
     """Protects slots before the selector runs; protected slots are always kept.
@@ -469,6 +617,12 @@ class Selector(Stage):
     kind: ClassVar[StageKind] = "selector"
     #: False for selectors that keep protected slots only and never read a score.
     needs_scores: ClassVar[bool] = True
+    #: True when ``priority`` returns the scores themselves, unchanged, on every eligible slot
+    #: (greedy): the policy then keeps the top-scoring candidates, and select mode may choose
+    #: them directly from a scorer's ``Scorer.score_packed``. Set it on the class that
+    #: defines ``priority``: a subclass that overrides ``priority`` without setting it again is
+    #: not taken at its word.
+    priority_is_score: ClassVar[bool] = False
 
     @abstractmethod
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
@@ -533,4 +687,40 @@ class Allocation(Stage):
 
 
 #: The base class of each kind of stage, in ``STAGE_KINDS`` order.
+
+    def layer_schedules(
+        self, schedule: Schedule, reservations: Sequence[Any], num_layers: int, num_kv_heads: int | None,
+        policy_name: str,
+    ) -> list[Schedule]:
+        """``Policy.layer_schedules``: each layer's schedule (its ``budget`` the layer's) for a
+        policy of ``schedule`` and ``reservations`` under this allocation, or a ``PolicyError``
+        naming the ``allocation`` field when it cannot serve this model or leaves a layer no
+        candidate after its protected slots."""
+        try:
+            self.check_model(num_layers, num_kv_heads if num_kv_heads is not None else 0)
+            budgets = self.layer_budgets(schedule.budget, num_layers, schedule.recent)
+        except ValueError as exc:
+            raise PolicyError([f"allocation: {exc}"], policy_name) from None
+        if len(budgets) != num_layers or sum(budgets) != num_layers * schedule.budget:
+            raise PolicyError(
+                [f"allocation {self.type_name!r} gave {len(budgets)} layer budgets adding up to {sum(budgets)}; "
+                 f"{num_layers} adding up to {num_layers * schedule.budget} were due"],
+                policy_name,
+            )
+        schedules: dict[int, Schedule] = {}
+        for layer, budget in enumerate(budgets):
+            if budget in schedules:
+                continue
+            protected = schedule.recent + sum(r.reserved_count(budget) for r in reservations)
+            if budget <= schedule.recent or protected > budget:
+                raise PolicyError(
+                    [f"allocation: layer {layer} gets a budget of {budget} slots, which leaves no candidate "
+                     f"after its {protected} protected slots (recent {schedule.recent} and reservations): "
+                     "raise the budget or flatten the allocation"],
+                    policy_name,
+                )
+            schedules[budget] = schedule.model_copy(update={"budget": budget})
+        return [schedules[b] for b in budgets]
+
+
 STAGE_BASES: dict[StageKind, type[Stage]] = {base.kind: base for base in (Scorer, Reservation, Selector, Allocation)}

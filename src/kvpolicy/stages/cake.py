@@ -21,8 +21,6 @@ def window_probabilities(inp: EvictionInput) -> torch.Tensor:
     b, hkv, n, d = inp.keys.shape
     g, w = inp.group_size, inp.queries.shape[2]
     qpos = inp.query_positions
-    if qpos is None:  # never from eviction_input, which fills it
-        raise ValueError("window probabilities need the window queries' positions (query_positions)")
     q = inp.queries.float().view(b, hkv, g, w, d) / math.sqrt(d)
     logits = torch.einsum("bhgwd,bhnd->bhgwn", q, inp.keys.float())
     visible = inp.slot_valid[:, :, None, :] & (inp.positions[:, :, None, :] <= qpos.to(inp.positions.device)[:, None, :, None])
@@ -52,8 +50,7 @@ class CakeAllocation(Allocation):
 
     def preference(self, inp: EvictionInput) -> float:
         """``H^(1/tau1) V^(1/tau2)`` of one layer (every row summed), in float64."""
-        probs = window_probabilities(inp).double()  # [B, Hkv, G, W, N]; checks query_positions
-        assert inp.query_positions is not None
+        probs = window_probabilities(inp).double()  # [B, Hkv, G, W, N]
         device = inp.positions.device
         qpos = inp.query_positions.to(device).masked_fill(~inp.query_valid.to(device), 1 << 62)
         first = qpos.amin(-1)  # [B]: the window's first token

@@ -59,6 +59,12 @@ class CurrentAttentionScorer(Scorer):
             inp.require_same_tokens_in_every_head(self)
         return self.attention_mass(inp, every_slot_valid=False)
 
+    def score_packed(self, inp: EvictionInput) -> torch.Tensor:
+        """``score`` on select mode's packed rows (``Scorer.score_packed``, oracle top-k): one
+        ``q . K`` pass over the keys, without the masks and without checking that the heads
+        hold the same tokens (every slot is valid, every head holds every token). Always scores."""
+        return self.attention_mass(inp, every_slot_valid=True)
+
     def attention_mass(self, inp: EvictionInput, *, every_slot_valid: bool) -> torch.Tensor:
         """``score``: ``[B, Hkv, N]`` float32 (NaN where ``q . k`` overflowed float32: the guard
         reports it). ``every_slot_valid``: the caller knows ``inp.slot_valid`` is all True (a select-mode

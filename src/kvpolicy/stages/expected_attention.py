@@ -76,8 +76,6 @@ class ExpectedAttentionScorer(Scorer):
         has both 0."""
         facts = inp.facts(self)
         qpos = inp.query_positions
-        if qpos is None:  # never from eviction_input, which fills it
-            raise ValueError("expected_attention needs the window queries' positions (query_positions)")
         queries = inp.queries.float()
         cos, sin = facts.rope(qpos.clamp_min(0))  # [B, W, D]
         pre = unrotate(queries, cos[:, None], sin[:, None])  # [B, Hq, W, D]

@@ -126,6 +126,35 @@ def run_scorer(scorer: Scorer, inp: EvictionInput, *, where: str = "") -> torch.
     return scores
 
 
+def run_packed_scorer(scorer: Scorer, inp: EvictionInput) -> torch.Tensor | None:
+    """``scorer.score_packed(inp)``, checked as ``run_scorer`` checks ``score``: None (the
+    scorer declines this input), or ``[B, Hkv, N]`` float32 scores, finite on the candidates
+    ``[0, C)`` (every slot of a packed row is valid). One synchronisation.
+
+    Refuses (``SelectionError`` naming the scorer) a result that is not a floating
+    ``[B, Hkv, N]`` tensor on the inputs' device. Non-finite scores on a candidate are refused
+    with ``run_scorer``'s error, by running ``score`` (the error path only): an overflow is
+    reported as ``select`` reports it; if ``score`` gives finite scores there, the two methods
+    disagree, and the error says so. That the scores equal ``score``'s is the scorer's promise
+    (``Scorer.score_packed``), for its tests to hold it to.
+    """
+    name = f"scorer {scorer.type_name!r}"
+    scores = scorer.score_packed(inp)
+    if scores is None:
+        return None
+    _check_output(f"{name} score_packed", "scores", scores, inp, want_bool=False)
+    c = inp.num_candidates
+    if not bool(_all_representable(scores[..., :c])):  # one pass, no temporary of C entries
+        run_scorer(scorer, inp)  # raises, naming the scorer, as select would
+        bad = ~torch.isfinite(scores[..., :c].float())
+        raise SelectionError(
+            f"{name} score_packed produced non-finite scores (NaN or inf) for {int(bad.sum())} candidate slot(s), "
+            f"the first at [row, head, slot] = {bad.nonzero()[0].tolist()}, where score gives finite ones: "
+            "score_packed must give score's scores on every candidate"
+        )
+    return scores.float()
+
+
 def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor]:
     """``stage.update_state(inp)``, checked: every declared field, nothing else, each of the
     shape, dtype and device its current value has (``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per

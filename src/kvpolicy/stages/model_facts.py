@@ -16,11 +16,13 @@ a plain (Llama-style) rotary embedding from its base.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
+
+from ..documents import PolicyError
 
 #: The facts a stage may declare in ``Stage.needs_model``.
 Fact = Literal["rope", "output_projection"]
@@ -168,3 +170,45 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     """The pre-RoPE vector of post-RoPE ``x`` at the positions of ``(cos, sin)``: the inverse of
     ``apply_rope``, attention scaling divided out (``cos^2 + sin^2`` is its square)."""
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def check_model_facts(
+    stages: Sequence[Any], facts: ModelFacts | None, policy_name: str, *, num_layers: int | None = None,
+    num_kv_heads: int | None = None, head_dim: int | None = None,
+) -> None:
+    """``Policy.check_model_facts``: refuse ``facts`` that cannot serve a policy whose ``stages``
+    (every one, nested ones included: ``kvpolicy.stages.Stage``) read them, naming the stage and
+    the missing fact or the field at fault (``PolicyError``)."""
+    needed = frozenset().union(*(s.needs_model for s in stages))
+    if not needed:
+        return
+    readers = {f: [s.type_name for s in stages if f in s.needs_model] for f in sorted(needed)}
+    if facts is None:
+        raise PolicyError(
+            [f"stage {', '.join(r)} needs the model's {f}" for f, r in readers.items()]
+            + ["no model facts were given: build KVPolicyCache with the model (not its config), pass "
+               "model_facts= to EvictingCache or model= to Policy.select (kvpolicy.ModelFacts)"],
+            policy_name,
+        )
+    if not isinstance(facts, ModelFacts):
+        raise TypeError(f"model facts must be a kvpolicy.ModelFacts, got {type(facts).__name__}")
+    missing = [
+        f"stage {', '.join(r)} needs the model's {f}, which the model facts of {facts.name!r} lack: "
+        f"{facts.why_missing(f)}"
+        for f, r in readers.items() if f not in facts.available
+    ]
+    if missing:
+        raise PolicyError(missing, policy_name)
+    try:
+        facts.check_shape(num_layers, num_kv_heads, head_dim)
+    except ValueError as exc:
+        raise PolicyError([f"model facts: {exc}"], policy_name) from None
+    problems = []
+    for stage in stages:
+        if stage.needs_model:
+            try:
+                stage.check_model_facts(facts)
+            except ValueError as exc:
+                problems.append(f"{stage.kind} {stage.type_name!r}: {exc}")
+    if problems:
+        raise PolicyError(problems, policy_name)

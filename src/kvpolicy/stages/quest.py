@@ -116,3 +116,18 @@ class QuestScorer(Scorer):
             return out
         out[..., :c] = self.page_scores(inp).repeat_interleave(self.page_size, dim=-1)[..., :c]
         return out
+
+    def score_packed(self, inp: EvictionInput) -> torch.Tensor:
+        """``score`` on select mode's packed rows (``Scorer.score_packed``): the page scores
+        (``C / P`` of them, from the cache's page summaries: no key is read but the last, short
+        page's) written once into the candidates' scores, nothing masked. Always scores."""
+        b, hkv, n, _ = inp.keys.shape
+        c, p = inp.num_candidates, self.page_size
+        out = inp.keys.new_empty((b, hkv, n), dtype=torch.float32)  # past the candidates: not read
+        if c:
+            pages = self.page_scores(inp, every_slot_valid=True)  # [B, Hkv, ceil(C / P)]
+            full = c // p
+            out[..., : full * p].unflatten(-1, (full, p)).copy_(pages[..., :full, None].expand(-1, -1, -1, p))
+            if full * p < c:
+                out[..., full * p : c] = pages[..., full:]
+        return out

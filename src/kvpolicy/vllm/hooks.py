@@ -399,10 +399,10 @@ def install_backend(impl_cls: type) -> None:
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args: Any, **kwargs: Any):
             state = worker.active()
             if state is not None and attn_metadata is not None:
-                state.capture_queries(getattr(layer, "layer_name", ""), query)
+                state.capture_queries(layer, query)
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if state is not None and attn_metadata is not None and state.long_steps:
-                state.after_attention(getattr(layer, "layer_name", ""), query)  # the layer's keys are in
+                state.after_attention(layer, query)  # the layer's keys are in
             return out
 
         return forward

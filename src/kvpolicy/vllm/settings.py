@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import PolicyError
-from ..policy import Policy, load_policy
+from ..loading import load_policy
+from ..policy import Policy
 
 #: The vLLM releases this integration is written against and tested with (``make test-vllm``).
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33

@@ -11,10 +11,11 @@ from .scorer import LazyEvictionScorer
 
 @kvpolicy.hookimpl
 def kvpolicy_contract():
-    """Plugin contract 3: the scorer keeps state across evictions (``state_fields``,
-    ``update_state``) and reads the window queries' positions, which contract 3 added. A literal,
-    never ``kvpolicy.PLUGIN_CONTRACT``."""
-    return 3
+    """Plugin contract 4: the scorer keeps state across evictions (``state_fields``,
+    ``update_state``) and reads the window queries' positions, which contract 3 added, and its
+    ``last`` field starts at each token's position (``StateField(initial="position")``), which
+    contract 4 added. A literal, never ``kvpolicy.PLUGIN_CONTRACT``."""
+    return 4
 
 
 @kvpolicy.hookimpl

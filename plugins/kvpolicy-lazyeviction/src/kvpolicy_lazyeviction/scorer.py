@@ -1,4 +1,4 @@
-"""The LazyEviction scorer: a stage that keeps state (plugin contract 3).
+"""The LazyEviction scorer: a stage that keeps state (plugin contract 4).
 
 Each cached token carries two numbers across evictions, per KV head: the step at which its
 attention last exceeded a threshold (its last *recurrence*) and the longest gap it has shown
@@ -21,11 +21,13 @@ from kvpolicy.stages import StateField
 from kvpolicy.stages.attention import query_attention
 
 # --8<-- [start:fields]
-#: ``last``: the token index of the query that last attended the token above the threshold
-#: (-1: none yet; the token's own arrival counts as its first recurrence). ``mri``: the longest
-#: gap, in tokens, between two recurrences. ``now`` (per head): the newest query seen.
+#: ``last``: the token index of the query that last attended the token above the threshold; a
+#: token's arrival counts as its first recurrence, so it starts at the token's own position
+#: (``initial="position"``, contract 4; float32 holds token indices exactly up to 2**24).
+#: ``mri``: the longest gap, in tokens, between two recurrences. ``now`` (per head): the newest
+#: query seen (-1: none yet).
 STATE = {
-    "last": StateField(torch.float32, -1.0),
+    "last": StateField(torch.float32, "position"),
     "mri": StateField(torch.float32, 0.0),
     "now": StateField(torch.float32, -1.0, per="head"),
 }
@@ -74,11 +76,8 @@ class LazyEvictionScorer(Scorer):
 
     def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
         state = inp.state_of(self)
-        new = inp.query_valid if inp.query_new is None else inp.query_new & inp.query_valid
-        qpos = inp.query_positions
-        if qpos is None:  # a cache always passes them; a hand-built input may not
-            raise ValueError(f"scorer {self.type_name!r} needs the window queries' positions (query_positions)")
-        qpos, new = qpos.to(inp.keys.device), new.to(inp.keys.device)
+        new = (inp.query_new & inp.query_valid).to(inp.keys.device)
+        qpos = inp.query_positions.to(inp.keys.device)
         b, hkv, n, _ = inp.keys.shape
         g, w = inp.group_size, inp.queries.shape[2]
         last = torch.empty_like(state["last"])
@@ -96,8 +95,7 @@ class LazyEvictionScorer(Scorer):
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         state = inp.state_of(self)
-        last = torch.where(state["last"] < 0, inp.positions.to(state["last"].dtype), state["last"])
-        quiet = (state["now"][..., None] - last).clamp_min(0.0)
+        quiet = (state["now"][..., None] - state["last"]).clamp_min(0.0)
         scores = 1.0 - quiet / (state["mri"] + 1.0)
         return torch.where(inp.candidate_mask, scores, torch.zeros_like(scores)).float()
 # --8<-- [end:stage]
@@ -111,20 +109,20 @@ def _track(
     ``hits [R, Hkv, W, N]``; ``qpos [R, W]``; ``positions``, ``last`` and ``mri`` ``[R, Hkv, N]``.
     Each hit's interval is measured from the slot's previous recurrence: the latest earlier hit
     in the window (a running max over it), or ``last`` before the window (the token's own
-    position if it has none). Token indices are exact in the state's float32 up to 2**24."""
+    position until its first recurrence). Token indices are exact in the state's float32 up to
+    2**24."""
     dtype = last.dtype
-    start = torch.where(last < 0, positions.to(dtype), last)  # [R, Hkv, N]
     if hits.shape[2] == 0:
-        return start, mri
+        return last, mri
     hits = hits.transpose(2, 3).contiguous()  # [R, Hkv, N, W]: the running max along the last axis is ~3x faster
     at = qpos.to(dtype)[:, None, None, :].expand(hits.shape)
     hit_at = torch.where(hits, at, -math.inf)
     previous = hit_at.cummax(dim=-1).values.roll(1, dims=-1)  # the latest hit strictly before each query
     previous[..., 0] = -math.inf
-    previous = torch.maximum(previous, start[..., None])
+    previous = torch.maximum(previous, last[..., None])
     interval = torch.where(hits, at - previous, 0.0)
     new_mri = torch.maximum(mri, interval.amax(-1))
-    new_last = torch.maximum(start, hit_at.amax(-1))
+    new_last = torch.maximum(last, hit_at.amax(-1))
     # Padding slots (position -1) keep what they had: nothing reads them.
     valid = positions >= 0
     return torch.where(valid, new_last, last), torch.where(valid, new_mri, mri)

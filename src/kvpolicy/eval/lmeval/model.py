@@ -37,7 +37,8 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from ...policy import Policy, load_policy
+from ...loading import load_policy
+from ...policy import Policy
 from ..cost import CostTracker
 from ..decoding import Generation, Prompt, Stream, generate_batch, input_device, new_cache, stop_token_ids
 from ..progress import LineProgress, format_duration

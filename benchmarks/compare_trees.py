@@ -1,0 +1,86 @@
+"""One benchmark, two source trees, side by side in one run: before and after a change.
+
+Runs ``BENCHMARK ARGS`` (a script of this folder, e.g. ``state_bench.py --quick``) with
+``PYTHONPATH`` set to each tree's ``src`` in turn, A B A B ..., so that a machine's drift hits
+both alike; parses every table the benchmark prints (a header line, then rows of a name followed
+by numbers, ``1.05x`` ratios included) and prints, per row and column, the median over the
+rounds of each tree and their ratio (after / before)::
+
+    git worktree add /tmp/before HEAD~3
+    python benchmarks/compare_trees.py --before /tmp/before --after . --rounds 3 -- state_bench.py --quick
+
+The benchmark scripts themselves are taken from the ``--after`` tree, so both trees run the same
+measurement code; only the library differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+NUMBER = re.compile(r"^-?\d+(\.\d+)?(e-?\d+)?x?$")
+
+
+def tables(text: str) -> dict[tuple[str, str, str], float]:
+    """``{(header, row name, column): value}`` for every table row of ``text``."""
+    out: dict[tuple[str, str, str], float] = {}
+    header: list[str] | None = None
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) < 2:
+            header = None
+            continue
+        nums = [c for c in cells[1:] if NUMBER.match(c)]
+        if len(nums) == len(cells) - 1:
+            if header is not None and len(header) == len(cells):
+                for col, value in zip(header[1:], cells[1:], strict=True):
+                    out[(" ".join(header), cells[0], col)] = float(value.rstrip("x"))
+        else:
+            header = re.split(r"\s{2,}", line.strip())
+    return out
+
+
+def run(tree: Path, script: Path, args: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "src")}
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{script.name} under {tree} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", type=Path, required=True, help="the source tree before the change")
+    ap.add_argument("--after", type=Path, default=Path("."), help="the source tree after it (default: here)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
+    a = ap.parse_args()
+    bench = a.benchmark[1:] if a.benchmark[:1] == ["--"] else a.benchmark
+    if not bench:
+        ap.error("name the benchmark: -- SCRIPT [ARGS]")
+    script = a.after.resolve() / "benchmarks" / bench[0]
+    got: dict[str, list[dict]] = {"before": [], "after": []}
+    for _ in range(a.rounds):
+        for side, tree in (("before", a.before), ("after", a.after)):
+            got[side].append(tables(run(tree, script, bench[1:])))
+    keys = [k for k in got["after"][0] if all(k in r for side in got.values() for r in side)]
+    print(f"{' '.join(bench)}: median of {a.rounds} rounds per tree, alternating (before {a.before}, after {a.after})")
+    last = None
+    for key in keys:
+        header, row, col = key
+        if header != last:
+            print(f"\n{'row':<18} {'column':<14} {'before':>10} {'after':>10} {'after/before':>13}")
+            last = header
+        before = statistics.median(r[key] for r in got["before"])
+        after = statistics.median(r[key] for r in got["after"])
+        ratio = f"{after / before:.3f}" if before else "-"
+        print(f"{row:<18} {col:<14} {before:>10.3f} {after:>10.3f} {ratio:>13}")
+
+
+if __name__ == "__main__":
+    main()

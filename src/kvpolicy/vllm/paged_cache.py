@@ -1,0 +1,625 @@
+"""The requests' slots in vLLM's paged KV cache, and what a policy keeps beside them: pure torch.
+
+``PagedCache`` is the paged layout of the vLLM integration. It gathers a request's slots through
+its block table, hands them to the eviction core (``kvpolicy.eviction``: the same ``evict``,
+``observe``, ``observe_long_step`` and every-query rule that ``EvictingCache`` runs), and
+compacts what the core keeps to the front of the request's blocks. Of its own it keeps only what
+paging and vLLM's request lifecycle need:
+
+- a ring of each request's last ``window`` post-RoPE queries per layer (``RequestQueryRing``);
+- each request's per-slot fields, its kept slots' token positions and the policy's per-slot
+  state (``KeptSlots``), and the policy's per-head state;
+- the slot ledger (``kvpolicy.vllm.ledger``), the one rule the scheduler and every worker share.
+
+Nothing here imports vLLM: the worker (``kvpolicy.vllm.worker``) feeds it each step's requests,
+queries and block tables; the tests drive it directly against ``EvictingCache``
+(``tests/test_vllm_parity.py``). It is not a ``kvpolicy.layouts.SlotLayout``: those serve a
+fixed batch of rows stepped together, where requests here join, leave, are preempted and resumed
+at every step; both layouts meet at the core and at ``kvpolicy.policy.eviction_input``, where
+every decision is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .. import eviction
+from ..policy import Policy, eviction_input
+from ..stages.base import EvictionInput, StateField
+from .ledger import SlotLedger
+from .paged import KV, compact, gather_paged, slot_address
+from .settings import KVPolicyVLLMError, Resolved
+
+#: How many eviction inputs a trace folder receives per process (for parity checks).
+TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
+
+
+class BlockTable(Protocol):
+    """What ``PagedCache`` reads and writes of the runner's block table (vLLM's ``BlockTable``
+    of the one KV-cache group): the rows' block ids, how many each row holds, and a row rewritten."""
+
+    num_blocks_per_row: Any  # [max_reqs] ints
+
+    def get_cpu_tensor(self) -> torch.Tensor: ...  # [max_reqs, max_blocks] int
+    def add_row(self, block_ids: list[int], row_idx: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepRequests:
+    """The requests of the step being run, in the model runner's batch order (``[R]`` arrays)."""
+
+    req_ids: list[str]
+    scheduled: np.ndarray  # tokens computed for each request in this step
+    computed_before: np.ndarray  # tokens each request had computed before this step
+    prompt_len: np.ndarray
+
+    def tokens_after(self, i: int) -> int:
+        return int(self.computed_before[i] + self.scheduled[i])
+
+
+@dataclass(frozen=True)
+class QueryCapture:
+    """Where this step's last ``window`` queries of each request go in its ring (``[T]`` each)."""
+
+    ring: RequestQueryRing
+    ring_rows: torch.Tensor  # the request's ring row
+    ring_pos: torch.Tensor  # the position in the ring: token index modulo window
+    token_idx: torch.Tensor  # the query's row in this step's flattened tokens
+
+
+class RequestQueryRing:
+    """The last ``window`` post-RoPE queries of each request using it, per layer:
+    ``tensor [rows, layers, window, Hq, D]``, on the cache's device; a row per request, rows are
+    reused. (Not ``kvpolicy.query_ring.QueryRing``, the ring of a cache's layer group.)"""
+
+    def __init__(self, window: int, layers: int, q_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.window, self.layers, self.q_heads, self.head_dim = window, layers, q_heads, head_dim
+        self.tensor = torch.zeros(0, layers, window, q_heads, head_dim, dtype=dtype, device=device)
+        self.row_of: dict[str, int] = {}
+        self.free_rows: list[int] = []
+
+    def row(self, req_id: str) -> int:
+        row = self.row_of.get(req_id)
+        if row is not None:
+            return row
+        if not self.free_rows:
+            old = self.tensor.shape[0]
+            new = max(8, 2 * old)
+            grown = self.tensor.new_zeros(new, self.layers, self.window, self.q_heads, self.head_dim)
+            grown[:old] = self.tensor
+            self.tensor = grown
+            self.free_rows.extend(range(new - 1, old - 1, -1))
+        row = self.row_of[req_id] = self.free_rows.pop()
+        return row
+
+    def drop(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+
+@dataclass(frozen=True)
+class KeptSlots:
+    """What is kept per slot of a request beside vLLM's keys and values, for its first ``K``
+    slots (those kept at its last eviction, or every slot its policy's state was last brought up
+    to date over): ``[Lyr, Hkv, K]`` tensors that move with the slots.
+
+    Every per-slot field lives here, and only here: ``fresh`` says what a slot appended since
+    holds, ``extend`` joins the kept and the fresh slots for an eviction's input, and ``take``
+    keeps the chosen ones. The fields are the token positions and the policy's per-slot state
+    (``Policy.state_fields``, by stored name)."""
+
+    positions: torch.Tensor  # token index of each slot
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # the policy's per-slot state
+
+    @property
+    def count(self) -> int:
+        return self.positions.shape[-1]
+
+    @staticmethod
+    def fresh(
+        start: int, n: int, offset: int, layers: int, heads: int, device: torch.device,
+        fields: Mapping[str, StateField] | None = None,
+    ) -> KeptSlots:
+        """Slots ``start .. n-1`` appended since: slot ``s`` holds token ``s + offset``, and each
+        state field its initial value (``StateField.initial_values``)."""
+        pos = (torch.arange(start, n, device=device) + offset).expand(layers, heads, n - start).clone()
+        state = {name: spec.initial_values(pos) for name, spec in (fields or {}).items() if spec.per == "slot"}
+        return KeptSlots(pos, state)
+
+    @staticmethod
+    def extend(kept: KeptSlots | None, fresh: KeptSlots) -> KeptSlots:
+        if kept is None:
+            return fresh
+        state = {name: torch.cat([kept.state[name], t], dim=-1) for name, t in fresh.state.items()}
+        return KeptSlots(torch.cat([kept.positions, fresh.positions], dim=-1), state)
+
+    def with_state(self, state: Mapping[str, torch.Tensor]) -> KeptSlots:
+        """These slots with some state fields replaced (``[Lyr, Hkv, K]`` each)."""
+        return KeptSlots(self.positions, {**self.state, **{k: v for k, v in state.items() if k in self.state}})
+
+    def take(self, idx: torch.Tensor) -> KeptSlots:
+        """The slots at ``idx [Lyr, Hkv, K]`` (a copy)."""
+        return KeptSlots(self.positions.gather(-1, idx), {name: t.gather(-1, idx) for name, t in self.state.items()})
+
+
+@dataclass(frozen=True)
+class LongStep:
+    """A request whose chunk in this step holds more tokens than its policy's window, under a
+    policy whose state sees every query: where its queries are, and its slots after the chunk."""
+
+    row: int  # its row in the runner's batch
+    first: int  # its first token's index in the step's flattened tokens
+    tokens: int  # tokens in its chunk
+    before: int  # tokens it had computed before the chunk (the first one's position)
+    offset: int  # tokens evicted so far
+    slots_after: int  # slots it holds once the chunk is written
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """A policy as this worker runs it: loaded once per distinct resolved policy."""
+
+    resolved: Resolved
+    policy: Policy | None  # None: the request never evicts
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """One request's eviction: its batch row and the block table it now has."""
+
+    row: int
+    req_id: str
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
+class HeldRequests:
+    """Some requests' slots as an eviction reads them (``PagedCache._gather_requests``)."""
+
+    rows: torch.Tensor  # their batch rows
+    req_ids: list[str]
+    states: list[Any]  # their ledger entries (``RequestSlots``)
+    slots: list[KeptSlots]  # their per-slot fields, kept then fresh
+    gathered: list[KV]  # per layer, their keys and values [R, Hkv, N, D] (copies)
+    inp: EvictionInput
+
+
+class PagedCache:
+    """Every request's slots in the paged cache of one worker (one tensor-parallel rank).
+
+    Args:
+        kv: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views:
+            ``kvpolicy.vllm.layout.BlockLayout.split``).
+        layer_ids: the model's index of each layer of ``kv`` (what keys per-layer draws).
+        q_heads, head_dim: the attention's query heads on this rank and head size.
+        block_size: slots per block.
+        head_offset: the model's index of this rank's first KV head (tensor parallelism).
+        prefix_caching: whether vLLM's prefix cache may share a request's blocks (then a first
+            eviction writes into fresh blocks, never into shared ones).
+        policy_of: a request's resolved policy (its own, else the server's), asked once per request.
+        trace: a folder receiving a record of every eviction, and its first inputs.
+        rank: this worker's tensor-parallel rank (names the trace files).
+    """
+
+    def __init__(
+        self, kv: list[KV], layer_ids: list[int], *, q_heads: int, head_dim: int, block_size: int,
+        policy_of: Callable[[str], Resolved], head_offset: int = 0, prefix_caching: bool = False,
+        trace: Path | None = None, rank: int = 0,
+    ) -> None:
+        self.kv = kv
+        self.layer_ids = list(layer_ids)
+        self.q_heads, self.head_dim, self.block_size = q_heads, head_dim, block_size
+        self.kv_heads = int(kv[0][0].shape[2])
+        self.device, self.dtype = kv[0][0].device, kv[0][0].dtype
+        self.head_offset, self.prefix_caching = head_offset, prefix_caching
+        self.resolve = policy_of
+        self.ledger = SlotLedger()
+        self.policies: dict[str | None, RequestPolicy] = {}  # by resolved policy YAML
+        self.policy_of: dict[str, RequestPolicy] = {}  # by request
+        self.rings: dict[int, RequestQueryRing] = {}  # by window size
+        self.kept: dict[str, KeptSlots] = {}  # req -> per-slot fields of its kept slots
+        # A policy whose stages keep state (Policy.state_fields): per request, its per-head state
+        # ([Lyr, Hkv] per field), how many of its tokens' queries the state has seen, and this
+        # step's requests whose chunk is longer than their window (seen layer by layer, as the
+        # chunk is computed: LongStep).
+        self.head_state: dict[str, dict[str, torch.Tensor]] = {}
+        self.observed: dict[str, int] = {}
+        self.long_steps: dict[str, LongStep] = {}
+        self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
+        self.plan: StepRequests | None = None
+        self.captures: list[QueryCapture] = []
+        self.trace, self.rank, self.saves, self.step = trace, rank, 0, 0
+        if trace is not None:
+            trace.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def layers(self) -> int:
+        return len(self.kv)
+
+    # -- requests joining and leaving -------------------------------------------------------
+    def drop(self, req_id: str) -> None:
+        """Forget a request (finished, or about to be resubmitted under the same id)."""
+        self.ledger.reset(req_id)
+        self.kept.pop(req_id, None)
+        self.head_state.pop(req_id, None)
+        self.observed.pop(req_id, None)
+        self.replays.pop(req_id, None)
+        self.policy_of.pop(req_id, None)
+        for ring in self.rings.values():
+            ring.drop(req_id)
+
+    def resume(self, req_id: str) -> list[int] | None:
+        """A preempted request, now recomputed into fresh blocks: it replays its evictions (the
+        scheduler ends its steps at the same points), from this worker's own record of them.
+        Returns the eviction points it will replay (None: none recorded)."""
+        plan = self.ledger.replay_plan(req_id)
+        if plan is None:
+            plan = self.replays.get(req_id)  # preempted again before it ran
+        self.drop(req_id)
+        if plan is not None:
+            self.replays[req_id] = plan
+        return plan
+
+    def request_policy(self, req_id: str) -> RequestPolicy:
+        """The request's policy (looked up once per request), tracked in the ledger from here on."""
+        known = self.policy_of.get(req_id)
+        if known is not None:
+            return known
+        r = self.resolve(req_id)
+        rp = self.policies.get(r.policy_yaml)
+        if rp is None:
+            rp = self.policies[r.policy_yaml] = RequestPolicy(r, r.policy())
+        self.policy_of[req_id] = rp
+        if not self.ledger.tracks(req_id):
+            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None))
+        return rp
+
+    def _ring(self, window: int) -> RequestQueryRing:
+        ring = self.rings.get(window)
+        if ring is None:
+            ring = self.rings[window] = RequestQueryRing(window, self.layers, self.q_heads, self.head_dim,
+                                                         self.dtype, self.device)
+        return ring
+
+    def _window_size(self, req_id: str) -> int:
+        policy = self.request_policy(req_id).policy
+        return 0 if policy is None else policy.schedule.window
+
+    # -- before the forward -----------------------------------------------------------------
+    def begin_step(self, plan: StepRequests, table: BlockTable) -> None:
+        """Before a forward of ``plan``'s requests: where each request's last ``window`` queries
+        go in its ring, and, for policies whose state sees every query, the updates due before
+        this step's queries push unseen ones out of the window (``eviction.must_observe``)."""
+        self.plan = plan
+        self.captures = []
+        req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
+        if not req_ids:
+            return
+        # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
+        # position t % w, so the ring always holds the request's last w queries.
+        windows = np.array([self._window_size(r) for r in req_ids], dtype=np.int64)
+        ends = np.cumsum(n)
+        dev = self.device
+        for w in sorted(set(windows.tolist()) - {0}):
+            idx = np.flatnonzero(windows == w)
+            take = np.minimum(n[idx], w)
+            rep = np.repeat(idx, take)
+            j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+            flat = ends[rep] - np.repeat(take, take) + j
+            pos = (before[rep] + n[rep] - np.repeat(take, take) + j) % w
+            ring = self._ring(w)
+            rows = np.repeat(np.array([ring.row(req_ids[i]) for i in idx], dtype=np.int64), take)
+            self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
+                                              torch.from_numpy(flat).to(dev)))
+        self._plan_state(req_ids, n, before, table)
+
+    def _plan_state(self, req_ids: list[str], n: np.ndarray, before: np.ndarray, table: BlockTable) -> None:
+        self.long_steps = {}
+        pending: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        ends = np.cumsum(n)
+        for i, req_id in enumerate(req_ids):
+            rp = self.policy_of[req_id]
+            if rp.policy is None or not rp.policy.observes_queries:
+                continue
+            window, ledger = rp.policy.schedule.window, self.ledger.get(req_id)
+            tokens, done = int(n[i]), int(before[i])
+            if eviction.must_observe(done - self.observed.get(req_id, 0), tokens, window):
+                pending.setdefault((rp.resolved.policy_yaml or "", ledger.slots), []).append((i, req_id))
+            if eviction.is_long_step(tokens, window):
+                self.long_steps[req_id] = LongStep(i, int(ends[i]) - tokens, tokens, done, ledger.offset,
+                                                   ledger.slots + tokens)
+        for (_, count), group in sorted(pending.items()):
+            self._observe(self.policy_of[group[0][1]], count, group, table)
+
+    # -- during the forward -----------------------------------------------------------------
+    def capture_queries(self, layer: int, query: torch.Tensor) -> None:
+        """Layer ``layer``'s post-RoPE queries of this step (``[T, Hq * D]`` or ``[T, Hq, D]``)."""
+        if not self.captures:
+            return
+        q = query.view(query.shape[0], self.q_heads, self.head_dim)
+        for cap in self.captures:
+            cap.ring.tensor[cap.ring_rows, layer, cap.ring_pos] = q[cap.token_idx].to(self.dtype)
+
+    def after_attention(self, layer: int, query: torch.Tensor, table: BlockTable) -> None:
+        """After a layer's attention, for the requests whose chunk is longer than their window
+        (``LongStep``): the state sees each of the chunk's queries over the layer's slots (written
+        by now), before the ring keeps only the last ``window`` (``eviction.observe_long_step``)."""
+        if not self.long_steps:
+            return
+        q = query.view(query.shape[0], self.q_heads, self.head_dim)
+        for req_id, step in self.long_steps.items():
+            rp = self.policy_of[req_id]
+            policy = rp.policy
+            assert policy is not None
+            n = step.slots_after
+            keys, values = self._gather(table, torch.tensor([step.row]), n, [layer])
+            slots = self._slots(req_id, step.offset, n)
+            state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
+            for name, t in self._heads(req_id, policy).items():
+                state[name] = t[layer : layer + 1]
+            queries = q[step.first : step.first + step.tokens].to(keys.dtype).permute(1, 0, 2)[None]  # [1, Hq, T, D]
+            positions = torch.arange(step.before, step.before + step.tokens, device=self.device)[None]
+            inp = self._input(rp, keys, values, queries[:, :, :0], None, slots.positions[layer : layer + 1],
+                              [self.layer_ids[layer]], evictions=[0], state=state)
+            new = eviction.observe_long_step(policy, inp, queries, positions, torch.ones_like(positions, dtype=torch.bool))
+            per_slot = {}
+            for name, t in new.items():
+                if name in slots.state:
+                    full = slots.state[name].clone()
+                    full[layer] = t[0]
+                    per_slot[name] = full
+                else:
+                    self.head_state[req_id][name][layer] = t[0]
+            self.kept[req_id] = slots.with_state(per_slot)
+
+    # -- after the forward ------------------------------------------------------------------
+    def end_step(self, table: BlockTable) -> list[Evicted]:
+        """After the forward: advance each request on its policy's schedule and evict the due
+        ones, grouped by policy and slot count (each evicts exactly as it would alone). Returns
+        the requests that evicted, with their new block tables (already written to ``table``)."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return []
+        self.step += 1
+        for i, req_id in enumerate(plan.req_ids):
+            if req_id in self.long_steps:  # its chunk's queries were seen layer by layer
+                self.observed[req_id] = plan.tokens_after(i)
+        self.long_steps = {}
+        due: list[tuple[int, str]] = []
+        for i, req_id in enumerate(plan.req_ids):
+            self.request_policy(req_id)  # tracked in the ledger under its policy's schedule
+            if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
+                due.append((i, req_id))
+        groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        for i, req_id in due:
+            key = (self.policy_of[req_id].resolved.policy_yaml or "", self.ledger.get(req_id).slots)
+            groups.setdefault(key, []).append((i, req_id))
+        out: list[Evicted] = []
+        for (_, count), group in sorted(groups.items()):
+            out += self._evict(self.policy_of[group[0][1]], count, group, table)
+        return out
+
+    def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
+        """Evict the requests of ``group`` (batch row, request id), which all run ``rp`` and hold
+        ``n`` slots: one ``eviction.evict`` over every layer and request, the kept slots compacted
+        to the front of the request's blocks, and the blocks past them dropped from its block table.
+
+        Under prefix caching a request's first eviction writes the kept slots into the fresh
+        blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
+        blocks, which other requests may read or the prefix cache hand out again; the request's
+        block table becomes those fresh blocks."""
+        policy = rp.policy
+        assert policy is not None  # the ledger never makes a request without a schedule due
+        held = self._gather_requests(rp, n, group, table)
+        rows, req_ids, states, slots, inp = held.rows, held.req_ids, held.states, held.slots, held.inp
+        lyr, r = self.layers, len(group)
+        kept = eviction.evict(policy, inp)
+        assert kept.slots is not None  # start-up refuses per-head allocations
+        if policy.keeps_state:
+            slots = self._keep_state(req_ids, slots, kept.state)
+            for req_id, s in zip(req_ids, states, strict=True):
+                self.observed[req_id] = s.tokens
+        k = kept.slots.shape[-1]
+        per_req = kept.slots.view(lyr, r, self.kv_heads, k)
+        keep_blocks = -(-k // self.block_size)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+                      for j, req_id in enumerate(req_ids)]
+        dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        compact(self.kv, dst, held.gathered, per_req, self.block_size)
+        out = []
+        for j, req_id in enumerate(req_ids):
+            self.kept[req_id] = slots[j].take(per_req[:, j])
+            self.ledger.evicted(req_id)
+            table.add_row(new_tables[j], int(rows[j]))
+            out.append(Evicted(int(rows[j]), req_id, new_tables[j]))
+        if self.trace is not None:
+            self._write_trace(rp, req_ids, states, n, inp, kept.slots)
+        return out
+
+    def _observe(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> None:
+        """Bring the state of ``group``'s requests (batch row, request id; ``n`` slots each) up to
+        date with their window's unseen queries, every layer at once, evicting nothing: before
+        this step's queries push unseen ones out of the window."""
+        policy = rp.policy
+        assert policy is not None
+        held = self._gather_requests(rp, n, group, table)
+        req_ids, states, slots, inp = held.req_ids, held.states, held.slots, held.inp
+        new = eviction.observe(policy, inp)
+        for req_id, x, s in zip(req_ids, self._keep_state(req_ids, slots, new), states, strict=True):
+            self.kept[req_id] = x
+            self.observed[req_id] = s.tokens
+
+    # -- the input --------------------------------------------------------------------------
+    def _gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
+        """What ``group``'s requests (batch row, request id; ``n`` slots each, policy ``rp``)
+        hold, and the eviction input of every layer and request, layer-major."""
+        policy = rp.policy
+        assert policy is not None
+        rows = torch.tensor([i for i, _ in group], dtype=torch.long)
+        req_ids = [r for _, r in group]
+        gathered = self._gather_layers(table, rows, n)
+        keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
+        values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
+        states = [self.ledger.get(q) for q in req_ids]
+        slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
+        tokens = [s.tokens for s in states]
+        queries, query_valid = self._window(policy.schedule.window, req_ids, tokens, keys)
+        positions = torch.stack([x.positions for x in slots], dim=1).flatten(0, 1)
+        inp = self._input(
+            rp, keys, values, queries, query_valid, positions, self.layer_ids, [s.evictions for s in states],
+            state=self._state_of(req_ids, slots, policy), req_ids=req_ids, tokens=tokens,
+        )
+        return HeldRequests(rows, req_ids, states, slots, gathered, inp)
+
+    def _input(
+        self, rp: RequestPolicy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+        query_valid: torch.Tensor | None, positions: torch.Tensor, layer_ids: list[int], evictions: list[int], *,
+        state: Mapping[str, torch.Tensor] | None, req_ids: list[str] | None = None, tokens: list[int] | None = None,
+    ) -> EvictionInput:
+        """The eviction input of requests stacked layer-major (``[len(layer_ids) * R, ...]``),
+        through ``kvpolicy.policy.eviction_input``: each row's layer and eviction count key its
+        draws, as ``EvictingCache`` keys a row's. With ``tokens`` (each request's tokens so far),
+        the window's positions and new queries follow ``eviction.new_queries``."""
+        policy = rp.policy
+        assert policy is not None
+        lyr = len(layer_ids)
+        layer_idx = torch.tensor(layer_ids, dtype=torch.long).repeat_interleave(len(evictions))
+        query_positions = query_new = None
+        if query_valid is None:
+            query_valid = torch.ones(keys.shape[0], queries.shape[2], dtype=torch.bool, device=self.device)
+        if tokens is not None and req_ids is not None:
+            seen = torch.tensor(tokens, dtype=torch.long).repeat(lyr)
+            observed = torch.tensor([self.observed.get(q, 0) for q in req_ids], dtype=torch.long).repeat(lyr)
+            query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
+        return eviction_input(
+            keys, values, queries, budget=policy.budget, recent=policy.schedule.recent,
+            seed=policy.resolve_seed(rp.resolved.seed), query_valid=query_valid, positions=positions,
+            layer_idx=layer_idx, evictions=torch.tensor(evictions, dtype=torch.long).repeat(lyr),
+            head_offset=self.head_offset, query_positions=query_positions, query_new=query_new,
+            state=None if state is None or not policy.keeps_state else policy.nest_state(state),
+        )
+
+    def _gather(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[len(layers) * R, Hkv, n, D]`` of ``rows``' first ``n`` slots."""
+        got = self._gather_layers(table, rows, n, layers)
+        return torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+
+    def _gather_layers(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int] | None = None) -> list[KV]:
+        """Per layer, ``rows``' first ``n`` slots ``[R, Hkv, n, D]`` (copies)."""
+        blocks, offs = slot_address(table.get_cpu_tensor()[rows].to(self.device), n, self.block_size)
+        return [gather_paged(self.kv[i], blocks, offs) for i in (range(self.layers) if layers is None else layers)]
+
+    def _kept_blocks(self, table: BlockTable, row: int, req_id: str, first: bool, n: int, keep: int) -> list[int]:
+        """The blocks a request's ``keep`` blocks of kept slots go to: the fresh blocks appended
+        for its first eviction under prefix caching, then its own first blocks (in place)."""
+        held = int(table.num_blocks_per_row[row])
+        ids = [int(b) for b in table.get_cpu_tensor()[row, :held]]
+        needed = -(-n // self.block_size)
+        copies = held - needed
+        expected = keep if self.prefix_caching and first else 0
+        if copies != expected:
+            raise KVPolicyVLLMError(
+                f"request {req_id} holds {held} blocks for {n} slots; expected {needed} + {expected} fresh "
+                "(the scheduler and this worker disagree)"
+            )
+        return ids[needed:] + ids[copies:keep]
+
+    def _window(
+        self, w: int, req_ids: list[str], tokens: list[int], keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The requests' last ``w`` queries ``[Lyr * R, Hq, W, D]``, layer-major like the keys, oldest
+        query first (as ``EvictingCache`` keeps them), and which entries hold a query ``[Lyr * R, W]``."""
+        lyr = self.layers
+        if w == 0:
+            return keys.new_zeros(lyr * len(req_ids), self.q_heads, 0, self.head_dim), None
+        ring = self.rings[w]
+        ring_rows = torch.tensor([ring.row_of[q] for q in req_ids], dtype=torch.long, device=self.device)
+        seen = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        steps = torch.arange(w, device=self.device)
+        order = (seen[:, None] + steps) % w
+        win = ring.tensor[ring_rows]  # [R, Lyr, W, Hq, D]
+        win = win.gather(2, order[:, None, :, None, None].expand_as(win))
+        queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)
+        valid = (seen[:, None] - w + steps) >= 0
+        return queries, valid.repeat(lyr, 1)
+
+    def _slots(self, req_id: str, offset: int, n: int) -> KeptSlots:
+        """The per-slot fields ``[Lyr, Hkv, N]`` of the request's ``n`` slots: kept, then fresh."""
+        kept = self.kept.get(req_id)
+        start = 0 if kept is None else kept.count
+        policy = self.policy_of[req_id].policy
+        fields = None if policy is None else {name: spec for name, (_, _, spec) in policy.state_fields.items()}
+        fresh = KeptSlots.fresh(start, n, offset, self.layers, self.kv_heads, self.device, fields)
+        return KeptSlots.extend(kept, fresh)
+
+    # -- a policy's state ---------------------------------------------------------------------
+    def _heads(self, req_id: str, policy: Policy) -> dict[str, torch.Tensor]:
+        """The request's per-head state fields, ``[Lyr, Hkv]`` each (initial on first use)."""
+        known = self.head_state.get(req_id)
+        if known is None:
+            known = self.head_state[req_id] = {
+                name: spec.initial_head_values((self.layers, self.kv_heads), self.device)
+                for name, (_, _, spec) in policy.state_fields.items() if spec.per == "head"
+            }
+        return known
+
+    def _state_of(self, req_ids: list[str], slots: list[KeptSlots], policy: Policy) -> dict[str, torch.Tensor]:
+        """The requests' state, layer-major on the batch axis as the keys are: ``[Lyr * R, Hkv, N]``
+        per slot, ``[Lyr * R, Hkv]`` per head."""
+        state = {name: torch.stack([x.state[name] for x in slots], dim=1).flatten(0, 1) for name in slots[0].state}
+        for name in policy.state_fields:
+            if name not in state:
+                state[name] = torch.stack([self._heads(q, policy)[name] for q in req_ids], dim=1).flatten(0, 1)
+        return state
+
+    def _keep_state(self, req_ids: list[str], slots: list[KeptSlots], state: Mapping[str, torch.Tensor]) -> list[KeptSlots]:
+        """Store the requests' new state (as ``_state_of`` lays it out): per-head fields here, and
+        the requests' slots with their new per-slot fields, returned."""
+        lyr, r = self.layers, len(req_ids)
+        out = []
+        for j, (req_id, x) in enumerate(zip(req_ids, slots, strict=True)):
+            per_slot = {name: t.view(lyr, r, *t.shape[1:])[:, j] for name, t in state.items() if name in x.state}
+            for name, t in state.items():
+                if name not in x.state:
+                    self.head_state[req_id][name] = t.view(lyr, r, -1)[:, j].clone()
+            out.append(x.with_state(per_slot))
+        return out
+
+    def _write_trace(self, rp: RequestPolicy, req_ids: list[str], states: list[Any], n: int, inp: Any,
+                     kept: torch.Tensor) -> None:
+        assert self.trace is not None
+        record = {
+            "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
+            "policy": rp.resolved.source,
+            "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
+            "kept": int(kept.shape[-1]),
+            "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
+            # what each request's cache holds after this eviction (token index per layer, head and slot)
+            "kept_digest": [_digest(self.kept[q].positions) for q in req_ids],
+        }
+        with open(self.trace / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.saves < TRACE_SAVES:
+            self.saves += 1
+            torch.save(
+                {"keys": inp.keys, "values": inp.values, "queries": inp.queries, "query_valid": inp.query_valid,
+                 "positions": inp.positions, "layer_idx": inp.seed_key.layer_idx, "evictions": inp.seed_key.evictions,
+                 "kept": kept, "requests": req_ids, "seed": rp.resolved.seed, "policy_yaml": rp.resolved.policy_yaml,
+                 "head_offset": self.head_offset},
+                self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
+            )
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]

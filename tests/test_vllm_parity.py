@@ -1,0 +1,313 @@
+"""The kept-slot parity harness: vLLM's paged cache keeps, at every eviction, exactly the slots
+(and the policy's state) that ``EvictingCache`` keeps on the same keys, values and queries.
+
+``PagedCache`` (``kvpolicy.vllm.paged_cache``) is the vLLM worker's eviction, with vLLM itself
+replaced by the small engine below: it allocates blocks, writes each step's keys and values
+where vLLM's slot mapping puts them, hands the paged cache each layer's queries, appends the
+fresh blocks of a first eviction under prefix caching, frees what an eviction drops, and
+preempts and replays requests as vLLM's scheduler does (chunks ending at every eviction point,
+``kvpolicy.vllm.ledger``). Every request is first run alone through ``EvictingCache``, token by
+token after its prompt; every eviction of the paged run is then checked against the reference's
+eviction of the same index: token positions per layer and head, the keys held in the blocks, and
+every state field.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+import kvpolicy
+from kvpolicy import EvictingCache, load_policy
+from kvpolicy.vllm.ledger import replay_boundary
+from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
+from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, refuse_unservable
+
+LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4
+#: Small enough to evict often: every request below evicts at least three times.
+OVERRIDES = {"budget": 24, "recent": 4, "window": 8, "interval": 8}
+
+
+def overrides(name: str) -> dict[str, int]:
+    """``OVERRIDES``, less what a policy file derives itself (StreamingLLM's recent: budget - 4)."""
+    if name == "streamingllm":
+        return {k: v for k, v in OVERRIDES.items() if k not in ("recent", "window")}
+    return dict(OVERRIDES)
+
+
+def served_policies() -> list[str]:
+    """Every policy loadable here (both example plugins installed) that vLLM serves."""
+    names = []
+    for name in kvpolicy.available_policies():
+        try:
+            refuse_unservable(load_policy(name, **overrides(name)))
+        except KVPolicyVLLMError:
+            continue
+        names.append(name)
+    return names
+
+
+def resolved(name: str, **changes) -> Resolved:
+    policy = load_policy(name, **{**overrides(name), **changes})
+    seed = policy.resolve_seed()
+    return Resolved(policy.with_overrides(seed=seed).to_yaml(), name, seed)
+
+
+@dataclass
+class Request:
+    """One request's tokens: every layer's keys, values and queries, made up front."""
+
+    req_id: str
+    policy: Resolved
+    prompt: int
+    total: int
+    keys: torch.Tensor = field(init=False)  # [Lyr, Hkv, T, D]
+    values: torch.Tensor = field(init=False)
+    queries: torch.Tensor = field(init=False)  # [Lyr, Hq, T, D]
+
+    def __post_init__(self) -> None:
+        g = torch.Generator().manual_seed(sum(map(ord, self.req_id)) * 7919 + self.total)
+        # A few keys far larger than the rest, so that attention is peaked and policies differ.
+        scale = 1 + 4 * (torch.rand(LAYERS, HKV, self.total, 1, generator=g) > 0.9)
+        self.keys = torch.randn(LAYERS, HKV, self.total, D, generator=g) * scale
+        self.values = torch.randn(LAYERS, HKV, self.total, D, generator=g) * scale
+        self.queries = torch.randn(LAYERS, HQ, self.total, D, generator=g)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A request's cache right after one eviction."""
+
+    positions: torch.Tensor  # [Lyr, Hkv, K]
+    keys: torch.Tensor  # [Lyr, Hkv, K, D]
+    state: dict[str, torch.Tensor]  # per slot [Lyr, Hkv, K], per head [Lyr, Hkv]
+
+
+def reference(req: Request) -> list[Snapshot]:
+    """``EvictingCache`` alone on the request: its prompt in one step, then token by token; a
+    snapshot after each eviction."""
+    policy = load_policy(req.policy.policy_yaml)
+    cache = EvictingCache(policy, LAYERS, seed=req.policy.seed)
+    snaps: list[Snapshot] = []
+    bounds = [0, req.prompt, *range(req.prompt + 1, req.total + 1)]
+    for a, b in itertools.pairwise(bounds):
+        for layer in range(LAYERS):
+            cache.step(layer, req.keys[None, layer, :, a:b], req.values[None, layer, :, a:b],
+                       req.queries[None, layer, :, a:b])
+        if cache.evict_due():
+            views = cache.layers
+            state = {name: torch.stack([v.state[name][0] for v in views]) for name in policy.state_fields}
+            snaps.append(Snapshot(torch.stack([v.positions[0] for v in views]),
+                                  torch.stack([v.keys[0] for v in views]), state))
+    return snaps
+
+
+class BlockTable:
+    """vLLM's block table as ``PagedCache`` reads it."""
+
+    def __init__(self, rows: int, max_blocks: int) -> None:
+        self.table = torch.zeros(rows, max_blocks, dtype=torch.int32)
+        self.num_blocks_per_row = np.zeros(rows, dtype=np.int64)
+
+    def get_cpu_tensor(self) -> torch.Tensor:
+        return self.table
+
+    def add_row(self, block_ids: list[int], row_idx: int) -> None:
+        self.table[row_idx].zero_()
+        self.table[row_idx, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks_per_row[row_idx] = len(block_ids)
+
+
+class Engine:
+    """What vLLM's scheduler and model runner do around the worker's ``PagedCache``."""
+
+    def __init__(self, requests: list[Request], *, prefix_caching: bool = False, num_blocks: int = 4096) -> None:
+        self.requests = {r.req_id: r for r in requests}
+        self.kv = [(torch.zeros(num_blocks, BLOCK, HKV, D), torch.zeros(num_blocks, BLOCK, HKV, D))
+                   for _ in range(LAYERS)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.blocks: dict[str, list[int]] = {r: [] for r in self.requests}
+        self.computed = dict.fromkeys(self.requests, 0)
+        self.prefix_caching = prefix_caching
+        self.paged = PagedCache(self.kv, list(range(LAYERS)), q_heads=HQ, head_dim=D, block_size=BLOCK,
+                                policy_of=lambda r: self.requests[r].policy, prefix_caching=prefix_caching)
+        self.evictions: list[tuple[str, int]] = []  # (request, its eviction count after it)
+
+    def held(self, req_id: str) -> int:
+        ledger = self.paged.ledger
+        return ledger.get(req_id).slots if ledger.tracks(req_id) else 0
+
+    def _block_for(self, req_id: str, slots: int) -> None:
+        while len(self.blocks[req_id]) * BLOCK < slots:
+            self.blocks[req_id].append(self.free.pop())
+
+    def step(self, chunks: dict[str, int]) -> None:
+        """One forward over ``chunks`` (request -> tokens computed for it in this step)."""
+        req_ids = list(chunks)
+        n = np.array([chunks[r] for r in req_ids], dtype=np.int64)
+        before = np.array([self.computed[r] for r in req_ids], dtype=np.int64)
+        prompt = np.array([self.requests[r].prompt for r in req_ids], dtype=np.int64)
+        held = [self.held(r) for r in req_ids]
+        for r, h, t in zip(req_ids, held, n, strict=True):
+            self._block_for(r, h + int(t))
+        table = BlockTable(len(req_ids), 512)
+        for i, r in enumerate(req_ids):
+            table.add_row(self.blocks[r], i)
+        self.paged.begin_step(StepRequests(req_ids, n, before, prompt), table)
+        if self.prefix_caching:  # the scheduler appends fresh blocks for a first eviction
+            for i, r in enumerate(req_ids):
+                ledger = self.paged.ledger.get(r)
+                schedule = ledger.schedule
+                if schedule is not None and ledger.evictions == 0 and self.paged.ledger.would_fire(
+                        r, int(before[i] + n[i]), int(prompt[i])):
+                    fresh = [self.free.pop() for _ in range(-(-schedule.budget // BLOCK))]
+                    self.blocks[r] += fresh
+                    table.add_row(self.blocks[r], i)
+        for layer in range(LAYERS):
+            for i, r in enumerate(req_ids):  # vLLM's slot mapping: the tokens go after the held slots
+                req, a, t = self.requests[r], int(before[i]), int(n[i])
+                slots = torch.arange(held[i], held[i] + t)
+                ids = torch.tensor(self.blocks[r])[slots // BLOCK]
+                keys, values = self.kv[layer]
+                keys[ids, slots % BLOCK] = req.keys[layer, :, a : a + t].transpose(0, 1)
+                values[ids, slots % BLOCK] = req.values[layer, :, a : a + t].transpose(0, 1)
+            query = torch.cat([self.requests[r].queries[layer, :, int(before[i]) : int(before[i] + n[i])]
+                               .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
+            self.paged.capture_queries(layer, query)
+            self.paged.after_attention(layer, query, table)
+        for ev in self.paged.end_step(table):
+            dropped = set(self.blocks[ev.req_id]) - set(ev.blocks)
+            self.free += sorted(dropped)
+            self.blocks[ev.req_id] = list(ev.blocks)
+            self.evictions.append((ev.req_id, self.paged.ledger.get(ev.req_id).evictions))
+        for r, t in chunks.items():
+            self.computed[r] += t
+
+    def preempt(self, req_id: str) -> list[int]:
+        """Free the request's blocks and forget its cache; returns the chunks it is recomputed by
+        (vLLM's scheduler caps them at the prompt's end and at every eviction point)."""
+        self.free += self.blocks[req_id]
+        self.blocks[req_id] = []
+        target = self.computed[req_id]
+        plan = self.paged.resume(req_id) or []
+        self.computed[req_id] = 0
+        chunks, done, prompt = [], 0, self.requests[req_id].prompt
+        while done < target:
+            end = replay_boundary(plan, prompt, done)
+            end = target if end is None else min(end, target)
+            chunks.append(end - done)
+            done = end
+        return chunks
+
+    def snapshot(self, req_id: str) -> Snapshot:
+        kept = self.paged.kept[req_id]
+        k = kept.count
+        ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
+        keys = torch.stack([self.kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in range(LAYERS)])
+        return Snapshot(kept.positions, keys, {**kept.state, **self.paged.head_state.get(req_id, {})})
+
+
+def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = False, after_references=None) -> Engine:
+    """Run ``schedule(engine)`` and check every eviction of the paged cache against the
+    requests' references (each has at least three). ``after_references``: called once the
+    references ran, before the paged run (a planted defect)."""
+    refs = {r.req_id: reference(r) for r in requests}
+    for r in requests:
+        assert len(refs[r.req_id]) >= 3, f"{r.req_id} evicts {len(refs[r.req_id])} times: the check needs three"
+    if after_references is not None:
+        after_references()
+    engine = Engine(requests, prefix_caching=prefix_caching)
+    checked = 0
+
+    def check_new(since: int) -> None:
+        nonlocal checked
+        for req_id, k in engine.evictions[since:]:
+            want, got = refs[req_id][k - 1], engine.snapshot(req_id)
+            where = f"{req_id} ({engine.requests[req_id].policy.source}), eviction {k}"
+            assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
+            assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
+            assert set(got.state) == set(want.state), where
+            for name, t in want.state.items():
+                torch.testing.assert_close(got.state[name], t, rtol=1e-5, atol=1e-6, msg=f"{where}: state {name}")
+            checked += 1
+
+    schedule(engine, check_new)
+    assert checked >= 3 * len(requests)
+    return engine
+
+
+def decode_all(engine: Engine, check_new) -> None:
+    """Every request's prompt in one step, then one token per step, batched together."""
+    since = 0
+    engine.step({r: q.prompt for r, q in engine.requests.items()})
+    check_new(since)
+    while True:
+        left = {r: 1 for r, q in engine.requests.items() if engine.computed[r] < q.total}
+        if not left:
+            return
+        since = len(engine.evictions)
+        engine.step(left)
+        check_new(since)
+
+
+@pytest.mark.parametrize("name", served_policies())
+def test_every_served_policy_keeps_the_caches_slots(name):
+    run_and_check([Request("a", resolved(name), 21, 70), Request("b", resolved(name), 9, 64)], decode_all)
+
+
+def test_the_served_policies_include_the_stateful_ones_and_both_plugins():
+    names = set(served_policies())
+    assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv"} <= names
+
+
+def test_h2o_with_a_16_query_window_and_a_prompt_longer_than_it():
+    run_and_check([Request("a", resolved("h2o", window=16, recent=16, budget=32), 40, 90)], decode_all)
+
+
+def test_gkv_updates_its_state_once_per_eviction():
+    """The regression the worker had: it updated G-KV's state, then ranked by a second update."""
+    run_and_check([Request("a", resolved("gkv"), 30, 100), Request("b", resolved("gkv", budget=32), 12, 80)],
+                  decode_all)
+
+
+def test_a_batch_of_mixed_per_request_policies():
+    names = ["h2o", "gkv", "snapkv", "lazyeviction", "vase-attnv", "streamingllm"]
+    requests = [Request(f"r{i}-{n}", resolved(n), 10 + 3 * i, 72 + i) for i, n in enumerate(names)]
+    run_and_check(requests, decode_all)
+
+
+def test_prefix_caching_writes_the_first_eviction_into_fresh_blocks():
+    requests = [Request("a", resolved("h2o"), 21, 70), Request("b", resolved("snapkv"), 13, 66)]
+    engine = run_and_check(requests, decode_all, prefix_caching=True)
+    assert engine.evictions
+
+
+@pytest.mark.parametrize("name", ["h2o", "gkv", "lazyeviction", "vase-attnv"])
+def test_a_request_preempted_after_evicting_replays_to_the_same_slots(name):
+    requests = [Request("a", resolved(name), 21, 90), Request("b", resolved("snapkv"), 15, 80)]
+
+    def schedule(engine: Engine, check_new) -> None:
+        engine.step({r: q.prompt for r, q in engine.requests.items()})
+        check_new(0)
+        preempted = False
+        while True:
+            a = engine.paged.ledger.get("a") if engine.paged.ledger.tracks("a") else None
+            if not preempted and a is not None and a.evictions >= 2 and engine.computed["a"] % 5 == 3:
+                preempted = True
+                for chunk in engine.preempt("a"):  # recomputed alone, in the chunks the scheduler allows
+                    since = len(engine.evictions)
+                    engine.step({"a": chunk})
+                    check_new(since)
+            left = {r: 1 for r, q in engine.requests.items() if engine.computed[r] < q.total}
+            if not left:
+                break
+            since = len(engine.evictions)
+            engine.step(left)
+            check_new(since)
+        assert preempted
+
+    run_and_check(requests, schedule)
