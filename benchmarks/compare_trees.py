@@ -38,8 +38,10 @@ def tables(text: str) -> dict[tuple[str, str, str], float]:
         nums = [c for c in cells[1:] if NUMBER.match(c)]
         if len(nums) == len(cells) - 1:
             if header is not None and len(header) == len(cells):
-                for col, value in zip(header[1:], cells[1:], strict=True):
-                    out[(" ".join(header), cells[0], col)] = float(value.rstrip("x"))
+                for j, (col, value) in enumerate(zip(header[1:], cells[1:], strict=True)):
+                    # a column named twice ("ratio" after each figure) is named by the one before it
+                    name = col if header.count(col) == 1 else f"{header[j]} {col}"
+                    out[(" ".join(header), cells[0], name)] = float(value.rstrip("x"))
         else:
             header = re.split(r"\s{2,}", line.strip())
     return out
@@ -74,12 +76,12 @@ def main() -> None:
     for key in keys:
         header, row, col = key
         if header != last:
-            print(f"\n{'row':<18} {'column':<14} {'before':>10} {'after':>10} {'after/before':>13}")
+            print(f"\n{'row':<18} {'column':<22} {'before':>10} {'after':>10} {'after/before':>13}")
             last = header
         before = statistics.median(r[key] for r in got["before"])
         after = statistics.median(r[key] for r in got["after"])
         ratio = f"{after / before:.3f}" if before else "-"
-        print(f"{row:<18} {col:<14} {before:>10.3f} {after:>10.3f} {ratio:>13}")
+        print(f"{row:<18} {col:<22} {before:>10.3f} {after:>10.3f} {ratio:>13}")
 
 
 if __name__ == "__main__":

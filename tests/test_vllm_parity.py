@@ -240,18 +240,25 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
     return engine
 
 
+def step_and_check(engine: Engine, check_new, chunks: dict[str, int]) -> None:
+    since = len(engine.evictions)
+    engine.step(chunks)
+    check_new(since)
+
+
+def decode_one(engine: Engine, check_new) -> bool:
+    """One token for every request not yet done, batched; False once all are done."""
+    left = {r: 1 for r, q in engine.requests.items() if engine.computed[r] < q.total}
+    if left:
+        step_and_check(engine, check_new, left)
+    return bool(left)
+
+
 def decode_all(engine: Engine, check_new) -> None:
     """Every request's prompt in one step, then one token per step, batched together."""
-    since = 0
-    engine.step({r: q.prompt for r, q in engine.requests.items()})
-    check_new(since)
-    while True:
-        left = {r: 1 for r, q in engine.requests.items() if engine.computed[r] < q.total}
-        if not left:
-            return
-        since = len(engine.evictions)
-        engine.step(left)
-        check_new(since)
+    step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
+    while decode_one(engine, check_new):
+        pass
 
 
 @pytest.mark.parametrize("name", served_policies())
@@ -291,23 +298,16 @@ def test_a_request_preempted_after_evicting_replays_to_the_same_slots(name):
     requests = [Request("a", resolved(name), 21, 90), Request("b", resolved("snapkv"), 15, 80)]
 
     def schedule(engine: Engine, check_new) -> None:
-        engine.step({r: q.prompt for r, q in engine.requests.items()})
-        check_new(0)
+        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
         preempted = False
         while True:
             a = engine.paged.ledger.get("a") if engine.paged.ledger.tracks("a") else None
             if not preempted and a is not None and a.evictions >= 2 and engine.computed["a"] % 5 == 3:
                 preempted = True
                 for chunk in engine.preempt("a"):  # recomputed alone, in the chunks the scheduler allows
-                    since = len(engine.evictions)
-                    engine.step({"a": chunk})
-                    check_new(since)
-            left = {r: 1 for r, q in engine.requests.items() if engine.computed[r] < q.total}
-            if not left:
+                    step_and_check(engine, check_new, {"a": chunk})
+            if not decode_one(engine, check_new):
                 break
-            since = len(engine.evictions)
-            engine.step(left)
-            check_new(since)
         assert preempted
 
     run_and_check(requests, schedule)

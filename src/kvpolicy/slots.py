@@ -107,13 +107,15 @@ class SlotBuffers:
         out: dict[str, torch.Tensor] = {}
         if not self.slot_state:
             return out
-        if positions is None:
-            if self.needs_positions:
-                raise ValueError("a state field starts at its token's position: new_tokens needs the positions")
-            positions = self.positions.new_full((), -1).expand(batch, tokens)  # only their shape is read
+        if positions is None and self.needs_positions:
+            raise ValueError("a state field starts at its token's position: new_tokens needs the positions")
         for name in self.slot_state:
             t: torch.Tensor = getattr(self, name)
-            fresh = self.state_specs[name].initial_values(positions.to(t.device)[:, None, :])  # [B, 1, T]
+            if self.state_specs[name].initial == "position":
+                assert positions is not None
+                fresh = self.state_specs[name].initial_values(positions.to(t.device)[:, None, :])  # [B, 1, T]
+            else:  # a constant: one element, expanded (a decode step allocates nothing per layer)
+                fresh = t.new_full((), self.fill[name])
             out[name] = fresh.expand(batch, t.shape[2], tokens)
         return out
 
