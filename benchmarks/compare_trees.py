@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-NUMBER = re.compile(r"^-?\d+(\.\d+)?(e-?\d+)?x?$")
+NUMBER = re.compile(r"^([+-]?\d+(\.\d+)?(e-?\d+)?|nan|inf)[x%]?$")
 
 
 def tables(text: str) -> dict[tuple[str, str, str], float]:
@@ -37,11 +37,13 @@ def tables(text: str) -> dict[tuple[str, str, str], float]:
             continue
         nums = [c for c in cells[1:] if NUMBER.match(c)]
         if len(nums) == len(cells) - 1:
-            if header is not None and len(header) == len(cells):
+            if header is not None:
+                if len(header) != len(cells):  # a header whose words do not line up: columns by number
+                    header = [header[0], *(f"column {j}" for j in range(1, len(cells)))]
                 for j, (col, value) in enumerate(zip(header[1:], cells[1:], strict=True)):
                     # a column named twice ("ratio" after each figure) is named by the one before it
                     name = col if header.count(col) == 1 else f"{header[j]} {col}"
-                    out[(" ".join(header), cells[0], name)] = float(value.rstrip("x"))
+                    out[(" ".join(header), cells[0], name)] = float(value.rstrip("x%"))
         else:
             header = re.split(r"\s{2,}", line.strip())
     return out
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--before", type=Path, required=True, help="the source tree before the change")
     ap.add_argument("--after", type=Path, default=Path("."), help="the source tree after it (default: here)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--keep", type=Path, default=None, help="a folder to write each run's output to")
     ap.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
     a = ap.parse_args()
     bench = a.benchmark[1:] if a.benchmark[:1] == ["--"] else a.benchmark
@@ -67,9 +70,14 @@ def main() -> None:
         ap.error("name the benchmark: -- SCRIPT [ARGS]")
     script = a.after.resolve() / "benchmarks" / bench[0]
     got: dict[str, list[dict]] = {"before": [], "after": []}
-    for _ in range(a.rounds):
+    if a.keep is not None:
+        a.keep.mkdir(parents=True, exist_ok=True)
+    for i in range(a.rounds):
         for side, tree in (("before", a.before), ("after", a.after)):
-            got[side].append(tables(run(tree, script, bench[1:])))
+            text = run(tree, script, bench[1:])
+            if a.keep is not None:
+                (a.keep / f"{side}-{i}.txt").write_text(text)
+            got[side].append(tables(text))
     keys = [k for k in got["after"][0] if all(k in r for side in got.values() for r in side)]
     print(f"{' '.join(bench)}: median of {a.rounds} rounds per tree, alternating (before {a.before}, after {a.after})")
     last = None
@@ -80,7 +88,7 @@ def main() -> None:
             last = header
         before = statistics.median(r[key] for r in got["before"])
         after = statistics.median(r[key] for r in got["after"])
-        ratio = f"{after / before:.3f}" if before else "-"
+        ratio = f"{after / before:.3f}" if before and before == before else "-"
         print(f"{row:<18} {col:<22} {before:>10.3f} {after:>10.3f} {ratio:>13}")
 
 

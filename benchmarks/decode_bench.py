@@ -89,6 +89,8 @@ def step_overhead(model, policies: list[str], budget: int, trials: int, batch: i
             if policy.mode == "select":  # a selection runs at every step: no step is free of it
                 continue
             interval = policy.schedule.interval
+            if interval < 2:  # evicts at every step (TOVA): no step is free of an eviction
+                continue
             prompt = torch.randint(3, 4096, (batch, budget), generator=gen)
             times: dict[str, list[float]] = {"policy": [], "static": []}
             for _ in range(trials):

@@ -1,0 +1,43 @@
+"""``benchmarks/compare_trees.py`` reads the tables the benchmarks print (before/after runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SPEC = importlib.util.spec_from_file_location(
+    "compare_trees", Path(__file__).resolve().parents[1] / "benchmarks" / "compare_trees.py")
+assert SPEC is not None and SPEC.loader is not None
+compare_trees = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(compare_trees)
+
+STATE = """budget 256, 96 steps per cache, 1 thread
+policy          step ms   ratio  evicting ms   ratio  mean ms   ratio
+h2o-windowed     11.359  1.000x       22.849  1.000x   11.724  1.000x
+h2o              13.682  1.205x          nan    nanx   12.547  1.070x
+"""
+OVERHEAD = """decode step with no eviction due vs StaticCache(budget + interval), budget 256, batch 1
+policy                 policy ms   static ms    overhead
+snapkv                     4.209       4.052       +3.9%
+"""
+LOOSE = """policy        step ms vs uniform  evicting step ms vs uniform
+snapkv          5.517      1.00x          12.0      1.00x
+"""
+
+
+def test_rows_and_columns_are_read_repeated_names_by_the_column_before():
+    got = compare_trees.tables(STATE)
+    header = "policy step ms ratio evicting ms ratio mean ms ratio"
+    assert got[(header, "h2o", "step ms")] == 13.682
+    assert got[(header, "h2o", "step ms ratio")] == 1.205
+    assert got[(header, "h2o", "mean ms ratio")] == 1.070
+    assert got[(header, "h2o", "evicting ms")] != got[(header, "h2o", "evicting ms")]  # nan
+    assert len([k for k in got if k[1] == "h2o-windowed"]) == 6
+
+
+def test_signed_percentages_and_headers_that_do_not_line_up():
+    got = compare_trees.tables(OVERHEAD)
+    assert got[("policy policy ms static ms overhead", "snapkv", "overhead")] == 3.9
+    loose = compare_trees.tables(LOOSE)
+    assert sorted(v for k, v in loose.items()) == [1.0, 1.0, 5.517, 12.0]
+    assert {k[2] for k in loose} == {"column 1", "column 2", "column 3", "column 4"}
