@@ -3,7 +3,8 @@
 Runs ``BENCHMARK ARGS`` (a script of this folder, e.g. ``state_bench.py --quick``) with
 ``PYTHONPATH`` set to each tree's ``src`` in turn, A B A B ..., so that a machine's drift hits
 both alike; parses every table the benchmark prints (a header line, then rows of a name followed
-by numbers, ``1.05x`` ratios included) and prints, per row and column, the median over the
+by numbers, ``1.05x`` ratios included, and the JSON record per configuration that
+``vllm_bench.py`` prints) and prints, per row and column, the median over the
 rounds of each tree and their ratio (after / before)::
 
     git worktree add /tmp/before HEAD~3
@@ -16,6 +17,7 @@ measurement code; only the library differs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -31,6 +33,16 @@ def tables(text: str) -> dict[tuple[str, str, str], float]:
     out: dict[tuple[str, str, str], float] = {}
     header: list[str] | None = None
     for line in text.splitlines():
+        if line.startswith("{"):  # a JSON record per configuration (vllm_bench.py)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict) and "config" in record:
+                for col, value in record.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        out[("json", str(record["config"]), col)] = float(value)
+            continue
         cells = re.split(r"\s{2,}", line.strip())
         if len(cells) < 2:
             header = None

@@ -52,6 +52,8 @@ POLICIES: dict[str, dict | None] = {
     "streamingllm": {"policy": "streamingllm", "budget": 128},
     "rkv": {"policy": "rkv", "budget": 128},
     "vase-attnv": {"policy": "vase-attnv", "budget": 128},
+    "h2o": {"policy": "h2o", "budget": 128},  # stages that keep state, carried per request
+    "gkv": {"policy": "gkv", "budget": 128},
 }
 
 

@@ -41,3 +41,8 @@ def test_signed_percentages_and_headers_that_do_not_line_up():
     loose = compare_trees.tables(LOOSE)
     assert sorted(v for k, v in loose.items()) == [1.0, 1.0, 5.517, 12.0]
     assert {k[2] for k in loose} == {"column 1", "column 2", "column 3", "column 4"}
+
+
+def test_json_records_per_configuration():
+    got = compare_trees.tables('{"config": "snapkv", "output_tok_per_s": 71.1, "async_scheduling": false, "policy": {}}\n')
+    assert got == {("json", "snapkv", "output_tok_per_s"): 71.1}
