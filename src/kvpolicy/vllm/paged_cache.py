@@ -202,7 +202,8 @@ class PagedCache:
         kv: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views:
             ``kvpolicy.vllm.layout.BlockLayout.split``).
         layer_ids: the model's index of each layer of ``kv`` (what keys per-layer draws).
-        q_heads, head_dim: the attention's query heads on this rank and head size.
+        q_heads: the attention's query heads on this rank.
+        head_dim: the attention's head size.
         block_size: slots per block.
         head_offset: the model's index of this rank's first KV head (tensor parallelism).
         prefix_caching: whether vLLM's prefix cache may share a request's blocks (then a first
