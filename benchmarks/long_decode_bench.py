@@ -19,8 +19,8 @@ plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), fo
   step attends ``budget`` chosen slots).
 
 Reported: decode tokens/s, its ratio to the full cache and to ``dense`` at each length, and for the selection
-policies the share of decode time spent choosing (``Executor.selected_slots``: scoring and
-top-k, timed by wrapping it). The caches alternate within one process, so machine noise hits
+policies the share of decode time spent choosing (``Executor.choose``: building the
+choice's input, scoring and top-k, timed by wrapping it). The caches alternate within one process, so machine noise hits
 them alike; each is timed ``--trials`` times and the best trial is kept.
 
 Usage::
@@ -54,11 +54,11 @@ _CHOOSING = [0.0]
 
 
 def _timed(orig, device: torch.device):
-    def wrapped(self, *args):
+    def wrapped(self, *args, **kwargs):
         _sync(device)
         t0 = time.perf_counter()
         try:
-            return orig(self, *args)
+            return orig(self, *args, **kwargs)
         finally:
             _sync(device)
             _CHOOSING[0] += time.perf_counter() - t0
@@ -131,13 +131,13 @@ def run(
 ) -> dict[int, dict[str, dict[str, float | None]]]:
     """``{length: {cache: {"tok_s", "ratio", "choosing"}}}``, measured side by side.
 
-    ``time_choosing``: time ``Executor.selected_slots`` (on a GPU that synchronises at every
+    ``time_choosing``: time ``Executor.choose`` (on a GPU that synchronises at every
     call, which slows the selection policies down: the GPU check turns it off)."""
     model = build_model(device, dtype, max(lengths) + steps + 16)
     vocab = model.config.vocab_size
-    original = Executor.selected_slots
+    original = Executor.choose
     if time_choosing:
-        Executor.selected_slots = _timed(original, device)  # type: ignore[method-assign]
+        Executor.choose = _timed(original, device)  # type: ignore[method-assign]
     try:
         results: dict[int, dict[str, dict[str, float | None]]] = {}
         for n in lengths:
@@ -163,7 +163,7 @@ def run(
                 + " (ratios to full)")
         return results
     finally:
-        Executor.selected_slots = original  # type: ignore[method-assign]
+        Executor.choose = original  # type: ignore[method-assign]
         model.set_attn_implementation("sdpa")
 
 

@@ -1,0 +1,41 @@
+"""``benchmarks/long_decode_bench.py`` runs against the current API (the GPU check calls it).
+
+A tiny run: the numbers are not checked, only that every cache decodes and that the selection
+policies' choosing time is really measured (it wraps ``Executor.choose``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "long_decode_bench.py"
+SPEC = importlib.util.spec_from_file_location("long_decode_bench", BENCH)
+assert SPEC is not None and SPEC.loader is not None
+long_decode_bench = importlib.util.module_from_spec(SPEC)
+sys.modules.setdefault("long_decode_bench", long_decode_bench)
+SPEC.loader.exec_module(long_decode_bench)
+
+
+def test_every_cache_decodes_and_choosing_is_timed_then_unwrapped():
+    from kvpolicy.executor import Executor
+
+    before = Executor.choose
+    results = long_decode_bench.run(
+        [160], ["full", "dense", "quest", "vase-attnv@select"], budget=96, steps=2, trials=1, batch=1,
+        device=torch.device("cpu"), dtype=torch.float32, log=lambda *_: None)
+    assert Executor.choose is before  # the timing wrapper is taken off again
+    row = results[160]
+    assert set(row) == {"full", "dense", "quest", "vase-attnv@select"}
+    for name, r in row.items():
+        assert r["tok_s"] > 0 and math.isfinite(r["ratio"]), name
+    assert row["full"]["choosing"] is None and row["dense"]["choosing"] is None
+    # quest chooses at every step; vase-attnv@select every 64 steps, so not in these two
+    share = row["quest"]["choosing"]
+    assert share is not None and 0 < share < 1, share
+    assert row["vase-attnv@select"]["choosing"] is not None
+    table = long_decode_bench.table(results, "t")
+    assert "| quest |" in table
