@@ -19,9 +19,9 @@ plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), fo
   step attends ``budget`` chosen slots).
 
 Reported: decode tokens/s, its ratio to the full cache and to ``dense`` at each length, and for the selection
-policies the share of decode time spent choosing (``Executor.choose``: building the
-choice's input, scoring and top-k, timed by wrapping it). The caches alternate within one process, so machine noise hits
-them alike; each is timed ``--trials`` times and the best trial is kept.
+policies the share of decode time spent choosing (the executor's ``timer("select")`` hook:
+building the choice's input, scoring and top-k). The caches alternate within one process, so
+machine noise hits them alike; each is timed ``--trials`` times and the best trial is kept.
 
 Usage::
 
@@ -44,28 +44,12 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvpolicy  # noqa: E402
-from kvpolicy.executor import Executor  # noqa: E402
+from kvpolicy.eval.cost import PolicyTimer, time_policy  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 from kvpolicy.schedule import MAX_SLOTS  # noqa: E402
 
 CACHES = ("full", "dense", "streamingllm", "quest", "oracle-topk", "vase-attnv@select")
 SELECTING = {"quest", "oracle-topk", "vase-attnv@select"}
-_CHOOSING = [0.0]
-
-
-def _timed(orig, device: torch.device):
-    def wrapped(self, *args, **kwargs):
-        _sync(device)
-        t0 = time.perf_counter()
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            _sync(device)
-            _CHOOSING[0] += time.perf_counter() - t0
-
-    return wrapped
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -110,19 +94,24 @@ def prefill(model, cache, prompt: torch.Tensor, kw: str) -> torch.Tensor:
     return out.logits[:, -1:].argmax(-1)
 
 
-def time_decode(model, cache, prompt: torch.Tensor, steps: int, device: torch.device) -> tuple[float, float]:
-    """Prefill ``prompt`` densely, then time ``steps`` decode steps: ``(seconds, choosing seconds)``."""
+def time_decode(
+    model, cache, prompt: torch.Tensor, steps: int, device: torch.device, time_choosing: bool = True,
+) -> tuple[float, float]:
+    """Prefill ``prompt`` densely, then time ``steps`` decode steps: ``(seconds, choosing seconds)``
+    (``time_choosing``: time the policy's choices through the executor's timer hook)."""
     kw = _cache_kwarg(model)
+    timer = PolicyTimer(device, kinds=("select",) if time_choosing else ())
     with torch.inference_mode():
         token = prefill(model, cache, prompt, kw)
         _sync(device)
-        _CHOOSING[0] = 0.0
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
-            token = out.logits[:, -1:].argmax(-1)
-        _sync(device)
-        return time.perf_counter() - start, _CHOOSING[0]
+        with time_policy(cache, timer):
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
+                token = out.logits[:, -1:].argmax(-1)
+            _sync(device)
+            seconds = time.perf_counter() - start
+        return seconds, timer.seconds["select"]
 
 
 def run(
@@ -131,13 +120,10 @@ def run(
 ) -> dict[int, dict[str, dict[str, float | None]]]:
     """``{length: {cache: {"tok_s", "ratio", "choosing"}}}``, measured side by side.
 
-    ``time_choosing``: time ``Executor.choose`` (on a GPU that synchronises at every
-    call, which slows the selection policies down: the GPU check turns it off)."""
+    ``time_choosing``: time each choice (on a GPU that synchronises at every call, which slows
+    the selection policies down: the GPU check turns it off)."""
     model = build_model(device, dtype, max(lengths) + steps + 16)
     vocab = model.config.vocab_size
-    original = Executor.choose
-    if time_choosing:
-        Executor.choose = _timed(original, device)  # type: ignore[method-assign]
     try:
         results: dict[int, dict[str, dict[str, float | None]]] = {}
         for n in lengths:
@@ -146,7 +132,7 @@ def run(
             for _ in range(trials):
                 for name in caches:
                     cache = make_cache(name, model, budget)
-                    seconds, choosing = time_decode(model, cache, prompt, steps, device)
+                    seconds, choosing = time_decode(model, cache, prompt, steps, device, time_choosing)
                     del cache
                     if name not in best or seconds < best[name][0]:
                         best[name] = (seconds, choosing)
@@ -163,7 +149,6 @@ def run(
                 + " (ratios to full)")
         return results
     finally:
-        Executor.choose = original  # type: ignore[method-assign]
         model.set_attn_implementation("sdpa")
 
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from helpers import load_benchmark
 
-SPEC = importlib.util.spec_from_file_location(
-    "compare_trees", Path(__file__).resolve().parents[1] / "benchmarks" / "compare_trees.py")
-assert SPEC is not None and SPEC.loader is not None
-compare_trees = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(compare_trees)
+compare_trees = load_benchmark("compare_trees")
 
 STATE = """budget 256, 96 steps per cache, 1 thread
 policy          step ms   ratio  evicting ms   ratio  mean ms   ratio

@@ -5,24 +5,15 @@ again, a pair whose metrics ran in two pieces merges to the union, and a mismatc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 from kvpolicy.eval.cli import main as kvpolicy_main
 
 pytest.importorskip("matplotlib")
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(run: Path) -> dict[str, dict]:
@@ -32,7 +23,7 @@ def _rows(run: Path) -> dict[str, dict]:
 def test_pieces_reuse_the_full_cache_and_merge_to_the_whole_run(tmp_path, capsys):
     from test_eval_e2e import build_tiny_model
 
-    start_shard, merge_runs = _tool("start_shard"), _tool("merge_runs")
+    start_shard, merge_runs = load_benchmark("start_shard"), load_benchmark("merge_runs")
     model = build_tiny_model(tmp_path / "tiny")
     first = tmp_path / "first"
     settings = ["--set", "perplexity.tokens=200", "--set", "fidelity.prompts=1", "--set", "fidelity.new_tokens=24",
@@ -102,7 +93,7 @@ def test_pieces_reuse_the_full_cache_and_merge_to_the_whole_run(tmp_path, capsys
 def test_seed_spread_runs_a_sampled_policy_once_per_seed(tmp_path, capsys):
     from test_eval_e2e import build_tiny_model
 
-    seed_spread = _tool("seed_spread")
+    seed_spread = load_benchmark("seed_spread")
     model = build_tiny_model(tmp_path / "tiny")
     out = tmp_path / "seeds"
     assert seed_spread.main(["vase-attnv", "snapkv", "--seeds", "0", "1", "2", "--budgets", "96", "--tokens", "300",
