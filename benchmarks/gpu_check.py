@@ -221,12 +221,7 @@ def _decode_at_context(model, cache, prompt: torch.Tensor, steps: int, device: t
         peak_prefill = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
-            token = out.logits[:, -1:].argmax(-1)
-        sync(device)
-        seconds = time.perf_counter() - start
+        seconds = long_decode_bench.decode_steps(model, cache, token, steps, kw, device)
     peak_decode = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
         "tokens_per_s": prompt.shape[0] * steps / seconds,

@@ -105,13 +105,19 @@ def time_decode(
         token = prefill(model, cache, prompt, kw)
         _sync(device)
         with time_policy(cache, timer):
-            start = time.perf_counter()
-            for _ in range(steps):
-                out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
-                token = out.logits[:, -1:].argmax(-1)
-            _sync(device)
-            seconds = time.perf_counter() - start
+            seconds = decode_steps(model, cache, token, steps, kw, device)
         return seconds, timer.seconds["select"]
+
+
+def decode_steps(model, cache, token: torch.Tensor, steps: int, kw: str, device: torch.device) -> float:
+    """Seconds for ``steps`` greedy decode steps from ``token`` (the device synchronised at the
+    end; under ``torch.inference_mode``; ``kw`` as for ``prefill``)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, use_cache=True, logits_to_keep=1, **{kw: cache})
+        token = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def run(
