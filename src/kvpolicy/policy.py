@@ -111,32 +111,27 @@ class Policy:
 
     def check_model_facts(
         self, facts: ModelFacts | None, *, num_layers: int | None = None, num_kv_heads: int | None = None,
-        head_dim: int | None = None,
+        head_dim: int | None = None, head_offset: int | None = None, q_heads: int | None = None,
     ) -> None:
         """Refuse, before any work, model facts that cannot serve the policy: a fact a stage needs
         and ``facts`` lacks (or no facts at all), facts of another shape than the cache's, or a
         stage that cannot serve the model they describe (``Stage.check_model_facts``: a calibration
         file for another model). Nothing to check for a policy that needs no facts.
 
+        A cache holding a share of the model's KV heads (a tensor-parallel rank) gives
+        ``head_offset``, its first head: ``num_kv_heads`` and ``q_heads`` are then its own, and the
+        facts must hold those heads' output projection (``ModelFacts.check_heads``).
+
         Raises:
             PolicyError: naming the stage and the missing fact or the field at fault.
         """
         check_model_facts(self.stages, facts, self.name, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim)
+                          head_dim=head_dim, head_offset=head_offset, q_heads=q_heads)
 
     def _check_facts_for_heads(self, facts: ModelFacts | None, head_offset: int, hkv: int, hq: int, d: int) -> None:
         """``check_model_facts`` for ``select``: the ``hkv`` KV heads given are the model's heads
         ``head_offset ..`` (all of them, or a tensor-parallel shard), with ``hq / hkv`` query heads each."""
-        self.check_model_facts(facts, head_dim=d)
-        if facts is None or not self.needs_model:
-            return
-        if head_offset + hkv > facts.num_kv_heads or hq // hkv != facts.group_size:
-            raise PolicyError(
-                [f"model facts: KV heads {head_offset} .. {head_offset + hkv - 1} with {hq // hkv} query heads each "
-                 f"were given, but the model facts of {facts.name!r} have {facts.num_kv_heads} KV heads with "
-                 f"{facts.group_size} each"],
-                self.name,
-            )
+        self.check_model_facts(facts, num_kv_heads=hkv, head_dim=d, head_offset=head_offset, q_heads=hq)
 
     @cached_property
     def keeps_state(self) -> bool:

@@ -1,7 +1,8 @@
 """``ModelFacts`` of a transformers decoder: its shape, its rotary embedding, its output projections.
 
 ``KVPolicyCache(policy, model)`` builds them when the policy's stages read any
-(``Policy.needs_model``). A fact the model cannot give (no rotary embedding found, a partial
+(``Policy.needs_model``); what the vLLM builder (``kvpolicy.vllm.facts``) makes the same way is
+in ``kvpolicy.engine_facts``. A fact the model cannot give (no rotary embedding found, a partial
 rotary embedding, no ``o_proj`` in an attention layer) is left out with the reason, which the
 refusal of a policy needing it reports.
 """
@@ -12,18 +13,15 @@ from typing import Any
 
 import torch
 
+from ..engine_facts import ModelShape, partial_rope, projections
 from ..stages.model_facts import ModelFacts
 
 
 def model_facts(model: Any) -> ModelFacts:
     """The facts a stage may ask of ``model`` (a transformers causal LM)."""
     config = model.config.get_text_config(decoder=True)
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    hidden = int(config.hidden_size)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    layers = int(config.num_hidden_layers)
     name = str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or type(model).__name__)
+    shape = ModelShape.of_config(config, name)
     missing: dict[str, str] = {}
 
     rope_fn = None
@@ -32,31 +30,26 @@ def model_facts(model: Any) -> ModelFacts:
         missing["rope"] = f"{type(model).__name__} has no rotary embedding module (rotary_emb)"
     else:
         probe_cos, _ = _call_rotary(rotary, torch.zeros(1, dtype=torch.long))
-        if probe_cos.shape[-1] != head_dim:
-            missing["rope"] = (
-                f"its rotary embedding covers {probe_cos.shape[-1]} of the head's {head_dim} dimensions "
-                "(partial RoPE), which the rotate-half convention over the whole head cannot describe"
-            )
+        partial = partial_rope(int(probe_cos.shape[-1]), shape.head_dim)
+        if partial is not None:
+            missing["rope"] = partial
         else:
             def rope_fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return _call_rotary(rotary, positions)
 
     projection_fn = None
-    projections = [getattr(m, "o_proj", None) for m in _attention_modules(model, layers)]
-    absent = [i for i, p in enumerate(projections) if not isinstance(p, torch.nn.Linear)]
+    modules = _attention_modules(model, shape.num_layers)
+    linears = {i: getattr(m, "o_proj", None) for i, m in enumerate(modules)}
+    absent = [i for i, p in linears.items() if not isinstance(p, torch.nn.Linear)]
     if absent:
         missing["output_projection"] = f"no o_proj linear layer found in attention layer(s) {absent[:5]}"
     else:
-        linears: list[torch.nn.Linear] = [p for p in projections if isinstance(p, torch.nn.Linear)]
+        weights = {i: p.weight for i, p in linears.items() if isinstance(p, torch.nn.Linear)}
+        projection_fn, why = projections(weights, shape.num_attention_heads, shape.head_dim, shape.hidden_size)
+        if why is not None:
+            missing["output_projection"] = why
 
-        def projection_fn(layer: int) -> torch.Tensor:
-            weight = linears[layer].weight  # [hidden, Hq * D]: out = attn_out @ weight.T
-            return weight.t().unflatten(0, (heads, head_dim))
-
-    return ModelFacts(
-        name=name, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        hidden_size=hidden, rope_fn=rope_fn, output_projection_fn=projection_fn, missing=missing,
-    )
+    return shape.facts(rope_fn=rope_fn, output_projection_fn=projection_fn, missing=missing)
 
 
 def _rotary_embedding(model: Any) -> torch.nn.Module | None:

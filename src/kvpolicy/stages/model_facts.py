@@ -47,13 +47,19 @@ class ModelFacts:
             ``[*positions.shape, head_dim]`` float32: the model's rotary embedding at those positions,
             attention scaling included, in the rotate-half convention (dimension ``i`` pairs with
             ``i + head_dim / 2``; ``post = pre * cos + rotate_half(pre) * sin``). None: unknown.
-        output_projection_fn: ``layer`` -> ``[num_attention_heads, head_dim, hidden_size]``: the
+        output_projection_fn: ``layer`` -> ``[held query heads, head_dim, hidden_size]``: the
             slice of the layer's output projection that each query head's attention output is
-            multiplied by (``o_proj.weight.T`` split by head), in the model's dtype and device.
-            None: unknown.
+            multiplied by (``o_proj.weight.T`` split by head), in the model's dtype and device,
+            for the query heads of the KV heads held (every head, unless sharded). None: unknown.
         missing: why a fact is unknown, by fact (reported when a stage needs it).
+        kv_head_offset, kv_heads_held: the KV heads whose output projection these facts hold,
+            ``kv_head_offset .. kv_head_offset + kv_heads_held - 1`` among the model's (with
+            their query heads). A tensor-parallel rank holds its own heads' shard of ``o_proj``
+            only: exactly what a per-head value norm of its heads needs. ``kv_heads_held`` None:
+            every head from ``kv_head_offset`` on. The shape fields above stay the whole model's.
 
-    Read through ``rope`` and ``output_projection``, which check what the functions return.
+    Read through ``rope`` and ``output_projection`` (or ``output_projection_heads``), which check
+    what the functions return.
     """
 
     name: str
@@ -65,6 +71,8 @@ class ModelFacts:
     rope_fn: RopeFn | None = None
     output_projection_fn: ProjectionFn | None = None
     missing: Mapping[str, str] = field(default_factory=dict)
+    kv_head_offset: int = 0
+    kv_heads_held: int | None = None
 
     def __post_init__(self) -> None:
         for label in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
@@ -80,6 +88,17 @@ class ModelFacts:
             raise ModelFactsError(f"ModelFacts.head_dim must be even (RoPE pairs dimensions), got {self.head_dim}")
         if self.output_projection_fn is not None and not self.hidden_size:
             raise ModelFactsError("ModelFacts.hidden_size is required with an output projection")
+        offset, held = self.kv_head_offset, self.kv_heads_held
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < self.num_kv_heads:
+            raise ModelFactsError(
+                f"ModelFacts.kv_head_offset must be an int in [0, num_kv_heads = {self.num_kv_heads}), got {offset!r}"
+            )
+        if held is not None and (isinstance(held, bool) or not isinstance(held, int) or held < 1
+                                 or offset + held > self.num_kv_heads):
+            raise ModelFactsError(
+                f"ModelFacts.kv_heads_held must be a positive int with kv_head_offset + kv_heads_held <= "
+                f"num_kv_heads ({offset} + {held!r} > {self.num_kv_heads}?)"
+            )
 
     @property
     def available(self) -> frozenset[str]:
@@ -93,6 +112,33 @@ class ModelFacts:
     @property
     def group_size(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
+
+    @property
+    def held_kv_heads(self) -> range:
+        """The model's KV heads whose output projection these facts hold."""
+        end = self.num_kv_heads if self.kv_heads_held is None else self.kv_head_offset + self.kv_heads_held
+        return range(self.kv_head_offset, end)
+
+    def check_heads(self, head_offset: int, kv_heads: int, q_heads: int | None = None) -> None:
+        """Raise ``ModelFactsError`` unless a cache of the model's KV heads ``head_offset ..
+        head_offset + kv_heads - 1`` (with ``q_heads`` query heads; None: not checked) can read
+        these facts: the heads exist, have the model's query-head group, and their output
+        projection is held (when the facts give one)."""
+        end = head_offset + kv_heads
+        if head_offset < 0 or kv_heads < 1 or end > self.num_kv_heads or (
+                q_heads is not None and q_heads != kv_heads * self.group_size):
+            raise ModelFactsError(
+                f"KV heads {head_offset} .. {end - 1}{'' if q_heads is None else f' with {q_heads} query heads'} "
+                f"were given, but the model facts of {self.name!r} have {self.num_kv_heads} KV heads with "
+                f"{self.group_size} query heads each"
+            )
+        held = self.held_kv_heads
+        if self.output_projection_fn is not None and (head_offset < held.start or end > held.stop):
+            raise ModelFactsError(
+                f"model facts of {self.name!r} hold the output projection of KV heads {held.start} .. "
+                f"{held.stop - 1} (a tensor-parallel shard), not of heads {head_offset} .. {end - 1}: build "
+                "the facts on the rank that holds them"
+            )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[*positions.shape, head_dim]`` float32 on ``positions``' device (see
@@ -112,8 +158,9 @@ class ModelFacts:
         return cos.to(torch.float32, copy=False), sin.to(torch.float32, copy=False)
 
     def output_projection(self, layer: int) -> torch.Tensor:
-        """``[num_attention_heads, head_dim, hidden_size]``: layer ``layer``'s output projection,
-        split by query head (see ``output_projection_fn``)."""
+        """``[query heads held, head_dim, hidden_size]``: layer ``layer``'s output projection,
+        split by query head (see ``output_projection_fn``): every query head of the model unless
+        the facts are a shard (``held_kv_heads``)."""
         if self.output_projection_fn is None:
             raise ModelFactsError(
                 f"model facts of {self.name!r} have no output projection: {self.why_missing('output_projection')}"
@@ -121,13 +168,21 @@ class ModelFacts:
         if not 0 <= layer < self.num_layers:
             raise ModelFactsError(f"layer {layer} out of range for a model of {self.num_layers} layers")
         w = self.output_projection_fn(layer)
-        want = (self.num_attention_heads, self.head_dim, self.hidden_size)
+        want = (len(self.held_kv_heads) * self.group_size, self.head_dim, self.hidden_size)
         if not isinstance(w, torch.Tensor) or tuple(w.shape) != want:
             raise ModelFactsError(
                 f"model facts of {self.name!r}: output_projection({layer}) has shape "
-                f"{tuple(getattr(w, 'shape', ()))}, expected [Hq, head_dim, hidden] = {want}"
+                f"{tuple(getattr(w, 'shape', ()))}, expected [query heads held, head_dim, hidden] = {want}"
             )
         return w
+
+    def output_projection_heads(self, layer: int, head_offset: int, kv_heads: int) -> torch.Tensor:
+        """``[kv_heads * group_size, head_dim, hidden_size]``: the output projection of the query
+        heads of the model's KV heads ``head_offset .. head_offset + kv_heads - 1`` (a cache's own
+        heads, ``EvictionInput.head_offset``), which the facts must hold (``check_heads``)."""
+        self.check_heads(head_offset, kv_heads)
+        first = (head_offset - self.kv_head_offset) * self.group_size
+        return self.output_projection(layer)[first : first + kv_heads * self.group_size]
 
     def check_shape(self, num_layers: int | None = None, num_kv_heads: int | None = None,
                     head_dim: int | None = None) -> None:
@@ -174,11 +229,15 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 def check_model_facts(
     stages: Sequence[Any], facts: ModelFacts | None, policy_name: str, *, num_layers: int | None = None,
-    num_kv_heads: int | None = None, head_dim: int | None = None,
+    num_kv_heads: int | None = None, head_dim: int | None = None, head_offset: int | None = None,
+    q_heads: int | None = None,
 ) -> None:
     """``Policy.check_model_facts``: refuse ``facts`` that cannot serve a policy whose ``stages``
     (every one, nested ones included: ``kvpolicy.stages.Stage``) read them, naming the stage and
-    the missing fact or the field at fault (``PolicyError``)."""
+    the missing fact or the field at fault (``PolicyError``). With ``head_offset``, the cache
+    holds the model's KV heads ``head_offset ..`` (``num_kv_heads`` of them, ``q_heads`` query
+    heads: a tensor-parallel shard), checked by ``ModelFacts.check_heads``; without it,
+    ``num_kv_heads`` is the model's."""
     needed = frozenset().union(*(s.needs_model for s in stages))
     if not needed:
         return
@@ -200,7 +259,11 @@ def check_model_facts(
     if missing:
         raise PolicyError(missing, policy_name)
     try:
-        facts.check_shape(num_layers, num_kv_heads, head_dim)
+        if head_offset is None:
+            facts.check_shape(num_layers, num_kv_heads, head_dim)
+        else:
+            facts.check_shape(num_layers, None, head_dim)
+            facts.check_heads(head_offset, len(facts.held_kv_heads) if num_kv_heads is None else num_kv_heads, q_heads)
     except ValueError as exc:
         raise PolicyError([f"model facts: {exc}"], policy_name) from None
     problems = []

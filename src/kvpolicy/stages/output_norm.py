@@ -64,9 +64,8 @@ class OutputValueNormScorer(Scorer):
         b, hkv, n, d = inp.values.shape
         g = inp.group_size
         out = torch.zeros(b, hkv, n - first, dtype=torch.float32, device=inp.values.device)
-        head0 = inp.head_offset * g  # a shard of the heads reads its own heads' slices
-        for layer, rows in inp.rows_by_layer():
-            weight = facts.output_projection(layer)[head0 : head0 + hkv * g]
+        for layer, rows in inp.rows_by_layer():  # a shard of the heads reads its own heads' slices
+            weight = facts.output_projection_heads(layer, inp.head_offset, hkv)
             weight = weight.to(device=inp.values.device, dtype=torch.float32)
             hidden = weight.shape[-1]
             weight = weight.view(hkv, g, d, hidden)
