@@ -14,6 +14,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
+| worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
@@ -324,9 +325,26 @@ def _install_engine_core() -> None:
 
 
 def _install_worker() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from . import worker
+    from . import facts, settings, worker
+
+    def make_process_weights(original):
+        def process_weights_after_loading(self, layer):
+            # vLLM's CPU backend packs the weight for oneDNN and drops `weight`: the output
+            # projections' are kept (not copied) for the model facts of policies that read them.
+            if str(getattr(layer, "prefix", "")).endswith(".o_proj"):
+                from vllm.config import get_current_vllm_config_or_none
+
+                config = get_current_vllm_config_or_none()
+                if config is not None and settings.Resolved.from_additional_config(config.additional_config) is not None:
+                    facts.keep_weight(layer)
+            return original(self, layer)
+
+        return process_weights_after_loading
+
+    _wrap(UnquantizedLinearMethod, "process_weights_after_loading", make_process_weights)
 
     def make_init_kv(original):
         def initialize_kv_cache(self, *args: Any, **kwargs: Any):

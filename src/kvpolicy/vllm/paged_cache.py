@@ -33,8 +33,10 @@ import numpy as np
 import torch
 
 from .. import eviction
+from ..documents import PolicyError
 from ..policy import Policy, eviction_input
 from ..stages.base import EvictionInput, StateField
+from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger
 from .paged import KV, compact, gather_paged, slot_address
 from .settings import KVPolicyVLLMError, Resolved
@@ -211,12 +213,16 @@ class PagedCache:
         policy_of: a request's resolved policy (its own, else the server's), asked once per request.
         trace: a folder receiving a record of every eviction, and its first inputs.
         rank: this worker's tensor-parallel rank (names the trace files).
+        model_facts: what the stages of a policy that reads the model may ask of it
+            (``Policy.needs_model``): the facts of this rank's share of the model
+            (``kvpolicy.vllm.facts.model_facts``), handed to every eviction. Each policy is checked
+            against them when first loaded (``check_policy``), with ``KVPolicyCache``'s errors.
     """
 
     def __init__(
         self, kv: list[KV], layer_ids: list[int], *, q_heads: int, head_dim: int, block_size: int,
         policy_of: Callable[[str], Resolved], head_offset: int = 0, prefix_caching: bool = False,
-        trace: Path | None = None, rank: int = 0,
+        trace: Path | None = None, rank: int = 0, model_facts: ModelFacts | None = None,
     ) -> None:
         self.kv = kv
         self.layer_ids = list(layer_ids)
@@ -241,6 +247,7 @@ class PagedCache:
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace, self.rank, self.saves, self.step = trace, rank, 0, 0
+        self.model_facts = model_facts
         if trace is not None:
             trace.mkdir(parents=True, exist_ok=True)
 
@@ -280,11 +287,25 @@ class PagedCache:
         r = self.resolve(req_id)
         rp = self.policies.get(r.policy_yaml)
         if rp is None:
-            rp = self.policies[r.policy_yaml] = RequestPolicy(r, r.policy())
+            policy = r.policy()
+            self.check_policy(policy)
+            rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy)
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
             self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None))
         return rp
+
+    def check_policy(self, policy: Policy | None) -> None:
+        """Refuse a policy whose stages read model facts these cannot give (``KVPolicyVLLMError``
+        with ``Policy.check_model_facts``'s message: a fact missing, or a calibration file for
+        another model), for this rank's KV heads."""
+        if policy is None or not policy.needs_model:
+            return
+        try:
+            policy.check_model_facts(self.model_facts, head_dim=self.head_dim, num_kv_heads=self.kv_heads,
+                                     head_offset=self.head_offset, q_heads=self.q_heads)
+        except PolicyError as exc:
+            raise KVPolicyVLLMError(f"policy {policy.name!r} cannot serve this model:\n{exc}") from None
 
     def _ring(self, window: int) -> RequestQueryRing:
         ring = self.rings.get(window)
@@ -509,6 +530,7 @@ class PagedCache:
             layer_idx=layer_idx, evictions=torch.tensor(evictions, dtype=torch.long).repeat(lyr),
             head_offset=self.head_offset, query_positions=query_positions, query_new=query_new,
             state=None if state is None or not policy.keeps_state else policy.nest_state(state),
+            model=self.model_facts if policy.needs_model else None,
         )
 
     def _gather(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

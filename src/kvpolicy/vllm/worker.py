@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..stages.model_facts import ModelFacts, ModelFactsError
+from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
 from .paged_cache import PagedCache, StepRequests
@@ -82,12 +84,18 @@ class WorkerEviction:
         # the model's (start-up refuses a TP size that does not divide them): it evicts those
         # alone, drawing what an unsharded run draws for them (EvictionInput.head_offset).
         self.rank = int(get_tensor_model_parallel_rank())
+        layer_ids = [extract_layer_index(n) for n in names]
+        head_offset = self.rank * self.kv_heads
+        # What stages that read the model get (RoPE, this rank's shard of each o_proj), checked
+        # against every policy as it is first loaded: the server's here, at start-up.
+        self.model_facts = rank_facts(runner, dict(zip(layer_ids, names, strict=True)), head_offset)
         self.paged = PagedCache(
-            kv, [extract_layer_index(n) for n in names], q_heads=q_heads, head_dim=head_dim,
-            block_size=self.block_size, policy_of=self._resolve, head_offset=self.rank * self.kv_heads,
+            kv, layer_ids, q_heads=q_heads, head_dim=head_dim,
+            block_size=self.block_size, policy_of=self._resolve, head_offset=head_offset,
             prefix_caching=bool(runner.vllm_config.cache_config.enable_prefix_caching),
-            trace=Path(resolved.trace) if resolved.trace else None, rank=self.rank,
+            trace=Path(resolved.trace) if resolved.trace else None, rank=self.rank, model_facts=self.model_facts,
         )
+        self.paged.check_policy(resolved.policy())
 
     @property
     def long_steps(self) -> dict[str, Any]:
@@ -216,6 +224,16 @@ class WorkerEviction:
             state = self.runner.requests.get(ev.req_id)
             if state is not None:
                 state.block_ids[0][:] = ev.blocks
+
+
+def rank_facts(runner: Any, layers: dict[int, str], head_offset: int) -> ModelFacts:
+    """The model facts of this rank's share of the runner's model (``kvpolicy.vllm.facts``)."""
+    model_config = runner.vllm_config.model_config
+    try:
+        return model_facts(runner.get_model(), model_config.hf_text_config, layers, name=str(model_config.model),
+                           head_offset=head_offset)
+    except ModelFactsError as exc:
+        raise KVPolicyVLLMError(f"the model's facts (RoPE, output projections): {exc}") from None
 
 
 def check_layer_names(names: list[str], ctx: Any) -> None:
