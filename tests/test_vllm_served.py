@@ -15,9 +15,6 @@ from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
 #: refusal gives as the reason: the short documented list (docs/vllm.md, "Every policy, served or
 #: not"). Serving one of them means removing it here and in that table.
 NOT_SERVED = {
-    "criticalkv": "reads the model's output_projection",
-    "expected-attention": "reads the model's rope",
-    "triattention": "reads the model's rope",
     "pyramidkv": "shares its budget unevenly",
     "cake": "shares its budget unevenly",
     "ada-snapkv": "shares its budget unevenly",

@@ -266,6 +266,15 @@ def check_model_facts(
             facts.check_heads(head_offset, len(facts.held_kv_heads) if num_kv_heads is None else num_kv_heads, q_heads)
     except ValueError as exc:
         raise PolicyError([f"model facts: {exc}"], policy_name) from None
+    problems = stage_problems(stages, facts)
+    if problems:
+        raise PolicyError(problems, policy_name)
+
+
+def stage_problems(stages: Sequence[Any], facts: ModelFacts) -> list[str]:
+    """What each stage that reads the model says against the model ``facts`` describe
+    (``Stage.check_model_facts``: a calibration file for another model), by stage; the shape
+    and name suffice, so an engine can ask before it has loaded the model."""
     problems = []
     for stage in stages:
         if stage.needs_model:
@@ -273,5 +282,4 @@ def check_model_facts(
                 stage.check_model_facts(facts)
             except ValueError as exc:
                 problems.append(f"{stage.kind} {stage.type_name!r}: {exc}")
-    if problems:
-        raise PolicyError(problems, policy_name)
+    return problems

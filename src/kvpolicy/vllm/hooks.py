@@ -122,6 +122,9 @@ def _install_frontend() -> None:
                     shard = settings.shard_refusal(own.policy(), tp)
                     if shard is not None:
                         raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
+                model = None if resolved_args is None else _model_refusal(self.vllm_config, resolved_args)
+                if model is not None:
+                    raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {model}")
             except settings.KVPolicyVLLMError as exc:
                 raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
             request = original(self, request_id, prompt, params, *args, **kwargs)
@@ -139,6 +142,19 @@ def _install_frontend() -> None:
 
 
 _SCHEDULES: dict[str | None, Any] = {}  # front end: schedules by resolved policy YAML
+_MODEL_REFUSALS: dict[tuple[str | None, str], str | None] = {}  # front end: by resolved policy YAML and model
+
+
+def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
+    """Why a request's own policy cannot serve the model (TriAttention's calibration measured on
+    another): ``settings.model_refusal``, once per distinct policy."""
+    from . import settings
+
+    r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
+    key = (r.policy_yaml, str(vllm_config.model_config.model))
+    if key not in _MODEL_REFUSALS:
+        _MODEL_REFUSALS[key] = settings.model_refusal(r.policy(), vllm_config.model_config)
+    return _MODEL_REFUSALS[key]
 
 
 def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:

@@ -177,9 +177,6 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
-    facts = facts_refusal(policy)
-    if facts is not None:
-        raise KVPolicyVLLMError(facts)
 
 
 def _is_file(source: str) -> bool:
@@ -338,16 +335,23 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     )
 
 
-def facts_refusal(policy: Policy | None) -> str | None:
-    """Why vLLM cannot serve ``policy`` (None: it can): the engine does not hand kvpolicy the
-    model facts (RoPE, output projections) that some stages read (``Policy.needs_model``)."""
-    if policy is None or not policy.needs_model:
+def model_refusal(policy: Policy | None, model_config: Any) -> str | None:
+    """Why the served model cannot run ``policy`` (None: it can): a stage that reads the model
+    and cannot serve this one (``Stage.check_model_facts``: TriAttention's calibration file
+    measured on another model), in ``KVPolicyCache``'s words. Asked in the front end from the
+    model's configuration and name, before any worker loads it; each worker checks the facts it
+    builds again (``PagedCache.check_policy``)."""
+    if policy is None or not policy.needs_model or model_config is None:
         return None
-    return (
-        f"policy {policy.name!r} reads the model's {', '.join(sorted(policy.needs_model))} "
-        "(Policy.needs_model), which the vLLM integration does not provide yet: run it with KVPolicyCache or "
-        "EvictingCache"
-    )
+    from ..engine_facts import ModelShape
+    from ..stages.model_facts import stage_problems
+
+    facts = ModelShape.of_config(model_config.hf_text_config, str(model_config.model)).facts(
+        rope_fn=None, output_projection_fn=None, missing={})
+    problems = stage_problems(policy.stages, facts)
+    if not problems:
+        return None
+    return f"policy {policy.name!r} cannot serve the model {facts.name!r}: " + "; ".join(problems)
 
 
 def check_config(vllm_config: Any, resolved: Resolved) -> None:
@@ -355,9 +359,13 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
 
     check_version(vllm.__version__)
     reasons = refusals(vllm_config)
-    shard = shard_refusal(resolved.policy(), vllm_config.parallel_config.tensor_parallel_size)
+    policy = resolved.policy()
+    shard = shard_refusal(policy, vllm_config.parallel_config.tensor_parallel_size)
     if shard is not None:
         reasons.append(shard)
+    model = model_refusal(policy, vllm_config.model_config)
+    if model is not None:
+        reasons.append(model)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")
