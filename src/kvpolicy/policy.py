@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import PolicyConfig, PolicyError, load_config
+from .config import PolicyConfig, load_config
 from .inputs import MAX_HEAD_OFFSET, check_tensors, eviction_input
 from .schedule import Schedule
 from .stages import guards

