@@ -17,6 +17,10 @@ and does only what needs vLLM:
    requests, and the runner's own records of their block tables follow (the scheduler returns the
    freed blocks to vLLM's pool: see ``kvpolicy.vllm.scheduler``).
 
+At start-up it also builds the model facts of its rank (``kvpolicy.vllm.facts``: RoPE, and its
+shard of each ``o_proj``) for the stages that read the model, and checks the server's policy
+against them (each request's own policy is checked when the paged cache first loads it).
+
 A request resumed after preemption replays its evictions (``kvpolicy.vllm.ledger``). The cache is
 read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``), from the layout vLLM
 resolved for the server and the backend's block interior.
