@@ -4,6 +4,8 @@ against the transformers path (``KVPolicyCache`` + ``generate()``) at a budget t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from importlib.resources import files
 
 import pytest
@@ -81,6 +83,43 @@ def test_an_interleaved_rope_is_missing_with_the_reason():
         rope = get_rope(16, max_position=64, is_neox_style=False,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype=torch.float32)
     assert "is_neox_style False" in _fake_model(rope).why_missing("rope")
+
+
+KEEP_O_PROJ = """
+import socket, torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from kvpolicy.vllm import hooks, settings
+from kvpolicy.vllm.facts import KEPT_WEIGHT, o_proj_weight
+
+hooks.install()
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+config = VllmConfig(additional_config={settings.KEY: settings.resolve({"policy": "criticalkv"}).to_dict()})
+with set_current_vllm_config(config):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1)
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    for prefix, kept in (("model.layers.0.self_attn.o_proj", True), ("model.layers.0.mlp.down_proj", False)):
+        linear = RowParallelLinear(64, 48, bias=False, prefix=prefix)
+        weight = torch.randn(48, 64)
+        linear.weight.data.copy_(weight)
+        linear.quant_method.process_weights_after_loading(linear)
+        assert (KEPT_WEIGHT in linear.__dict__) is kept, prefix
+        if kept:
+            assert torch.equal(o_proj_weight(linear), weight)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(linear(x)[0], x @ weight.t(), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def test_an_o_proj_keeps_its_weight_after_vllms_cpu_gemm_dispatch():
+    """vLLM's CPU backend packs an unquantised linear's weight and leaves ``weight`` empty; under a
+    kvpolicy server the output projection's is kept for the facts (the MLP's is not). In a
+    subprocess: it sets up vLLM's tensor-parallel group of one."""
+    out = subprocess.run([sys.executable, "-c", KEEP_O_PROJ], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def _triattention() -> dict:
