@@ -122,6 +122,50 @@ def test_an_o_proj_keeps_its_weight_after_vllms_cpu_gemm_dispatch():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+REAL_LLAMA = """
+import socket, sys, torch
+from transformers import AutoModelForCausalLM
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from kvpolicy.hf.facts import model_facts as hf_facts
+from kvpolicy.vllm.facts import model_facts
+
+folder = sys.argv[1]
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+config = VllmConfig(model_config=ModelConfig(model=folder, dtype="float32"))
+with set_current_vllm_config(config):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1)
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    torch.set_default_dtype(torch.float32)
+    model = LlamaForCausalLM(vllm_config=config)
+hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+for ours, theirs in zip(model.model.layers, hf.model.layers, strict=True):
+    ours.self_attn.o_proj.weight.data.copy_(theirs.self_attn.o_proj.weight)
+layers = {i: f"model.layers.{i}.self_attn.attn" for i in range(len(hf.model.layers))}
+got, want = model_facts(model, config.model_config.hf_text_config, layers, name=folder), hf_facts(hf)
+assert got.available == {"rope", "output_projection"}, got.missing
+for field in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size"):
+    assert getattr(got, field) == getattr(want, field), field
+pos = torch.arange(0, 8000, 13)
+for a, b in zip(got.rope(pos), want.rope(pos), strict=True):
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+assert all(torch.equal(got.output_projection(i), want.output_projection(i)) for i in layers)
+print("ok")
+"""
+
+
+def test_the_facts_of_vllms_llama_are_the_transformers_facts(model_dir):
+    """vLLM's own ``LlamaForCausalLM`` built for SmolLM2-135M (its o_proj weights copied from the
+    transformers model): the builder finds every layer's modules, and its facts equal
+    ``kvpolicy.hf.model_facts`` (RoPE over 8,000 positions, every output projection). In a
+    subprocess, without an engine."""
+    out = subprocess.run([sys.executable, "-c", REAL_LLAMA, str(model_dir)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def _triattention() -> dict:
     """The built-in TriAttention, its bundled calibration (SmolLM2-135M's, named after the GGUF
     package) accepted for the converted folder served here (``check_name: false``)."""
