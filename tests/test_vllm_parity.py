@@ -385,7 +385,7 @@ def test_gkv_updates_its_state_once_per_eviction():
 
 
 def test_a_batch_of_mixed_per_request_policies():
-    names = ["h2o", "gkv", "snapkv", "lazyeviction", "vase-attnv", "streamingllm"]
+    names = ["h2o", "gkv", "snapkv", "lazyeviction", "vase-attnv", "streamingllm", "criticalkv", "expected-attention"]
     requests = [Request(f"r{i}-{n}", resolved(n), 10 + 3 * i, 72 + i) for i, n in enumerate(names)]
     run_and_check(requests, decode_all)
 
@@ -396,7 +396,7 @@ def test_prefix_caching_writes_the_first_eviction_into_fresh_blocks():
     assert engine.evictions
 
 
-@pytest.mark.parametrize("name", ["h2o", "gkv", "lazyeviction", "vase-attnv"])
+@pytest.mark.parametrize("name", ["h2o", "gkv", "lazyeviction", "vase-attnv", "criticalkv"])
 def test_a_request_preempted_after_evicting_replays_to_the_same_slots(name):
     requests = [Request("a", resolved(name), 21, 90), Request("b", resolved("snapkv"), 15, 80)]
 
