@@ -168,7 +168,7 @@ class HeadRuns(EvenRows):
             held = self._picked(rows, row_sel, count, fields=held.fields)
         flat = held.address
         assert held.store is not None  # _picked always says how to store
-        held.store(kept.state)
+        held.store(kept.writes)  # the new state, and merged values where the policy merges
         budget = int(kept.counts[0].sum()) // hkv  # every row's heads share its budget
         keep = kept.keep.view(n_layers, n_rows, hkv, flat.shape[-1])
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]

@@ -3,7 +3,7 @@
 from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
-from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .base import Allocation, EvictionInput, Merge, MergeResult, Reservation, Scorer, Selector, Stage, StateField
 from .cake import CakeAllocation, CakeScorer
 from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
@@ -16,6 +16,10 @@ from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .lag import LagScorer
+from .merge_cam import CamMerge
+from .merge_d2o import D2OMerge
+from .merge_drop import DropMerge
+from .merge_similar import SimilarMerge
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
 from .model_facts import ModelFacts
@@ -29,7 +33,7 @@ from .redundancy import RedundancyScorer
 from .shared_heads import SharedHeadsScorer
 from .sinks import SinksReservation
 from .smoothed_attention import SmoothedAttentionScorer
-from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
+from .spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .top_scores import TopScoresReservation
 from .triattention import QueryCalibration, TriAttentionScorer
@@ -70,10 +74,21 @@ BUILTIN_STAGES = (
     ProfileAllocation,
     DuoAllocation,
     CakeAllocation,
+    DropMerge,
+    SimilarMerge,
+    CamMerge,
+    D2OMerge,
 )
 
 __all__ = [
     "BUILTIN_STAGES",
+    "CamMerge",
+    "D2OMerge",
+    "DropMerge",
+    "Merge",
+    "MergeResult",
+    "MergeSpec",
+    "SimilarMerge",
     "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
     "Allocation",
