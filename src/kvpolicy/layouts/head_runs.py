@@ -222,7 +222,7 @@ class HeadRuns(EvenRows):
                 buffers.head_state[name][:, where] = t.view(*flat.shape[:3])
                 continue
             dst = getattr(buffers, name).flatten(2, 3)
-            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(flat.shape)[lyr, r, h, c]
+            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(*flat.shape, *t.shape[3:])[lyr, r, h, c]
 
     def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         if self.heads.even:
