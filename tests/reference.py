@@ -772,8 +772,8 @@ class TokenLoopCache:
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
-    na = max(math.sqrt(sum(x * x for x in a)), 1e-8)
-    nb = max(math.sqrt(sum(x * x for x in b)), 1e-8)
+    na = max(math.sqrt(sum(x * x for x in a)), 1e-6)
+    nb = max(math.sqrt(sum(x * x for x in b)), 1e-6)
     return sum((x / na) * (y / nb) for x, y in zip(a, b, strict=True))
 
 
@@ -801,9 +801,13 @@ def similar_merge(K, V, keep, slot_valid, *, similarity_threshold=0.0, merge_fra
             evicted = [j for j in range(N) if bool(slot_valid[b, h, j]) and not bool(keep[b, h, j])]
             found = {e: _most_similar(K, b, h, e, kept) for e in evicted}
             allowed = set(evicted)
-            if merge_fraction < 1.0:
-                ranked = sorted(evicted, key=lambda e: (-found[e][0], e))
-                allowed = set(ranked[: int(math.floor(len(evicted) * merge_fraction))])
+            if merge_fraction < 1.0 and evicted:  # the (1 - fraction) quantile, threshold failures at -inf
+                gated = sorted(found[e][0] if found[e][0] >= similarity_threshold else -math.inf for e in evicted)
+                rank = (1.0 - merge_fraction) * (len(gated) - 1)
+                lo, hi = math.floor(rank), math.ceil(rank)
+                a, c, w = gated[lo], gated[hi], rank - lo
+                cut = a + w * (c - a) if w < 0.5 else c - (c - a) * (1 - w)  # torch.lerp
+                allowed = {e for e in evicted if found[e][0] >= cut}
             num = {t: [0.0] * V.shape[-1] for t in kept}
             den = dict.fromkeys(kept, 0.0)
             hit = set()

@@ -39,7 +39,8 @@ class CamMerge(Merge):
     reads_queries: ClassVar[bool] = True
 
     merge_budget: int = Field(32, ge=1, le=1 << 20, description="Kept slots each evicted token merges into (>= 1).")
-    group_reduce: Literal["sum", "mean", "max"] = "sum"
+    #: How a KV head's query heads combine (kvpress's CAMPress averages them).
+    group_reduce: Literal["sum", "mean", "max"] = "mean"
     tile_elements: int = Field(
         1 << 20, ge=1, le=1 << 26,
         description="Logits computed per tile (performance only; results do not depend on it).",

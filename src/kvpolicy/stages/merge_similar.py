@@ -19,8 +19,10 @@ class SimilarMerge(Merge):
     cosine-similar (float32; of equal similarities the lowest slot).
 
     Its weight is ``max(sim, 0) * |v_e| / (|v_e| + |v_t| + 1e-6)`` (value L2 norms), and it merges
-    only if ``sim >= similarity_threshold`` and, when ``merge_fraction < 1``, it is among the
-    ``floor(merge_fraction * E)`` most similar of its head's ``E`` evicted tokens. A kept value
+    only if ``sim >= similarity_threshold`` and, when ``merge_fraction < 1``, ``sim`` reaches the
+    ``1 - merge_fraction`` quantile (linear interpolation, as ``torch.quantile``) of its head's
+    evicted similarities, those below the threshold counted as ``-inf`` (kvpress's rule: about
+    the top ``merge_fraction`` of them). A kept value
     that some token merged into becomes ``(v_t + sum w_e v_e) / (1 + sum w_e)``; every other
     value, and every key (RoPE-safe), is unchanged. No memory of earlier merges: at a later
     eviction a slot that absorbed many tokens weighs 1 against newcomers (``d2o`` keeps weights).
@@ -46,13 +48,20 @@ class SimilarMerge(Merge):
         sim, target = nearest_kept(inp.keys, keep, evicted, self.tile_elements)
         merging = evicted & (sim >= self.similarity_threshold)
         if self.merge_fraction < 1.0:
-            allowed = (evicted.sum(-1, keepdim=True) * self.merge_fraction).floor().long()  # [B, Hkv, 1]
-            order = sim.argsort(dim=-1, descending=True, stable=True)
-            rank = torch.empty_like(order).scatter_(-1, order, torch.arange(inp.num_slots, device=order.device).expand_as(order))
-            merging &= rank < allowed
+            merging &= sim >= self._quantile(torch.where(merging, sim, float("-inf")), evicted)
         v = inp.values.float()
         norm = v.norm(dim=-1)
         weight = sim.clamp_min(0.0) * norm / (norm + norm.gather(-1, target) + WEIGHT_EPS)
         num, den, hit = fold(v, weight, target, merging)
         out = torch.where(hit[..., None], (v + num) / (1.0 + den[..., None]), v)
         return MergeResult(out, {})
+
+    def _quantile(self, sim: torch.Tensor, evicted: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, 1]``: the ``1 - merge_fraction`` quantile of each head's evicted ``sim``, as
+        ``torch.quantile`` computes it over them (float32 ranks, ``lerp`` between neighbours)."""
+        ordered = torch.where(evicted, sim, float("inf")).sort(dim=-1).values  # evicted first, ascending
+        count = evicted.sum(-1, keepdim=True)
+        q = torch.tensor(1.0 - self.merge_fraction, dtype=torch.float32, device=sim.device)
+        rank = q * (count - 1).clamp_min(0).float()
+        below, above = rank.long(), rank.ceil().long()
+        return ordered.gather(-1, below).lerp(ordered.gather(-1, above), rank - below)

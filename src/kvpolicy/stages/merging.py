@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-#: Norms below this count as zero when keys are normalised (a zero key is similar to nothing).
-NORM_EPS = 1e-8
+#: Keys are divided by their norm clamped to at least this (kvpress ``MergingPress``'s ``1e-6``).
+NORM_EPS = 1e-6
 
 
 def nearest_kept(
