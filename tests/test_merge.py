@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import reference as ref
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference as ref
 from kvpolicy import EvictingCache, PolicyError, eviction, load_policy
 from kvpolicy.inputs import eviction_input
 from kvpolicy.stages import CamMerge, D2OMerge, EvictionInput, SimilarMerge

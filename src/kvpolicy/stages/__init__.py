@@ -3,7 +3,17 @@
 from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .attention import AttentionScorer
-from .base import Allocation, EvictionInput, Merge, MergeResult, Reservation, Scorer, Selector, Stage, StateField
+from .base import (
+    Allocation,
+    EvictionInput,
+    Merge,
+    MergeResult,
+    Reservation,
+    Scorer,
+    Selector,
+    Stage,
+    StateField,
+)
 from .cake import CakeAllocation, CakeScorer
 from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
@@ -16,12 +26,12 @@ from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .lag import LagScorer
+from .layer_list import LayerListAllocation
+from .leverage import LeverageScorer
 from .merge_cam import CamMerge
 from .merge_d2o import D2OMerge
 from .merge_drop import DropMerge
 from .merge_similar import SimilarMerge
-from .layer_list import LayerListAllocation
-from .leverage import LeverageScorer
 from .model_facts import ModelFacts
 from .normalized import NormalizedScorer
 from .output_norm import OutputValueNormScorer

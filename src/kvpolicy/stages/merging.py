@@ -22,19 +22,26 @@ def nearest_kept(
     k = k / k.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
     sim = torch.full((b, h, n), float("-inf"), device=keys.device)
     target = torch.zeros((b, h, n), dtype=torch.long, device=keys.device)
-    if not bool(sources.any()):
+    most = int(sources.sum(-1).max())
+    if most == 0:
         return sim, target
+    # Each head's sources first (an eviction drops few of the slots it holds): [B, Hkv, S] of them.
+    picked = sources.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
+    real = sources.gather(-1, picked)
     not_kept = ~keep[:, :, None, :]
-    cols = torch.nonzero(sources.any(1).any(0)).flatten()  # slots some row and head merges
     tile = max(1, tile_elements // max(1, b * h * n))
-    for c0 in range(0, cols.numel(), tile):
-        c = cols[c0 : c0 + tile]
-        s = torch.matmul(k[:, :, c], k.transpose(-1, -2)).masked_fill_(not_kept, float("-inf"))  # [B, Hkv, c, N]
+    best_all, idx_all = [], []
+    for c0 in range(0, most, tile):
+        rows = picked[..., c0 : c0 + tile]
+        src = k.gather(2, rows[..., None].expand(*rows.shape, k.shape[-1]))
+        s = torch.matmul(src, k.transpose(-1, -2)).masked_fill_(not_kept, float("-inf"))  # [B, Hkv, tile, N]
         best, idx = s.max(dim=-1)
-        sim[:, :, c], target[:, :, c] = best, idx
-    sim = sim.masked_fill(~sources, float("-inf"))
-    return sim, target.masked_fill(~sources, 0)
-
+        best_all.append(best)
+        idx_all.append(idx)
+    best, idx = torch.cat(best_all, -1), torch.cat(idx_all, -1)
+    sim.scatter_(-1, picked, torch.where(real, best, float("-inf")))
+    target.scatter_(-1, picked, torch.where(real, idx, 0))
+    return sim, target
 
 def fold(
     values: torch.Tensor, weights: torch.Tensor, target: torch.Tensor, merging: torch.Tensor,
