@@ -279,3 +279,16 @@ def test_drop_is_the_default_and_files_keep_their_form():
     assert "merge" not in load_policy("snapkv").config.to_dict()
     assert load_policy("snapkv-merge").config.to_dict()["merge"]["type"] == "similar"
     assert load_policy(load_policy("d2o").to_yaml()).config.merge.type_name == "d2o"
+
+
+@pytest.mark.parametrize("name", ["snapkv-merge", "cam", "d2o"])
+def test_generate_decodes_padded_rows_as_alone_under_a_merge(name, one_thread):
+    """``generate()`` through ``KVPolicyCache``: each row of a left-padded batch decodes under a
+    merge policy as it does alone (the padded-row check of ``kvpolicy.hf.padded_rows``)."""
+    pytest.importorskip("transformers")
+    from hf_util import assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3
+
+    model = tiny_qwen3(layers=2, vocab=512)
+    ids, mask = left_padded_prompt(512, 2, 20, (0, 6), 3)
+    policy = load_policy(name, budget=24, recent=4, interval=4, window=4)
+    assert_rows_decode_as_alone(fresh(model), policy, ids, mask, 48)
