@@ -131,6 +131,7 @@ class Snapshot:
     positions: torch.Tensor  # [Lyr, Hkv, K]
     keys: torch.Tensor  # [Lyr, Hkv, K, D]
     state: dict[str, torch.Tensor]  # per slot [Lyr, Hkv, K], per head [Lyr, Hkv]
+    values: torch.Tensor  # [Lyr, Hkv, K, D]: merged ones under a merge policy (snapkv-merge, cam, d2o)
 
 
 def reference(req: Request, facts: ModelFacts | None = None) -> list[Snapshot]:
@@ -148,7 +149,8 @@ def reference(req: Request, facts: ModelFacts | None = None) -> list[Snapshot]:
             views = cache.layers
             state = {name: torch.stack([v.state[name][0] for v in views]) for name in policy.state_fields}
             snaps.append(Snapshot(torch.stack([v.positions[0] for v in views]),
-                                  torch.stack([v.keys[0] for v in views]), state))
+                                  torch.stack([v.keys[0] for v in views]), state,
+                                  torch.stack([v.values[0] for v in views])))
     return snaps
 
 
@@ -281,9 +283,12 @@ class Engine:
             ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
             keys = torch.stack([kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1)
                                 for layer in range(self.shape.layers)])
-            parts.append(Snapshot(kept.positions, keys, {**kept.state, **paged.head_state.get(req_id, {})}))
+            values = torch.stack([kv[layer][1][ids, torch.arange(k) % BLOCK].transpose(0, 1)
+                                  for layer in range(self.shape.layers)])
+            parts.append(Snapshot(kept.positions, keys, {**kept.state, **paged.head_state.get(req_id, {})}, values))
         return Snapshot(torch.cat([p.positions for p in parts], 1), torch.cat([p.keys for p in parts], 1),
-                        {name: torch.cat([p.state[name] for p in parts], 1) for name in parts[0].state})
+                        {name: torch.cat([p.state[name] for p in parts], 1) for name in parts[0].state},
+                        torch.cat([p.values for p in parts], 1))
 
 
 def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = False, after_references=None,
@@ -309,6 +314,8 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
             where = f"{req_id} ({engine.requests[req_id].policy.source}), eviction {k}"
             assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
             assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
+            torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6,
+                                       msg=f"{where}: the blocks hold other values (merged ones, under a merge)")
             assert set(got.state) == set(want.state), where
             for name, t in want.state.items():
                 torch.testing.assert_close(got.state[name], t, rtol=1e-5, atol=1e-6, msg=f"{where}: state {name}")
@@ -349,7 +356,7 @@ def test_every_served_policy_keeps_the_caches_slots(name):
 
 def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():
     names = set(served_policies())
-    assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv"} <= names
+    assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv", "snapkv-merge", "cam", "d2o"} <= names
     assert {"criticalkv", "expected-attention", "triattention"} <= names
 
 

@@ -168,7 +168,7 @@ class HeadRuns(EvenRows):
             held = self._picked(rows, row_sel, count, fields=held.fields)
         flat = held.address
         assert held.store is not None  # _picked always says how to store
-        held.store(kept.state)
+        held.store(kept.writes)  # the new state, and merged values where the policy merges
         budget = int(kept.counts[0].sum()) // hkv  # every row's heads share its budget
         keep = kept.keep.view(n_layers, n_rows, hkv, flat.shape[-1])
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]
@@ -222,7 +222,7 @@ class HeadRuns(EvenRows):
                 buffers.head_state[name][:, where] = t.view(*flat.shape[:3])
                 continue
             dst = getattr(buffers, name).flatten(2, 3)
-            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(flat.shape)[lyr, r, h, c]
+            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(*flat.shape, *t.shape[3:])[lyr, r, h, c]
 
     def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         if self.heads.even:
