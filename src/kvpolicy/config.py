@@ -73,7 +73,19 @@ class PolicyConfig(BaseModel):
                 f"allocation {self.allocation.type_name!r} in select mode needs schedule.recent >= 1: a head "
                 "may choose few slots, and the recent buffer keeps each head attending its newest token"
             )
+        if self.selector.sets_counts and self.allocation.per_head:
+            raise ValueError(
+                f"selector: {self.selector.type_name!r} sets each head's count, and allocation "
+                f"{self.allocation.type_name!r} shares the layer's slots among its heads: use one or the other"
+            )
+        if self.mode == "select" and self.selector.sets_counts and sched.recent < 1:
+            raise ValueError(
+                f"selector {self.selector.type_name!r} in select mode needs schedule.recent >= 1: a head "
+                "may choose few slots, and the recent buffer keeps each head attending its newest token"
+            )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
+        if self.selector.sets_counts:
+            self.selector.check_pool(sched.budget, sched.recent + reserved)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
                 f"the policy protects more slots than the budget holds: recent {sched.recent} + "

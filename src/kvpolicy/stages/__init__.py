@@ -2,6 +2,7 @@
 
 from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
+from .arrival_score import ArrivalScoreScorer
 from .attention import AttentionScorer
 from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
 from .cake import CakeAllocation, CakeScorer
@@ -31,6 +32,7 @@ from .sinks import SinksReservation
 from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
+from .threshold import ThresholdSelector
 from .top_scores import TopScoresReservation
 from .triattention import QueryCalibration, TriAttentionScorer
 from .uniform import UniformAllocation
@@ -57,12 +59,14 @@ BUILTIN_STAGES = (
     NormalizedScorer,
     SharedHeadsScorer,
     CakeScorer,
+    ArrivalScoreScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
     ChunkSelector,
+    ThresholdSelector,
     UniformAllocation,
     PyramidAllocation,
     LayerListAllocation,
@@ -76,6 +80,7 @@ __all__ = [
     "BUILTIN_STAGES",
     "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
+    "ArrivalScoreScorer",
     "Allocation",
     "AllocationSpec",
     "ChunkSelector",
@@ -118,6 +123,7 @@ __all__ = [
     "Stage",
     "StateField",
     "StochasticSelector",
+    "ThresholdSelector",
     "TopScoresReservation",
     "TriAttentionScorer",
     "ValueMagnitudeScorer",
