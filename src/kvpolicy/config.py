@@ -83,6 +83,11 @@ class PolicyConfig(BaseModel):
                 f"selector {self.selector.type_name!r} in select mode needs schedule.recent >= 1: a head "
                 "may choose few slots, and the recent buffer keeps each head attending its newest token"
             )
+        if sched.evict_above is not None and not self.selector.sets_counts:
+            raise ValueError(
+                f"schedule.evict_above is for a selector that sets each head's count (threshold): selector "
+                f"{self.selector.type_name!r} keeps the budget, so eviction below it would free nothing"
+            )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
         if self.selector.sets_counts:
             self.selector.check_pool(sched.budget, sched.recent + reserved)
@@ -129,7 +134,8 @@ class PolicyConfig(BaseModel):
             "reference": self.reference,
             "seed": self.seed,
             "mode": self.mode,
-            "schedule": self.schedule.model_dump(),
+            # evict_above is written only where set: files without it keep their form
+            "schedule": self.schedule.model_dump(exclude={"evict_above"} if self.schedule.evict_above is None else None),
             "scorer": None if self.scorer is None else self.scorer.describe(),
             "reservations": [r.describe() for r in self.reservations],
             "selector": self.selector.describe(),
