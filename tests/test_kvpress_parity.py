@@ -576,7 +576,7 @@ def test_dms_keeps_dmspress_unmasked_pairs_while_decoding(dms_fx):
     policy = dms_policy(meta, budget=total)
     for i in range(len(meta["layers"])):
         keys = dms_fx["keys"][i : i + 1]
-        hkv, d = keys.shape[1], keys.shape[3]
+        hkv = keys.shape[1]
         cache = kvpolicy.EvictingCache(policy, num_layers=1)
         cache.step(0, keys[:, :, :p], keys[:, :, :p])
         for t in range(p, total):
