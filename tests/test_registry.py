@@ -30,6 +30,7 @@ BUILTIN_POLICIES = {
     "duo-attention",
     "pyramidkv",
     "curdkv",
+    "dms",
     "evict-large-range",
     "expected-attention",
     "gkv",
@@ -110,6 +111,7 @@ def test_builtins_by_kind():
     registry = Registry(autoload=False)
     assert set(registry.stages["scorer"]) == {
         "accumulated_attention",
+        "arrival_score",
         "attention",
         "cake_attention",
         "combination",
@@ -131,7 +133,7 @@ def test_builtins_by_kind():
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
-    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
+    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic", "threshold"}
     assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo", "cake"}
 
 
