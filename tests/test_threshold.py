@@ -255,3 +255,57 @@ def test_non_finite_scores_are_refused_at_run_time_naming_the_scorer():
     cache.step(0, k, k)
     with pytest.raises(SelectionError, match="key_norm"):
         cache.evict_due()
+
+
+def test_attention_reads_each_heads_own_uneven_slots():
+    """Decoding under a threshold, every step's attention equals a float64 softmax over exactly
+    the slots its KV head holds (heads below the pool: deficits only, no head above it)."""
+    policy = threshold_policy(-2.6, budget=32, recent=4, interval=4)
+    cache = EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 2, 24, 8, generator=g, dtype=torch.float64)
+    cache.attend(0, torch.randn(2, 4, 24, 8, generator=g, dtype=torch.float64), k, k)
+    differ = False
+    for _ in range(40):
+        k = torch.randn(2, 2, 1, 8, generator=g, dtype=torch.float64)
+        v = torch.randn(2, 2, 1, 8, generator=g, dtype=torch.float64)
+        q = torch.randn(2, 4, 1, 8, generator=g, dtype=torch.float64)
+        out = cache.attend(0, q, k, v)
+        view = cache.layers[0]
+        counts = cache.head_counts(0)
+        differ |= bool((counts != counts[:, :1]).any())
+        for b in range(2):
+            for hq in range(4):
+                h = hq // 2
+                keys, values = view.keys[b, h][view.valid[b, h]], view.values[b, h][view.valid[b, h]]
+                assert keys.shape[0] == int(counts[b, h])
+                w = torch.softmax(keys @ q[b, hq, 0] / math.sqrt(8), dim=0)
+                torch.testing.assert_close(out[b, hq, 0], w @ values, atol=1e-10, rtol=1e-10)
+    assert differ
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dms_through_generate_rows_decode_as_alone():
+    """A threshold through ``model.generate`` (``KVPolicyCache``): heads hold uneven counts, less
+    than the pool, and each row of a left-padded batch decodes as it does alone."""
+    from hf_util import assert_rows_decode_as_alone, fresh, generate, left_padded_prompt, tiny_qwen3
+
+    from kvpolicy import KVPolicyCache
+
+    model = tiny_qwen3(layers=2, vocab=97, hidden=64, heads=4, head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:  # k_norm's unit weights would give every key the same norm
+        layer.self_attn.k_norm.weight.data = 1 + 0.5 * torch.randn(16, generator=g)
+    ids, mask = left_padded_prompt(97, batch=2, length=24, pads=(0, 5), seed=1)
+    with torch.no_grad():
+        keys = model(input_ids=ids[:1], use_cache=True).past_key_values.layers[0].keys
+    threshold = float((-keys.float().norm(dim=-1)).median())
+    policy = threshold_policy(threshold, budget=32, recent=8, interval=8)
+    served = fresh(model)
+    cache = KVPolicyCache(policy, served)
+    generate(served, cache, ids, mask, 48)
+    counts = cache.evicting.head_counts(0)
+    assert bool((counts != counts[:, :1]).any()) and bool((counts < 32).any())
+    assert cache.held_bytes() < cache.memory_bytes()
+    assert min(s.evictions for s in cache.stats()) >= 5
+    assert_rows_decode_as_alone(fresh(model), policy, ids, mask, 48)
