@@ -309,3 +309,27 @@ def test_dms_through_generate_rows_decode_as_alone():
     assert cache.held_bytes() < cache.memory_bytes()
     assert min(s.evictions for s in cache.stats()) >= 5
     assert_rows_decode_as_alone(fresh(model), policy, ids, mask, 48)
+
+
+def test_threshold_bench_matches_the_fixed_budget_by_what_a_cache_holds():
+    """``benchmarks/threshold_bench.py`` sizes the fixed budget from the schedule alone: its mean
+    slots per head over a text equal a cache's, token by token."""
+    from helpers import load_benchmark
+
+    bench = load_benchmark("threshold_bench")
+    budget, recent, interval, tokens, prefill = 40, 8, 8, 150, 12
+    cache = EvictingCache(bench.fixed(budget, recent, interval), num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    held = []
+    for t in [prefill] + [1] * (tokens - prefill):
+        k = torch.randn(1, 2, t, 4, generator=g)
+        if t > 1:  # the prompt, one chunk: each of its tokens held as it arrived
+            cache.step(0, k, k)
+            held += list(range(1, t + 1))
+            continue
+        cache.evict_due()
+        cache.step(0, k, k)
+        held.append(cache.stats()[0].head_slots_held // 2)
+    assert bench.fixed_mean_held(budget, recent, interval, tokens, prefill) == pytest.approx(sum(held) / tokens)
+    per_head = bench.fixed_mean_held(budget, recent, interval, tokens, prefill)
+    assert bench.equal_budget(per_head, recent, interval, tokens, prefill) == budget
