@@ -53,7 +53,7 @@ class EvictionStats:
     evictions: int = 0  # eviction steps (one step may evict several rows)
     tokens_seen: int = 0  # padded positions appended (the same for every row)
     slots_held: int = 0  # the slot extent: slots held by the longest row
-    slots_evicted: int = 0  # slots dropped, summed over batch rows
+    slots_evicted: int = 0  # slots dropped, summed over batch rows (by the rows' counts: not per head)
     #: Slots held now summed over batch rows and KV heads (what memory holds; under a threshold
     #: or a per-head allocation heads hold different counts), and the fewest and most one head holds.
     head_slots_held: int = 0
