@@ -151,9 +151,11 @@ def test_cache_frees_memory_and_reports_it_step_by_step():
     assert caches[0].held_bytes() < caches[1].held_bytes()
 
 
-def test_padded_rows_hold_what_they_hold_alone():
-    policy = threshold_policy(-2.6, budget=32, recent=4, interval=4)
-    g = torch.Generator().manual_seed(3)
+@settings(max_examples=12, deadline=None)
+@given(pad=st.integers(1, 20), threshold=st.floats(-3.2, -2.2), floor=st.integers(0, 6), seed=st.integers(0, 99))
+def test_padded_rows_hold_what_they_hold_alone(pad, threshold, floor, seed):
+    policy = threshold_policy(threshold, budget=32, recent=4, interval=4, floor=floor)
+    g = torch.Generator().manual_seed(seed)
     batch = EvictingCache(policy, num_layers=1)
     alone = [EvictingCache(policy, num_layers=1) for _ in range(2)]
     for step in range(40):
@@ -162,7 +164,7 @@ def test_padded_rows_hold_what_they_hold_alone():
         q = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
         valid = torch.ones(2, t, dtype=torch.bool)
         if step == 0:
-            valid[1, :11] = False
+            valid[1, :pad] = False
         batch.attend(0, q, k, k, token_valid=None if bool(valid.all()) else valid)
         for r in range(2):
             keep = valid[r]
@@ -217,8 +219,15 @@ def test_impossible_thresholds_are_refused_at_load(selector, field):
 
 
 def test_cap_below_the_protected_slots_is_refused():
-    """Protected slots are always kept, so a pool (the budget) whose cap of candidates does not
-    fit beside them is refused, naming the cap."""
+    """Protected slots are always kept: a per-head total (the budget, each head's pool) below them
+    is refused, naming the schedule, and a cap of candidates that does not fit beside them in the
+    pool is refused, naming the cap."""
+    with pytest.raises(PolicyError, match="protects more slots than the budget holds"):
+        kvpolicy.load_policy({
+            "name": "bad", "schedule": {"budget": 32, "recent": 30, "window": 0},
+            "reservations": [{"type": "sinks", "n": 4}],
+            "scorer": {"type": "key_norm"}, "selector": {"type": "threshold", "threshold": 0.0},
+        })
     with pytest.raises(PolicyError, match=r"selector\.cap"):
         kvpolicy.load_policy({
             "name": "bad", "schedule": {"budget": 32, "recent": 28, "window": 0},

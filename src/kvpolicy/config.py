@@ -89,13 +89,13 @@ class PolicyConfig(BaseModel):
                 f"{self.selector.type_name!r} keeps the budget, so eviction below it would free nothing"
             )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
-        if self.selector.sets_counts:
-            self.selector.check_pool(sched.budget, sched.recent + reserved)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
                 f"the policy protects more slots than the budget holds: recent {sched.recent} + "
                 f"reserved {reserved} > budget {sched.budget}"
             )
+        if self.selector.sets_counts:  # the budget is each head's pool: the counts must fit it
+            self.selector.check_pool(sched.budget, sched.recent + reserved)
         if self.selector.needs_scores:
             if self.scorer is None:
                 raise ValueError(f"selector {self.selector.type_name!r} ranks by score but the policy has no scorer")
