@@ -262,8 +262,16 @@ def test_non_finite_scores_are_refused_at_run_time_naming_the_scorer():
         policy.select_heads(k, k, torch.zeros(1, 1, 0, 4))
     cache = EvictingCache(policy, num_layers=1)
     cache.step(0, k, k)
+    before = cache.layers[0].positions.clone()
     with pytest.raises(SelectionError, match="key_norm"):
         cache.evict_due()
+    assert torch.equal(cache.layers[0].positions, before)  # nothing evicted, nothing stored
+    assert cache.layers[0].state["arrival_score.scored"].sum() == 0
+
+
+def test_overrides_move_the_window_the_threshold_waits_for():
+    policy = kvpolicy.load_policy("dms", budget=512, recent=32)
+    assert (policy.schedule.recent, policy.schedule.evict_above) == (32, 32)
 
 
 def test_attention_reads_each_heads_own_uneven_slots():
