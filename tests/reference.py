@@ -787,3 +787,130 @@ def threshold_counts(scores, protected, valid, *, threshold: float, floor: int, 
             for j in prot + cands[:m]:
                 keep[b, h, j] = True
     return keep
+
+
+# -- merges (spec sections 14-16): the new value of every kept slot, as float64 loops --------------
+# Each takes ``V [B, Hkv, N, Dv]``, ``keep [B, Hkv, N]`` bool (the kept set) and ``slot_valid`` (a
+# valid slot that is not kept is evicted) and returns ``[B, Hkv, N, Dv]`` float64 (non-kept slots:
+# their input values), plus what the rule keeps as state.
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    na = max(math.sqrt(sum(x * x for x in a)), 1e-6)
+    nb = max(math.sqrt(sum(x * x for x in b)), 1e-6)
+    return sum((x / na) * (y / nb) for x, y in zip(a, b, strict=True))
+
+
+def _norm(a: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in a))
+
+
+def _most_similar(K, b, h, e, kept):
+    """The kept slot whose key is most cosine-similar to slot ``e``'s (the lowest of equal ones)."""
+    best, target = -math.inf, None
+    for t in kept:
+        s = _cosine(K[b, h, e].tolist(), K[b, h, t].tolist())
+        if s > best:
+            best, target = s, t
+    return best, target
+
+
+def similar_merge(K, V, keep, slot_valid, *, similarity_threshold=0.0, merge_fraction=1.0):
+    """Spec 15 (kvpress MergingPress): each evicted token folds into its most similar kept token."""
+    B, H, N, _ = V.shape
+    out = V.double().clone()
+    for b in range(B):
+        for h in range(H):
+            kept = [j for j in range(N) if bool(keep[b, h, j])]
+            evicted = [j for j in range(N) if bool(slot_valid[b, h, j]) and not bool(keep[b, h, j])]
+            found = {e: _most_similar(K, b, h, e, kept) for e in evicted}
+            allowed = set(evicted)
+            if merge_fraction < 1.0 and evicted:  # the (1 - fraction) quantile, threshold failures at -inf
+                gated = sorted(found[e][0] if found[e][0] >= similarity_threshold else -math.inf for e in evicted)
+                rank = (1.0 - merge_fraction) * (len(gated) - 1)
+                lo, hi = math.floor(rank), math.ceil(rank)
+                a, c, w = gated[lo], gated[hi], rank - lo
+                cut = a + w * (c - a) if w < 0.5 else c - (c - a) * (1 - w)  # torch.lerp
+                allowed = {e for e in evicted if found[e][0] >= cut}
+            num = {t: [0.0] * V.shape[-1] for t in kept}
+            den = dict.fromkeys(kept, 0.0)
+            hit = set()
+            for e in evicted:
+                s, t = found[e]
+                if e not in allowed or s < similarity_threshold:
+                    continue
+                ve, vt = V[b, h, e].double().tolist(), V[b, h, t].double().tolist()
+                w = max(s, 0.0) * _norm(ve) / (_norm(ve) + _norm(vt) + 1e-6)
+                num[t] = [a + w * x for a, x in zip(num[t], ve, strict=True)]
+                den[t] += w
+                hit.add(t)
+            for t in hit:
+                vt = V[b, h, t].double().tolist()
+                out[b, h, t] = torch.tensor([(x + a) / (1.0 + den[t]) for x, a in zip(vt, num[t], strict=True)],
+                                            dtype=torch.float64)
+    return out
+
+
+def cam_merge(V, keep, slot_valid, positions, attention, draws, *, merge_budget):
+    """Spec 14 (CaM): each evicted token whose draw says so adds ``v / |window|`` to each of the
+    ``merge_budget`` kept slots after it (by position). ``draws [B, Hkv, N]`` float: the token
+    merges iff ``draws < p``, ``p = clamp(A_i / mean A over the window, 0, 1)`` (NaN 0, inf 1).
+    Returns ``(values, p)``."""
+    B, H, N, _ = V.shape
+    out = V.double().clone()
+    prob = torch.zeros(B, H, N, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
+            order = [j for _, j in by_pos]
+            add = {}
+            for i, e in enumerate(order):
+                if bool(keep[b, h, e]):
+                    continue
+                window = [t for t in order[i + 1:] if bool(keep[b, h, t])][:merge_budget]
+                if not window:
+                    continue
+                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
+                a = float(attention[b, h, e])
+                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
+                prob[b, h, e] = p
+                if float(draws[b, h, e]) < p:
+                    for t in window:
+                        add.setdefault(t, [0.0] * V.shape[-1])
+                        add[t] = [s + x / len(window) for s, x in zip(add[t], V[b, h, e].double().tolist(), strict=True)]
+            for t, a in add.items():
+                out[b, h, t] = V[b, h, t].double() + torch.tensor(a, dtype=torch.float64)
+    return out, prob
+
+
+def d2o_merge(K, V, keep, slot_valid, weight, threshold, evictions, *, ema):
+    """Spec 16 (D2O, as kvpolicy reads it): the EMA threshold of the mean nearest similarity, and a
+    merge into the most similar kept token weighted ``exp(s) m_e`` against the target's ``e m_t``
+    (``weight``: tokens each slot stands for). Returns ``(values, weight, threshold, evictions)``."""
+    B, H, N, _ = V.shape
+    out, weight = V.double().clone(), weight.double().clone()
+    threshold, evictions = threshold.double().clone(), evictions.clone()
+    for b in range(B):
+        for h in range(H):
+            kept = [j for j in range(N) if bool(keep[b, h, j])]
+            evicted = [j for j in range(N) if bool(slot_valid[b, h, j]) and not bool(keep[b, h, j])]
+            if not evicted:
+                continue
+            found = {e: _most_similar(K, b, h, e, kept) for e in evicted}
+            s_bar = sum(found[e][0] for e in evicted) / len(evicted)
+            tau = s_bar if int(evictions[b, h]) == 0 else ema * float(threshold[b, h]) + (1 - ema) * s_bar
+            threshold[b, h], evictions[b, h] = tau, int(evictions[b, h]) + 1
+            groups: dict[int, list[int]] = {}
+            for e in evicted:
+                if found[e][0] >= tau:
+                    groups.setdefault(found[e][1], []).append(e)
+            for t, merged in groups.items():
+                total = math.e * float(weight[b, h, t])
+                acc = [math.e * float(weight[b, h, t]) * x for x in V[b, h, t].double().tolist()]
+                for e in merged:
+                    w = math.exp(found[e][0]) * float(weight[b, h, e])
+                    total += w
+                    acc = [a + w * x for a, x in zip(acc, V[b, h, e].double().tolist(), strict=True)]
+                out[b, h, t] = torch.tensor([a / total for a in acc], dtype=torch.float64)
+                weight[b, h, t] = total / math.e
+    return out, weight, threshold, evictions

@@ -324,7 +324,7 @@ def test_the_stage_kinds_are_one_list():
     from kvpolicy.schema import UNION_DEFS
     from kvpolicy.stages.base import STAGE_BASES, STAGE_KINDS
 
-    assert STAGE_KINDS == ("scorer", "reservation", "selector", "allocation")
+    assert STAGE_KINDS == ("scorer", "reservation", "selector", "allocation", "merge")
     assert list(STAGE_BASES) == list(STAGE_KINDS)
     assert all(base.kind == kind for kind, base in STAGE_BASES.items())
     assert list(Registry(autoload=False).stages) == list(STAGE_KINDS)

@@ -85,6 +85,7 @@ class Snapshot:
     positions: torch.Tensor  # [Lyr, Hkv, K]
     keys: torch.Tensor  # [Lyr, Hkv, K, D]
     state: dict[str, torch.Tensor]  # per slot [Lyr, Hkv, K], per head [Lyr, Hkv]
+    values: torch.Tensor  # [Lyr, Hkv, K, D]: merged ones under a merge policy (snapkv-merge, cam, d2o)
 
 
 def reference(req: Request) -> list[Snapshot]:
@@ -102,7 +103,8 @@ def reference(req: Request) -> list[Snapshot]:
             views = cache.layers
             state = {name: torch.stack([v.state[name][0] for v in views]) for name in policy.state_fields}
             snaps.append(Snapshot(torch.stack([v.positions[0] for v in views]),
-                                  torch.stack([v.keys[0] for v in views]), state))
+                                  torch.stack([v.keys[0] for v in views]), state,
+                                  torch.stack([v.values[0] for v in views])))
     return snaps
 
 
@@ -208,7 +210,8 @@ class Engine:
         k = kept.count
         ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
         keys = torch.stack([self.kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in range(LAYERS)])
-        return Snapshot(kept.positions, keys, {**kept.state, **self.paged.head_state.get(req_id, {})})
+        values = torch.stack([self.kv[layer][1][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in range(LAYERS)])
+        return Snapshot(kept.positions, keys, {**kept.state, **self.paged.head_state.get(req_id, {})}, values)
 
 
 def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = False, after_references=None) -> Engine:
@@ -230,6 +233,8 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
             where = f"{req_id} ({engine.requests[req_id].policy.source}), eviction {k}"
             assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
             assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
+            torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6,
+                                       msg=f"{where}: the blocks hold other values (merged ones, under a merge)")
             assert set(got.state) == set(want.state), where
             for name, t in want.state.items():
                 torch.testing.assert_close(got.state[name], t, rtol=1e-5, atol=1e-6, msg=f"{where}: state {name}")
@@ -268,7 +273,7 @@ def test_every_served_policy_keeps_the_caches_slots(name):
 
 def test_the_served_policies_include_the_stateful_ones_and_both_plugins():
     names = set(served_policies())
-    assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv"} <= names
+    assert {"gkv", "h2o", "lazyeviction", "keydiff", "snapkv", "vase-attnv", "snapkv-merge", "cam", "d2o"} <= names
 
 
 def test_h2o_with_a_16_query_window_and_a_prompt_longer_than_it():

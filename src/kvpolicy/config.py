@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from . import documents
 from .documents import PolicyError, read_policy_text, read_source
 from .schedule import Schedule
-from .stages.spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
+from .stages.merge_drop import DropMerge
+from .stages.spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stages.uniform import UniformAllocation
 
 if sys.version_info >= (3, 11):
@@ -62,10 +63,20 @@ class PolicyConfig(BaseModel):
         description="How the total budget (layers x KV heads x budget) is shared among layers and heads "
         "(default: uniform, every layer and head keeps `budget`).",
     )
+    merge: MergeSpec = Field(
+        default_factory=DropMerge,
+        description="What becomes of the tokens an eviction drops (default: drop; cam, similar, d2o fold their "
+        "values into kept slots' values, never keys, never changing how many slots are kept).",
+    )
 
     @model_validator(mode="after")
     def _check_composition(self) -> PolicyConfig:
         sched = self.schedule
+        if self.mode == "select" and self.merge.merges:
+            raise ValueError(
+                f"merge {self.merge.type_name!r} folds evicted tokens into kept values, but select mode evicts "
+                "nothing (every token is kept and each step only attends some): use merge: drop, or mode: evict"
+            )
         if self.mode == "select" and sched.compress_prompt:
             raise ValueError("compress_prompt evicts the prompt: it has no meaning in select mode")
         if self.mode == "select" and self.allocation.per_head and sched.recent < 1:
@@ -113,7 +124,7 @@ class PolicyConfig(BaseModel):
                 f"{'reads' if len(readers) == 1 else 'read'} the window's queries: set schedule.window to "
                 "at least 1"
             )
-        for stage in [self.scorer, *self.reservations, self.selector]:
+        for stage in [self.scorer, *self.reservations, self.selector, self.merge]:
             for s in stage.walk() if stage is not None else ():  # nested stages checked too
                 s.validate_schedule(sched)
         return self
@@ -142,6 +153,8 @@ class PolicyConfig(BaseModel):
         }
         if self.allocation.uneven:  # uniform is the default: files without the field keep their form
             data["allocation"] = self.allocation.describe()
+        if self.merge.merges:  # drop is the default: files without the field keep their form
+            data["merge"] = self.merge.describe()
         return data
 
     def to_yaml(self) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from .policy import Policy
 from .selection import choose_directly
+from .stages import guards
 from .stages.base import EvictionInput, window_positions
 
 __all__ = [
@@ -46,12 +47,23 @@ class Kept:
     bool and ``counts [B, Hkv]`` instead. ``state``: every state field by stored name
     (``Policy.state_fields``) over the input's ``N`` slots, after this eviction's update, before
     any slot is dropped (empty for a policy that keeps none): the caller moves it with the slots
-    it keeps."""
+    it keeps. ``values``: under a policy that merges (``PolicyConfig.merge``), every slot's value
+    after the merge (``[B, Hkv, N, Dv]``, the cache's dtype; only kept slots differ from the
+    input's), computed once here; None when nothing is merged (``drop``)."""
 
     slots: torch.Tensor | None
     keep: torch.Tensor | None
     counts: torch.Tensor | None
     state: dict[str, torch.Tensor]
+    values: torch.Tensor | None = None
+
+    @property
+    def writes(self) -> dict[str, torch.Tensor]:
+        """The per-slot fields a layout writes before it moves the kept slots: the state, and the
+        merged values where there are any (every layout writes them by name, as a state field)."""
+        if self.values is None:
+            return self.state
+        return {**self.state, "values": self.values}
 
 
 def evict(policy: Policy, inp: EvictionInput, *, inputs_checked: bool = False) -> Kept:
@@ -62,8 +74,26 @@ def evict(policy: Policy, inp: EvictionInput, *, inputs_checked: bool = False) -
     checked = inputs_checked or bool(state)  # observe checked the inputs before any stage read them
     if policy.per_head:
         keep, counts = policy.select_heads_from(inp, inputs_checked=checked)
-        return Kept(None, keep, counts, state)
-    return Kept(policy.select_from(inp, inputs_checked=checked), None, None, state)
+        return merged(policy, inp, Kept(None, keep, counts, state))
+    return merged(policy, inp, Kept(policy.select_from(inp, inputs_checked=checked), None, None, state))
+
+
+def merged(policy: Policy, inp: EvictionInput, kept: Kept) -> Kept:
+    """``kept`` with the policy's merge applied (``PolicyConfig.merge``): the kept slots' new
+    values and the merge's state. Unchanged under ``drop``, the default."""
+    merge = policy.config.merge
+    if not merge.merges:
+        return kept
+    keep = kept.keep
+    if keep is None:
+        assert kept.slots is not None
+        keep = torch.zeros(inp.slot_valid.shape, dtype=torch.bool, device=inp.keys.device).scatter_(-1, kept.slots, True)
+    values, fields = guards.run_merge(merge, inp, keep)
+    state = dict(kept.state)
+    for name, (key, field, _) in policy.state_fields.items():
+        if key == merge.state_key and field in fields:
+            state[name] = fields[field]
+    return replace(kept, state=state, values=values)
 
 
 def choose(policy: Policy, inp: EvictionInput) -> Kept:

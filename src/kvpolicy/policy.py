@@ -91,7 +91,7 @@ class Policy:
         reservation's scorer), each once, in file order."""
         cfg = self.config
         found: list[Stage] = []
-        for stage in (cfg.scorer, *cfg.reservations, cfg.selector, cfg.allocation):
+        for stage in (cfg.scorer, *cfg.reservations, cfg.selector, cfg.allocation, cfg.merge):
             for s in stage.walk() if stage is not None else ():
                 if not any(s is f for f in found):
                     found.append(s)

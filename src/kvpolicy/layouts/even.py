@@ -104,7 +104,7 @@ class EvenRows(SlotLayout):
         assert kept.slots is not None  # even rows: every head keeps the same count
         lead = (self.buffers.keys.shape[0], rows.numel())
         slots = kept.slots.unflatten(0, lead)
-        slot_state = {k: v.unflatten(0, lead) for k, v in kept.state.items() if k not in self.buffers.head_state}
+        slot_state = {k: v.unflatten(0, lead) for k, v in kept.writes.items() if k not in self.buffers.head_state}
         compact_rows(self.buffers, row_sel, slots, count, sources=slot_state)
         self._store_head_state(row_sel, kept.state)
         return slots.shape[-1]

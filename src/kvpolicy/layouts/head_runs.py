@@ -174,7 +174,7 @@ class HeadRuns(EvenRows):
             held = self._picked(rows, row_sel, count, fields=held.fields)
         flat = held.address
         assert held.store is not None  # _picked always says how to store
-        held.store(kept.state)
+        held.store(kept.writes)  # the new state, and merged values where the policy merges
         # The rows hold the budget (every head's pool): a per-head allocation's counts add up to
         # Hkv * budget, a threshold's to less (each head's count below it is carried as its deficit).
         budget = min(count, self.group.schedule.budget)
@@ -230,7 +230,7 @@ class HeadRuns(EvenRows):
                 buffers.head_state[name][:, where] = t.view(*flat.shape[:3])
                 continue
             dst = getattr(buffers, name).flatten(2, 3)
-            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(flat.shape)[lyr, r, h, c]
+            dst[lyr, row_of[r], flat[lyr, r, h, c]] = t.view(*flat.shape, *t.shape[3:])[lyr, r, h, c]
 
     def gather_rows(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int) -> HeldSlots:
         if self.heads.even:

@@ -4,7 +4,17 @@ from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
 from .arrival_score import ArrivalScoreScorer
 from .attention import AttentionScorer
-from .base import Allocation, EvictionInput, Reservation, Scorer, Selector, Stage, StateField
+from .base import (
+    Allocation,
+    EvictionInput,
+    Merge,
+    MergeResult,
+    Reservation,
+    Scorer,
+    Selector,
+    Stage,
+    StateField,
+)
 from .cake import CakeAllocation, CakeScorer
 from .chunks import ChunkSelector
 from .combination import CombinationScorer, WeightedTerm
@@ -19,6 +29,10 @@ from .key_norm import KeyNormScorer
 from .lag import LagScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
+from .merge_cam import CamMerge
+from .merge_d2o import D2OMerge
+from .merge_drop import DropMerge
+from .merge_similar import SimilarMerge
 from .model_facts import ModelFacts
 from .normalized import NormalizedScorer
 from .output_norm import OutputValueNormScorer
@@ -30,7 +44,7 @@ from .redundancy import RedundancyScorer
 from .shared_heads import SharedHeadsScorer
 from .sinks import SinksReservation
 from .smoothed_attention import SmoothedAttentionScorer
-from .spec import AllocationSpec, ReservationSpec, ScorerSpec, SelectorSpec
+from .spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
 from .threshold import ThresholdSelector
 from .top_scores import TopScoresReservation
@@ -74,10 +88,21 @@ BUILTIN_STAGES = (
     ProfileAllocation,
     DuoAllocation,
     CakeAllocation,
+    DropMerge,
+    SimilarMerge,
+    CamMerge,
+    D2OMerge,
 )
 
 __all__ = [
     "BUILTIN_STAGES",
+    "CamMerge",
+    "D2OMerge",
+    "DropMerge",
+    "Merge",
+    "MergeResult",
+    "MergeSpec",
+    "SimilarMerge",
     "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
     "ArrivalScoreScorer",

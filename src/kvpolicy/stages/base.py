@@ -1,4 +1,4 @@
-"""The four kinds of stage and the input they all read.
+"""The five kinds of stage and the input they all read.
 
 A stage is a small, frozen pydantic model: its fields are its hyperparameters (validated, with the
 published defaults), and it has exactly one abstract method. Stages are pure tensor functions over
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 #: The kinds of stage. This is the one list of them: ``STAGE_KINDS``, ``STAGE_BASES`` (below), the
 #: registry's tables, the JSON schema and ``kvpolicy policies`` all follow it, in this order.
-StageKind = Literal["scorer", "reservation", "selector", "allocation"]
+StageKind = Literal["scorer", "reservation", "selector", "allocation", "merge"]
 STAGE_KINDS: tuple[StageKind, ...] = get_args(StageKind)
 
 #: Attributes of ``EvictionInput`` that plugin contract 1 (kvpolicy 0.1) had, and what replaced
@@ -706,7 +706,6 @@ class Allocation(Stage):
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
 
 
-#: The base class of each kind of stage, in ``STAGE_KINDS`` order.
 
     def layer_schedules(
         self, schedule: Schedule, reservations: Sequence[Any], num_layers: int, num_kv_heads: int | None,
@@ -743,4 +742,43 @@ class Allocation(Stage):
         return [schedules[b] for b in budgets]
 
 
-STAGE_BASES: dict[StageKind, type[Stage]] = {base.kind: base for base in (Scorer, Reservation, Selector, Allocation)}
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge stage returns (``Merge.merge``).
+
+    ``values [B, Hkv, N, Dv]``: the new value of every slot, in any floating dtype; only the kept
+    slots' entries are read (kvpolicy casts them to the cache's dtype and writes them in place of
+    the kept slots' values). ``state``: the stage's own state fields after the merge, by field
+    name, as ``update_state`` returns them (empty for a stateless merge)."""
+
+    values: torch.Tensor
+    state: Mapping[str, torch.Tensor]
+
+
+class Merge(Stage):
+    """What becomes of the slots an eviction drops: folded into the values of kept slots.
+
+    It runs once per eviction, after the kept set is chosen, on the same ``EvictionInput`` (state
+    brought up to date). It never changes which slots are kept or how many (memory is unchanged),
+    and it never changes a key: keys carry their position's RoPE rotation, and a mixture of keys
+    rotated for different positions is no key of any position. The default, ``drop``, merges
+    nothing and leaves every policy as it was without merging.
+    """
+
+    kind: ClassVar[StageKind] = "merge"
+    #: False for ``drop``: the eviction core then skips the stage (no values are written).
+    merges: ClassVar[bool] = True
+
+    @abstractmethod
+    def merge(self, inp: EvictionInput, keep: torch.Tensor) -> MergeResult:
+        """The merged values of the kept slots, ``keep [B, Hkv, N]`` bool (the eviction's kept set,
+        every head's own). Slots ``keep`` leaves out (valid ones: ``inp.slot_valid``) are what the
+        eviction drops; padding slots are neither kept nor merged. Checked at every call
+        (``kvpolicy.stages.guards.run_merge``): another shape, a non-floating dtype, another device,
+        or NaN/inf on a kept slot is a ``SelectionError`` naming the stage."""
+
+
+#: The base class of each kind of stage, in ``STAGE_KINDS`` order.
+STAGE_BASES: dict[StageKind, type[Stage]] = {
+    base.kind: base for base in (Scorer, Reservation, Selector, Allocation, Merge)
+}

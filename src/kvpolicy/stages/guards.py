@@ -19,7 +19,7 @@ import torch
 from .base import Reservation
 
 if TYPE_CHECKING:
-    from .base import Allocation, EvictionInput, Scorer, Selector, Stage
+    from .base import Allocation, EvictionInput, Merge, Scorer, Selector, Stage
 
 #: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
 #: strictly above every candidate's priority (clamped to this).
@@ -419,3 +419,48 @@ def _check_output(stage: str, what: str, t: object, inp: EvictionInput, *, want_
         raise SelectionError(f"{stage} returned {what} of dtype {t.dtype}, expected a floating dtype (float32)")
     if t.device != inp.keys.device:
         raise SelectionError(f"{stage} returned {what} on {t.device}, expected the inputs' device {inp.keys.device}")
+
+
+def run_merge(merge: Merge, inp: EvictionInput, keep: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``merge.merge(inp, keep)``, checked: ``(values [B, Hkv, N, Dv]`` in the inputs' values dtype,
+    the stage's state fields)``. One synchronisation.
+
+    Refuses (``SelectionError`` naming the merge) values of another shape than ``inp.values``
+    (never broadcast), not floating or on another device, NaN or inf on a kept slot, and state
+    that is not exactly the stage's fields, each of the shape and dtype it had, finite on valid
+    slots. Kept slots' values are taken from the result, every other slot's from ``inp.values``.
+    """
+    name = f"merge {merge.type_name!r}"
+    result = merge.merge(inp, keep)
+    values = getattr(result, "values", None)
+    if not isinstance(values, torch.Tensor):
+        raise SelectionError(f"{name} returned {type(result).__name__} without a values tensor, expected a MergeResult")
+    if tuple(values.shape) != tuple(inp.values.shape):
+        raise SelectionError(
+            f"{name} returned values of shape {tuple(values.shape)}, expected [B, Hkv, N, Dv] = "
+            f"{tuple(inp.values.shape)} (never broadcast)"
+        )
+    if not values.is_floating_point() or values.device != inp.values.device:
+        raise SelectionError(f"{name} returned {values.dtype} values on {values.device}, expected floating values on "
+                             f"{inp.values.device}")
+    declared = merge.state_fields
+    state = dict(result.state)
+    if set(state) != set(declared):
+        raise SelectionError(f"{name} returned state fields {sorted(state)}, expected exactly {sorted(declared)}")
+    checks = [(~torch.isfinite(values) & keep[..., None]).any()]
+    for field, spec in declared.items():
+        before, t = inp.state_of(merge)[field], state[field]
+        if not isinstance(t, torch.Tensor) or t.shape != before.shape or t.dtype != spec.dtype or t.device != before.device:
+            raise SelectionError(f"{name} state field {field!r} must keep the shape, dtype and device it had "
+                                 f"({tuple(before.shape)} {spec.dtype} on {before.device})")
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t)
+            checks.append((bad & inp.slot_valid if spec.per == "slot" else bad).any())
+    flags = torch.stack(checks).tolist()
+    if flags[0]:
+        raise SelectionError(f"{name} produced NaN or inf values on kept slots: merged values must stay finite")
+    if any(flags[1:]):
+        field = list(declared)[flags[1:].index(True)]
+        raise SelectionError(f"{name} state field {field!r} holds non-finite values: state must stay finite")
+    merged = torch.where(keep[..., None], values.to(inp.values.dtype), inp.values)
+    return merged, state

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, PlainSerializer
 
-from .base import Allocation, Reservation, Scorer, Selector, Stage, StageKind
+from .base import Allocation, Merge, Reservation, Scorer, Selector, Stage, StageKind
 
 #: Builds a stage of a kind from ``{type: NAME, ...}`` or ``NAME``: ``Registry.build_stage`` of
 #: the process-wide registry, once ``kvpolicy.registry`` is imported.
@@ -55,3 +55,4 @@ SelectorSpec = Annotated[Selector, BeforeValidator(_builder("selector", Selector
 AllocationSpec = Annotated[
     Allocation, BeforeValidator(_builder("allocation", Allocation)), PlainSerializer(_describe)
 ]
+MergeSpec = Annotated[Merge, BeforeValidator(_builder("merge", Merge)), PlainSerializer(_describe)]

@@ -437,7 +437,11 @@ class PagedCache:
         new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
                       for j, req_id in enumerate(req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
-        compact(self.kv, dst, held.gathered, per_req, self.block_size)
+        gathered = held.gathered
+        if kept.values is not None:  # a merge: the kept slots' merged values go to the blocks
+            merged = kept.values.view(lyr, r, *kept.values.shape[1:])
+            gathered = [(g[0], merged[i]) for i, g in enumerate(gathered)]
+        compact(self.kv, dst, gathered, per_req, self.block_size)
         out = []
         for j, req_id in enumerate(req_ids):
             self.kept[req_id] = slots[j].take(per_req[:, j])

@@ -1,0 +1,294 @@
+"""Merge stages (``merge: cam | similar | d2o``): each rule against its float64 loop reference
+(``tests/reference.py``), the properties every merge keeps (the kept slots, their count and every
+key unchanged; values nothing merged into unchanged), padded rows equal to rows alone, every
+layout writing merged values, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import reference as ref
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy import EvictingCache, PolicyError, eviction, load_policy
+from kvpolicy.inputs import eviction_input
+from kvpolicy.stages import CamMerge, D2OMerge, EvictionInput, SimilarMerge
+
+B, HKV, HQ, D = 2, 2, 4, 8
+
+
+def _tensors(seed: int, n: int, b: int = B, hkv: int = HKV, d: int = D):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, hkv, n, d, generator=g)
+    keys[:, :, ::3] += keys[:, :, 1::3].mean(2, keepdim=True)  # some keys alike, so merges happen
+    values = torch.randn(b, hkv, n, d, generator=g)
+    return g, keys, values
+
+
+def _keep(g: torch.Generator, valid: torch.Tensor, kept: int, recent: int) -> torch.Tensor:
+    """A random kept set per row and head: ``kept`` valid slots, the last ``recent`` always."""
+    b, h, n = valid.shape
+    pri = torch.rand(b, h, n, generator=g)
+    pri[..., n - recent:] = 2.0
+    pri = pri.masked_fill(~valid, -1.0)
+    idx = pri.topk(kept, dim=-1).indices
+    return torch.zeros(b, h, n, dtype=torch.bool).scatter_(-1, idx, True) & valid
+
+
+def _input(keys, values, valid, positions, state=None) -> EvictionInput:
+    b, _, n, d = keys.shape
+    return EvictionInput(
+        keys, values, torch.zeros(b, HQ, 1, d), budget=n, num_candidates=n, slot_valid=valid,
+        query_valid=torch.ones(b, 1, dtype=torch.bool), positions=positions, state=state,
+    )
+
+
+def _layout(n: int, seed: int, pad: int = 3):
+    """Validity with padding at the front of row 1, and positions shuffled per head (per-head
+    layouts hold slots out of position order)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    valid = torch.ones(B, HKV, n, dtype=torch.bool)
+    valid[1, :, :pad] = False
+    positions = torch.full((B, HKV, n), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(HKV):
+            slots = valid[b, h].nonzero().flatten()
+            positions[b, h, slots] = torch.randperm(slots.numel(), generator=g)
+    return valid, positions
+
+
+# -- each rule against its reference -------------------------------------------------------------
+@pytest.mark.parametrize(("threshold", "fraction"), [(0.0, 1.0), (0.3, 1.0), (-1.0, 0.5), (0.0, 0.25)])
+def test_similar_matches_its_reference(threshold, fraction):
+    n = 20
+    g, keys, values = _tensors(1, n)
+    valid, positions = _layout(n, 1)
+    keep = _keep(g, valid, 9, 2)
+    stage = SimilarMerge(similarity_threshold=threshold, merge_fraction=fraction, tile_elements=7)
+    got = stage.merge(_input(keys, values, valid, positions), keep).values
+    want = ref.similar_merge(keys, values, keep, valid, similarity_threshold=threshold, merge_fraction=fraction)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(want, values.double()), "the case merges something"
+
+
+def test_cam_matches_its_reference_given_the_same_draws():
+    n, budget = 24, 3
+    g, keys, values = _tensors(2, n)
+    valid, positions = _layout(n, 2)
+    keep = _keep(g, valid, 10, 2)
+    attention = torch.rand(B, HKV, n, generator=g) * 3
+    attention[0, 0, :6] = 0.0  # 0 / 0 -> p 0 and x / 0 -> p 1 where a window's attention is all 0
+    stage = CamMerge(merge_budget=budget)
+    inp = _input(keys, values, valid, positions, state={stage.state_key: {"attention": attention}})
+    u = torch.rand(B, HKV, n, generator=g, dtype=torch.float64)
+    want, p_want = ref.cam_merge(values, keep, valid, positions, attention, u, merge_budget=budget)
+    p = stage.merge_probability(inp, keep)
+    torch.testing.assert_close(p.double(), p_want, rtol=1e-6, atol=1e-7)
+    got = stage.merge_with(inp, keep, u < p_want)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(want, values.double())
+
+
+def test_cam_probability_one_and_zero_merge_all_and_none():
+    """With every draw merging (p = 1 forced) and none (p = 0), the rule is deterministic."""
+    n = 16
+    g, keys, values = _tensors(3, n)
+    valid, positions = _layout(n, 3, pad=0)
+    keep = _keep(g, valid, 8, 2)
+    stage = CamMerge(merge_budget=4)
+    inp = _input(keys, values, valid, positions, state={stage.state_key: {"attention": torch.ones(B, HKV, n)}})
+    none = stage.merge_with(inp, keep, torch.zeros(B, HKV, n, dtype=torch.bool))
+    assert torch.equal(none, values)
+    every = stage.merge_with(inp, keep, torch.ones(B, HKV, n, dtype=torch.bool))
+    want, p = ref.cam_merge(values, keep, valid, positions, torch.ones(B, HKV, n), torch.zeros(B, HKV, n),
+                            merge_budget=4)
+    # Equal attention everywhere: A_i / mean = 1, except a token with no kept slot after it (no window).
+    assert set(p[valid & ~keep].tolist()) <= {0.0, 1.0} and float(p.sum()) > 0
+    torch.testing.assert_close(every.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_cam_draws_from_the_rows_seeded_streams():
+    n = 16
+    g, keys, values = _tensors(4, n)
+    valid, positions = _layout(n, 4)
+    keep = _keep(g, valid, 8, 2)
+    stage = CamMerge(merge_budget=4)
+    state = {stage.state_key: {"attention": torch.rand(B, HKV, n, generator=g)}}
+    inp = _input(keys, values, valid, positions, state=state)
+    got = stage.merge(inp, keep).values
+    u = inp.head_uniform(n, stream="cam")
+    assert torch.equal(got, stage.merge_with(inp, keep, u < stage.merge_probability(inp, keep)))
+    assert torch.equal(got, stage.merge(_input(keys, values, valid, positions, state=state), keep).values)
+
+
+def test_d2o_matches_its_reference_over_repeated_merges():
+    """Three merges in a row on the same slots: the per-slot weights and the per-head threshold
+    carry over, so a slot that absorbed tokens weighs as many at the next merge."""
+    n = 18
+    g, keys, values = _tensors(5, n)
+    valid, positions = _layout(n, 5)
+    stage = D2OMerge(ema=0.3, tile_elements=5)
+    weight, threshold = torch.ones(B, HKV, n), torch.zeros(B, HKV)
+    evictions = torch.zeros(B, HKV, dtype=torch.long)
+    rw, rt, re = weight.double(), threshold.double(), evictions.clone()
+    for _ in range(3):
+        keep = _keep(g, valid, 11, 2)
+        state = {stage.state_key: {"weight": weight, "threshold": threshold, "evictions": evictions}}
+        out = stage.merge(_input(keys, values, valid, positions, state=state), keep)
+        want, rw, rt, re = ref.d2o_merge(keys, values, keep, valid, rw, rt, re, ema=0.3)
+        torch.testing.assert_close(out.values.double(), want, rtol=1e-5, atol=1e-6)
+        weight, threshold, evictions = out.state["weight"], out.state["threshold"], out.state["evictions"]
+        torch.testing.assert_close(weight.double(), rw, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(threshold.double(), rt, rtol=1e-5, atol=1e-6)
+        assert torch.equal(evictions, re)
+        values = want.float()  # the next merge starts from the merged values
+    assert float(weight.max()) > 1.5, "some slot absorbed tokens"
+
+
+# -- properties of every merge, through the eviction core -----------------------------------------
+MERGES = {"similar": {"type": "similar"}, "cam": {"type": "cam", "merge_budget": 3}, "d2o": {"type": "d2o"}}
+
+
+def _policy(merge: str | None, budget: int = 12, **extra):
+    base = load_policy("h2o", budget=budget, recent=3, window=4, interval=4, **extra).config.to_dict()
+    if merge is not None:
+        base["merge"] = MERGES[merge]
+    return load_policy(base)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(13, 30), merge=st.sampled_from(sorted(MERGES)))
+def test_a_merge_keeps_the_slots_count_and_untouched_values(seed, n, merge):
+    """Through the eviction core: the kept slots (and so their count and keys) are the policy's
+    without the merge; the merged values are the reference's, and exactly the input's on every
+    slot the reference merges nothing into."""
+    g, keys, values = _tensors(seed, n)
+    queries = torch.randn(B, HQ, 4, D, generator=g)
+    plain, merging = _policy(None), _policy(merge)
+
+    def run(policy):
+        state = policy._given_state(None, B, HKV, n, keys.device)
+        inp = eviction_input(keys, values, queries, budget=policy.budget, recent=3, seed=0, state=state)
+        return inp, eviction.evict(policy, inp)
+
+    (_, a), (inp, b) = run(plain), run(merging)
+    assert a.values is None and b.values is not None
+    assert torch.equal(a.slots, b.slots), "a merge never changes which slots are kept"
+    assert b.slots.shape[-1] == 12
+    keep = torch.zeros(B, HKV, n, dtype=torch.bool).scatter_(-1, b.slots, True)
+    valid = torch.ones(B, HKV, n, dtype=torch.bool)
+    if merge == "similar":
+        want = ref.similar_merge(keys, values, keep, valid)
+    elif merge == "cam":
+        positions = torch.arange(n).expand(B, HKV, n)
+        want, _ = ref.cam_merge(values, keep, valid, positions, b.state["cam.attention"],
+                                inp.head_uniform(n, stream="cam"), merge_budget=3)
+    else:
+        fresh = torch.ones(B, HKV, n), torch.zeros(B, HKV), torch.zeros(B, HKV, dtype=torch.long)
+        want, weight, _, _ = ref.d2o_merge(keys, values, keep, valid, *fresh, ema=0.5)
+        torch.testing.assert_close(b.state["d2o.weight"].double(), weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.values.double(), want, rtol=1e-5, atol=1e-6)
+    untouched = (want == values.double()).all(-1)
+    assert torch.equal(b.values[untouched], values[untouched]), "values nothing merged into are unchanged"
+
+
+def _steps(seed: int, t: int, b: int = B):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, HKV, 1, D, generator=g), torch.randn(b, HKV, 1, D, generator=g),
+             torch.randn(b, HQ, 1, D, generator=g)) for _ in range(t)]
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
+@pytest.mark.parametrize("pad", [2, 5])
+def test_a_padded_row_merges_exactly_as_it_would_alone(merge, pad):
+    policy = _policy(merge)
+    g = torch.Generator().manual_seed(9)
+    prompt = (torch.randn(B, HKV, 10, D, generator=g), torch.randn(B, HKV, 10, D, generator=g),
+              torch.randn(B, HQ, 10, D, generator=g))
+    token_valid = torch.ones(B, 10, dtype=torch.bool)
+    token_valid[1, :pad] = False
+    batch, alone = EvictingCache(policy, num_layers=1), EvictingCache(policy, num_layers=1)
+    batch.step(0, *prompt, token_valid)
+    alone.step(0, *(t[1:, :, pad:] for t in prompt))
+    for k, v, q in _steps(10, 30):
+        batch.step(0, k, v, q)
+        alone.step(0, k[1:], v[1:], q[1:])
+        count = batch.layers[0].counts[1]
+        assert count == alone.layers[0].counts[0]
+        assert torch.equal(batch.layers[0].keys[1, :, :count], alone.layers[0].keys[0])
+        assert torch.equal(batch.layers[0].values[1, :, :count], alone.layers[0].values[0]), "merged values differ"
+    assert alone.layers[0].stats.evictions >= 3
+
+
+@pytest.mark.parametrize("allocation", [None, {"type": "adaptive"}])
+def test_every_layout_writes_the_merged_values(allocation):
+    """The cache's first eviction (even rows; per-head runs under an adaptive allocation) holds
+    the reference's merged values of the kept slots, and the keys of the kept tokens unchanged."""
+    over = {"budget": 12, "recent": 2, "window": 4, "interval": 4}
+    data = load_policy("snapkv", **over).config.to_dict()
+    data["merge"] = {"type": "similar"}
+    if allocation is not None:
+        data["allocation"] = allocation
+    policy = load_policy(data)
+    n = 16
+    g, keys, values = _tensors(11, n, b=1)
+    queries = torch.randn(1, HQ, n, D, generator=g)
+    cache = EvictingCache(policy, num_layers=1)
+    cache.step(0, keys[:, :, :12], values[:, :, :12], queries[:, :, :12])
+    for t in range(12, n):
+        cache.step(0, keys[:, :, t : t + 1], values[:, :, t : t + 1], queries[:, :, t : t + 1])
+    assert cache.evict_due() == 1
+    keep, _ = policy.select_heads(keys, values, queries[:, :, -4:])
+    want = ref.similar_merge(keys, values, keep, torch.ones_like(keep))
+    view = cache.layers[0]
+    for h in range(HKV):
+        pos = view.positions[0, h][view.valid[0, h]]
+        assert pos.tolist() == keep[0, h].nonzero().flatten().tolist(), "the cache keeps select_heads' slots"
+        torch.testing.assert_close(view.values[0, h][view.valid[0, h]].double(), want[0, h, pos], rtol=1e-5, atol=1e-6)
+        assert torch.equal(view.keys[0, h][view.valid[0, h]], keys[0, h, pos]), "keys are never merged"
+    assert not torch.equal(want[keep], values.double()[keep])
+
+
+# -- refusals --------------------------------------------------------------------------------------
+def test_select_mode_refuses_a_merge_naming_the_field():
+    with pytest.raises(PolicyError, match="merge 'similar'.*select mode evicts nothing"):
+        load_policy("snapkv-merge", mode="select")
+    load_policy("snapkv", mode="select")  # drop, the default, is fine
+
+
+@pytest.mark.parametrize(("merge", "field"), [
+    ({"type": "cam", "merge_budget": 0}, "merge_budget"),
+    ({"type": "similar", "similarity_threshold": 1.5}, "similarity_threshold"),
+    ({"type": "similar", "merge_fraction": 0.0}, "merge_fraction"),
+    ({"type": "d2o", "ema": 1.0}, "ema"),
+    ({"type": "d2o", "ema": math.nan}, "ema"),
+    ({"type": "nosuch"}, "merge"),
+])
+def test_merge_hyperparameters_out_of_range_are_refused_by_name(merge, field):
+    data = load_policy("snapkv").config.to_dict()
+    data["merge"] = merge
+    with pytest.raises(PolicyError, match=field):
+        load_policy(data)
+
+
+def test_drop_is_the_default_and_files_keep_their_form():
+    assert load_policy("snapkv").config.merge.type_name == "drop"
+    assert "merge" not in load_policy("snapkv").config.to_dict()
+    assert load_policy("snapkv-merge").config.to_dict()["merge"]["type"] == "similar"
+    assert load_policy(load_policy("d2o").to_yaml()).config.merge.type_name == "d2o"
+
+
+@pytest.mark.parametrize("name", ["snapkv-merge", "cam", "d2o"])
+def test_generate_decodes_padded_rows_as_alone_under_a_merge(name, one_thread):
+    """``generate()`` through ``KVPolicyCache``: each row of a left-padded batch decodes under a
+    merge policy as it does alone (the padded-row check of ``kvpolicy.hf.padded_rows``)."""
+    pytest.importorskip("transformers")
+    from hf_util import assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3
+
+    model = tiny_qwen3(layers=2, vocab=512)
+    ids, mask = left_padded_prompt(512, 2, 20, (0, 6), 3)
+    policy = load_policy(name, budget=24, recent=4, interval=4, window=4)
+    assert_rows_decode_as_alone(fresh(model), policy, ids, mask, 48)
