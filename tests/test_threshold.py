@@ -350,3 +350,26 @@ def test_threshold_bench_matches_the_fixed_budget_by_what_a_cache_holds():
     assert bench.fixed_mean_held(budget, recent, interval, tokens, prefill) == pytest.approx(sum(held) / tokens)
     per_head = bench.fixed_mean_held(budget, recent, interval, tokens, prefill)
     assert bench.equal_budget(per_head, recent, interval, tokens, prefill) == budget
+
+
+def test_a_merge_over_a_threshold_keeps_the_same_slots():
+    """A merge (what becomes of the dropped tokens) composes with the threshold: the same slots
+    per head, the same counts; only kept values differ, and keys never."""
+    plain = threshold_policy(-2.6, budget=32, recent=4, interval=4)
+    merging = threshold_policy(-2.6, budget=32, recent=4, interval=4,
+                               merge={"type": "similar", "similarity_threshold": 0.0, "merge_fraction": 1.0})
+    caches = [EvictingCache(p, num_layers=1) for p in (plain, merging)]
+    g = torch.Generator().manual_seed(2)
+    changed = False
+    for step in range(30):
+        t = 24 if step == 0 else 1
+        k = torch.randn(2, 2, t, 8, generator=g, dtype=torch.float64)
+        v = torch.randn(2, 2, t, 8, generator=g, dtype=torch.float64)
+        q = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
+        for cache in caches:
+            cache.attend(0, q, k, v)
+        a, b = (c.layers[0] for c in caches)
+        assert torch.equal(caches[0].head_counts(0), caches[1].head_counts(0))
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
+        changed |= not torch.equal(a.values, b.values)
+    assert changed
