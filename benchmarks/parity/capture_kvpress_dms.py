@@ -13,10 +13,11 @@ What it does:
 2. runs the same prompt again under ``DMSPress(KnormPress(), threshold, sliding_window_size=
    --window, decoding=True)``, then ``--decode`` more tokens of the text one at a time (teacher
    forced), as decoding steps under the press;
-3. stores, at the ``--layers`` captured, the keys of every position (float32, as the press scored
-   them: kvpress keeps every token in its cache and masks the evicted ones) and kvpress's mask of
-   evicted (head, position) pairs after the prompt and after the last decoding step
-   (``module.masked_key_indices``), as ``[Hkv, N]`` bool.
+3. stores, at the ``--layers`` captured, the keys of every position as the press scored them at
+   their arrival (float32, recorded from the scorer's calls: kvpress keeps every token in its
+   cache, but overwrites the keys it masks with fake ones while decoding, so the cache's keys are
+   not the scored ones) and kvpress's mask of evicted (head, position) pairs after the prompt and
+   after the last decoding step (``module.masked_key_indices``), as ``[Hkv, N]`` bool.
 """
 
 from __future__ import annotations
@@ -102,7 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     if threshold is None:
         scores = torch.cat([(-plain.layers[i].keys.float().norm(dim=-1)).flatten() for i in range(cfg.num_hidden_layers)])
         threshold = round(float(scores.median()), 2)
-    press = kvpress.DMSPress(kvpress.KnormPress(), threshold=threshold, sliding_window_size=args.window, decoding=True)
+    scorer = kvpress.KnormPress()
+    # The keys each token was scored on, as the press saw them at its arrival: the cache's own
+    # keys cannot be stored, since kvpress overwrites masked keys in place with fake ones (its
+    # attention patch) while decoding.
+    scored: dict[int, list[torch.Tensor]] = {i: [] for i in args.layers}
+    knorm_score = scorer.score
+
+    def recording_score(module, hidden_states, keys, values, attentions, kwargs):
+        if module.layer_idx in scored:
+            scored[module.layer_idx].append(keys[0].detach().float().clone())
+        return knorm_score(module, hidden_states, keys, values, attentions, kwargs)
+
+    scorer.score = recording_score  # type: ignore[method-assign]
+    press = kvpress.DMSPress(scorer, threshold=threshold, sliding_window_size=args.window, decoding=True)
     attn = [model.model.layers[i].self_attn for i in args.layers]
     with torch.no_grad(), press(model):
         out = model(prompt, use_cache=True)
@@ -114,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         n = args.tokens + args.decode
         after_decode = [masked(m, hkv, n) for m in attn]
         ratio_decode = press.compression_ratio
-    keys = torch.stack([cache.layers[i].keys[0].detach().float().clone() for i in args.layers])  # [L, Hkv, n, D]
+    keys = torch.stack([torch.cat(scored[i], dim=1) for i in args.layers])  # [L, Hkv, n, D], as scored
+    if keys.shape[2] != n:
+        raise SystemExit(f"the press scored {keys.shape[2]} tokens per layer, {n} were fed: kvpress changed")
+    cached = torch.stack([cache.layers[i].keys[0].detach().float() for i in args.layers])
+    overwritten = (cached != keys).any(-1)  # the fake keys kvpress wrote over masked ones
+    if bool((overwritten & ~torch.stack(after_decode)).any()):
+        raise SystemExit("kvpress changed a key it did not mask: kvpress changed")
     for i, m in enumerate(attn):  # the press masked exactly what its rule says, on these keys
         score = -keys[i].norm(dim=-1)
         old = torch.arange(n) < n - args.window
@@ -131,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             "window": args.window, "threshold": threshold, "layers": list(args.layers),
             "press": "DMSPress(KnormPress(), threshold, sliding_window_size=window, decoding=True)",
             "compression_ratio_prompt": ratio_prompt, "compression_ratio_decode": ratio_decode,
-            "storage": "keys float32, as the press scored them",
+            "storage": "keys float32, as the press scored them at arrival (not the cache's: masked keys are overwritten)",
+            "keys_overwritten": int(overwritten.sum()),
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
