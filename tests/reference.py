@@ -765,6 +765,30 @@ class TokenLoopCache:
         return [e["pos"] for e in self.held[b][h]]
 
 
+def threshold_counts(scores, protected, valid, *, threshold: float, floor: int, cap: int | None, budget: int):
+    """The threshold rule, per row and head, in float64 loops: which slots are kept.
+
+    ``scores [B, Hkv, N]``, ``protected`` and ``valid`` bool of the same shape. Each head keeps
+    its valid protected slots, then its valid unprotected slots in descending score order (ties:
+    lower slot first): every one scoring at least ``threshold``, but at least ``floor`` and at
+    most ``cap`` of them (``cap`` None: the budget less the protected slots), never past the
+    budget. Returns ``[B, Hkv, N]`` bool."""
+    b_n, h_n, n = scores.shape
+    keep = torch.zeros(b_n, h_n, n, dtype=torch.bool)
+    for b in range(b_n):
+        for h in range(h_n):
+            prot = [j for j in range(n) if bool(valid[b, h, j]) and bool(protected[b, h, j])]
+            cands = [j for j in range(n) if bool(valid[b, h, j]) and not bool(protected[b, h, j])]
+            cands.sort(key=lambda j: (-float(scores[b, h, j]), j))
+            passing = sum(1 for j in cands if float(scores[b, h, j]) >= threshold)
+            room = max(0, budget - len(prot))
+            most = room if cap is None else min(cap, room)
+            m = min(max(passing, floor), most, len(cands))
+            for j in prot + cands[:m]:
+                keep[b, h, j] = True
+    return keep
+
+
 # -- merges (spec sections 14-16): the new value of every kept slot, as float64 loops --------------
 # Each takes ``V [B, Hkv, N, Dv]``, ``keep [B, Hkv, N]`` bool (the kept set) and ``slot_valid`` (a
 # valid slot that is not kept is evicted) and returns ``[B, Hkv, N, Dv]`` float64 (non-kept slots:

@@ -75,10 +75,12 @@ def test_shards_of_the_heads_keep_what_all_heads_keep(name, data):
     keys, values, queries = make_tensors(b=2, hkv=hkv, hq=hkv * group, n=n, d=8, w=4, seed=seed % 1000)
     # Policies that read the model (CriticalKV's output projection) read each shard's heads' slice.
     args = dict(layer_idx=3, evictions=evictions, model=facts_for(policy, 4, hkv, hkv * group))
-    whole = policy.select(keys, values, queries, **args)
+    # A threshold (dms) keeps a count of its own per head, each head alone: a keep mask.
+    select = (lambda *a, **kw: policy.select_heads(*a, **kw)[0]) if policy.per_head else policy.select
+    whole = select(keys, values, queries, **args)
     per = hkv // shards
     parts = [
-        policy.select(
+        select(
             keys[:, i * per:(i + 1) * per], values[:, i * per:(i + 1) * per],
             queries[:, i * per * group:(i + 1) * per * group], head_offset=i * per, **args,
         )

@@ -526,3 +526,71 @@ def test_duo_attention_departure_retrieval_heads_share_a_fixed_total(fx):
         assert all(a == b if not s else a >= b for a, b, s in zip(got, want, streaming, strict=True)), layer
         assert sum(map(len, got)) - count == hkv * budget - count < hkv
     assert 0 < same / total < 1, f"duo-attention keeps {same / total:.4f} of kvpress's DuoAttention slots"
+
+
+# -- DMSPress: thresholds (benchmarks/parity/capture_kvpress_dms.py) -------------------------------
+DMS_FIXTURE = Path(__file__).parent / "fixtures" / "kvpress_dms.pt"
+
+
+@pytest.fixture(scope="module")
+def dms_fx():
+    if not DMS_FIXTURE.is_file():
+        pytest.skip(f"{DMS_FIXTURE} is missing: run `make parity-fixtures` (benchmarks/parity/capture_kvpress_dms.py)")
+    return torch.load(DMS_FIXTURE, weights_only=True)
+
+
+def dms_policy(meta, *, budget: int, interval: int = 1) -> kvpolicy.Policy:
+    """kvpolicy's ``dms`` at kvpress's threshold and window: the budget (each head's pool) large
+    enough that no head is capped, so that only the threshold decides."""
+    return kvpolicy.load_policy({
+        "name": "dms-parity",
+        "schedule": {"budget": budget, "recent": meta["window"], "interval": interval, "window": 0,
+                     "compress_prompt": True, "evict_above": "recent"},
+        "scorer": {"type": "arrival_score", "scorer": {"type": "key_norm", "low_norm_first": True}},
+        "selector": {"type": "threshold", "threshold": meta["threshold"]},
+    })
+
+
+def test_dms_keeps_dmspress_unmasked_pairs_at_the_prompt(dms_fx):
+    """DMSPress(KnormPress) at the prompt: kvpolicy's ``dms`` keeps exactly the (head, position)
+    pairs kvpress leaves unmasked, on every captured layer; kvpolicy frees the rest."""
+    meta = dms_fx["meta"]
+    n = meta["tokens"]
+    policy = dms_policy(meta, budget=n)
+    for i in range(len(meta["layers"])):
+        keys = dms_fx["keys"][i : i + 1, :, :n]
+        hkv, d = keys.shape[1], keys.shape[3]
+        keep, counts = policy.select_heads(keys, keys, torch.zeros(1, 3 * hkv, 0, d))
+        assert bool((counts < n).all()), "a head was capped by the pool: raise the budget"
+        assert torch.equal(keep[0], ~dms_fx["masked_prompt"][i]), meta["layers"][i]
+
+
+def test_dms_keeps_dmspress_unmasked_pairs_while_decoding(dms_fx):
+    """DMSPress(KnormPress, decoding=True) through the prompt and every decoding step: a cache
+    running ``dms`` (evicting each step, as DMSPress decides each token leaving the window)
+    holds exactly the pairs kvpress leaves unmasked, and holds nothing more: kvpress keeps every
+    token in memory (its cache grows by one per step and per head), kvpolicy frees what it masks.
+    That is the whole difference: the bytes held are kvpress's unmasked fraction of its cache."""
+    meta = dms_fx["meta"]
+    p, total = meta["tokens"], meta["tokens"] + meta["decode"]
+    policy = dms_policy(meta, budget=total)
+    for i in range(len(meta["layers"])):
+        keys = dms_fx["keys"][i : i + 1]
+        hkv = keys.shape[1]
+        cache = kvpolicy.EvictingCache(policy, num_layers=1)
+        cache.step(0, keys[:, :, :p], keys[:, :, :p])
+        for t in range(p, total):
+            cache.evict_due()
+            cache.step(0, keys[:, :, t : t + 1], keys[:, :, t : t + 1])
+        cache.evict_due()
+        view = cache.layers[0]
+        held = torch.zeros(hkv, total, dtype=torch.bool)
+        for h in range(hkv):
+            pos = view.positions[0, h][view.valid[0, h]]
+            assert pos.unique().numel() == pos.numel()
+            held[h, pos] = True
+        unmasked = ~dms_fx["masked_decode"][i]
+        assert torch.equal(held, unmasked), meta["layers"][i]
+        # Memory: kvpolicy holds the unmasked pairs only; kvpress holds all hkv * total of them.
+        assert cache.head_counts(0).sum() == int(unmasked.sum()) < hkv * total
+        assert bool((cache.head_counts(0) < total - 1).all()), "a head was capped by the pool"

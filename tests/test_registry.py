@@ -33,6 +33,7 @@ BUILTIN_POLICIES = {
     "duo-attention",
     "pyramidkv",
     "curdkv",
+    "dms",
     "evict-large-range",
     "expected-attention",
     "gkv",
@@ -113,6 +114,7 @@ def test_builtins_by_kind():
     registry = Registry(autoload=False)
     assert set(registry.stages["scorer"]) == {
         "accumulated_attention",
+        "arrival_score",
         "attention",
         "cake_attention",
         "combination",
@@ -134,7 +136,7 @@ def test_builtins_by_kind():
         "value_magnitude",
     }
     assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
-    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic"}
+    assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic", "threshold"}
     assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo", "cake"}
 
 

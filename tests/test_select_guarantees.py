@@ -336,7 +336,7 @@ def _serves_made_up_models(policy: kvpolicy.Policy) -> bool:
 
 POLICIES = {
     name: _load_small(name) for name in kvpolicy.available_policies()
-    if not kvpolicy.load_policy(name).allocation.per_head and _serves_made_up_models(kvpolicy.load_policy(name))
+    if not kvpolicy.load_policy(name).per_head and _serves_made_up_models(kvpolicy.load_policy(name))
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

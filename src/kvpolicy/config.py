@@ -84,12 +84,29 @@ class PolicyConfig(BaseModel):
                 f"allocation {self.allocation.type_name!r} in select mode needs schedule.recent >= 1: a head "
                 "may choose few slots, and the recent buffer keeps each head attending its newest token"
             )
+        if self.selector.sets_counts and self.allocation.per_head:
+            raise ValueError(
+                f"selector: {self.selector.type_name!r} sets each head's count, and allocation "
+                f"{self.allocation.type_name!r} shares the layer's slots among its heads: use one or the other"
+            )
+        if self.mode == "select" and self.selector.sets_counts and sched.recent < 1:
+            raise ValueError(
+                f"selector {self.selector.type_name!r} in select mode needs schedule.recent >= 1: a head "
+                "may choose few slots, and the recent buffer keeps each head attending its newest token"
+            )
+        if sched.evict_above is not None and not self.selector.sets_counts:
+            raise ValueError(
+                f"schedule.evict_above is for a selector that sets each head's count (threshold): selector "
+                f"{self.selector.type_name!r} keeps the budget, so eviction below it would free nothing"
+            )
         reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
                 f"the policy protects more slots than the budget holds: recent {sched.recent} + "
                 f"reserved {reserved} > budget {sched.budget}"
             )
+        if self.selector.sets_counts:  # the budget is each head's pool: the counts must fit it
+            self.selector.check_pool(sched.budget, sched.recent + reserved)
         if self.selector.needs_scores:
             if self.scorer is None:
                 raise ValueError(f"selector {self.selector.type_name!r} ranks by score but the policy has no scorer")
@@ -128,7 +145,8 @@ class PolicyConfig(BaseModel):
             "reference": self.reference,
             "seed": self.seed,
             "mode": self.mode,
-            "schedule": self.schedule.model_dump(),
+            # evict_above is written only where set: files without it keep their form
+            "schedule": self.schedule.model_dump(exclude={"evict_above"} if self.schedule.evict_above is None else None),
             "scorer": None if self.scorer is None else self.scorer.describe(),
             "reservations": [r.describe() for r in self.reservations],
             "selector": self.selector.describe(),

@@ -216,8 +216,24 @@ class EvictingCache:
         """Bytes held by all static buffers and query windows."""
         return sum(g.memory_bytes() for g in self._unique_groups())
 
+    def held_bytes(self) -> int:
+        """Bytes of what the cache holds now: ``memory_bytes`` with the slot buffers counted only
+        where a slot holds a token of a head (keys, values, positions, per-slot state), the query
+        windows and per-head state whole. Under a threshold (``dms``) or a per-head allocation
+        heads hold different counts, and this is what they hold; ``memory_bytes`` is the room."""
+        return sum(g.held_bytes() for g in self._unique_groups())
+
+    def head_counts(self, layer_idx: int = 0) -> torch.Tensor:
+        """``[B, Hkv]`` long (host): slots each KV head of each row holds on ``layer_idx`` now
+        (empty before the first append)."""
+        group = self._groups[self._check_index(layer_idx)]
+        if group is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return group.head_counts(layer_idx)
+
     def stats(self) -> list[EvictionStats]:
-        """Per-layer counters (evictions, tokens seen, slots held, slots evicted)."""
+        """Per-layer counters (evictions, tokens seen, slots held, slots evicted, and the slots
+        each head holds: ``head_slots_held``, ``head_slots_fewest``, ``head_slots_most``)."""
         return [view.stats for view in self.layers]
 
     def tokens_seen(self, layer_idx: int = 0) -> int:

@@ -43,7 +43,7 @@ class Kept:
     """What one eviction keeps of the ``N`` slots of its input, and the policy's new state.
 
     ``slots [B, Hkv, K]``: ascending kept slots, the same count on every head (a uniform or
-    per-layer allocation); None under a per-head allocation, which gives ``keep [B, Hkv, N]``
+    per-layer allocation); None under a per-head allocation or a threshold (``Policy.per_head``), which gives ``keep [B, Hkv, N]``
     bool and ``counts [B, Hkv]`` instead. ``state``: every state field by stored name
     (``Policy.state_fields``) over the input's ``N`` slots, after this eviction's update, before
     any slot is dropped (empty for a policy that keeps none): the caller moves it with the slots
@@ -72,7 +72,7 @@ def evict(policy: Policy, inp: EvictionInput, *, inputs_checked: bool = False) -
     ranked by that state. ``inputs_checked``: the caller refused non-finite inputs already."""
     inp, state = policy.observe(inp)
     checked = inputs_checked or bool(state)  # observe checked the inputs before any stage read them
-    if policy.allocation.per_head:
+    if policy.per_head:
         keep, counts = policy.select_heads_from(inp, inputs_checked=checked)
         return merged(policy, inp, Kept(None, keep, counts, state))
     return merged(policy, inp, Kept(policy.select_from(inp, inputs_checked=checked), None, None, state))
@@ -103,7 +103,7 @@ def choose(policy: Policy, inp: EvictionInput) -> Kept:
     state: dict[str, torch.Tensor] = {}
     if policy.keeps_state:  # the state sees this layer's new queries (the step's included) first
         inp, state = policy.observe(inp)
-    if policy.allocation.per_head:  # each head chooses its own count out of the layer's pool
+    if policy.per_head:  # each head chooses its own count out of the layer's pool
         keep, counts = policy.select_heads_from(_with_own_masks(inp))
         return Kept(None, keep, counts, state)
     slots = choose_directly(policy, inp)

@@ -69,6 +69,13 @@ class Policy:
         return self.config.allocation
 
     @property
+    def per_head(self) -> bool:
+        """Whether heads of a layer keep different numbers of slots: a per-head allocation
+        (``Allocation.per_head``) or a selector that sets each head's count (``Selector.sets_counts``,
+        a score threshold). Such a policy runs through ``select_heads`` and the per-head layout."""
+        return self.config.allocation.per_head or self.config.selector.sets_counts
+
+    @property
     def couples_heads(self) -> bool:
         """Whether a KV head's choice depends on the other heads of its layer: a per-head
         allocation (heads share the layer's slots) or a stage that reduces over all heads
@@ -264,10 +271,12 @@ class Policy:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
             always containing every protected slot (recent buffer, sinks, reservations).
         """
-        if self.config.allocation.per_head:
+        if self.per_head:
+            why = (f"selector {self.config.selector.type_name!r}" if self.config.selector.sets_counts
+                   else f"allocation {self.config.allocation.type_name!r}")
             raise ValueError(
-                f"policy {self.name!r} keeps a different number of slots per head (allocation "
-                f"{self.config.allocation.type_name!r}): use Policy.select_heads, which returns a keep mask and counts"
+                f"policy {self.name!r} keeps a different number of slots per head ({why}): use "
+                "Policy.select_heads, which returns a keep mask and counts"
             )
         check_tensors(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
@@ -374,11 +383,15 @@ class Policy:
         """One eviction under a per-head allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv])``.
 
         The allocation's ``head_counts`` says how many slots each head keeps (checked by
-        ``kvpolicy.stages.guards.run_allocation``); each head keeps that many of its highest
-        priorities, so protected slots always (they rank at ``+inf``).
+        ``kvpolicy.stages.guards.run_allocation``), or the selector's when it sets them
+        (``Selector.sets_counts``, checked by ``guards.run_selector_counts``); each head keeps that
+        many of its highest priorities, so protected slots always (they rank at ``+inf``).
         """
         priority, protected = self.priorities(inp, inputs_checked=inputs_checked)
-        counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
+        if self.config.selector.sets_counts:  # a threshold: each head's own count, at most the budget
+            counts = guards.run_selector_counts(self.config.selector, priority, protected, inp)
+        else:
+            counts = guards.run_allocation(self.config.allocation, priority, protected, inp)
         order = priority.sort(dim=-1, descending=True, stable=True).indices
         rank_kept = torch.arange(inp.num_slots, device=priority.device) < counts[..., None]
         keep = torch.zeros_like(protected).scatter_(-1, order, rank_kept)
@@ -397,7 +410,9 @@ class Policy:
 
         Arguments as ``select`` (``budget``: the layer's budget, default the schedule's). Each
         row's counts add up to ``Hkv * min(N, budget)``; under a uniform or per-layer allocation
-        every head keeps ``min(N, budget)``, the slots ``select`` returns.
+        every head keeps ``min(N, budget)``, the slots ``select`` returns. Under a selector that
+        sets the counts (a threshold) each head keeps its own count, at most ``budget``, whatever
+        ``N`` is.
         """
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
         check_tensors(keys, values, queries, slot_valid, query_valid, positions)
@@ -411,6 +426,8 @@ class Policy:
             keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, state=state, **kwargs
         )
         inp = self.observe(inp)[0]
+        if self.config.selector.sets_counts:  # a threshold applies however few slots are held
+            return self.select_heads_from(inp)
         if n <= budget:
             keep = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device)
             return keep, torch.full((b, hkv), n, dtype=torch.long, device=keys.device)

@@ -39,6 +39,12 @@ class Schedule(BaseModel):
     )
     window: int = Field(64, ge=0, le=MAX_SLOTS, description="Recent queries kept for attention scorers (at most 2**24).")
     count: Literal["slots", "tokens"] = "slots"
+    evict_above: int | None = Field(
+        None, ge=0, le=MAX_SLOTS,
+        description='Slots held above which eviction fires (default: the budget); an int or "recent". A '
+        "threshold selector (dms) sets it to the recent buffer: each token is decided once it leaves it, "
+        "however few are held.",
+    )
     compress_prompt: bool = Field(False, description="Compress a prompt longer than the budget once it is in.")
 
     @model_validator(mode="before")
@@ -51,6 +57,8 @@ class Schedule(BaseModel):
             budget = data.get("budget")
             if isinstance(budget, int):
                 data = {**data, "recent": budget - int(m.group(1))}
+        if isinstance(data, dict) and data.get("evict_above") == "recent":  # follows an overridden recent
+            data = {**data, "evict_above": data.get("recent", cls.model_fields["recent"].default)}
         return data
 
     @model_validator(mode="after")
@@ -60,12 +68,22 @@ class Schedule(BaseModel):
                 f"budget ({self.budget}) must be above the recent buffer ({self.recent}): "
                 "otherwise no slot is ever a candidate"
             )
+        if self.evict_above is not None and not self.recent <= self.evict_above <= self.budget:
+            raise ValueError(
+                f"evict_above ({self.evict_above}) must lie between the recent buffer ({self.recent}) and the "
+                f"budget ({self.budget})"
+            )
         if self.window > max(self.recent, 1) and self.window > self.interval:
             raise ValueError(
                 f"window ({self.window}) is larger than the buffer (recent {self.recent}, interval "
                 f"{self.interval}): the window's queries would belong to slots already evicted"
             )
         return self
+
+    @property
+    def fires_above(self) -> int:
+        """Slots held above which eviction fires: ``evict_above``, else the budget."""
+        return self.budget if self.evict_above is None else self.evict_above
 
     @property
     def capacity(self) -> int:
@@ -84,14 +102,15 @@ class Schedule(BaseModel):
 
         ``slots`` held after ``tokens`` real tokens seen; ``prompt``: this step completed the
         prompt. Prefill never evicts unless the policy compresses a long prompt once it is in;
-        after that, eviction fires when more than ``budget`` slots are held and the counted
+        after that, eviction fires when more than ``budget`` slots are held (``evict_above``, when
+        set: a threshold's rows may hold fewer than the budget and still evict) and the counted
         number (slots, or tokens for ``count="tokens"``) is a multiple of ``interval``. The
         caches, the evaluation loops and vLLM's slot ledger all ask this method.
         """
         if prompt:
-            return (slots > self.budget) & self.compress_prompt
+            return (slots > self.fires_above) & self.compress_prompt
         counted = slots if self.count == "slots" else tokens
-        return (slots > self.budget) & (counted % self.interval == 0)
+        return (slots > self.fires_above) & (counted % self.interval == 0)
 
     def fires(self, slots: int, tokens: int) -> bool:
         """Whether a decode step leaving ``slots`` held after ``tokens`` positions evicts."""
@@ -101,8 +120,8 @@ class Schedule(BaseModel):
         """How many real tokens, appended one at a time after ``slots`` held and ``tokens`` seen,
         make eviction fire (at least 1): the end of the next exact chunk when feeding a text."""
         if self.count == "slots":
-            target = -(-(max(slots, self.budget) + 1) // self.interval) * self.interval
+            target = -(-(max(slots, self.fires_above) + 1) // self.interval) * self.interval
             return target - slots
         first = self.interval - tokens % self.interval
-        short = max(0, self.budget + 1 - slots - first)
+        short = max(0, self.fires_above + 1 - slots - first)
         return first + -(-short // self.interval) * self.interval

@@ -88,6 +88,16 @@ class SlotBuffers:
         tensors = [t for _, t in self.tensors()] + list(self.head_state.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def slot_nbytes(self) -> int:
+        """Bytes one slot of one head takes in every per-slot buffer (key, value, position and
+        per-slot state): what ``held_bytes`` counts per held token and head."""
+        return sum(t[0, 0, 0, 0].numel() * t.element_size() for _, t in self.tensors()) if self.capacity else 0
+
+    def held_bytes(self, held_slots: int) -> int:
+        """Bytes of ``held_slots`` held slots (summed over layers, rows and KV heads), plus the
+        per-head state: ``nbytes`` with the buffers' room counted only where it holds a token."""
+        return held_slots * self.slot_nbytes() + sum(t.numel() * t.element_size() for t in self.head_state.values())
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Gather batch rows ``index [B']``: in place when the batch size is unchanged."""
         for name, old in self.tensors():

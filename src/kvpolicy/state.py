@@ -53,7 +53,12 @@ class EvictionStats:
     evictions: int = 0  # eviction steps (one step may evict several rows)
     tokens_seen: int = 0  # padded positions appended (the same for every row)
     slots_held: int = 0  # the slot extent: slots held by the longest row
-    slots_evicted: int = 0  # slots dropped, summed over batch rows
+    slots_evicted: int = 0  # slots dropped, summed over batch rows (by the rows' counts: not per head)
+    #: Slots held now summed over batch rows and KV heads (what memory holds; under a threshold
+    #: or a per-head allocation heads hold different counts), and the fewest and most one head holds.
+    head_slots_held: int = 0
+    head_slots_fewest: int = 0
+    head_slots_most: int = 0
 
 
 class LayerGroup:
@@ -163,6 +168,15 @@ class LayerGroup:
         """Bytes of the layout (slot buffers and, in select mode, the selections and page
         summaries) and the query window."""
         return self.layout.nbytes() + self.ring.nbytes()
+
+    def held_bytes(self) -> int:
+        """``memory_bytes`` with the slot buffers counted only where they hold a token
+        (``SlotLayout.held_bytes``): what the cache holds, rather than the room it has."""
+        return self.layout.held_bytes() + self.ring.nbytes()
+
+    def head_counts(self, layer: int) -> torch.Tensor:
+        """``[B, Hkv]`` long (host): slots each KV head of each row holds on ``layer``."""
+        return self.layout.held_counts(layer)
 
     # -- a step -------------------------------------------------------------------------------
     def begin_step(self, t: int, token_valid: torch.Tensor | None) -> None:
@@ -343,11 +357,15 @@ class LayerGroup:
 
     def stats(self, layer: int) -> EvictionStats:
         written = self.written(layer)
+        heads = self.head_counts(layer)
         return EvictionStats(
             evictions=self.eviction_steps,
             tokens_seen=self.tokens_seen if written else self.tokens_seen_before,
             slots_held=self.extent(layer),
             slots_evicted=self.slots_evicted,
+            head_slots_held=int(heads.sum()),
+            head_slots_fewest=int(heads.min()) if heads.numel() else 0,
+            head_slots_most=int(heads.max()) if heads.numel() else 0,
         )
 
 

@@ -220,8 +220,13 @@ class KVPolicyCache(Cache):
         """Bytes held by the static buffers and query windows of every layer."""
         return self.evicting.memory_bytes()
 
+    def held_bytes(self) -> int:
+        """Bytes of the slots held now, per head (``EvictingCache.held_bytes``): at most
+        ``memory_bytes``, less under a threshold whose heads keep fewer than the budget."""
+        return self.evicting.held_bytes()
+
     def stats(self) -> list[EvictionStats]:
-        """Per layer: evictions, tokens seen, slots held, slots evicted."""
+        """Per layer: evictions, tokens seen, slots held, slots evicted, slots held per head."""
         return self.evicting.stats()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

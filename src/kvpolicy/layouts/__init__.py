@@ -73,9 +73,9 @@ def layout_for(policy: Policy, executor: GroupRunner, select_growth: float = SEL
     """The layout of ``policy``'s groups: select mode's, per-head runs for a per-head
     allocation, else even rows."""
     if policy.config.mode == "select":
-        options = {"page_sizes": policy.key_page_sizes, "per_head": policy.allocation.per_head, "growth": select_growth,
+        options = {"page_sizes": policy.key_page_sizes, "per_head": policy.per_head, "growth": select_growth,
                    "choose": executor.choose}
         return LayoutChoice(SelectRows, executor, options)
-    if policy.allocation.per_head:
+    if policy.per_head:
         return LayoutChoice(HeadRuns, executor)
     return LayoutChoice(EvenRows, executor)

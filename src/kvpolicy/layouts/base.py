@@ -186,6 +186,18 @@ class SlotLayout(ABC):
         """Bytes held by the per-slot buffers and the layout's own state."""
         return self.buffers.nbytes()
 
+    def held_counts(self, layer: int) -> torch.Tensor:
+        """``[B, Hkv]`` long (host): the slots each KV head of each row holds on ``layer`` now
+        (every head the row's count here; the per-head layout's differ by head)."""
+        return self.group.counts_of(layer)[:, None].expand(-1, self.buffers.keys.shape[2]).clone()
+
+    def held_bytes(self) -> int:
+        """Bytes of the slots held now (``held_counts`` over the group's layers, each slot's key,
+        value, position and state) and the layout's own state: at most ``nbytes``, which counts
+        the buffers' whole room."""
+        held = sum(int(self.held_counts(layer).sum()) for layer in self.group.member)
+        return self.buffers.held_bytes(held) + self.nbytes() - self.buffers.nbytes()
+
     # -- reading --------------------------------------------------------------------------------
     @abstractmethod
     def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:

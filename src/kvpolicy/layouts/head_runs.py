@@ -43,6 +43,12 @@ class HeadRuns(EvenRows):
             return alike.held if group.written(layer) else alike.before
         return group.counts_of(layer)
 
+    def held_counts(self, layer: int) -> torch.Tensor:
+        """Each head's own count: the row's less the head's deficit."""
+        if self.heads.even:
+            return EvenRows.held_counts(self, layer)
+        return self.group.counts_of(layer)[:, None] - self.heads.deficit[self.group.member[layer]].cpu()
+
     # -- storage --------------------------------------------------------------------------------
     def write(self, i: int, new: Mapping[str, torch.Tensor], plan: StepPlan) -> None:
         """Row slot ``s`` of head ``h`` goes to flat slot ``shift[h] + s``."""
@@ -160,7 +166,7 @@ class HeadRuns(EvenRows):
     def compact(self, rows: torch.Tensor, row_sel: slice | torch.Tensor, count: int, held: HeldSlots, kept: Kept) -> int:
         """The new state written to the slots it was read from, then each head's ``counts[h]``
         kept slots moved to the rows' new runs (``HeadLayout.compaction``); the rows then hold
-        ``budget``."""
+        ``budget`` (a head keeping fewer, under a threshold, holds ``budget - deficit``)."""
         heads, buffers, group = self.heads, self.buffers, self.group
         assert kept.keep is not None and kept.counts is not None  # per-head runs: a per-head allocation
         n_layers, n_rows, hkv = buffers.keys.shape[0], rows.numel(), buffers.keys.shape[2]
@@ -169,7 +175,9 @@ class HeadRuns(EvenRows):
         flat = held.address
         assert held.store is not None  # _picked always says how to store
         held.store(kept.writes)  # the new state, and merged values where the policy merges
-        budget = int(kept.counts[0].sum()) // hkv  # every row's heads share its budget
+        # The rows hold the budget (every head's pool): a per-head allocation's counts add up to
+        # Hkv * budget, a threshold's to less (each head's count below it is carried as its deficit).
+        budget = min(count, self.group.schedule.budget)
         keep = kept.keep.view(n_layers, n_rows, hkv, flat.shape[-1])
         row_of = torch.arange(group.batch, device=flat.device)[row_sel]
         move = heads.compaction(buffers.capacity, budget, flat, keep, row_of)

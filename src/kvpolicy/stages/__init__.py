@@ -2,6 +2,7 @@
 
 from .accumulated_attention import AccumulatedAttentionScorer
 from .adaptive import AdaptiveAllocation
+from .arrival_score import ArrivalScoreScorer
 from .attention import AttentionScorer
 from .base import (
     Allocation,
@@ -45,6 +46,7 @@ from .sinks import SinksReservation
 from .smoothed_attention import SmoothedAttentionScorer
 from .spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stochastic import StochasticSelector
+from .threshold import ThresholdSelector
 from .top_scores import TopScoresReservation
 from .triattention import QueryCalibration, TriAttentionScorer
 from .uniform import UniformAllocation
@@ -71,12 +73,14 @@ BUILTIN_STAGES = (
     NormalizedScorer,
     SharedHeadsScorer,
     CakeScorer,
+    ArrivalScoreScorer,
     SinksReservation,
     TopScoresReservation,
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
     ChunkSelector,
+    ThresholdSelector,
     UniformAllocation,
     PyramidAllocation,
     LayerListAllocation,
@@ -101,6 +105,7 @@ __all__ = [
     "SimilarMerge",
     "AccumulatedAttentionScorer",
     "AdaptiveAllocation",
+    "ArrivalScoreScorer",
     "Allocation",
     "AllocationSpec",
     "ChunkSelector",
@@ -143,6 +148,7 @@ __all__ = [
     "Stage",
     "StateField",
     "StochasticSelector",
+    "ThresholdSelector",
     "TopScoresReservation",
     "TriAttentionScorer",
     "ValueMagnitudeScorer",

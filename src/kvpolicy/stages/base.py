@@ -630,6 +630,26 @@ class Selector(Stage):
         unprotected valid candidates with the largest keys until ``inp.budget`` slots are kept.
         """
 
+    #: True when the selector decides how many slots each head keeps (``head_counts``: a score
+    #: threshold), instead of every head keeping ``inp.budget``. The policy then runs per head,
+    #: as under a per-head allocation (``Policy.per_head``): each head keeps its count of the
+    #: highest priorities, at most the budget (the pool each head's slots are sized by), and the
+    #: per-head layout holds the uneven counts. It cannot be combined with a per-head allocation.
+    sets_counts: ClassVar[bool] = False
+
+    def head_counts(self, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput) -> torch.Tensor:
+        """``[B, Hkv]`` long: slots each head keeps (``sets_counts`` selectors only), its protected
+        ones included, from the policy's ``priority [B, Hkv, N]`` (``+inf`` protected, ``-inf`` not
+        eligible, the clamped priorities elsewhere). Each count must lie between the head's
+        protected slots and ``min(inp.budget, its valid slots)`` (checked by
+        ``kvpolicy.stages.guards.run_selector_counts``); the counts need not add up to anything."""
+        raise NotImplementedError(f"selector {self.type_name!r} does not set per-head counts")
+
+    def check_pool(self, budget: int, protected: int) -> None:  # noqa: B027 - optional hook
+        """Raise ``ValueError`` naming the field when a ``sets_counts`` selector cannot keep its
+        promises with ``budget`` slots per head of which ``protected`` (recent buffer and
+        declared reservations) are always kept. Called at load, before any work."""
+
 
 class Allocation(Stage):
     """Shares a policy's total budget (``layers x KV heads x budget`` slots) among layers and heads.

@@ -323,6 +323,36 @@ def run_allocation(
     return counts
 
 
+def run_selector_counts(
+    selector: Selector, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput
+) -> torch.Tensor:
+    """``selector.head_counts(...)`` (a ``sets_counts`` selector) as checked ``[B, Hkv]`` long
+    counts. One synchronisation.
+
+    Refuses (``SelectionError`` naming the selector) a result of another shape, dtype or device,
+    and a head given fewer slots than it protects or more than ``min(inp.budget, its valid
+    slots)``: the budget is the pool each head's slots are sized by. The counts need not add up
+    to anything (a threshold keeps what passes)."""
+    name = f"selector {selector.type_name!r}"
+    counts = selector.head_counts(priority, protected, inp)
+    want = (inp.batch, inp.num_kv_heads)
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
+        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
+    if counts.device != priority.device:
+        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+    held = (priority > float("-inf")).sum(-1).clamp(max=inp.budget)
+    floor = protected.sum(-1)
+    bad = (counts < floor) | (counts > held)
+    if bool(bad.any()):
+        r, h = bad.nonzero()[0].tolist()
+        raise SelectionError(
+            f"{name} gave row {r}, head {h} {int(counts[r, h])} slots, outside [{int(floor[r, h])} protected, "
+            f"{int(held[r, h])} held within the budget]"
+        )
+    return counts
+
+
 def declared_count(reservation: Reservation, budget: int) -> int | None:
     """The stage's ``reserved_count(budget)``, or None when it does not override the default.
 

@@ -173,6 +173,13 @@ def refuse_unservable(policy: Policy) -> None:
             "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
             "memory there. Serve it with the transformers integration (KVPolicyCache), or use a uniform allocation"
         )
+    if policy.config.selector.sets_counts:
+        raise KVPolicyVLLMError(
+            f"policy {policy.name!r} keeps a count of its own per head (selector "
+            f"{policy.config.selector.type_name!r}, a score threshold): vLLM frees whole blocks of a request, shared "
+            "by every layer and head, so the slots one head drops free no memory there. Serve it with the "
+            "transformers integration (KVPolicyCache) or EvictingCache, whose per-head runs free them"
+        )
     if policy.mode != "evict":
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
