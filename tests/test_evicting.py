@@ -153,6 +153,25 @@ def test_memory_is_static_while_decoding():
     assert all(s.stats.evictions == (308 - 32) // 8 for s in cache.layers)
 
 
+@pytest.mark.parametrize("name", ["snapkv", "dms"])
+def test_stats_read_after_inference_mode(name):
+    """A cache filled under torch.inference_mode (as the eval harness runs) still reports its
+    stats and per-head counts outside it (regression: reading rows' counts wrote to them)."""
+    policy = _policy(name) if name == "dms" else _policy(name, budget=32, recent=8, interval=8, window=8)
+    cache = EvictingCache(policy, num_layers=2)
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for layer in range(2):
+            cache.step(layer, *_step_tensors(g, t=8))
+        for _ in range(40):
+            for layer in range(2):
+                cache.step(layer, *_step_tensors(g))
+    stats = cache.stats()
+    assert [s.tokens_seen for s in stats] == [48, 48]
+    assert all(s.head_slots_held == int(cache.head_counts(i).sum()) for i, s in enumerate(stats))
+    assert cache.held_bytes() <= cache.memory_bytes()
+
+
 def test_shape_and_argument_errors():
     with pytest.raises(ValueError, match="num_layers"):
         EvictingCache("snapkv", num_layers=0)

@@ -44,10 +44,13 @@ class RowCounters:
         """Fill the per-row tensors from the ints of the alike fast path, and leave it."""
         if self._alike is not None:
             count, before, tokens, due = self._alike
-            self._counts.fill_(count)
-            self._counts_before.fill_(before)
-            self._tokens.fill_(tokens)
-            self._due.fill_(due)
+            # A cache built under torch.inference_mode holds inference tensors, which may be
+            # written only in that mode; a reader (stats, held counts) may come after it.
+            with torch.inference_mode(torch.is_inference(self._counts)):
+                self._counts.fill_(count)
+                self._counts_before.fill_(before)
+                self._tokens.fill_(tokens)
+                self._due.fill_(due)
             self._alike = None
 
     def _check_alike(self) -> None:
