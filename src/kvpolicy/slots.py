@@ -239,6 +239,24 @@ def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows).view(*index.shape, d)
 
 
+def gather_pages(x: torch.Tensor, rows: slice | torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whole pages of ``P = page_size`` slots from slot 0 of ``x [B, Hkv, cap, D]`` (a layer's
+    buffer, any leading strides): for ``rows`` (a slice, or ``R`` device indices) the pages
+    ``pages [R, Hkv, k]``, as ``[R, Hkv, k * P, D]``, page after page.
+
+    ``x`` is read as ``[B, Hkv, cap // P, P, D]`` (a view: slot rows of ``D`` contiguous numbers
+    make a page ``P * D`` of them), and one indexed read takes ``k`` pages per head: no index per
+    slot is built, and the rows are not copied out first."""
+    b, hkv, cap, d = x.shape
+    whole = cap // page_size
+    paged = x[:, :, : whole * page_size].unflatten(2, (whole, page_size))  # [B, Hkv, cap // P, P, D]
+    device = pages.device
+    row_index = torch.arange(b, device=device)[rows] if isinstance(rows, slice) else rows.to(device)
+    heads = torch.arange(hkv, device=device)
+    taken = paged[row_index[:, None, None], heads[None, :, None], pages]  # [R, Hkv, k, P, D]
+    return taken.view(row_index.numel(), hkv, pages.shape[-1] * page_size, d)
+
+
 def block(t: torch.Tensor, rows: slice | torch.Tensor, count: int) -> torch.Tensor:
     """``t[:, rows, :, :count]`` of a ``[Lyr, B, Hkv, cap, ...]`` buffer: a view for a slice of
     rows, an indexed copy otherwise."""
