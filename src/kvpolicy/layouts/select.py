@@ -56,6 +56,7 @@ class SelectRows(EvenRows):
         growth: float = SELECT_GROWTH, page_choice: int | None = None,
     ) -> None:
         self.growth = growth
+        self.page_choice = page_choice
         self.choose = choose
         self._observed: list[torch.Tensor] = []  # rows whose state a choice updated in this step
         super().__init__(group, keys, values, needed, state_fields)
@@ -75,8 +76,12 @@ class SelectRows(EvenRows):
     # -- the schedule ---------------------------------------------------------------------------
     def capacity_for(self, needed: int) -> int:
         """Every token is kept: ``select_growth`` times ``needed`` (at least ``SELECT_MIN_GROWTH``
-        more)."""
-        return select_capacity(needed, self.growth)
+        more); under a page choice, rounded up to whole pages (a layer's buffer is then whole
+        pages, read as such)."""
+        capacity = select_capacity(needed, self.growth)
+        if self.page_choice is not None:
+            capacity = -(-capacity // self.page_choice) * self.page_choice
+        return capacity
 
     def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
         return torch.zeros_like(after, dtype=torch.bool) if isinstance(after, torch.Tensor) else False
@@ -132,11 +137,11 @@ class SelectRows(EvenRows):
         keys, values = self.buffers.keys[i : i + 1], self.buffers.values[i : i + 1]
         out = queries.new_empty(queries.shape)
         for row_sel, count, index, valid, pages, page_size, tail in self.chosen_slots(layer):
-            if pages is not None:  # whole pages read as pages of the buffers, then the tail
-                k, v = (
-                    torch.cat([gather_pages(t[0], row_sel, pages, page_size), t[0][row_sel, :, tail:count]], 2)
-                    for t in (keys, values)
-                )
+            if pages is not None:  # whole pages read as pages of the buffers, the tail's pages last
+                tail_pages = torch.arange(tail // page_size, -(-count // page_size), device=pages.device)
+                wanted = torch.cat([pages, tail_pages.expand(*pages.shape[:2], -1)], dim=-1)
+                attended = pages.shape[-1] * page_size + count - tail  # the last page's slots past count are cut
+                k, v = (gather_pages(t[0], row_sel, wanted, page_size)[:, :, :attended] for t in (keys, values))
                 out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling)
                 continue
             k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]

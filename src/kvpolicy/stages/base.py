@@ -245,7 +245,11 @@ class EvictionInput:
         if self.query_positions is None:
             b, n = self.positions.shape[0], self.positions.shape[-1]
             if n:
-                newest = self.positions.flatten(1).amax(-1)
+                # One index of each broadcast (stride 0) axis past the batch: select mode's
+                # positions are an expanded arange, and flattening them would copy Hkv * N.
+                pos = self.positions
+                pos = pos[(slice(None), *(slice(0, 1) if pos.stride(a) == 0 else slice(None) for a in range(1, pos.dim())))]
+                newest = pos.flatten(1).amax(-1)
             else:
                 newest = torch.full((b,), -1, dtype=torch.long, device=self.positions.device)
             object.__setattr__(self, "query_positions", window_positions(self.query_valid, newest + 1))
