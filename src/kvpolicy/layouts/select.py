@@ -183,9 +183,9 @@ class SelectRows(EvenRows):
             if fresh:
                 self._choose(layer, RowClass(rows, count), row_sel)
             if select.page_choice is not None:  # whole pages, then the tail (as chosen at chosen_at)
-                k, tail = page_plan(chosen_at, budget, group.schedule.recent, select.page_choice)
+                k, first_tail = page_plan(chosen_at, budget, group.schedule.recent, select.page_choice)
                 pages = select.pages[i, row_sel, :, :k]
-                out.append(ChosenSlots(row_sel, count, None, None, pages, select.page_choice, tail))
+                out.append(ChosenSlots(row_sel, count, None, None, pages, select.page_choice, first_tail))
                 continue
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=device).expand(*chosen.shape[:2], -1)

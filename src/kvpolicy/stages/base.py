@@ -248,7 +248,8 @@ class EvictionInput:
                 # One index of each broadcast (stride 0) axis past the batch: select mode's
                 # positions are an expanded arange, and flattening them would copy Hkv * N.
                 pos = self.positions
-                pos = pos[(slice(None), *(slice(0, 1) if pos.stride(a) == 0 else slice(None) for a in range(1, pos.dim())))]
+                axes = [slice(0, 1) if pos.stride(a) == 0 else slice(None) for a in range(1, pos.dim())]
+                pos = pos[tuple([slice(None), *axes])]
                 newest = pos.flatten(1).amax(-1)
             else:
                 newest = torch.full((b,), -1, dtype=torch.long, device=self.positions.device)
