@@ -55,9 +55,11 @@ class SelectionState:
         #: ``[Lyr, B, Hkv, budget // P]``: the first ``k`` columns (``page_plan``) count.
         self.page_choice = page_choice
         self._pages: torch.Tensor | None = None
+        #: Per page size, each page's min and max side by side, ``[Lyr, B, Hkv, pages, 2, D]``:
+        #: ``key_pages`` holds views of its halves, which Quest reads in one pass.
+        self._summaries: dict[int, torch.Tensor] = {}
         for p in sorted(page_sizes):
-            shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
-            self.key_pages[p] = (like.new_zeros(shape), like.new_zeros(shape))
+            self._keep_summaries(p, like.new_zeros((num_layers, batch, kv_heads, -(-capacity // p), 2, like.shape[-1])))
 
     @property
     def selection(self) -> torch.Tensor:
@@ -113,13 +115,15 @@ class SelectionState:
         self.reselect = (counts > schedule.budget) & stale
         self.selected_at = torch.where(self.reselect, counts, self.selected_at)
 
+    def _keep_summaries(self, p: int, both: torch.Tensor) -> None:
+        self._summaries[p] = both
+        self.key_pages[p] = (both[..., 0, :], both[..., 1, :])
+
     def grow(self, capacity: int) -> None:
-        for p, (lo, hi) in list(self.key_pages.items()):
-            pages = -(-capacity // p)
-            grown = [t.new_zeros(*t.shape[:3], pages, t.shape[4]) for t in (lo, hi)]
-            for new, old in zip(grown, (lo, hi), strict=True):
-                new[:, :, :, : old.shape[3]] = old
-            self.key_pages[p] = (grown[0], grown[1])
+        for p, old in list(self._summaries.items()):
+            grown = old.new_zeros(*old.shape[:3], -(-capacity // p), *old.shape[4:])
+            grown[:, :, :, : old.shape[3]] = old
+            self._keep_summaries(p, grown)
 
     def summarise_pages(self, i: int, keys: torch.Tensor, plan: StepPlan, counts: torch.Tensor | None) -> None:
         """Recompute layer ``i``'s page summaries over the pages this step wrote into (one page
@@ -172,11 +176,12 @@ class SelectionState:
             self._head_counts = self._head_counts.index_select(1, dev)
         if self._pages is not None:
             self._pages = self._pages.index_select(1, dev)
-        self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
+        for p, both in list(self._summaries.items()):
+            self._keep_summaries(p, both.index_select(1, dev))
 
     def nbytes(self) -> int:
         chosen = [t for t in (self._selection, self._head_counts, self._pages) if t is not None]
-        tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
+        tensors = [*chosen, *self._summaries.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

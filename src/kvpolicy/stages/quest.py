@@ -14,6 +14,21 @@ if TYPE_CHECKING:
     from ..schedule import Schedule
 
 
+def side_by_side(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """``[..., 2D]``: ``lo`` and ``hi`` (``[..., D]`` each) as one view, each row ``[lo | hi]``,
+    where they are the two halves of one tensor's rows (the page summaries select mode keeps);
+    None otherwise."""
+    d = lo.shape[-1]
+    if (
+        lo.shape != hi.shape or lo.stride() != hi.stride() or lo.dtype != hi.dtype or lo.device != hi.device
+        or lo.stride(-1) != 1 or lo.untyped_storage().data_ptr() != hi.untyped_storage().data_ptr()
+        or hi.storage_offset() != lo.storage_offset() + d
+        or any(stride < 2 * d for size, stride in zip(lo.shape[:-1], lo.stride()[:-1], strict=True) if size > 1)
+    ):
+        return None
+    return lo.as_strided((*lo.shape[:-1], 2 * d), lo.stride(), lo.storage_offset())
+
+
 class QuestScorer(Scorer):
     """Scores pages of ``page_size`` candidate slots by an upper bound of ``q . k`` (Quest).
 
@@ -118,18 +133,29 @@ class QuestScorer(Scorer):
             kmin, kmax = cached[0][:, :, :full].float(), cached[1][:, :, :full].float()
         else:
             kmin, kmax = reduce(0, full * p, full, p)  # [B, Hkv, pages, D]
+        parts = [(kmin, kmax)]
         if full * p < c and not whole_only:  # the last, short page
-            short_min, short_max = reduce(full * p, c, 1, c - full * p)
-            kmin, kmax = torch.cat([kmin, short_min], dim=2), torch.cat([kmax, short_max], dim=2)
-        empty = None
-        if not all_valid:
-            empty = torch.isinf(kmin[..., 0]) & (kmin[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
-            if bool(empty.any()):
-                kmin, kmax = kmin.masked_fill(empty[..., None], 0.0), kmax.masked_fill(empty[..., None], 0.0)
+            parts.append(reduce(full * p, c, 1, c - full * p))
         q, _ = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d)
-        bound = q.clamp(min=0) @ kmax.transpose(-1, -2) + q.clamp(max=0) @ kmin.transpose(-1, -2)
-        return (bound if empty is None else bound.masked_fill(empty[:, :, None, :], float("-inf"))), empty
+        # q+ . max + q- . min as one product over [min | max] side by side: one pass over the
+        # summaries (the cache keeps them side by side, so that is a view there).
+        signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, Hkv, G, 2D]
+        bounds, empties = [], []
+        for lo, hi in parts:
+            both = side_by_side(lo, hi)
+            if both is None:
+                both = torch.cat([lo, hi], dim=-1)
+            if not all_valid:
+                gone = torch.isinf(lo[..., 0]) & (lo[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
+                empties.append(gone)
+                both = both.masked_fill(gone[..., None], 0.0)
+            bounds.append(signed @ both.transpose(-1, -2))
+        bound = bounds[0] if len(bounds) == 1 else torch.cat(bounds, dim=-1)
+        if not empties:
+            return bound, None
+        empty = empties[0] if len(empties) == 1 else torch.cat(empties, dim=-1)
+        return bound.masked_fill(empty[:, :, None, :], float("-inf")), empty
 
     def page_scores(self, inp: EvictionInput, *, every_slot_valid: bool | None = None) -> torch.Tensor:
         """``[B, Hkv, ceil(C / P)]`` float32: each page's score, which every slot of the page gets
