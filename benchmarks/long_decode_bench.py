@@ -16,7 +16,10 @@ plain loop times ``--steps`` decode steps (greedy; the prefill is not timed), fo
   scoring: what reading ``budget`` to ``budget + interval`` slots costs; the prompt is evicted
   down to the budget before the timed steps);
 - ``quest``, ``oracle-topk`` and ``vase-attnv@select`` (select mode: every token kept, each
-  step attends ``budget`` chosen slots).
+  step attends ``budget`` chosen slots);
+- ``quest-pages``: ``quest`` with ``granularity: page`` (Quest's own rule: each step ranks the
+  ``N / 16`` whole pages by their bound and attends the best of them whole, plus the recent
+  buffer and the last, short page; see ``docs/selection.md``).
 
 Reported: decode tokens/s, its ratio to the full cache and to ``dense`` at each length, and for the selection
 policies the share of decode time spent choosing (the executor's ``timer("select")`` hook:
@@ -48,8 +51,15 @@ from kvpolicy.eval.cost import PolicyTimer, time_policy  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 from kvpolicy.schedule import MAX_SLOTS  # noqa: E402
 
-CACHES = ("full", "dense", "streamingllm", "quest", "oracle-topk", "vase-attnv@select")
-SELECTING = {"quest", "oracle-topk", "vase-attnv@select"}
+CACHES = ("full", "dense", "streamingllm", "quest", "quest-pages", "oracle-topk", "vase-attnv@select")
+SELECTING = {"quest", "quest-pages", "oracle-topk", "vase-attnv@select"}
+
+
+def quest_pages(budget: int) -> kvpolicy.Policy:
+    """``quest`` at ``budget`` choosing whole pages (``granularity: page``), named ``quest-pages``."""
+    data = kvpolicy.load_policy("quest", budget=budget).config.to_dict()
+    return kvpolicy.load_policy({**data, "name": "quest-pages", "scorer": {**data["scorer"], "granularity": "page"}})
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -77,6 +87,8 @@ def make_cache(name: str, model, budget: int):
         return DynamicCache(config=model.config)
     if name == "dense":  # a budget above any length: nothing is ever chosen, every slot attended
         return KVPolicyCache(kvpolicy.load_policy("oracle-topk", budget=MAX_SLOTS), model)
+    if name == "quest-pages":
+        return KVPolicyCache(quest_pages(budget), model)
     # The floor compresses the prompt once it is in: every timed step then reads at most
     # budget + interval slots (without it the prompt stays whole until the next interval).
     over = {"compress_prompt": True} if name == "streamingllm" else {}

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from . import documents
 from .documents import PolicyError, read_policy_text, read_source
 from .schedule import Schedule
+from .stages.base import declared_for
 from .stages.merge_drop import DropMerge
 from .stages.spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stages.uniform import UniformAllocation
@@ -117,6 +118,9 @@ class PolicyConfig(BaseModel):
             )
         if self.selector.type_name == "stochastic" and self.scorer is not None and self.scorer.may_be_negative:
             raise ValueError("the stochastic selector samples in proportion to scores that must be non-negative")
+        page = None if self.scorer is None else self.scorer.choice_page_size
+        if page is not None:
+            self._check_page_choice(page)
         readers = self.query_readers()
         if readers and sched.window < 1:
             raise ValueError(
@@ -128,6 +132,24 @@ class PolicyConfig(BaseModel):
             for s in stage.walk() if stage is not None else ():  # nested stages checked too
                 s.validate_schedule(sched)
         return self
+
+    def _check_page_choice(self, page: int) -> None:
+        """A scorer that chooses whole pages (``Scorer.choice_page_size``) does so only where select
+        mode chooses directly: a selector that ranks by the score, no reservation, one count per head."""
+        assert self.scorer is not None
+        why = f"scorer {self.scorer.type_name!r} chooses whole pages of {page} slots (granularity: page)"
+        selector = type(self.selector)
+        if self.mode != "select":
+            raise ValueError(f"{why}, which only select mode does: set mode: select, or scorer.granularity: slot")
+        if self.reservations:
+            raise ValueError(f"{why}: reservations cannot protect slots of a page choice; remove them or set "
+                             "scorer.granularity: slot")
+        if not (selector.priority_is_score and declared_for(selector, "priority_is_score", "priority")):
+            raise ValueError(f"{why}, ranked by their score: selector {self.selector.type_name!r} does not rank by "
+                             "the score (use greedy, or scorer.granularity: slot)")
+        if self.allocation.per_head:
+            raise ValueError(f"{why}: allocation {self.allocation.type_name!r} gives heads different counts; use "
+                             "scorer.granularity: slot")
 
     def query_readers(self) -> list[str]:
         """The stages that read the window of queries (``Stage.reads_queries``), as

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .policy import Policy
-from .selection import choose_directly
+from .selection import choose_directly, choose_pages
 from .stages import guards
 from .stages.base import EvictionInput, window_positions
 
@@ -49,13 +49,19 @@ class Kept:
     any slot is dropped (empty for a policy that keeps none): the caller moves it with the slots
     it keeps. ``values``: under a policy that merges (``PolicyConfig.merge``), every slot's value
     after the merge (``[B, Hkv, N, Dv]``, the cache's dtype; only kept slots differ from the
-    input's), computed once here; None when nothing is merged (``drop``)."""
+    input's), computed once here; None when nothing is merged (``drop``).
+
+    ``pages [B, Hkv, k]``: select mode's page choice (a scorer that declares
+    ``Scorer.choice_page_size``), the whole candidate pages chosen, ascending, with ``slots``,
+    ``keep`` and ``counts`` None: the choice attends them and the tail
+    (``kvpolicy.selection.page_plan``)."""
 
     slots: torch.Tensor | None
     keep: torch.Tensor | None
     counts: torch.Tensor | None
     state: dict[str, torch.Tensor]
     values: torch.Tensor | None = None
+    pages: torch.Tensor | None = None
 
     @property
     def writes(self) -> dict[str, torch.Tensor]:
@@ -98,11 +104,14 @@ def merged(policy: Policy, inp: EvictionInput, kept: Kept) -> Kept:
 
 def choose(policy: Policy, inp: EvictionInput) -> Kept:
     """Select mode's choice of ``inp``'s slots (nothing is evicted): as ``evict``, with the
-    scorer's direct choice where it declares one (``kvpolicy.selection.choose_directly``). The
-    keys, values and queries were checked as they entered the cache."""
+    scorer's direct choice where it declares one (``kvpolicy.selection.choose_directly``), or
+    its page choice (``Kept.pages``, ``kvpolicy.selection.choose_pages``) where it declares
+    that. The keys, values and queries were checked as they entered the cache."""
     state: dict[str, torch.Tensor] = {}
     if policy.keeps_state:  # the state sees this layer's new queries (the step's included) first
         inp, state = policy.observe(inp)
+    if policy.chooses_pages is not None:  # whole pages, ranked by page (config checked the composition)
+        return Kept(None, None, None, state, pages=choose_pages(policy, inp))
     if policy.per_head:  # each head chooses its own count out of the layer's pool
         keep, counts = policy.select_heads_from(_with_own_masks(inp))
         return Kept(None, keep, counts, state)

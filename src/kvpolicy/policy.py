@@ -55,6 +55,13 @@ class Policy:
         return frozenset().union(*(s.key_page_sizes for s in self.stages))
 
     @property
+    def chooses_pages(self) -> int | None:
+        """The page size ``P`` when select mode chooses whole pages (the scorer's
+        ``Scorer.choice_page_size``, e.g. ``quest`` with ``granularity: page``), else None."""
+        scorer = self.config.scorer
+        return None if scorer is None else scorer.choice_page_size
+
+    @property
     def mode(self) -> str:
         """``"evict"`` or ``"select"`` (see ``PolicyConfig.mode``)."""
         return self.config.mode
@@ -348,7 +355,16 @@ class Policy:
 
         Protected slots are kept by construction: they rank at +inf, every eligible candidate at
         its priority clamped to float32's finite range, everything else at -inf.
+
+        A policy whose scorer chooses whole pages (``chooses_pages``) is refused: it is ranked by
+        page, not slot, in select mode's cache (``kvpolicy.selection.choose_pages``).
         """
+        if self.chooses_pages is not None:
+            raise guards.SelectionError(
+                f"policy {self.name!r} chooses whole pages of {self.chooses_pages} slots (scorer granularity: "
+                "page): select mode's cache ranks its pages (kvpolicy.selection.choose_pages); Policy.select ranks "
+                "slots, so set scorer.granularity: slot to rank them"
+            )
         priority, _ = self.priorities(inp, inputs_checked=inputs_checked)
         return keep_top(priority, inp.budget)
 

@@ -14,7 +14,7 @@ from .policy import Policy, keep_top
 from .schedule import Schedule
 from .slots import StepPlan
 from .stages import guards
-from .stages.base import EvictionInput, Stage
+from .stages.base import EvictionInput, declared_for
 
 #: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
 #: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
@@ -40,7 +40,7 @@ class SelectionState:
 
     def __init__(
         self, num_layers: int, batch: int, kv_heads: int, budget: int, capacity: int,
-        page_sizes: frozenset[int], like: torch.Tensor, per_head: bool = False,
+        page_sizes: frozenset[int], like: torch.Tensor, per_head: bool = False, page_choice: int | None = None,
     ) -> None:
         self.per_head = per_head
         self._selection_shape = (num_layers, batch, kv_heads, kv_heads * budget if per_head else budget)
@@ -51,9 +51,15 @@ class SelectionState:
         self.reselect = torch.zeros(batch, dtype=torch.bool)
         self.choices = torch.zeros(batch, dtype=torch.long)
         self.key_pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Under a page choice (``page_choice``: its page size ``P``), each layer's chosen pages,
+        #: ``[Lyr, B, Hkv, budget // P]``: the first ``k`` columns (``page_plan``) count.
+        self.page_choice = page_choice
+        self._pages: torch.Tensor | None = None
+        #: Per page size, each page's min and max side by side, ``[Lyr, B, Hkv, pages, 2, D]``:
+        #: ``key_pages`` holds views of its halves, which Quest reads in one pass.
+        self._summaries: dict[int, torch.Tensor] = {}
         for p in sorted(page_sizes):
-            shape = (num_layers, batch, kv_heads, -(-capacity // p), like.shape[-1])
-            self.key_pages[p] = (like.new_zeros(shape), like.new_zeros(shape))
+            self._keep_summaries(p, like.new_zeros((num_layers, batch, kv_heads, -(-capacity // p), 2, like.shape[-1])))
 
     @property
     def selection(self) -> torch.Tensor:
@@ -61,6 +67,17 @@ class SelectionState:
         if self._selection is None:
             self._selection = torch.zeros(self._selection_shape, dtype=torch.long, device=self._device)
         return self._selection
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """A page choice: ``[Lyr, B, Hkv, budget // P]`` long, each layer's chosen pages
+        (ascending in the first ``k`` columns, ``page_plan``)."""
+        if self.page_choice is None:
+            raise ValueError("this selection chooses slots, not pages")
+        if self._pages is None:
+            lyr, b, hkv, budget = self._selection_shape
+            self._pages = torch.zeros((lyr, b, hkv, budget // self.page_choice), dtype=torch.long, device=self._device)
+        return self._pages
 
     @property
     def head_counts(self) -> torch.Tensor:
@@ -98,13 +115,15 @@ class SelectionState:
         self.reselect = (counts > schedule.budget) & stale
         self.selected_at = torch.where(self.reselect, counts, self.selected_at)
 
+    def _keep_summaries(self, p: int, both: torch.Tensor) -> None:
+        self._summaries[p] = both
+        self.key_pages[p] = (both[..., 0, :], both[..., 1, :])
+
     def grow(self, capacity: int) -> None:
-        for p, (lo, hi) in list(self.key_pages.items()):
-            pages = -(-capacity // p)
-            grown = [t.new_zeros(*t.shape[:3], pages, t.shape[4]) for t in (lo, hi)]
-            for new, old in zip(grown, (lo, hi), strict=True):
-                new[:, :, :, : old.shape[3]] = old
-            self.key_pages[p] = (grown[0], grown[1])
+        for p, old in list(self._summaries.items()):
+            grown = old.new_zeros(*old.shape[:3], -(-capacity // p), *old.shape[4:])
+            grown[:, :, :, : old.shape[3]] = old
+            self._keep_summaries(p, grown)
 
     def summarise_pages(self, i: int, keys: torch.Tensor, plan: StepPlan, counts: torch.Tensor | None) -> None:
         """Recompute layer ``i``'s page summaries over the pages this step wrote into (one page
@@ -155,11 +174,14 @@ class SelectionState:
             self._selection = self._selection.index_select(1, dev)
         if self._head_counts is not None:
             self._head_counts = self._head_counts.index_select(1, dev)
-        self.key_pages = {p: (lo.index_select(1, dev), hi.index_select(1, dev)) for p, (lo, hi) in self.key_pages.items()}
+        if self._pages is not None:
+            self._pages = self._pages.index_select(1, dev)
+        for p, both in list(self._summaries.items()):
+            self._keep_summaries(p, both.index_select(1, dev))
 
     def nbytes(self) -> int:
-        chosen = [t for t in (self._selection, self._head_counts) if t is not None]
-        tensors = [*chosen, *(t for pair in self.key_pages.values() for t in pair)]
+        chosen = [t for t in (self._selection, self._head_counts, self._pages) if t is not None]
+        tensors = [*chosen, *self._summaries.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -184,9 +206,9 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
     scorer, selector = cfg.scorer, cfg.selector
     if cfg.reservations or scorer is None:
         return None
-    if not (selector.priority_is_score and _declared_for(type(selector), "priority_is_score", "priority")):
+    if not (selector.priority_is_score and declared_for(type(selector), "priority_is_score", "priority")):
         return None
-    if not _declared_for(type(scorer), "score_packed", "score"):  # a scorer of none has Scorer's
+    if not declared_for(type(scorer), "score_packed", "score"):  # a scorer of none has Scorer's
         return None
     guards.check_recent(inp)
     scores = guards.run_packed_scorer(scorer, inp)
@@ -201,16 +223,40 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
     return keep_top(priority, inp.budget)
 
 
-def _declared_for(cls: type[Stage], declaration: str, method: str) -> bool:
-    """Whether ``cls`` takes ``declaration`` from the class that gives it ``method`` or from one
-    before it in its MRO (a subclass of it), so that it was made for that ``method``: a class
-    that overrides ``method`` and inherits the declaration has not made it. (``Scorer`` itself
-    defines ``score_packed``, None, and every scorer its own ``score``: a scorer that does not
-    define ``score_packed`` is never asked.)"""
-    mro = cls.__mro__
-    owner = next(i for i, c in enumerate(mro) if declaration in c.__dict__)
-    implementer = next(i for i, c in enumerate(mro) if method in c.__dict__)
-    return owner <= implementer
+def page_plan(held: int, budget: int, recent: int, page_size: int) -> tuple[int, int]:
+    """A page choice over ``held`` slots (``Scorer.choice_page_size`` ``P``): ``(k, tail)``, the
+    number of whole candidate pages chosen and the first slot of the tail, which is always
+    attended: ``tail = (C // P) * P`` with ``C = held - recent`` (the candidates' last, short
+    page, then the recent buffer), and ``k`` the whole pages that fit the budget beside it,
+    ``(budget - (held - tail)) // P`` (never more than the ``C // P`` pages there are). The
+    slots attended, ``k * P + held - tail``, never exceed ``budget`` once ``held`` does."""
+    full = (held - recent) // page_size
+    tail = full * page_size
+    return max(0, min(full, (budget - (held - tail)) // page_size)), tail
+
+
+def choose_pages(policy: Policy, inp: EvictionInput) -> torch.Tensor:
+    """Select mode's page choice (a scorer that declares ``Scorer.choice_page_size``) of a
+    cache's packed rows: ``[B, Hkv, k]`` long, the ``k`` whole candidate pages of highest
+    ``score_pages`` (checked: ``guards.run_page_scorer``), ascending, ranked by ``keep_top``
+    (``k`` and the tail attended beside them: ``page_plan``). Nothing is ranked per slot."""
+    scorer = policy.config.scorer
+    page = None if scorer is None else scorer.choice_page_size
+    if scorer is None or page is None:
+        raise ValueError(f"policy {policy.name!r} does not choose pages (its scorer declares no choice_page_size)")
+    guards.check_recent(inp)
+    k, _ = page_plan(inp.num_slots, inp.budget, inp.num_slots - inp.num_candidates, page)
+    scores = guards.run_page_scorer(scorer, inp, page)
+    return keep_top(scores, k)
+
+
+def page_slots(pages: torch.Tensor, page_size: int, tail: int, held: int) -> torch.Tensor:
+    """The slots a page choice attends, ``[..., k * P + held - tail]`` long: each chosen page's
+    ``P`` slots (``pages [..., k]``, ascending), then the tail ``[tail, held)``: ascending."""
+    within = torch.arange(page_size, device=pages.device)
+    slots = (pages[..., None] * page_size + within).flatten(-2)
+    rest = torch.arange(tail, held, device=pages.device).expand(*pages.shape[:-1], -1)
+    return torch.cat([slots, rest], dim=-1)
 
 
 def select_capacity(needed: int, growth: float) -> int:

@@ -249,6 +249,28 @@ def gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows).view(*index.shape, d)
 
 
+def gather_pages(x: torch.Tensor, rows: slice | torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Whole pages of ``P = page_size`` slots from slot 0 of ``x [B, Hkv, cap, D]`` (a layer's
+    buffer): for ``rows`` (a slice, or ``R`` device indices) the pages ``pages [R, Hkv, k]``
+    (each below ``ceil(cap / P)``), as ``[R, Hkv, k * P, D]``, page after page.
+
+    A contiguous ``x`` of whole pages (``cap % P == 0``, as select mode allocates under a page
+    choice) is read as ``[B * Hkv * cap / P, P * D]`` rows, one ``index_select`` of ``k`` rows
+    per head: no index per slot is built and the rows are not copied out first. Otherwise the
+    ``[B, Hkv, cap // P, P, D]`` view is indexed (a last, short page cannot be read then)."""
+    b, hkv, cap, d = x.shape
+    device = pages.device
+    row_index = torch.arange(b, device=device)[rows] if isinstance(rows, slice) else rows.to(device)
+    heads = torch.arange(hkv, device=device)
+    whole = cap // page_size
+    shape = (row_index.numel(), hkv, pages.shape[-1] * page_size, d)
+    if cap % page_size == 0 and x.is_contiguous():
+        first = (row_index[:, None] * hkv + heads) * whole  # [R, Hkv]: each head's first page
+        return x.view(-1, page_size * d).index_select(0, (first[..., None] + pages).flatten()).view(shape)
+    paged = x[:, :, : whole * page_size].unflatten(2, (whole, page_size))  # [B, Hkv, cap // P, P, D]
+    return paged[row_index[:, None, None], heads[None, :, None], pages].reshape(shape)
+
+
 def block(t: torch.Tensor, rows: slice | torch.Tensor, count: int) -> torch.Tensor:
     """``t[:, rows, :, :count]`` of a ``[Lyr, B, Hkv, cap, ...]`` buffer: a view for a slice of
     rows, an indexed copy otherwise."""

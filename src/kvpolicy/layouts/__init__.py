@@ -74,7 +74,7 @@ def layout_for(policy: Policy, executor: GroupRunner, select_growth: float = SEL
     allocation, else even rows."""
     if policy.config.mode == "select":
         options = {"page_sizes": policy.key_page_sizes, "per_head": policy.per_head, "growth": select_growth,
-                   "choose": executor.choose}
+                   "choose": executor.choose, "page_choice": policy.chooses_pages}
         return LayoutChoice(SelectRows, executor, options)
     if policy.per_head:
         return LayoutChoice(HeadRuns, executor)

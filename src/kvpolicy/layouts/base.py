@@ -57,8 +57,13 @@ class ChosenSlots(NamedTuple):
 
     rows: slice | torch.Tensor  # the rows (a slice of all, or device indices)
     held: int  # slots each of them holds
-    slots: torch.Tensor | None  # [R, Hkv, K] the slots attended; None: all ``held``
+    slots: torch.Tensor | None  # [R, Hkv, K] the slots attended; None: all ``held`` (or ``pages``)
     valid: torch.Tensor | None  # [R, Hkv, K] bool, which columns of ``slots`` count; None: all
+    #: A page choice (``kvpolicy.selection.page_plan``): the whole pages attended, ``[R, Hkv, k]``,
+    #: with ``slots`` None; then the tail ``[tail, held)``. None: ``slots`` says it.
+    pages: torch.Tensor | None = None
+    page_size: int = 0
+    tail: int = 0
 
 
 class GroupState(Protocol):

@@ -9,8 +9,8 @@ import torch
 
 from ..attend import attend
 from ..eviction import Kept
-from ..selection import SELECT_GROWTH, SelectionState, select_capacity
-from ..slots import Contiguous, StepPlan, block, gather_slots
+from ..selection import SELECT_GROWTH, SelectionState, page_plan, page_slots, select_capacity
+from ..slots import Contiguous, StepPlan, block, gather_pages, gather_slots
 from ..stages import guards
 from ..stages.base import StateField
 from .base import ChosenSlots, GroupState, HeldSlots, RowClass, SlotView
@@ -53,15 +53,17 @@ class SelectRows(EvenRows):
     def __init__(
         self, group: GroupState, keys: torch.Tensor, values: torch.Tensor, needed: int,
         state_fields: Mapping[str, StateField], *, choose: Chooser, page_sizes: frozenset[int], per_head: bool,
-        growth: float = SELECT_GROWTH,
+        growth: float = SELECT_GROWTH, page_choice: int | None = None,
     ) -> None:
         self.growth = growth
+        self.page_choice = page_choice
         self.choose = choose
         self._observed: list[torch.Tensor] = []  # rows whose state a choice updated in this step
         super().__init__(group, keys, values, needed, state_fields)
         b, h = keys.shape[:2]
         self.select = SelectionState(
-            len(group.layer_ids), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head
+            len(group.layer_ids), b, h, group.schedule.budget, self.buffers.capacity, page_sizes, keys, per_head=per_head,
+            page_choice=page_choice,
         )
 
     @classmethod
@@ -74,8 +76,12 @@ class SelectRows(EvenRows):
     # -- the schedule ---------------------------------------------------------------------------
     def capacity_for(self, needed: int) -> int:
         """Every token is kept: ``select_growth`` times ``needed`` (at least ``SELECT_MIN_GROWTH``
-        more)."""
-        return select_capacity(needed, self.growth)
+        more); under a page choice, rounded up to whole pages (a layer's buffer is then whole
+        pages, read as such)."""
+        capacity = select_capacity(needed, self.growth)
+        if self.page_choice is not None:
+            capacity = -(-capacity // self.page_choice) * self.page_choice
+        return capacity
 
     def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
         return torch.zeros_like(after, dtype=torch.bool) if isinstance(after, torch.Tensor) else False
@@ -130,7 +136,14 @@ class SelectRows(EvenRows):
         i = self.group.member[layer]
         keys, values = self.buffers.keys[i : i + 1], self.buffers.values[i : i + 1]
         out = queries.new_empty(queries.shape)
-        for row_sel, count, index, valid in self.chosen_slots(layer):
+        for row_sel, count, index, valid, pages, page_size, tail in self.chosen_slots(layer):
+            if pages is not None:  # whole pages read as pages of the buffers, the tail's pages last
+                tail_pages = torch.arange(tail // page_size, -(-count // page_size), device=pages.device)
+                wanted = torch.cat([pages, tail_pages.expand(*pages.shape[:2], -1)], dim=-1)
+                attended = pages.shape[-1] * page_size + count - tail  # the last page's slots past count are cut
+                k, v = (gather_pages(t[0], row_sel, wanted, page_size)[:, :, :attended] for t in (keys, values))
+                out[row_sel] = attend(queries[row_sel], k, v, scaling=scaling)
+                continue
             k, v = block(keys, row_sel, count)[0], block(values, row_sel, count)[0]
             if index is not None:
                 k, v = gather_slots(k, index), gather_slots(v, index)
@@ -144,14 +157,16 @@ class SelectRows(EvenRows):
         if not self.selecting:
             return view
         valid = view.valid.clone()
-        for row_sel, _, index, _ in self.chosen_slots(layer):
+        for row_sel, count, index, _, pages, page_size, tail in self.chosen_slots(layer):
+            if pages is not None:
+                index = page_slots(pages, page_size, tail, count)
             if index is not None:  # columns past a head's count repeat a chosen slot
                 valid[row_sel] = torch.zeros_like(valid[row_sel]).scatter_(-1, index, True)
         return view._replace(valid=valid)
 
     def chosen_slots(self, layer: int) -> list[ChosenSlots]:
         """One decode step of ``layer``: per phase of rows ``ChosenSlots(rows, held, slots,
-        valid)``, ``slots [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the
+        valid)`` (under a page choice ``ChosenSlots(rows, held, None, None, pages, P, tail)``), ``slots [R, Hkv, K]`` the slots the rows attend (the ``budget`` chosen by the
         policy plus the tokens appended since the choice), or None for rows holding ``budget``
         slots or fewer (they attend all). Under a per-head allocation heads choose different
         counts and ``valid [R, Hkv, K]`` says which columns count (else None). Rows that choose
@@ -167,6 +182,11 @@ class SelectRows(EvenRows):
                 continue
             if fresh:
                 self._choose(layer, RowClass(rows, count), row_sel)
+            if select.page_choice is not None:  # whole pages, then the tail (as chosen at chosen_at)
+                k, first_tail = page_plan(chosen_at, budget, group.schedule.recent, select.page_choice)
+                pages = select.pages[i, row_sel, :, :k]
+                out.append(ChosenSlots(row_sel, count, None, None, pages, select.page_choice, first_tail))
+                continue
             chosen = select.selection[i, row_sel]
             tail = torch.arange(chosen_at, count, device=device).expand(*chosen.shape[:2], -1)
             index = torch.cat([chosen, tail], dim=-1)
@@ -200,6 +220,9 @@ class SelectRows(EvenRows):
         if kept.state:  # the state saw this layer's new queries (the step's included) first
             self._store_state(i, row_sel, kept.state)
             self._observed.append(rows.rows)
+        if kept.pages is not None:  # a page choice: its pages, the tail follows from the count
+            select.pages[i, row_sel, :, : kept.pages.shape[-1]] = kept.pages
+            return
         if kept.slots is None:  # per head: each head chose its own count out of the layer's pool
             assert kept.keep is not None and kept.counts is not None
             select.store_heads(i, row_sel, kept.keep, kept.counts)

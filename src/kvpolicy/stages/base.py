@@ -245,7 +245,12 @@ class EvictionInput:
         if self.query_positions is None:
             b, n = self.positions.shape[0], self.positions.shape[-1]
             if n:
-                newest = self.positions.flatten(1).amax(-1)
+                # One index of each broadcast (stride 0) axis past the batch: select mode's
+                # positions are an expanded arange, and flattening them would copy Hkv * N.
+                pos = self.positions
+                axes = [slice(0, 1) if pos.stride(a) == 0 else slice(None) for a in range(1, pos.dim())]
+                pos = pos[tuple([slice(None), *axes])]
+                newest = pos.flatten(1).amax(-1)
             else:
                 newest = torch.full((b,), -1, dtype=torch.long, device=self.positions.device)
             object.__setattr__(self, "query_positions", window_positions(self.query_valid, newest + 1))
@@ -520,6 +525,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def declared_for(cls: type[Stage], declaration: str, method: str) -> bool:
+    """Whether ``cls`` takes ``declaration`` from the class that gives it ``method`` or from one
+    before it in its MRO (a subclass of it), so that it was made for that ``method``: a class
+    that overrides ``method`` and inherits the declaration has not made it. (``Scorer`` itself
+    defines ``score_packed``, None, and every scorer its own ``score``: a scorer that does not
+    define ``score_packed`` is never asked.)"""
+    mro = cls.__mro__
+    owner = next(i for i, c in enumerate(mro) if declaration in c.__dict__)
+    implementer = next(i for i, c in enumerate(mro) if method in c.__dict__)
+    return owner <= implementer
+
+
 class Scorer(Stage):
     """Scores every slot: higher means more worth keeping."""
 
@@ -567,6 +584,30 @@ class Scorer(Stage):
         score).
         """
         return None
+
+    @property
+    def choice_page_size(self) -> int | None:
+        """``P`` when the scorer declares a *page choice* in select mode, else None (the default).
+
+        A scorer that declares one is ranked by whole pages of ``P`` slots from slot 0, never by
+        slot: at each choice select mode takes the ``k`` best whole candidate pages by
+        ``score_pages`` and attends them together with the tail ``[(C // P) * P, N)`` (the
+        candidates' last, short page and the recent buffer), where ``k`` is what fits the budget
+        after the tail (``kvpolicy.selection.page_plan``). Such a policy is select mode only,
+        with a selector whose priority is the score, no reservation and no per-head allocation
+        (refused at load otherwise, naming the field), and ``Policy.select`` refuses it (it
+        ranks slots; ``kvpolicy.selection.choose_pages`` is the page choice)."""
+        return None
+
+    def score_pages(self, inp: EvictionInput) -> torch.Tensor:
+        """``[B, Hkv, C // P]`` float32: the score of each whole candidate page (``P`` =
+        ``choice_page_size``), for select mode's page choice; higher is more worth attending.
+
+        Called on a cache's packed rows only (as ``score_packed``: every slot valid, every key,
+        value and query checked finite as it entered the cache). Checked at every call
+        (``kvpolicy.stages.guards.run_page_scorer``): another shape, dtype or device, or NaN/inf,
+        is a ``SelectionError`` naming the scorer."""
+        raise NotImplementedError(f"scorer {self.type_name!r} declares choice_page_size but no score_pages")
 
 
 class Reservation(Stage):

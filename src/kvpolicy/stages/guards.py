@@ -155,6 +155,36 @@ def run_packed_scorer(scorer: Scorer, inp: EvictionInput) -> torch.Tensor | None
     return scores.float()
 
 
+def run_page_scorer(scorer: Scorer, inp: EvictionInput, page_size: int) -> torch.Tensor:
+    """``scorer.score_pages(inp)`` as checked ``[B, Hkv, C // P]`` float32 page scores (select
+    mode's page choice, ``Scorer.choice_page_size``). One synchronisation.
+
+    Refuses (``SelectionError`` naming the scorer) a result that is not a floating tensor of
+    that shape on the inputs' device, or that holds NaN or inf (every page is a candidate)."""
+    name = f"scorer {scorer.type_name!r} score_pages"
+    expected = (inp.batch, inp.num_kv_heads, inp.num_candidates // page_size)
+    scores = scorer.score_pages(inp)
+    if not isinstance(scores, torch.Tensor):
+        raise SelectionError(f"{name} returned {type(scores).__name__}, expected a [B, Hkv, C // P] = {expected} tensor")
+    if tuple(scores.shape) != expected:
+        raise SelectionError(
+            f"{name} returned page scores of shape {tuple(scores.shape)}, expected [B, Hkv, C // P] = {expected} "
+            f"(one score per row, KV head and whole candidate page of {page_size} slots)"
+        )
+    if not scores.is_floating_point():
+        raise SelectionError(f"{name} returned page scores of dtype {scores.dtype}, expected a floating dtype (float32)")
+    if scores.device != inp.keys.device:
+        raise SelectionError(f"{name} returned page scores on {scores.device}, expected the inputs' device {inp.keys.device}")
+    if scores.numel() and not bool(_all_representable(scores)):
+        bad = ~torch.isfinite(scores.float())
+        raise SelectionError(
+            f"{name} produced non-finite page scores (NaN or inf) for {int(bad.sum())} page(s), the first at "
+            f"[row, head, page] = {bad.nonzero()[0].tolist()}: float32 overflowed (the inputs were checked "
+            "finite as they entered the cache)"
+        )
+    return scores.float()
+
+
 def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor]:
     """``stage.update_state(inp)``, checked: every declared field, nothing else, each of the
     shape, dtype and device its current value has (``[B, Hkv, N]`` per slot, ``[B, Hkv]`` per

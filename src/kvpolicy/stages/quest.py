@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from .base import EvictionInput, Scorer
 from .current_attention import newest_query
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+def side_by_side(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """``[..., 2D]``: ``lo`` and ``hi`` (``[..., D]`` each) as one view, each row ``[lo | hi]``,
+    where they are the two halves of one tensor's rows (the page summaries select mode keeps);
+    None otherwise."""
+    d = lo.shape[-1]
+    if (
+        lo.shape != hi.shape or lo.stride() != hi.stride() or lo.dtype != hi.dtype or lo.device != hi.device
+        or lo.stride(-1) != 1 or lo.untyped_storage().data_ptr() != hi.untyped_storage().data_ptr()
+        or hi.storage_offset() != lo.storage_offset() + d
+        or any(stride < 2 * d for size, stride in zip(lo.shape[:-1], lo.stride()[:-1], strict=True) if size > 1)
+    ):
+        return None
+    return lo.as_strided((*lo.shape[:-1], 2 * d), lo.stride(), lo.storage_offset())
 
 
 class QuestScorer(Scorer):
@@ -26,6 +44,15 @@ class QuestScorer(Scorer):
     arrive (``EvictionInput.key_pages``), so only the last, short page is reduced from the keys.
     Min and max are exact, so both ways give the same scores. Scores can be negative: use a
     greedy selector.
+
+    ``granularity: page`` (select mode) is Quest's own rule, a *page choice*
+    (``Scorer.choice_page_size``): each choice ranks the ``C // P`` whole candidate pages by
+    their bound (``score_pages``, ``C / P`` numbers instead of ``C`` slots) and attends the best
+    ``k`` of them whole, read as pages of the cache, plus the tail: the candidates' last, short
+    page and the recent buffer (``kvpolicy.selection.page_plan``). It needs ``budget - recent``
+    to be a multiple of ``page_size`` and at least one page. ``granularity: slot`` (the
+    default) gives every slot its page's bound and lets the selector rank slots (a page may
+    then be taken in part): it runs in both modes and under any greedy composition.
     """
 
     type_name: ClassVar[str] = "quest"
@@ -33,6 +60,32 @@ class QuestScorer(Scorer):
 
     page_size: int = Field(16, ge=1, le=4096, description="Slots per page (Quest: 16).")
     group_reduce: Literal["max", "mean"] = "max"
+    granularity: Literal["slot", "page"] = Field(
+        "slot",
+        description="slot: every slot scores its page's bound and the selector ranks slots. page: select "
+        "mode attends whole pages, the best (budget - recent) / page_size of them by their bound, plus "
+        "the recent buffer and the candidates' last, short page (Quest's own rule).",
+    )
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        if self.granularity != "page":
+            return
+        free = schedule.budget - schedule.recent
+        if free < self.page_size:
+            raise ValueError(
+                f"scorer.page_size {self.page_size} with granularity page needs schedule.budget ({schedule.budget}) "
+                f"to hold the recent buffer ({schedule.recent}) and at least one whole page: budget >= "
+                f"{schedule.recent + self.page_size}"
+            )
+        if free % self.page_size:
+            raise ValueError(
+                f"scorer.page_size {self.page_size} with granularity page must divide schedule.budget - "
+                f"schedule.recent ({schedule.budget} - {schedule.recent} = {free}): the choice is in whole pages"
+            )
+
+    @property
+    def choice_page_size(self) -> int | None:
+        return self.page_size if self.granularity == "page" else None
 
     @property
     def may_be_negative(self) -> bool:
@@ -54,10 +107,10 @@ class QuestScorer(Scorer):
         return self._page_bounds(inp, every_slot_valid)[0]
 
     def _page_bounds(
-        self, inp: EvictionInput, every_slot_valid: bool | None
+        self, inp: EvictionInput, every_slot_valid: bool | None, whole_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``page_bounds`` and the ``[B, Hkv, pages]`` bool mask of pages without a valid slot
-        (None when every slot is valid)."""
+        (None when every slot is valid). ``whole_only``: the ``C // P`` whole pages only."""
         b, hkv, _, d = inp.keys.shape
         c, p = inp.num_candidates, self.page_size
         valid = inp.slot_valid[..., :c]
@@ -80,18 +133,29 @@ class QuestScorer(Scorer):
             kmin, kmax = cached[0][:, :, :full].float(), cached[1][:, :, :full].float()
         else:
             kmin, kmax = reduce(0, full * p, full, p)  # [B, Hkv, pages, D]
-        if full * p < c:  # the last, short page
-            short_min, short_max = reduce(full * p, c, 1, c - full * p)
-            kmin, kmax = torch.cat([kmin, short_min], dim=2), torch.cat([kmax, short_max], dim=2)
-        empty = None
-        if not all_valid:
-            empty = torch.isinf(kmin[..., 0]) & (kmin[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
-            if bool(empty.any()):
-                kmin, kmax = kmin.masked_fill(empty[..., None], 0.0), kmax.masked_fill(empty[..., None], 0.0)
+        parts = [(kmin, kmax)]
+        if full * p < c and not whole_only:  # the last, short page
+            parts.append(reduce(full * p, c, 1, c - full * p))
         q, _ = newest_query(inp)
         q = q.float().view(b, hkv, inp.group_size, d)
-        bound = q.clamp(min=0) @ kmax.transpose(-1, -2) + q.clamp(max=0) @ kmin.transpose(-1, -2)
-        return (bound if empty is None else bound.masked_fill(empty[:, :, None, :], float("-inf"))), empty
+        # q+ . max + q- . min as one product over [min | max] side by side: one pass over the
+        # summaries (the cache keeps them side by side, so that is a view there).
+        signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, Hkv, G, 2D]
+        bounds, empties = [], []
+        for lo, hi in parts:
+            both = side_by_side(lo, hi)
+            if both is None:
+                both = torch.cat([lo, hi], dim=-1)
+            if not all_valid:
+                gone = torch.isinf(lo[..., 0]) & (lo[..., 0] > 0)  # [B, Hkv, pages]: no valid slot
+                empties.append(gone)
+                both = both.masked_fill(gone[..., None], 0.0)
+            bounds.append(signed @ both.transpose(-1, -2))
+        bound = bounds[0] if len(bounds) == 1 else torch.cat(bounds, dim=-1)
+        if not empties:
+            return bound, None
+        empty = empties[0] if len(empties) == 1 else torch.cat(empties, dim=-1)
+        return bound.masked_fill(empty[:, :, None, :], float("-inf")), empty
 
     def page_scores(self, inp: EvictionInput, *, every_slot_valid: bool | None = None) -> torch.Tensor:
         """``[B, Hkv, ceil(C / P)]`` float32: each page's score, which every slot of the page gets
@@ -107,6 +171,18 @@ class QuestScorer(Scorer):
         # elsewhere is a float32 overflow, which the guard reports.
         per_page = per_page.masked_fill(~has_query[:, None, None], 0.0)
         return per_page if empty is None else per_page.masked_fill(empty, 0.0)
+
+    def score_pages(self, inp: EvictionInput) -> torch.Tensor:
+        """``[B, Hkv, C // P]`` float32: the whole candidate pages' scores (``page_scores``
+        without the last, short page), for select mode's page choice (``Scorer.score_pages``).
+        Packed rows only: every slot valid, so the cache's page summaries are read and no key is."""
+        d = inp.keys.shape[-1]
+        if inp.num_candidates < self.page_size:
+            return inp.keys.new_zeros((inp.batch, inp.num_kv_heads, 0), dtype=torch.float32)
+        bounds = self._page_bounds(inp, True, whole_only=True)[0] * d**-0.5
+        per_page = bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
+        _, has_query = newest_query(inp)
+        return per_page.masked_fill(~has_query[:, None, None], 0.0)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         b, hkv, n, _ = inp.keys.shape
