@@ -225,6 +225,10 @@ def test_policies_reading_the_model_give_generates_tokens(name, model_dir, hf_re
     """Each prompt evicts several times (budget 128 over 256 new tokens); the tokens equal the
     transformers path's, but where both engines' top-2 logits are within a rounding tie."""
     source, overrides = POLICIES[name]
+    if isinstance(source, dict):  # a server reads a policy by name or file (mappings are per request only)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(source))
+        source = str(path)
     llm = make_llm(model_dir, {"policy": source, **overrides, "trace": str(tmp_path)}, block_size=BLOCK)
     try:
         rows = hf_refs[name]

@@ -39,17 +39,25 @@ class AccumulatedAttentionScorer(Scorer):
         return _STATE
 
     def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
-        probs = window_attention(
-            inp, inp.query_new.float(), softmax_over="all", group_reduce=self.group_reduce,
-            group_reduce_at="after_softmax", tile_elements=self.tile_elements,
-        )
-        if self.group_reduce == "sum":
-            added = probs.sum(2)
-        elif self.group_reduce == "mean":
-            added = probs.mean(2)
-        else:
-            added = probs.amax(2)
+        added = new_query_attention(inp, self.group_reduce, self.tile_elements)
         return {"attention": inp.state_of(self)["attention"] + added}
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         return inp.state_of(self)["attention"]
+
+
+def new_query_attention(
+    inp: EvictionInput, group_reduce: Literal["sum", "mean", "max"], tile_elements: int
+) -> torch.Tensor:
+    """``[B, Hkv, N]`` float32: the softmax attention the window's new queries (``inp.query_new``)
+    give each slot, over every slot each saw, reduced over a KV head's query heads (``sum``,
+    ``mean`` or ``max``): what one update adds to an accumulated attention."""
+    probs = window_attention(
+        inp, inp.query_new.float(), softmax_over="all", group_reduce=group_reduce,
+        group_reduce_at="after_softmax", tile_elements=tile_elements,
+    )
+    if group_reduce == "sum":
+        return probs.sum(2)
+    if group_reduce == "mean":
+        return probs.mean(2)
+    return probs.amax(2)

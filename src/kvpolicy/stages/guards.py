@@ -320,6 +320,16 @@ def run_selector(
     return priority
 
 
+def _check_counts_tensor(name: str, counts: object, priority: torch.Tensor, inp: EvictionInput) -> None:
+    """Refuse per-head counts that are not ``[B, Hkv]`` long on the inputs' device."""
+    want = (inp.batch, inp.num_kv_heads)
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
+        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
+    if counts.device != priority.device:
+        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+
+
 def run_allocation(
     allocation: Allocation, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput
 ) -> torch.Tensor:
@@ -331,12 +341,7 @@ def run_allocation(
     """
     name = f"allocation {allocation.type_name!r}"
     counts = allocation.head_counts(priority, protected, inp)
-    want = (inp.batch, inp.num_kv_heads)
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
-        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
-    if counts.device != priority.device:
-        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+    _check_counts_tensor(name, counts, priority, inp)
     held = (priority > float("-inf")).sum(-1)
     floor = protected.sum(-1)
     total = torch.minimum(held.sum(-1), torch.tensor(inp.num_kv_heads * inp.budget, device=held.device))
@@ -365,12 +370,7 @@ def run_selector_counts(
     to anything (a threshold keeps what passes)."""
     name = f"selector {selector.type_name!r}"
     counts = selector.head_counts(priority, protected, inp)
-    want = (inp.batch, inp.num_kv_heads)
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != want or counts.dtype != torch.long:
-        got = f"{tuple(counts.shape)} {counts.dtype}" if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise SelectionError(f"{name} must return [B, Hkv] = {list(want)} long counts, got {got}")
-    if counts.device != priority.device:
-        raise SelectionError(f"{name} returned counts on {counts.device}, the inputs are on {priority.device}")
+    _check_counts_tensor(name, counts, priority, inp)
     held = (priority > float("-inf")).sum(-1).clamp(max=inp.budget)
     floor = protected.sum(-1)
     bad = (counts < floor) | (counts > held)

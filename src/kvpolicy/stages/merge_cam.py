@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from .attention import window_attention
+from .accumulated_attention import new_query_attention
 from .base import EvictionInput, Merge, MergeResult, StateField
 
 _STATE = {"attention": StateField(torch.float32, 0.0)}
@@ -51,16 +51,7 @@ class CamMerge(Merge):
         return _STATE
 
     def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
-        probs = window_attention(
-            inp, inp.query_new.float(), softmax_over="all", group_reduce=self.group_reduce,
-            group_reduce_at="after_softmax", tile_elements=self.tile_elements,
-        )
-        if self.group_reduce == "sum":
-            added = probs.sum(2)
-        elif self.group_reduce == "mean":
-            added = probs.mean(2)
-        else:
-            added = probs.amax(2)
+        added = new_query_attention(inp, self.group_reduce, self.tile_elements)
         return {"attention": inp.state_of(self)["attention"] + added}
 
     def merge_probability(self, inp: EvictionInput, keep: torch.Tensor) -> torch.Tensor:
