@@ -31,7 +31,7 @@ import kvpolicy
 from kvpolicy import EvictingCache, load_policy
 from kvpolicy.stages.model_facts import ModelFacts
 from kvpolicy.vllm.facts import model_facts
-from kvpolicy.vllm.ledger import replay_boundary
+from kvpolicy.vllm.ledger import kept_held, replay_boundary
 from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, refuse_unservable
 
@@ -200,7 +200,7 @@ class Engine:
 
     def held(self, req_id: str) -> int:
         ledger = self.paged.ledger
-        return ledger.get(req_id).slots if ledger.tracks(req_id) else 0
+        return ledger.get(req_id).held if ledger.tracks(req_id) else 0  # block-table slots (per-head room included)
 
     def _block_for(self, req_id: str, slots: int) -> None:
         while len(self.blocks[req_id]) * BLOCK < slots:
@@ -227,7 +227,8 @@ class Engine:
                 schedule = ledger.schedule
                 if schedule is not None and ledger.evictions == 0 and self.paged.ledger.would_fire(
                         r, int(before[i] + n[i]), int(prompt[i])):
-                    fresh = [self.free.pop() for _ in range(-(-schedule.budget // BLOCK))]
+                    room = kept_held(schedule, ledger.head_cap, int(before[i] + n[i]))
+                    fresh = [self.free.pop() for _ in range(-(-room // BLOCK))]
                     self.blocks[r] += fresh
                     for table in tables:
                         table.add_row(self.blocks[r], i)
@@ -312,6 +313,10 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
         for req_id, k in engine.evictions[since:]:
             want, got = refs[req_id][k - 1], engine.snapshot(req_id)
             where = f"{req_id} ({engine.requests[req_id].policy.source}), eviction {k}"
+            if load_policy(engine.requests[req_id].policy.policy_yaml).per_head:
+                check_own_slots(own_slots(got), own_slots(want), where)
+                checked += 1
+                continue
             assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
             assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
             torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6,
@@ -324,6 +329,31 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
     schedule(engine, check_new)
     assert checked >= 3 * len(requests)
     return engine
+
+
+def own_slots(snap: Snapshot) -> Snapshot:
+    """A snapshot with each head's own slots only, in order (``[Lyr, Hkv]`` nested lists): under
+    per-head budgets the reference right-aligns a head's slots after empty columns, the paged
+    cache puts them at the front of the head's lane, before the reserved room's padding."""
+    lyr, hkv = snap.positions.shape[:2]
+
+    def per_head(t: torch.Tensor) -> list[list[torch.Tensor]]:
+        return [[t[i, h][snap.positions[i, h] >= 0] for h in range(hkv)] for i in range(lyr)]
+
+    return Snapshot(per_head(snap.positions), per_head(snap.keys), {}, per_head(snap.values))  # type: ignore[arg-type]
+
+
+def check_own_slots(got: Snapshot, want: Snapshot, where: str) -> None:
+    """Per head: the same token positions, keys and values, in the same order (``own_slots``)."""
+    pairs = zip(got.positions, want.positions, got.keys, want.keys, got.values, want.values, strict=True)  # type: ignore[call-overload]
+    counts = []
+    for layer, (gp, wp, gk, wk, gv, wv) in enumerate(pairs):
+        for h in range(len(wp)):
+            assert torch.equal(gp[h], wp[h]), f"{where}, layer {layer} head {h}: kept token positions differ"
+            assert torch.equal(gk[h], wk[h]), f"{where}, layer {layer} head {h}: the blocks hold other keys"
+            assert torch.equal(gv[h], wv[h]), f"{where}, layer {layer} head {h}: the blocks hold other values"
+            counts.append(len(wp[h]))
+    assert len(set(counts)) > 1 or len(counts) == 1, f"{where}: every head kept {counts[0]}: not a per-head test"
 
 
 def step_and_check(engine: Engine, check_new, chunks: dict[str, int]) -> None:

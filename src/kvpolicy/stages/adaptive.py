@@ -36,6 +36,12 @@ class AdaptiveAllocation(Allocation):
         guaranteed = torch.maximum(protected.sum(-1), valid.clamp(max=math.ceil(self.floor * inp.budget)))
         return share_the_rest(priority, guaranteed, priority.shape[1] * inp.budget)
 
+    def head_cap(self, budget: int, num_kv_heads: int) -> int:
+        """The layer's ``Hkv * budget`` less the floor of every other head: each head holds at
+        least its floor at every eviction (it held all of its slots, at least ``budget``, at the
+        first), and keeps at least that, so no head keeps more than this."""
+        return num_kv_heads * budget - (num_kv_heads - 1) * math.ceil(self.floor * budget)
+
 
 def share_the_rest(priority: torch.Tensor, guaranteed: torch.Tensor, total: int) -> torch.Tensor:
     """``[B, Hkv]`` counts: each head's ``guaranteed`` best slots, then the rest of ``total`` to

@@ -746,6 +746,12 @@ class Allocation(Stage):
         """
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
 
+    def head_cap(self, budget: int, num_kv_heads: int) -> int | None:
+        """``per_head`` stages: the most slots one KV head of a layer can keep at an eviction,
+        whatever the data, with ``budget`` per head on average (a paged engine reserves this much
+        room per request: vLLM). None: no such bound is known (vLLM then refuses the policy)."""
+        return None
+
 
 
     def layer_schedules(

@@ -171,10 +171,12 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
     r = settings.request_policy(resolved_args, server)
     if r.policy_yaml not in _SCHEDULES:
         policy = r.policy()
-        _SCHEDULES[r.policy_yaml] = None if policy is None else policy.schedule
-    return sched_mod.pool_refusal(_SCHEDULES[r.policy_yaml], len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
+        _SCHEDULES[r.policy_yaml] = (None if policy is None else policy.schedule,
+                                     settings.head_cap(policy, sched_mod.kv_heads_per_rank(vllm_config)))
+    schedule, head_cap = _SCHEDULES[r.policy_yaml]
+    return sched_mod.pool_refusal(schedule, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
                                   int(vllm_config.cache_config.block_size),
-                                  bool(vllm_config.cache_config.enable_prefix_caching))
+                                  bool(vllm_config.cache_config.enable_prefix_caching), head_cap)
 
 
 def _install_scheduler() -> None:
@@ -435,6 +437,8 @@ def install_backend(impl_cls: type) -> None:
             if state is not None and attn_metadata is not None:
                 state.capture_queries(layer, query)
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if state is not None and attn_metadata is not None and state.paged.head_attention is not None:
+                state.attend_heads(layer, query, out, self.scale)  # requests whose heads hold different counts
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
             return out

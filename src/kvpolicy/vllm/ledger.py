@@ -6,6 +6,14 @@ policy's schedule and on each request's token counts, and every rank keeps exact
 slots per request, so each process replays the same ``SlotLedger`` and agrees on every request's
 slot count, and so on its number of blocks, at every step.
 
+**Per-head budgets** (Ada-KV: ``head_cap``). Heads of a layer then keep different counts, decided
+from data the scheduler never sees; all heads and layers share one block table, and vLLM writes a
+new token at one slot for every head. So after each eviction a request holds, in its block table,
+room for the fullest head any data could give (``head_cap``, from the allocation's floor and the
+layer's total, ``Allocation.head_cap``) but never more than it held: ``held = slots + reserve``,
+where ``slots`` is still the mean count its schedule runs on (what ``EvictingCache`` counts). The
+room is the same for every process, whatever the heads kept.
+
 Each request carries its own schedule (requests may name their own policies); ``None`` for a
 request that never evicts.
 
@@ -32,11 +40,19 @@ class RequestSlots:
     evictions: int = 0
     evicted_at: list[int] = field(default_factory=list)  # token counts after which it evicted
     replay: list[int] = field(default_factory=list)  # eviction points still to replay (ascending)
+    head_cap: int | None = None  # the most slots one head may keep at an eviction (per-head budgets)
+    reserve: int = 0  # block-table slots held beyond ``slots``: room for the fullest head (per-head budgets)
+
+    @property
+    def held(self) -> int:
+        """Slots of the request's block table in use: the mean count and the per-head room."""
+        return self.slots + self.reserve
 
     @property
     def offset(self) -> int:
-        """Tokens evicted so far: slot ``s`` appended since the last eviction holds token ``s + offset``."""
-        return self.tokens - self.slots
+        """Tokens evicted so far, less the per-head room: block-table slot ``s`` appended since the
+        last eviction holds token ``s + offset``."""
+        return self.tokens - self.held
 
 
 class SlotLedger:
@@ -45,9 +61,10 @@ class SlotLedger:
     def __init__(self) -> None:
         self.requests: dict[str, RequestSlots] = {}
 
-    def track(self, req_id: str, schedule: Schedule | None) -> RequestSlots:
-        """Start counting a request (again, after a reset) under ``schedule``."""
-        state = self.requests[req_id] = RequestSlots(schedule)
+    def track(self, req_id: str, schedule: Schedule | None, head_cap: int | None = None) -> RequestSlots:
+        """Start counting a request (again, after a reset) under ``schedule`` (``head_cap``: its
+        policy's per-head bound, ``kvpolicy.vllm.settings.head_cap``)."""
+        state = self.requests[req_id] = RequestSlots(schedule, head_cap=head_cap)
         return state
 
     def get(self, req_id: str) -> RequestSlots:
@@ -75,9 +92,10 @@ class SlotLedger:
             return None
         return [*state.evicted_at, *(p for p in state.replay if p > state.tokens)]
 
-    def resume(self, req_id: str, schedule: Schedule | None, plan: list[int] | None) -> RequestSlots:
+    def resume(self, req_id: str, schedule: Schedule | None, plan: list[int] | None,
+               head_cap: int | None = None) -> RequestSlots:
         """Track a request recomputed after preemption: a fresh count that must evict at ``plan``."""
-        state = self.track(req_id, schedule)
+        state = self.track(req_id, schedule, head_cap)
         state.replay = list(plan or [])
         return state
 
@@ -125,16 +143,27 @@ class SlotLedger:
             state.__dict__.update(saved.__dict__)  # in place: callers may hold the entry
 
     def evicted(self, req_id: str) -> int:
-        """Record an eviction; returns the slots kept."""
+        """Record an eviction; returns the block-table slots the request holds after it."""
         state = self.requests[req_id]
         if state.schedule is None:
             raise RuntimeError(f"request {req_id} has no schedule: it never evicts")
+        held = kept_held(state.schedule, state.head_cap, state.held)
         state.slots = min(state.slots, state.schedule.budget)
+        state.reserve = held - state.slots
         state.evictions += 1
         state.evicted_at.append(state.tokens)
         if state.replay and state.replay[0] == state.tokens:
             state.replay.pop(0)
-        return state.slots
+        return state.held
+
+
+def kept_held(schedule: Schedule, head_cap: int | None, held: int) -> int:
+    """Block-table slots a request holding ``held`` keeps through an eviction: ``budget``, or
+    under per-head budgets room for the fullest head, ``head_cap``, at most what it held (a head
+    never keeps more slots than it holds, and none holds more than the block table's)."""
+    if head_cap is None:
+        return min(held, schedule.budget)
+    return min(held, head_cap)
 
 
 def replay_boundary(plan: list[int], prompt_len: int, computed: int) -> int | None:
@@ -145,14 +174,17 @@ def replay_boundary(plan: list[int], prompt_len: int, computed: int) -> int | No
     return min(ahead) if ahead else None
 
 
-def peak_slots(schedule: Schedule | None, prompt_len: int, total: int) -> int:
+def peak_slots(schedule: Schedule | None, prompt_len: int, total: int, head_cap: int | None = None) -> int:
     """The most slots a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds
-    at once under ``schedule`` (None: no eviction, every token), replays after preemption included."""
+    at once under ``schedule`` (None: no eviction, every token), replays after preemption included
+    (``head_cap``: per-head budgets, whose room for the fullest head adds up to ``head_cap - budget``)."""
     if schedule is None:
         return total
     peak = schedule.capacity_for(prompt_len)
     if schedule.compress_prompt and prompt_len > schedule.budget:
         peak = max(prompt_len, schedule.capacity_for(schedule.budget))
+    if head_cap is not None:
+        peak += max(0, head_cap - schedule.budget)
     return min(peak, total)
 
 

@@ -33,13 +33,14 @@ import numpy as np
 import torch
 
 from .. import eviction
+from ..attend import attend_heads
 from ..documents import PolicyError
 from ..policy import Policy, eviction_input
 from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
-from .ledger import SlotLedger
+from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from .settings import KVPolicyVLLMError, Resolved
+from .settings import KVPolicyVLLMError, Resolved, head_cap
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
@@ -186,6 +187,22 @@ class Evicted:
 
 
 @dataclass(frozen=True)
+class HeadAttention:
+    """This step's requests whose heads hold different counts (per-head budgets), and what each
+    layer's attention over their own slots reads (``PagedCache.attend_heads``). Per layer ``l``
+    of ``[Lyr, B, Hkv, W]``: column ``w`` of a head is its kept slot ``w`` (the front of its lane),
+    then its slots appended since the last eviction (from the reserved room's end on); the padding
+    between them is in no column."""
+
+    token_idx: torch.Tensor  # [B, T] each query's row in the step's flattened tokens (0 past a chunk)
+    token_valid: torch.Tensor  # [B, T] which of those hold a query of the request
+    blocks: torch.Tensor  # [Lyr, B, Hkv, W] the block of each column's slot
+    offsets: torch.Tensor  # [Lyr, B, Hkv, W] its offset in the block
+    heads: torch.Tensor  # [Lyr, B, Hkv, W] its KV head
+    mask: torch.Tensor  # [Lyr, B, Hkv, T, W] bool: the columns query t attends (causal over appended slots)
+
+
+@dataclass(frozen=True)
 class HeldRequests:
     """Some requests' slots as an eviction reads them (``PagedCache._gather_requests``)."""
 
@@ -195,6 +212,7 @@ class HeldRequests:
     slots: list[KeptSlots]  # their per-slot fields, kept then fresh
     gathered: list[KV]  # per layer, their keys and values [R, Hkv, N, D] (copies)
     inp: EvictionInput
+    positions: torch.Tensor | None = None  # per-head budgets: [Lyr, R, Hkv, N] each column's token (-1: none)
 
 
 class PagedCache:
@@ -217,12 +235,16 @@ class PagedCache:
             (``Policy.needs_model``): the facts of this rank's share of the model
             (``kvpolicy.vllm.facts.model_facts``), handed to every eviction. Each policy is checked
             against them when first loaded (``check_policy``), with ``KVPolicyCache``'s errors.
+        per_head_refusal: why this engine's attention cannot attend heads of uneven counts
+            (``attend_heads``: plain softmax attention only); a per-head policy is then refused
+            when first loaded. None: it can.
     """
 
     def __init__(
         self, kv: list[KV], layer_ids: list[int], *, q_heads: int, head_dim: int, block_size: int,
         policy_of: Callable[[str], Resolved], head_offset: int = 0, prefix_caching: bool = False,
         trace: Path | None = None, rank: int = 0, model_facts: ModelFacts | None = None,
+        per_head_refusal: str | None = None,
     ) -> None:
         self.kv = kv
         self.layer_ids = list(layer_ids)
@@ -244,10 +266,16 @@ class PagedCache:
         self.observed: dict[str, int] = {}
         self.long_steps: dict[str, LongStep] = {}
         self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
+        # Per-head budgets (Policy.per_head): each head's kept count [Lyr, Hkv] (host) since the
+        # request's last eviction (absent: every head holds all of the block table's slots), and
+        # this step's requests whose heads hold different counts.
+        self.head_counts: dict[str, torch.Tensor] = {}
+        self.head_attention: HeadAttention | None = None
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace, self.rank, self.saves, self.step = trace, rank, 0, 0
         self.model_facts = model_facts
+        self.per_head_refusal = per_head_refusal
         if trace is not None:
             trace.mkdir(parents=True, exist_ok=True)
 
@@ -260,6 +288,7 @@ class PagedCache:
         """Forget a request (finished, or about to be resubmitted under the same id)."""
         self.ledger.reset(req_id)
         self.kept.pop(req_id, None)
+        self.head_counts.pop(req_id, None)
         self.head_state.pop(req_id, None)
         self.observed.pop(req_id, None)
         self.replays.pop(req_id, None)
@@ -292,13 +321,18 @@ class PagedCache:
             rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy)
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
-            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None))
+            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None),
+                               head_cap(rp.policy, self.kv_heads))
         return rp
 
     def check_policy(self, policy: Policy | None) -> None:
         """Refuse a policy whose stages read model facts these cannot give (``KVPolicyVLLMError``
         with ``Policy.check_model_facts``'s message: a fact missing, or a calibration file for
-        another model), for this rank's KV heads."""
+        another model), for this rank's KV heads; and a per-head policy where heads of uneven
+        counts cannot be attended here (``per_head_refusal``)."""
+        if policy is not None and policy.per_head and self.per_head_refusal is not None:
+            raise KVPolicyVLLMError(f"policy {policy.name!r} keeps a count of its own per head, which this model's "
+                                    f"attention cannot serve: {self.per_head_refusal}")
         if policy is None or not policy.needs_model:
             return
         try:
@@ -325,9 +359,12 @@ class PagedCache:
         this step's queries push unseen ones out of the window (``eviction.must_observe``)."""
         self.plan = plan
         self.captures = []
+        self.head_attention = None
         req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
         if not req_ids:
             return
+        if self.head_counts:
+            self.head_attention = self._plan_head_attention(plan, table)
         # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
         # position t % w, so the ring always holds the request's last w queries.
         windows = np.array([self._window_size(r) for r in req_ids], dtype=np.int64)
@@ -424,12 +461,20 @@ class PagedCache:
             if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
                 due.append((i, req_id))
         groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        groups_w: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
         for i, req_id in due:
-            key = (self.policy_of[req_id].resolved.policy_yaml or "", self.ledger.get(req_id).slots)
+            policy, held = self.policy_of[req_id].policy, self.ledger.get(req_id).held
+            if policy is not None and policy.per_head:  # grouped by its view's width too: its draws are its own
+                key_w = (self.policy_of[req_id].resolved.policy_yaml or "", held, self._head_width(req_id, held))
+                groups_w.setdefault(key_w, []).append((i, req_id))
+                continue
+            key = (self.policy_of[req_id].resolved.policy_yaml or "", held)
             groups.setdefault(key, []).append((i, req_id))
         out: list[Evicted] = []
         for (_, count), group in sorted(groups.items()):
             out += self._evict(self.policy_of[group[0][1]], count, group, table)
+        for (_, count, _), group in sorted(groups_w.items()):
+            out += self._evict_heads(self.policy_of[group[0][1]], count, group, table)
         return out
 
     def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
@@ -447,7 +492,7 @@ class PagedCache:
         rows, req_ids, states, slots, inp = held.rows, held.req_ids, held.states, held.slots, held.inp
         lyr, r = self.layers, len(group)
         kept = eviction.evict(policy, inp)
-        assert kept.slots is not None  # start-up refuses per-head allocations
+        assert kept.slots is not None  # per-head policies evict through _evict_heads
         if policy.keeps_state:
             slots = self._keep_state(req_ids, slots, kept.state)
             for req_id, s in zip(req_ids, states, strict=True):
@@ -486,6 +531,177 @@ class PagedCache:
             self.kept[req_id] = x
             self.observed[req_id] = s.tokens
 
+    # -- per-head budgets ---------------------------------------------------------------------
+    # A request under a per-head allocation (Ada-KV) holds, after an eviction, each head's own
+    # kept slots at the front of that head's lane of its blocks, then padding up to the room the
+    # ledger reserved for the fullest head (``RequestSlots.reserve``), then the slots appended
+    # since (vLLM writes a token at one slot for every head). The padding is never read: the
+    # eviction input and attention address each head's own slots.
+    def _head_counts(self, req_id: str) -> tuple[torch.Tensor, int]:
+        """Each head's kept count ``[Lyr, Hkv]`` and where the appended slots start (0, 0 before
+        the first eviction: every head holds every slot)."""
+        counts = self.head_counts.get(req_id)
+        if counts is None:
+            return torch.zeros(self.layers, self.kv_heads, dtype=torch.long), 0
+        kept = self.kept[req_id]
+        return counts, kept.count
+
+    def _head_width(self, req_id: str, n: int) -> int:
+        """Slots the fullest head of any layer holds when the request holds ``n`` block-table slots."""
+        counts, start = self._head_counts(req_id)
+        return int(counts.max()) + n - start
+
+    def _head_columns(self, req_id: str, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot, valid)`` ``[Lyr, Hkv, width]``: each head's own slots right-aligned in
+        ``width`` columns (as ``EvictingCache``'s per-head layout hands them to a policy): its kept
+        slots, then those appended since. An empty column points at slot 0 of head 0 (what the
+        per-head layout reads there too: flat slot 0), and is invalid."""
+        counts, start = self._head_counts(req_id)
+        own = counts + (n - start)  # [Lyr, Hkv]
+        j = torch.arange(width) - (width - own[..., None])  # index among the head's own slots
+        valid = j >= 0
+        slot = torch.where(j < counts[..., None], j, start + j - counts[..., None])
+        return torch.where(valid, slot, 0), valid
+
+    def _gather_heads(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
+        """``_gather_requests`` under per-head budgets: every head's own slots, right-aligned in
+        the width of the fullest head (the same for the whole group)."""
+        policy = rp.policy
+        assert policy is not None
+        rows = torch.tensor([i for i, _ in group], dtype=torch.long)
+        req_ids = [r for _, r in group]
+        width = self._head_width(req_ids[0], n)
+        cols = [self._head_columns(q, n, width) for q in req_ids]
+        slot = torch.stack([c[0] for c in cols], dim=1)  # [Lyr, R, Hkv, W]
+        valid = torch.stack([c[1] for c in cols], dim=1)
+        heads = torch.where(valid, torch.arange(self.kv_heads)[:, None], 0)
+        tables = table.get_cpu_tensor()[rows].long()  # [R, max_blocks]
+        blocks = tables[torch.arange(len(group))[None, :, None, None], slot // self.block_size]
+        dev = self.device
+        blocks, offs, heads_d = blocks.to(dev), (slot % self.block_size).to(dev), heads.to(dev)
+        gathered = [(k[blocks[i], offs[i], heads_d[i]], v[blocks[i], offs[i], heads_d[i]])
+                    for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
+        keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)
+        values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
+        states = [self.ledger.get(q) for q in req_ids]
+        slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
+        positions = torch.stack([x.positions for x in slots], dim=1)  # [Lyr, R, Hkv, n]
+        positions = positions.gather(-1, slot.to(dev)).masked_fill(~valid.to(dev), -1)
+        tokens = [s.tokens for s in states]
+        queries, query_valid = self._window(policy.schedule.window, req_ids, tokens, keys)
+        inp = self._input(
+            rp, keys, values, queries, query_valid, positions.flatten(0, 1), self.layer_ids,
+            [s.evictions for s in states], state=None, req_ids=req_ids, tokens=tokens,
+            slot_valid=valid.to(dev).flatten(0, 1),
+        )
+        return HeldRequests(rows, req_ids, states, slots, gathered, inp, positions)
+
+    def _evict_heads(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
+        """``_evict`` under per-head budgets: each head's kept slots (its own count) compacted to
+        the front of its lane, in the order the policy saw them; the request then holds the room
+        the ledger reserves for the fullest head (``ledger.kept_held``), and the blocks past it go."""
+        policy = rp.policy
+        assert policy is not None
+        held = self._gather_heads(rp, n, group, table)
+        rows, req_ids, states, inp = held.rows, held.req_ids, held.states, held.inp
+        assert held.positions is not None
+        lyr, r = self.layers, len(group)
+        kept = eviction.evict(policy, inp)
+        assert kept.keep is not None and kept.counts is not None  # a per-head policy's eviction
+        counts = kept.counts.view(lyr, r, self.kv_heads).cpu()
+        room = kept_room(states[0], n)
+        if int(counts.max()) > room:
+            raise KVPolicyVLLMError(
+                f"policy {policy.name!r}: a head kept {int(counts.max())} slots, more than the {room} its requests "
+                f"reserve ({req_ids}); the allocation's head_cap does not bound it"
+            )
+        width = kept.keep.shape[-1]
+        keep = kept.keep.view(lyr, r, self.kv_heads, width)
+        most = int(counts.max())
+        # Each head's kept columns first, in column order; the columns after its count are padding.
+        order = (~keep).to(torch.uint8).sort(dim=-1, stable=True).indices[..., :most]
+        keep_blocks = -(-room // self.block_size)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+                      for j, req_id in enumerate(req_ids)]
+        dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        compact(self.kv, dst, held.gathered, order, self.block_size)
+        positions = held.positions.gather(-1, order)  # [Lyr, R, Hkv, most]
+        positions = positions.masked_fill(torch.arange(most, device=self.device) >= counts.to(self.device)[..., None], -1)
+        positions = torch.nn.functional.pad(positions, (0, room - most), value=-1)
+        out = []
+        for j, req_id in enumerate(req_ids):
+            self.kept[req_id] = KeptSlots(positions[:, j].clone())
+            self.head_counts[req_id] = counts[:, j].clone()
+            self.ledger.evicted(req_id)
+            table.add_row(new_tables[j], int(rows[j]))
+            out.append(Evicted(int(rows[j]), req_id, new_tables[j]))
+        if self.trace is not None:
+            self._write_trace(rp, req_ids, states, n, inp, kept.keep, counts=kept.counts)
+        return out
+
+    def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
+        """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""
+        rows = [i for i, q in enumerate(plan.req_ids)
+                if q in self.head_counts and bool((self.head_counts[q] < self.kept[q].count).any())]
+        if not rows:
+            return None
+        ends = np.cumsum(plan.scheduled)
+        t_max = int(max(plan.scheduled[i] for i in rows))
+        parts = []
+        for i in rows:
+            q, t = plan.req_ids[i], int(plan.scheduled[i])
+            counts, start = self._head_counts(q)
+            appended = self.ledger.get(q).held + t - start  # after this step's tokens are written
+            own = counts + appended
+            width = int(own.max())
+            parts.append((i, q, t, counts, start, appended, own, width))
+        width = max(p[-1] for p in parts)
+        cols = torch.arange(width)
+        b = len(rows)
+        tables = table.get_cpu_tensor()[torch.tensor(rows)].long()
+        token_idx = torch.zeros(b, t_max, dtype=torch.long)
+        token_valid = torch.zeros(b, t_max, dtype=torch.bool)
+        slot = torch.zeros(self.layers, b, self.kv_heads, width, dtype=torch.long)
+        mask = torch.zeros(self.layers, b, self.kv_heads, t_max, width, dtype=torch.bool)
+        steps = torch.arange(t_max)
+        for j, (i, _, t, counts, start, appended, own, _) in enumerate(parts):
+            token_idx[j, :t] = torch.arange(int(ends[i]) - t, int(ends[i]))
+            token_valid[j, :t] = True
+            k = counts[..., None]  # [Lyr, Hkv, 1]
+            slot[:, j] = torch.where(cols < k, cols, start + cols - k)
+            fresh = cols - k  # [Lyr, Hkv, W]: index among the appended slots (negative: a kept one)
+            sees = (cols < own[..., None])[..., None, :] & (fresh[..., None, :] <= (appended - t) + steps[:, None])
+            sees &= (steps < t)[:, None]
+            mask[:, j] = sees
+        mask[..., 0] |= ~mask.any(-1)  # a query past its request's chunk attends column 0: finite, dropped
+        slot = torch.where(mask.any(-2), slot, 0)
+        blocks = tables[torch.arange(b)[None, :, None, None], slot // self.block_size]
+        heads = torch.arange(self.kv_heads)[:, None].expand_as(slot)
+        dev = self.device
+        return HeadAttention(token_idx.to(dev), token_valid.to(dev), blocks.to(dev), (slot % self.block_size).to(dev),
+                             heads.to(dev), mask.to(dev))
+
+    def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
+        """Layer ``layer``'s attention of this step's requests whose heads hold different counts,
+        over each head's own slots only (``kvpolicy.attend.attend_heads``), written over what the
+        engine's kernel wrote for them in ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``): that
+        kernel reads one length per request, padding included. Call it after the layer's keys
+        and values are in the cache."""
+        plan = self.head_attention
+        if plan is None:
+            return
+        b, t = plan.token_idx.shape
+        q = query.view(query.shape[0], self.q_heads, self.head_dim)[plan.token_idx]  # [B, T, Hq, D]
+        keys, values = self.kv[layer]
+        blocks, offs, heads = plan.blocks[layer], plan.offsets[layer], plan.heads[layer]
+        k, v = keys[blocks, offs, heads], values[blocks, offs, heads]  # [B, Hkv, W, D]
+        width = k.shape[2]
+        index = torch.arange(b * self.kv_heads * width, device=self.device).view(b, self.kv_heads, width)
+        out = attend_heads(q.transpose(1, 2).to(k.dtype), k.flatten(0, 2), v.flatten(0, 2), index, plan.mask[layer],
+                           scaling=scale)  # [B, Hq, T, Dv]
+        rows = output.view(output.shape[0], self.q_heads, -1)
+        rows[plan.token_idx[plan.token_valid]] = out.transpose(1, 2)[plan.token_valid].to(rows.dtype)
+
     # -- the input --------------------------------------------------------------------------
     def _gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
         """What ``group``'s requests (batch row, request id; ``n`` slots each, policy ``rp``)
@@ -512,6 +728,7 @@ class PagedCache:
         self, rp: RequestPolicy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         query_valid: torch.Tensor | None, positions: torch.Tensor, layer_ids: list[int], evictions: list[int], *,
         state: Mapping[str, torch.Tensor] | None, req_ids: list[str] | None = None, tokens: list[int] | None = None,
+        slot_valid: torch.Tensor | None = None,
     ) -> EvictionInput:
         """The eviction input of requests stacked layer-major (``[len(layer_ids) * R, ...]``),
         through ``kvpolicy.policy.eviction_input``: each row's layer and eviction count key its
@@ -530,7 +747,7 @@ class PagedCache:
             query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
         return eviction_input(
             keys, values, queries, budget=policy.budget, recent=policy.schedule.recent,
-            seed=policy.resolve_seed(rp.resolved.seed), query_valid=query_valid, positions=positions,
+            seed=policy.resolve_seed(rp.resolved.seed), slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             layer_idx=layer_idx, evictions=torch.tensor(evictions, dtype=torch.long).repeat(lyr),
             head_offset=self.head_offset, query_positions=query_positions, query_new=query_new,
             state=None if state is None or not policy.keeps_state else policy.nest_state(state),
@@ -624,13 +841,16 @@ class PagedCache:
         return out
 
     def _write_trace(self, rp: RequestPolicy, req_ids: list[str], states: list[Any], n: int, inp: Any,
-                     kept: torch.Tensor) -> None:
+                     kept: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """``kept``: the kept slots ``[B, Hkv, K]``, or under per-head budgets the kept mask
+        ``[B, Hkv, N]`` with each head's ``counts [B, Hkv]``."""
         assert self.trace is not None
         record = {
             "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
             "policy": rp.resolved.source,
             "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
-            "kept": int(kept.shape[-1]),
+            "kept": int(kept.shape[-1]) if counts is None else self.ledger.get(req_ids[0]).held,
+            "head_counts": None if counts is None else counts.view(self.layers, len(req_ids), -1).transpose(0, 1).tolist(),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
             # what each request's cache holds after this eviction (token index per layer, head and slot)
             "kept_digest": [_digest(self.kept[q].positions) for q in req_ids],
@@ -643,10 +863,17 @@ class PagedCache:
                 {"keys": inp.keys, "values": inp.values, "queries": inp.queries, "query_valid": inp.query_valid,
                  "positions": inp.positions, "layer_idx": inp.seed_key.layer_idx, "evictions": inp.seed_key.evictions,
                  "kept": kept, "requests": req_ids, "seed": rp.resolved.seed, "policy_yaml": rp.resolved.policy_yaml,
-                 "head_offset": self.head_offset},
+                 "head_offset": self.head_offset, "slot_valid": inp.slot_valid, "head_counts": counts},
                 self.trace / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt",
             )
 
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def kept_room(state: Any, n: int) -> int:
+    """The block-table slots a request of ``state`` (a ledger entry holding ``n``) keeps through its
+    eviction: the room for its fullest head (``kvpolicy.vllm.ledger.kept_held``)."""
+    assert state.schedule is not None
+    return kept_held(state.schedule, state.head_cap, n)

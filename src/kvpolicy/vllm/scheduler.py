@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
-from .ledger import SlotLedger, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, request_policy
+from .ledger import SlotLedger, kept_held, peak_slots, prefix_hit_cap, replay_boundary
+from .settings import KVPolicyVLLMError, Resolved, head_cap, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -73,6 +73,8 @@ class SchedulerEviction:
         self.ledger = SlotLedger()
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
+        self.head_caps: dict[str | None, int | None] = {}  # by resolved policy YAML (per-head budgets)
+        self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
@@ -95,7 +97,13 @@ class SchedulerEviction:
             policy = r.policy()
             self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
+            self.head_caps[r.policy_yaml] = head_cap(policy, self.kv_heads)
         return self.schedules[r.policy_yaml]
+
+    def _head_cap(self, request: Any) -> int | None:
+        """The request's policy's per-head bound (``settings.head_cap``; None: every head keeps the budget)."""
+        self._schedule(request)
+        return self.head_caps[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
 
     def _sees_every_query(self, request: Any) -> bool:
         """Whether the request's policy keeps state that must see every query of its tokens."""
@@ -116,7 +124,7 @@ class SchedulerEviction:
         # The plan stays on the request (replaced at its next preemption): a recompute whose
         # first allocation fails is tracked again later and its prefix hit must stay capped.
         plan = request.__dict__.get(REPLAY_ATTR)
-        self.ledger.resume(request.request_id, self._schedule(request), plan)
+        self.ledger.resume(request.request_id, self._schedule(request), plan, self._head_cap(request))
 
     # -- preemption -------------------------------------------------------------------------
     def on_preempt(self, request: Any) -> None:
@@ -157,7 +165,7 @@ class SchedulerEviction:
         schedule = self._schedule(request)
         if schedule is None:
             return slots
-        return min(slots, peak_slots(schedule, int(request.num_prompt_tokens), slots))
+        return min(slots, peak_slots(schedule, int(request.num_prompt_tokens), slots, self._head_cap(request)))
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
@@ -168,7 +176,7 @@ class SchedulerEviction:
         block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
         refusal = pool_refusal(self._schedule(request), int(request.num_prompt_tokens),
                                int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
-                               self.prefix_caching)
+                               self.prefix_caching, self._head_cap(request))
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
@@ -183,7 +191,7 @@ class SchedulerEviction:
         prompt = self.scheduler.requests[req_id].num_prompt_tokens
         if not self.ledger.would_fire(req_id, num_tokens, prompt):
             return 0
-        return cdiv(entry.schedule.budget, block_size)
+        return cdiv(kept_held(entry.schedule, entry.head_cap, entry.held + num_tokens - entry.tokens), block_size)
 
     def caches(self, req_id: str) -> bool:
         """Whether vLLM may put the request's full blocks in the prefix cache: not once it has
@@ -229,7 +237,7 @@ class SchedulerEviction:
             if not self.ledger.advance(req_id, request.num_computed_tokens, request.num_prompt_tokens):
                 continue
             entry = self.ledger.get(req_id)
-            held, first = entry.slots, entry.evictions == 0
+            held, first = entry.held, entry.evictions == 0
             kept = self.ledger.evicted(req_id)
             evicted += 1
             for mgr in managers:
@@ -296,19 +304,20 @@ class SchedulerEviction:
 
 
 def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, block_size: int,
-                        prefix_caching: bool) -> int:
+                        prefix_caching: bool, head_cap: int | None = None) -> int:
     """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
-    blocks its first eviction writes the kept slots into (held for one step beside the old ones)."""
-    blocks = cdiv(peak_slots(schedule, prompt_len, total), block_size)
+    blocks its first eviction writes the kept slots into (held for one step beside the old ones).
+    ``head_cap``: its policy's per-head bound (``settings.head_cap``)."""
+    blocks = cdiv(peak_slots(schedule, prompt_len, total, head_cap), block_size)
     if schedule is not None and prefix_caching and total > schedule.budget:
-        blocks += cdiv(schedule.budget, block_size)
+        blocks += cdiv(schedule.budget if head_cap is None else head_cap, block_size)
     return blocks
 
 
 def pool_refusal(schedule: Schedule | None, prompt_len: int, max_tokens: int, pool_blocks: int, block_size: int,
-                 prefix_caching: bool) -> str | None:
+                 prefix_caching: bool, head_cap: int | None = None) -> str | None:
     """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can)."""
-    need = request_need_blocks(schedule, prompt_len, prompt_len + max_tokens, block_size, prefix_caching)
+    need = request_need_blocks(schedule, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, head_cap)
     if need <= pool_blocks:
         return None
     what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
@@ -329,7 +338,13 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     s = policy.schedule
     bs = int(vllm_config.cache_config.block_size)
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
-    return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching)) * bs
+    return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching),
+                               head_cap(policy, kv_heads_per_rank(vllm_config))) * bs
+
+
+def kv_heads_per_rank(vllm_config: Any) -> int:
+    """The KV heads of the model each tensor-parallel rank holds (what a per-head bound counts)."""
+    return int(vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config))
 
 
 def init_scheduler(scheduler: Any) -> None:

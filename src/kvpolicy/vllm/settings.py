@@ -165,9 +165,21 @@ def refuse_unservable(policy: Policy) -> None:
     """Refuse a policy that loads but that vLLM serving cannot run (for a server or one request).
 
     Every request keeps exactly its budget on every layer and head: the scheduler's block
-    accounting and the block table shared by all layers (and tensor-parallel ranks) rely on it.
+    accounting and the block table shared by all layers (and tensor-parallel ranks) rely on it;
+    or, under a per-head allocation with a data-free bound on a head's count (Ada-KV's
+    ``adaptive``: ``head_cap``), room for that bound in every head (the paged cache keeps each
+    head's own count, and attends each head's own slots).
     """
-    if policy.allocation.uneven:
+    allocation = policy.config.allocation
+    if allocation.per_head and head_cap(policy, 1) is not None:
+        if policy.keeps_state or policy.config.merge.merges:
+            raise KVPolicyVLLMError(
+                f"policy {policy.name!r} shares its budget per head (allocation {allocation.type_name!r}) and "
+                f"{'keeps state' if policy.keeps_state else 'merges evicted values'}: vLLM serves per-head budgets "
+                "for policies without state or merges only (not implemented). Serve it with the transformers "
+                "integration (KVPolicyCache)"
+            )
+    elif policy.allocation.uneven:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}): "
             "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
@@ -184,6 +196,16 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
         )
+
+
+def head_cap(policy: Policy | None, kv_heads: int) -> int | None:
+    """The most slots one of a layer's ``kv_heads`` KV heads keeps at an eviction of ``policy``
+    when that differs from its budget (a per-head allocation: ``Allocation.head_cap``); None when
+    every head keeps the budget. The scheduler and every worker reserve it alike
+    (``kvpolicy.vllm.ledger``)."""
+    if policy is None or not policy.config.allocation.per_head:
+        return None
+    return policy.config.allocation.head_cap(policy.budget, kv_heads)
 
 
 def _is_file(source: str) -> bool:
@@ -335,6 +357,13 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     together (``Policy.couples_heads``: TOVA's one decision per layer) cannot do."""
     if policy is None or tensor_parallel_size <= 1 or not policy.couples_heads:
         return None
+    if policy.config.allocation.per_head:
+        return (
+            f"policy {policy.name!r} shares each layer's slots among all its KV heads (allocation "
+            f"{policy.config.allocation.type_name!r}: a head's count depends on every head's scores), but "
+            f"tensor_parallel_size {tensor_parallel_size} gives each rank a share of the heads to evict alone: "
+            "serve it with tensor_parallel_size 1"
+        )
     return (
         f"policy {policy.name!r} chooses for all KV heads of a layer together (over all its query heads), but "
         f"tensor_parallel_size {tensor_parallel_size} gives each rank a share of the heads to evict alone: "

@@ -98,6 +98,7 @@ class WorkerEviction:
             block_size=self.block_size, policy_of=self._resolve, head_offset=head_offset,
             prefix_caching=bool(runner.vllm_config.cache_config.enable_prefix_caching),
             trace=Path(resolved.trace) if resolved.trace else None, rank=self.rank, model_facts=self.model_facts,
+            per_head_refusal=per_head_refusal(ctx[names[0]].impl),
         )
         self.paged.check_policy(resolved.policy())
 
@@ -199,6 +200,11 @@ class WorkerEviction:
         if self.paged.captures:
             self.paged.capture_queries(self._layer(layer), query)
 
+    def attend_heads(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
+        """After ``layer``'s attention (its keys are in the cache): the requests whose heads hold
+        different counts (per-head budgets) attend each head's own slots, over vLLM's output."""
+        self.paged.attend_heads(self._layer(layer), query, output, scale)
+
     def after_attention(self, layer: Any, query: torch.Tensor) -> None:
         """After ``layer``'s attention (its keys are in the cache): the long steps' queries."""
         if self.paged.long_steps:
@@ -238,6 +244,24 @@ def rank_facts(runner: Any, layers: dict[int, str], head_offset: int) -> ModelFa
                            head_offset=head_offset)
     except ModelFactsError as exc:
         raise KVPolicyVLLMError(f"the model's facts (RoPE, output projections): {exc}") from None
+
+
+def per_head_refusal(impl: Any) -> str | None:
+    """Why ``kvpolicy.attend.attend_heads`` cannot stand in for this attention backend's kernel
+    for requests whose heads hold different counts (None: it can): it computes plain scaled
+    softmax attention, without ALiBi, logit soft-capping, attention sinks or a sliding window."""
+    extras = []
+    if getattr(impl, "alibi_slopes", None) is not None:
+        extras.append("ALiBi")
+    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
+        extras.append("logit soft-capping")
+    if getattr(impl, "sinks", None) is not None:
+        extras.append("attention sinks")
+    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+        extras.append("a sliding window")
+    if not extras:
+        return None
+    return f"its attention uses {', '.join(extras)}, which kvpolicy's per-head attention does not compute"
 
 
 def check_layer_names(names: list[str], ctx: Any) -> None:
