@@ -197,6 +197,9 @@ class Engine:
         ]
         self.paged = self.pageds[0]  # every rank keeps the same ledger
         self.evictions: list[tuple[str, int]] = []  # (request, its eviction count after it)
+        # Per-head budgets: each layer's attention output of the last step for the requests whose
+        # heads hold different counts (``PagedCache.attend_heads``; NaN elsewhere), by (rank, layer).
+        self.attention: dict[tuple[int, int], torch.Tensor] = {}
 
     def held(self, req_id: str) -> int:
         ledger = self.paged.ledger
@@ -246,6 +249,10 @@ class Engine:
                 query = torch.cat([self.requests[r].queries[layer, q_heads, int(before[i]) : int(before[i] + n[i])]
                                    .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
                 paged.capture_queries(layer, query)
+                if paged.head_attention is not None:  # the worker's attention wrapper, after vLLM's kernel
+                    out = torch.full_like(query, float("nan"))
+                    paged.attend_heads(layer, query, out, self.shape.d**-0.5)
+                    self.attention[rank, layer] = out
                 paged.after_attention(layer, query, table)
         evicted = [paged.end_step(table) for paged, table in zip(self.pageds, tables, strict=True)]
         for other in evicted[1:]:  # the ranks evict the same requests into the same blocks
@@ -346,14 +353,11 @@ def own_slots(snap: Snapshot) -> Snapshot:
 def check_own_slots(got: Snapshot, want: Snapshot, where: str) -> None:
     """Per head: the same token positions, keys and values, in the same order (``own_slots``)."""
     pairs = zip(got.positions, want.positions, got.keys, want.keys, got.values, want.values, strict=True)  # type: ignore[call-overload]
-    counts = []
     for layer, (gp, wp, gk, wk, gv, wv) in enumerate(pairs):
         for h in range(len(wp)):
             assert torch.equal(gp[h], wp[h]), f"{where}, layer {layer} head {h}: kept token positions differ"
             assert torch.equal(gk[h], wk[h]), f"{where}, layer {layer} head {h}: the blocks hold other keys"
             assert torch.equal(gv[h], wv[h]), f"{where}, layer {layer} head {h}: the blocks hold other values"
-            counts.append(len(wp[h]))
-    assert len(set(counts)) > 1 or len(counts) == 1, f"{where}: every head kept {counts[0]}: not a per-head test"
 
 
 def step_and_check(engine: Engine, check_new, chunks: dict[str, int]) -> None:
@@ -433,7 +437,7 @@ def test_prefix_caching_writes_the_first_eviction_into_fresh_blocks():
     assert engine.evictions
 
 
-@pytest.mark.parametrize("name", ["h2o", "gkv", "lazyeviction", "vase-attnv", "criticalkv"])
+@pytest.mark.parametrize("name", ["h2o", "gkv", "lazyeviction", "vase-attnv", "criticalkv", "ada-vase-attnv"])
 def test_a_request_preempted_after_evicting_replays_to_the_same_slots(name):
     requests = [Request("a", resolved(name), 21, 90), Request("b", resolved("snapkv"), 15, 80)]
 
@@ -451,3 +455,102 @@ def test_a_request_preempted_after_evicting_replays_to_the_same_slots(name):
         assert preempted
 
     run_and_check(requests, schedule)
+
+
+# -- per-head budgets (Ada-KV) -----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ada-snapkv", "ada-vase-attnv"])
+def test_per_head_budgets_keep_each_heads_own_slots(name):
+    """Ada-KV's heads keep counts of their own, decided from the data at each eviction: every
+    head's kept slots (token positions, keys, values, in order) equal ``EvictingCache``'s at
+    every eviction (at least three per request, batched requests of different lengths, seeded),
+    and each request holds exactly the blocks of the room its ledger reserves for the fullest
+    head: ``min(slots held, head_cap)``, ``head_cap = Hkv * budget - (Hkv - 1) * ceil(0.2 * budget)``."""
+    requests = [Request("a", resolved(name), 21, 80), Request("b", resolved(name), 9, 70),
+                Request("c", resolved(name, budget=16, recent=4), 30, 90)]
+    rooms: dict[str, list[int]] = {r.req_id: [] for r in requests}
+
+    def schedule(engine: Engine, check_new) -> None:
+        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
+        while True:
+            since = len(engine.evictions)
+            if not decode_one(engine, check_new):
+                break
+            for req_id, _ in engine.evictions[since:]:
+                entry = engine.paged.ledger.get(req_id)
+                assert len(engine.blocks[req_id]) == -(-entry.held // BLOCK)
+                counts = engine.paged.head_counts[req_id]
+                assert int(counts.max()) <= entry.held and entry.held == engine.paged.kept[req_id].count
+                assert int(counts.sum()) == LAYERS * HKV * entry.schedule.budget  # the layer's total, shared
+                rooms[req_id].append(entry.held)
+
+    engine = run_and_check(requests, schedule)
+    for r in requests:  # the heads really keep counts of their own
+        assert len(set(engine.paged.head_counts[r.req_id].flatten().tolist())) > 1
+    assert engine.paged.ledger.get("a").head_cap == 2 * 24 - 5 and engine.paged.ledger.get("c").head_cap == 2 * 16 - 4
+    assert rooms["a"][-1] == 43 and rooms["c"][-1] == 28  # capped once the request holds more
+
+
+def test_per_head_budgets_with_prefix_caching_and_beside_even_policies():
+    """A per-head request's first eviction writes into fresh blocks (the room, not the budget),
+    in a batch with requests of even policies, each evicting as it does alone."""
+    requests = [Request("a", resolved("ada-vase-attnv"), 21, 70), Request("b", resolved("snapkv"), 13, 66),
+                Request("c", resolved("ada-snapkv"), 17, 72)]
+    engine = run_and_check(requests, decode_all, prefix_caching=True)
+    assert set(engine.paged.head_counts) == {"a", "c"}
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_padded_slot_is_never_attended(chunk):
+    """After per-head evictions, each head's padding (its lane between its own count and the
+    reserved room) is filled with huge keys and values: the attention the worker computes for the
+    request (``PagedCache.attend_heads``) equals an independent float64 attention over the
+    head's own slots only (its kept tokens and the new ones, causal inside a chunk of
+    ``chunk`` tokens); attention over every held slot, as vLLM's kernel reads them, does not."""
+    req = Request("a", resolved("ada-vase-attnv"), 21, 90)
+    engine = Engine([req])
+    engine.step({"a": req.prompt})
+    while engine.paged.ledger.get("a").evictions < 3:
+        engine.step({"a": 1})
+    paged, ids = engine.paged, engine.blocks["a"]
+    counts, room = paged.head_counts["a"], paged.kept["a"].count
+    assert (counts < room).any()
+    for layer in range(LAYERS):
+        for h in range(HKV):
+            for slot in range(int(counts[layer, h]), room):
+                for t in engine.kv[layer]:
+                    t[ids[slot // BLOCK], slot % BLOCK, h] = 1e4
+    kept = paged.kept["a"].positions.clone()
+    before, held_before = engine.computed["a"], engine.held("a")
+    engine.step({"a": chunk})
+    g = HQ // HKV
+    for layer in range(LAYERS):
+        got = engine.attention[0, layer].view(chunk, HQ, D)
+        dense = torch.zeros(chunk, HQ, D, dtype=torch.float64)
+        want = torch.zeros(chunk, HQ, D, dtype=torch.float64)
+        for qh in range(HQ):
+            h = qh // g
+            own = kept[layer, h, : int(counts[layer, h])].tolist()
+            for t in range(chunk):
+                pos = own + list(range(before, before + t + 1))
+                q = req.queries[layer, qh, before + t].double()
+                k, v = req.keys[layer, h, pos].double(), req.values[layer, h, pos].double()
+                want[t, qh] = torch.softmax(k @ q * D**-0.5, 0) @ v
+                slots = list(range(held_before + t + 1))  # every held slot, padding included
+                kk = torch.stack([engine.kv[layer][0][ids[s // BLOCK], s % BLOCK, h] for s in slots]).double()
+                vv = torch.stack([engine.kv[layer][1][ids[s // BLOCK], s % BLOCK, h] for s in slots]).double()
+                dense[t, qh] = torch.softmax(kk @ q * D**-0.5, 0) @ vv
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(dense, want, atol=1e-2)
+
+
+def test_even_policies_keep_vllms_attention():
+    """Requests of even policies beside per-head ones: only the per-head request's tokens are
+    re-attended; the others keep vLLM's kernel's output (NaN here, where the harness wrote none)."""
+    requests = [Request("a", resolved("ada-snapkv"), 21, 60), Request("b", resolved("snapkv"), 13, 60)]
+    engine = Engine(requests)
+    engine.step({r: q.prompt for r, q in engine.requests.items()})
+    while engine.paged.ledger.get("a").evictions < 1:
+        engine.step({"a": 1, "b": 1})
+    engine.step({"a": 1, "b": 1})
+    out = engine.attention[0, 0]
+    assert out[0].isfinite().all() and out[1].isnan().all()

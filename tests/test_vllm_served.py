@@ -17,8 +17,6 @@ from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
 NOT_SERVED = {
     "pyramidkv": "shares its budget unevenly",
     "cake": "shares its budget unevenly",
-    "ada-snapkv": "shares its budget unevenly",
-    "ada-vase-attnv": "shares its budget unevenly",
     "duo-attention": "shares its budget unevenly",
     "quest": "runs in 'select' mode",
     "oracle-topk": "runs in 'select' mode",
