@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from importlib.resources import files
 
 import pytest
 import torch
+import yaml
 from helpers import make_tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -277,11 +279,34 @@ def test_profile_allocation_follows_the_weights(tmp_path):
     assert counts.tolist() == [[2 * budgets[1] - 6, 6]]
 
 
-def test_vllm_refuses_uneven_budgets():
-    from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
+def test_vllm_refuses_uneven_budgets_it_cannot_bound():
+    """vLLM serves per-head budgets whose fullest head has a data-free bound (Ada-KV's ``adaptive``:
+    ``head_cap``), without state or merges; other uneven budgets are refused by name."""
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, head_cap, resolve
 
-    with pytest.raises(KVPolicyVLLMError, match="uneven"):
-        resolve({"policy": "ada-snapkv"})
+    for name in ("pyramidkv", "duo-attention"):
+        with pytest.raises(KVPolicyVLLMError, match=f"policy '{name}' shares its budget unevenly"):
+            resolve({"policy": name})
+    assert resolve({"policy": "ada-snapkv"}).policy() is not None
+    assert head_cap(load_policy("ada-snapkv", budget=100), 8) == 8 * 100 - 7 * 20
+    assert head_cap(load_policy("ada-snapkv", budget=100), 1) == 100  # one head keeps the layer's total
+    assert head_cap(load_policy("snapkv"), 8) is None
+    stateful = yaml.safe_load((files("kvpolicy") / "policies" / "ada-snapkv.yaml").read_text())
+    stateful["scorer"] = {"type": "accumulated_attention", "group_reduce": "sum"}
+    with pytest.raises(KVPolicyVLLMError, match="shares its budget per head .* and keeps state"):
+        resolve({"policy": yaml.safe_dump(stateful)})
+
+
+def test_the_adaptive_head_cap_bounds_every_head_over_random_evictions():
+    """No head ever keeps more than ``head_cap`` (every other head keeps its floor), over random
+    priorities, skewed toward one head."""
+    policy = load_policy("ada-snapkv", budget=20, recent=2, interval=4, window=4)
+    cap = policy.config.allocation.head_cap(20, 4)
+    for seed in range(20):
+        keys, values, queries = make_tensors(b=2, hkv=4, hq=8, n=60, w=4, seed=seed)
+        keys[:, 0] *= 8  # one head's attention far more spread: it takes the pool
+        _, counts = policy.select_heads(keys, values, queries)
+        assert int(counts.max()) <= cap and counts.sum(-1).tolist() == [80, 80]
 
 
 def test_per_head_select_mode_needs_a_recent_buffer():

@@ -192,3 +192,14 @@ def test_policies_whose_heads_choose_together_are_refused_under_tensor_paralleli
     args = resolve_request({"kvpolicy": "tova"})
     own = request_policy(args, Resolved(None, "none", 0)).policy()
     assert shard_refusal(own, 2) is not None
+
+
+@pytest.mark.parametrize("name", ["ada-snapkv", "ada-vase-attnv"])
+def test_per_head_budgets_are_refused_under_tensor_parallelism_by_name(name):
+    """Ada-KV pools a layer's slots across all its KV heads; a rank holds only its own: refused
+    with the reason, for a server's policy and a request's own."""
+    why = shard_refusal(load_policy(name), 2)
+    assert f"policy {name!r}" in why and "allocation 'adaptive'" in why and "tensor_parallel_size 1" in why
+    own = request_policy(resolve_request({"kvpolicy": name}), Resolved(None, "none", 0)).policy()
+    assert shard_refusal(own, 2) == why
+    assert shard_refusal(load_policy(name), 1) is None
