@@ -293,7 +293,7 @@ def test_vllm_refuses_uneven_budgets_it_cannot_bound():
     assert head_cap(load_policy("snapkv"), 8) is None
     stateful = yaml.safe_load((files("kvpolicy") / "policies" / "ada-snapkv.yaml").read_text())
     stateful["scorer"] = {"type": "accumulated_attention", "group_reduce": "sum"}
-    with pytest.raises(KVPolicyVLLMError, match="shares its budget per head .* and keeps state"):
+    with pytest.raises(KVPolicyVLLMError, match="keeps a count of its own per head .* and keeps state that sees every query"):
         resolve({"policy": yaml.safe_dump(stateful)})
 
 

@@ -347,7 +347,8 @@ def own_slots(snap: Snapshot) -> Snapshot:
     def per_head(t: torch.Tensor) -> list[list[torch.Tensor]]:
         return [[t[i, h][snap.positions[i, h] >= 0] for h in range(hkv)] for i in range(lyr)]
 
-    return Snapshot(per_head(snap.positions), per_head(snap.keys), {}, per_head(snap.values))  # type: ignore[arg-type]
+    state = {name: per_head(t) if t.dim() == 3 else t for name, t in snap.state.items()}  # per slot, per head
+    return Snapshot(per_head(snap.positions), per_head(snap.keys), state, per_head(snap.values))  # type: ignore[arg-type]
 
 
 def check_own_slots(got: Snapshot, want: Snapshot, where: str) -> None:
@@ -358,6 +359,15 @@ def check_own_slots(got: Snapshot, want: Snapshot, where: str) -> None:
             assert torch.equal(gp[h], wp[h]), f"{where}, layer {layer} head {h}: kept token positions differ"
             assert torch.equal(gk[h], wk[h]), f"{where}, layer {layer} head {h}: the blocks hold other keys"
             assert torch.equal(gv[h], wv[h]), f"{where}, layer {layer} head {h}: the blocks hold other values"
+    assert set(got.state) == set(want.state), where
+    for name, t in want.state.items():
+        mine = got.state[name]
+        if isinstance(t, torch.Tensor):  # per head
+            torch.testing.assert_close(mine, t, rtol=1e-5, atol=1e-6, msg=f"{where}: state {name}")
+            continue
+        for layer, (gl, wl) in enumerate(zip(mine, t, strict=True)):
+            for h, (g, w) in enumerate(zip(gl, wl, strict=True)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{where}, layer {layer} head {h}: state {name}")
 
 
 def step_and_check(engine: Engine, check_new, chunks: dict[str, int]) -> None:
@@ -554,3 +564,25 @@ def test_even_policies_keep_vllms_attention():
     engine.step({"a": 1, "b": 1})
     out = engine.attention[0, 0]
     assert out[0].isfinite().all() and out[1].isnan().all()
+
+
+def test_a_threshold_keeps_each_heads_own_count_under_its_budget():
+    """DMS (selector ``threshold``: each head keeps what passes, at most the budget; its score
+    kept per slot as state; prompt compression): each head's kept slots and their state equal
+    ``EvictingCache``'s at every eviction, and the room a request keeps is its budget (the
+    threshold's hard cap): the same blocks as a uniform policy."""
+    from importlib.resources import files
+
+    import yaml
+
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "dms.yaml").read_text())
+    spec["selector"]["threshold"] = -3.0  # about one made-up key in ten passes: heads keep counts of their own
+    dms = yaml.safe_dump(spec)
+    requests = [Request("a", resolved(dms, window=0), 30, 80), Request("b", resolved(dms, window=0), 12, 70)]
+    engine = run_and_check(requests, decode_all)
+    for r in requests:
+        entry = engine.paged.ledger.get(r.req_id)
+        counts = engine.paged.head_counts[r.req_id]
+        assert entry.head_cap == 24 and engine.paged.kept[r.req_id].count == 24 and entry.reserve == 0
+        assert int(counts.max()) <= 24 and int(counts.min()) < 24 and len(set(counts.flatten().tolist())) > 1
+        assert engine.paged.kept[r.req_id].state  # the arrival scores, moved with the slots

@@ -20,7 +20,6 @@ NOT_SERVED = {
     "duo-attention": "shares its budget unevenly",
     "quest": "runs in 'select' mode",
     "oracle-topk": "runs in 'select' mode",
-    "dms": "keeps a count of its own per head",
 }
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 

@@ -589,9 +589,16 @@ class PagedCache:
         positions = positions.gather(-1, slot.to(dev)).masked_fill(~valid.to(dev), -1)
         tokens = [s.tokens for s in states]
         queries, query_valid = self._window(policy.schedule.window, req_ids, tokens, keys)
+        state = None
+        if policy.keeps_state:  # per slot: each column's, as the keys are read (an empty one: head 0's slot 0)
+            lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
+            row_i = torch.arange(len(group), device=dev)[None, :, None, None]
+            state = self._state_of(req_ids, slots, policy)
+            state = {name: t.view(self.layers, len(group), *t.shape[1:])[lyr_i, row_i, heads_d, slot.to(dev)].flatten(0, 1)
+                     if name in slots[0].state else t for name, t in state.items()}
         inp = self._input(
             rp, keys, values, queries, query_valid, positions.flatten(0, 1), self.layer_ids,
-            [s.evictions for s in states], state=None, req_ids=req_ids, tokens=tokens,
+            [s.evictions for s in states], state=state, req_ids=req_ids, tokens=tokens,
             slot_valid=valid.to(dev).flatten(0, 1),
         )
         return HeldRequests(rows, req_ids, states, slots, gathered, inp, positions)
@@ -628,9 +635,18 @@ class PagedCache:
         positions = held.positions.gather(-1, order)  # [Lyr, R, Hkv, most]
         positions = positions.masked_fill(torch.arange(most, device=self.device) >= counts.to(self.device)[..., None], -1)
         positions = torch.nn.functional.pad(positions, (0, room - most), value=-1)
+        per_slot: dict[str, torch.Tensor] = {}
+        for name, t in kept.state.items():  # the new state, moved with the kept slots
+            if name in held.slots[0].state:
+                t = t.view(lyr, r, self.kv_heads, width).gather(-1, order)
+                per_slot[name] = torch.nn.functional.pad(t, (0, room - most))
+            else:
+                for j, req_id in enumerate(req_ids):
+                    self.head_state[req_id][name] = t.view(lyr, r, -1)[:, j].clone()
         out = []
         for j, req_id in enumerate(req_ids):
-            self.kept[req_id] = KeptSlots(positions[:, j].clone())
+            self.kept[req_id] = KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()})
+            self.observed[req_id] = states[j].tokens
             self.head_counts[req_id] = counts[:, j].clone()
             self.ledger.evicted(req_id)
             table.add_row(new_tables[j], int(rows[j]))

@@ -166,31 +166,31 @@ def refuse_unservable(policy: Policy) -> None:
 
     Every request keeps exactly its budget on every layer and head: the scheduler's block
     accounting and the block table shared by all layers (and tensor-parallel ranks) rely on it;
-    or, under a per-head allocation with a data-free bound on a head's count (Ada-KV's
-    ``adaptive``: ``head_cap``), room for that bound in every head (the paged cache keeps each
-    head's own count, and attends each head's own slots).
+    or, under per-head counts with a data-free bound on a head's count (Ada-KV's ``adaptive``
+    allocation, a threshold selector: ``head_cap``), room for that bound in every head (the paged
+    cache keeps each head's own count, and attends each head's own slots).
     """
     allocation = policy.config.allocation
-    if allocation.per_head and head_cap(policy, 1) is not None:
-        if policy.keeps_state or policy.config.merge.merges:
+    if policy.per_head and head_cap(policy, 1) is not None:
+        what = (f"allocation {allocation.type_name!r}" if allocation.per_head
+                else f"selector {policy.config.selector.type_name!r}")
+        if policy.observes_queries or policy.config.merge.merges:
             raise KVPolicyVLLMError(
-                f"policy {policy.name!r} shares its budget per head (allocation {allocation.type_name!r}) and "
-                f"{'keeps state' if policy.keeps_state else 'merges evicted values'}: vLLM serves per-head budgets "
-                "for policies without state or merges only (not implemented). Serve it with the transformers "
-                "integration (KVPolicyCache)"
+                f"policy {policy.name!r} keeps a count of its own per head ({what}) and "
+                f"{'keeps state that sees every query' if policy.observes_queries else 'merges evicted values'}: "
+                "vLLM serves per-head counts for policies without merges whose state is updated once per eviction "
+                "only (not implemented). Serve it with the transformers integration (KVPolicyCache)"
+            )
+        if allocation.uneven and not allocation.per_head:
+            raise KVPolicyVLLMError(
+                f"policy {policy.name!r} shares its budget unevenly (allocation {allocation.type_name!r}): "
+                "vLLM's block tables are shared by every layer of a request (not implemented with per-head counts)"
             )
     elif policy.allocation.uneven:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}): "
             "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
             "memory there. Serve it with the transformers integration (KVPolicyCache), or use a uniform allocation"
-        )
-    if policy.config.selector.sets_counts:
-        raise KVPolicyVLLMError(
-            f"policy {policy.name!r} keeps a count of its own per head (selector "
-            f"{policy.config.selector.type_name!r}, a score threshold): vLLM frees whole blocks of a request, shared "
-            "by every layer and head, so the slots one head drops free no memory there. Serve it with the "
-            "transformers integration (KVPolicyCache) or EvictingCache, whose per-head runs free them"
         )
     if policy.mode != "evict":
         raise KVPolicyVLLMError(
@@ -203,8 +203,10 @@ def head_cap(policy: Policy | None, kv_heads: int) -> int | None:
     when that differs from its budget (a per-head allocation: ``Allocation.head_cap``); None when
     every head keeps the budget. The scheduler and every worker reserve it alike
     (``kvpolicy.vllm.ledger``)."""
-    if policy is None or not policy.config.allocation.per_head:
+    if policy is None or not policy.per_head:
         return None
+    if policy.config.selector.sets_counts:  # a threshold: each head keeps its own count, at most the budget
+        return policy.budget
     return policy.config.allocation.head_cap(policy.budget, kv_heads)
 
 
