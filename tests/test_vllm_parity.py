@@ -586,3 +586,18 @@ def test_a_threshold_keeps_each_heads_own_count_under_its_budget():
         assert entry.head_cap == 24 and engine.paged.kept[r.req_id].count == 24 and entry.reserve == 0
         assert int(counts.max()) <= 24 and int(counts.min()) < 24 and len(set(counts.flatten().tolist())) > 1
         assert engine.paged.kept[r.req_id].state  # the arrival scores, moved with the slots
+
+
+def test_a_threshold_under_tensor_parallelism_2_keeps_the_single_ranks_slots():
+    """A threshold's heads choose alone (no pool across heads): each of two ranks, holding one KV
+    head, keeps the single-rank ``EvictingCache``'s slots for it, with the same room (the budget)."""
+    from importlib.resources import files
+
+    import yaml
+
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "dms.yaml").read_text())
+    spec["selector"]["threshold"] = -3.0
+    dms = yaml.safe_dump(spec)
+    requests = [Request("a", resolved(dms, window=0), 30, 80), Request("b", resolved(dms, window=0), 12, 70)]
+    engine = run_and_check(requests, decode_all, tp=2)
+    assert [p.ledger.get("a").held for p in engine.pageds] == [engine.paged.ledger.get("a").held] * 2
