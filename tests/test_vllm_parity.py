@@ -601,3 +601,24 @@ def test_a_threshold_under_tensor_parallelism_2_keeps_the_single_ranks_slots():
     requests = [Request("a", resolved(dms, window=0), 30, 80), Request("b", resolved(dms, window=0), 12, 70)]
     engine = run_and_check(requests, decode_all, tp=2)
     assert [p.ledger.get("a").held for p in engine.pageds] == [engine.paged.ledger.get("a").held] * 2
+
+
+def test_per_head_policies_are_refused_where_attention_is_not_plain_softmax():
+    """``attend_heads`` computes plain softmax attention: a model whose attention adds ALiBi,
+    soft-capping, sinks or a sliding window refuses per-head policies (named, with the reason) when
+    the worker first loads one; even policies still run."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm.worker import per_head_refusal
+
+    plain = SimpleNamespace(alibi_slopes=None, logits_soft_cap=0, sinks=None, sliding_window=-1)
+    assert per_head_refusal(plain) is None
+    why = per_head_refusal(SimpleNamespace(alibi_slopes=torch.ones(4), logits_soft_cap=30.0, sinks=None,
+                                           sliding_window=-1))
+    assert why is not None and "ALiBi" in why and "soft-capping" in why
+    engine = Engine([Request("a", resolved("snapkv"), 9, 40)])
+    paged = PagedCache(engine.kv, [0, 1], q_heads=HQ, head_dim=D, block_size=BLOCK, policy_of=lambda r: None,
+                       per_head_refusal=why)
+    paged.check_policy(load_policy("snapkv"))
+    with pytest.raises(KVPolicyVLLMError, match="policy 'ada-snapkv' keeps a count of its own per head.*ALiBi"):
+        paged.check_policy(load_policy("ada-snapkv"))
