@@ -1,7 +1,9 @@
 """A soak of the OpenAI server under kvpolicy (loopback only, bounded in count and time).
 
 Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
-completions mixing per-request policies and a shared prefix; 6 clients drop their stream midway;
+completions mixing per-request policies (among them the ones that read the model: ``criticalkv``,
+``expected-attention``, and ``triattention`` with a calibration measured here on the tiny model;
+and the merges ``cam`` and ``d2o``) and a shared prefix; 6 clients drop their stream midway;
 4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
 request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
 pool is empty again (vLLM's usage metric back to 0), and the server still answers.
@@ -17,8 +19,10 @@ import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from importlib.resources import files
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 
@@ -38,13 +42,41 @@ MALFORMED = [  # (vllm_xargs, what the 400 must name)
 ]
 
 
-def _workload():
+def _calibration(model, out) -> str:
+    """TriAttention's query calibration of the tiny model, measured on random token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvpolicy.calibrate import measure_query_calibration
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.randint(3, 4000, (384,), generator=torch.Generator().manual_seed(3))
+    measure_query_calibration(hf, ids).save(out)
+    return str(out)
+
+
+def _soak_policies(calibration: str) -> list:
+    """The per-request settings the soak mixes: the serve test's, then the policies that read the
+    model's facts and the merges, each at a budget that evicts several times in a stream."""
+    small = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
+
+    def mapping(name: str, **stage) -> dict:
+        return {"kvpolicy": json.dumps({"policy": name, **small, **stage})}
+
+    triattention = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    triattention["scorer"]["calibration"] = calibration
+    triattention["schedule"].update(small)
+    return [*XARGS, mapping("criticalkv"), mapping("expected-attention"), {"kvpolicy": json.dumps(
+        {"policy": triattention})}, mapping("cam"), mapping("d2o")]
+
+
+def _workload(policies: list):
     rng = random.Random(5)
     prefix = [rng.randint(3, 4000) for _ in range(70)]
     out = []
     for i in range(N):
         own = [rng.randint(3, 4000) for _ in range(rng.randint(5, 40))]
-        out.append(((prefix if i % 2 else []) + own, rng.randint(60, 160), XARGS[i % len(XARGS)]))
+        out.append(((prefix if i % 2 else []) + own, rng.randint(60, 160), policies[i % len(policies)]))
     return out
 
 
@@ -89,7 +121,7 @@ def test_soak_of_the_openai_server(tmp_path):
     port = _free_port()
     log = tmp_path / "server.log"
     config = json.dumps({"kvpolicy": {**POLICY, "trace": str(tmp_path / "trace")}})
-    reqs = _workload()
+    reqs = _workload(_soak_policies(_calibration(model, tmp_path / "tiny-qwen3.safetensors")))
     body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
     def params(r):
