@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 
 import pytest
+import yaml
 
 from kvpolicy import load_policy
 from kvpolicy.vllm import additional_config
@@ -192,3 +194,27 @@ def test_policies_whose_heads_choose_together_are_refused_under_tensor_paralleli
     args = resolve_request({"kvpolicy": "tova"})
     own = request_policy(args, Resolved(None, "none", 0)).policy()
     assert shard_refusal(own, 2) is not None
+
+
+def test_a_request_cannot_make_the_server_read_a_data_file(tmp_path):
+    """A stage field naming a file (TriAttention's calibration, a head profile) takes only
+    kvpolicy's built-in files per request, refused before anything reads the path; the server's
+    own policy may name any file."""
+    import json
+
+    calibration = tmp_path / "cal.safetensors"  # never created: the refusal must come before any read
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["calibration"] = str(calibration)
+    with pytest.raises(KVPolicyVLLMError, match=r"scorer: calibration: .* is a file of this machine") as info:
+        resolve_request({"kvpolicy": json.dumps({"policy": spec, "budget": 256})})
+    assert "no such calibration file" not in str(info.value)
+    server_file = tmp_path / "tri.yaml"
+    server_file.write_text(yaml.safe_dump(spec))
+    with pytest.raises(KVPolicyVLLMError, match="no such calibration file"):  # the server's own policy reads it
+        resolve({"policy": str(server_file)})
+    spec["scorer"]["calibration"] = "builtin:smollm2-135m.safetensors"
+    assert resolve_request({"kvpolicy": json.dumps({"policy": spec, "budget": 256})}) is not None
+    duo = yaml.safe_load((files("kvpolicy") / "policies" / "duo-attention.yaml").read_text())
+    duo["allocation"]["path"] = str(tmp_path / "heads.yaml")
+    with pytest.raises(KVPolicyVLLMError, match=r"allocation: .*path: .* is a file of this machine"):
+        resolve_request({"kvpolicy": {"policy": duo}})

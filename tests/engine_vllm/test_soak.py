@@ -1,9 +1,9 @@
 """A soak of the OpenAI server under kvpolicy (loopback only, bounded in count and time).
 
 Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
-completions mixing per-request policies (among them the ones that read the model: ``criticalkv``,
-``expected-attention``, and ``triattention`` with a calibration measured here on the tiny model;
-and the merges ``cam`` and ``d2o``) and a shared prefix; 6 clients drop their stream midway;
+completions mixing per-request policies (among them the ones that read the model, ``criticalkv`` and
+``expected-attention``, the merges ``cam`` and ``d2o``, and as the server's policy ``triattention``
+with a calibration measured here on the tiny model) and a shared prefix; 6 clients drop their stream midway;
 4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
 request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
 pool is empty again (vLLM's usage metric back to 0), and the server still answers.
@@ -27,7 +27,7 @@ import yaml
 pytest.importorskip("vllm")
 
 from engine_util import ASYNC_DEFAULT  # noqa: E402
-from test_serve import POLICY, XARGS, _free_port, _post_status, _serve_command, _wait_healthy  # noqa: E402
+from test_serve import XARGS, _free_port, _post_status, _serve_command, _wait_healthy  # noqa: E402
 
 from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU  # noqa: E402
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
@@ -55,19 +55,22 @@ def _calibration(model, out) -> str:
     return str(out)
 
 
-def _soak_policies(calibration: str) -> list:
-    """The per-request settings the soak mixes: the serve test's, then the policies that read the
-    model's facts and the merges, each at a budget that evicts several times in a stream."""
-    small = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
+#: Each per-request policy at a budget that evicts several times in a stream.
+SMALL = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
+#: The per-request settings the soak mixes: the serve test's, then the policies that read the
+#: model's facts and the merges. A request with none runs the server's policy, TriAttention with a
+#: calibration of the tiny model (a file: only the server's own policy may name one).
+SOAK_XARGS = [*XARGS, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
+                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o"))]
 
-    def mapping(name: str, **stage) -> dict:
-        return {"kvpolicy": json.dumps({"policy": name, **small, **stage})}
 
-    triattention = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
-    triattention["scorer"]["calibration"] = calibration
-    triattention["schedule"].update(small)
-    return [*XARGS, mapping("criticalkv"), mapping("expected-attention"), {"kvpolicy": json.dumps(
-        {"policy": triattention})}, mapping("cam"), mapping("d2o")]
+def _triattention_file(model, folder) -> str:
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["calibration"] = _calibration(model, folder / "tiny-qwen3.safetensors")
+    spec["schedule"].update(SMALL)
+    path = folder / "triattention-tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
 
 
 def _workload(policies: list):
@@ -120,8 +123,8 @@ def test_soak_of_the_openai_server(tmp_path):
     model = tiny_qwen3_folder()
     port = _free_port()
     log = tmp_path / "server.log"
-    config = json.dumps({"kvpolicy": {**POLICY, "trace": str(tmp_path / "trace")}})
-    reqs = _workload(_soak_policies(_calibration(model, tmp_path / "tiny-qwen3.safetensors")))
+    config = json.dumps({"kvpolicy": {"policy": _triattention_file(model, tmp_path), "trace": str(tmp_path / "trace")}})
+    reqs = _workload(SOAK_XARGS)
     body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
     def params(r):

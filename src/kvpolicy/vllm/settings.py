@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import PolicyError
 from ..loading import load_policy
 from ..policy import Policy
+from ..stages.base import DataFile
 
 #: The vLLM releases this integration is written against and tested with (``make test-vllm``).
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
@@ -151,11 +153,14 @@ def resolve(entry: dict[str, Any], *, per_request: bool = False) -> Resolved:
             "not a file of the server"
         )
     try:
-        policy = load_policy(source, **overrides)
+        with DataFile.builtin_only() if per_request else nullcontext():
+            policy = load_policy(source, **overrides)
     except PolicyError as exc:
         raise KVPolicyVLLMError(f"policy {label!r} does not load:\n{exc}") from None
     except (TypeError, ValueError) as exc:  # an override of the wrong kind (a list for a budget, ...)
         raise KVPolicyVLLMError(f"policy {label!r}: invalid override: {exc}") from None
+    if per_request:
+        refuse_server_files(policy, label)
     refuse_unservable(policy)
     seed = policy.resolve_seed()  # a `seed: null` policy draws once here: every rank shares it
     return Resolved(policy.with_overrides(seed=seed).to_yaml(), label, seed, trace)
@@ -193,6 +198,18 @@ def _is_file(source: str) -> bool:
         return Path(source).is_file()
     except (OSError, ValueError):
         return False
+
+
+def refuse_server_files(policy: Policy, label: str) -> None:
+    """A request's policy may read kvpolicy's built-in data files only (``builtin:NAME``): a path in
+    a stage field (a calibration, a head profile) would make the server read a file a client named."""
+    named = [f"{stage.kind} {stage.type_name!r} {field}: {value!r}" for stage, field, value in policy.data_files
+             if not DataFile.is_builtin(value)]
+    if named:
+        raise KVPolicyVLLMError(
+            f"policy {label!r} names a file of the server ({'; '.join(named)}): a request may use kvpolicy's "
+            "built-in files only (builtin:NAME); a server names its own files in its policy (--additional-config)"
+        )
 
 
 def request_entry(extra_args: Any) -> dict[str, Any] | None:
