@@ -10,7 +10,8 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
-| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, or that cannot fit the KV pool, fails alone |
+| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``) |
+| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, or whose policy needs a model fact the workers cannot give, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
@@ -311,6 +312,25 @@ def _install_engine_core() -> None:
         return preprocess_add_request
 
     _wrap(core.EngineCore, "preprocess_add_request", make_preprocess)
+
+    from vllm.v1.executor.abstract import Executor
+
+    def make_kv_init(original):
+        # The workers start evicting in initialize_from_config (``init_runner``): ask them here,
+        # once, which facts they cannot give, before the scheduler exists or any request arrives
+        # (later, preprocess_add_request runs on the engine core's input thread, where a call to
+        # the workers could interleave with a running step). EngineCore.__init__ itself loads the
+        # plugins, so a wrapper of it would miss its first call in an engine-core process.
+        def initialize_from_config(self, *args: Any, **kwargs: Any):
+            original(self, *args, **kwargs)
+            if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
+                from .worker import missing_facts
+
+                sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
+
+        return initialize_from_config
+
+    _wrap(Executor, "initialize_from_config", make_kv_init)
 
     def make_configs(original):
         def get_kv_cache_configs(vllm_config, *args: Any, **kwargs: Any):

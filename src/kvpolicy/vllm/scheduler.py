@@ -42,10 +42,23 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, request_policy
+from .settings import KVPolicyVLLMError, Resolved, model_refusal, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
+
+
+#: The model facts the workers of this engine-core process cannot give (``set_missing_facts``).
+_MISSING_FACTS: dict[str, str] = {}
+
+
+def set_missing_facts(per_rank: list[dict[str, str]]) -> None:
+    """The facts missing on any rank (``kvpolicy.vllm.worker.missing_facts`` of each), with the
+    first rank's reason: asked when the workers start evicting, before the scheduler exists."""
+    _MISSING_FACTS.clear()
+    for missing in per_rank:
+        for fact, why in (missing or {}).items():
+            _MISSING_FACTS.setdefault(fact, why)
 
 
 def ledger() -> SlotLedger | None:
@@ -88,6 +101,10 @@ class SchedulerEviction:
         self.preempted_after_evicting = 0
         self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
         self.pending_trace: list[Any] = []
+        #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up), and
+        #: by resolved policy YAML why the model cannot serve it (None: it can).
+        self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
+        self.model_refusals: dict[str | None, str | None] = {}
 
     def _schedule(self, request: Any) -> Schedule | None:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
@@ -96,6 +113,14 @@ class SchedulerEviction:
             self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
         return self.schedules[r.policy_yaml]
+
+    def _model_refusal(self, request: Any) -> str | None:
+        """Why the workers' model cannot serve the request's policy (a fact it needs is missing)."""
+        r = request_policy(request.sampling_params.extra_args, self.resolved)
+        if r.policy_yaml not in self.model_refusals:
+            self.model_refusals[r.policy_yaml] = model_refusal(
+                r.policy(), self.scheduler.vllm_config.model_config, missing=self.missing_facts)
+        return self.model_refusals[r.policy_yaml]
 
     def _sees_every_query(self, request: Any) -> bool:
         """Whether the request's policy keeps state that must see every query of its tokens."""
@@ -162,13 +187,16 @@ class SchedulerEviction:
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
         """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
-        settings the front end did not resolve, or more blocks than the KV pool has."""
+        settings the front end did not resolve, more blocks than the KV pool has, or a policy
+        needing a model fact the workers cannot give."""
         self._schedule(request)  # raises for unresolved settings
         pool = self.scheduler.kv_cache_manager.block_pool
         block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
         refusal = pool_refusal(self._schedule(request), int(request.num_prompt_tokens),
                                int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
                                self.prefix_caching)
+        if refusal is None:
+            refusal = self._model_refusal(request)
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -359,20 +360,22 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     )
 
 
-def model_refusal(policy: Policy | None, model_config: Any) -> str | None:
+def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str, str] | None = None) -> str | None:
     """Why the served model cannot run ``policy`` (None: it can): a stage that reads the model
     and cannot serve this one (``Stage.check_model_facts``: TriAttention's calibration file
-    measured on another model), in ``KVPolicyCache``'s words. Asked in the front end from the
-    model's configuration and name, before any worker loads it; each worker checks the facts it
+    measured on another model), or a fact it reads that the loaded model cannot give
+    (``missing``: fact -> why, as the workers found), in ``KVPolicyCache``'s words. Asked in the
+    front end from the model's configuration and name, before any worker loads it; in the
+    engine core with the workers' missing facts, per request; each worker checks the facts it
     builds again (``PagedCache.check_policy``)."""
     if policy is None or not policy.needs_model or model_config is None:
         return None
     from ..engine_facts import ModelShape
-    from ..stages.model_facts import stage_problems
+    from ..stages.model_facts import lacking, stage_problems
 
     facts = ModelShape.of_config(model_config.hf_text_config, str(model_config.model)).facts(
-        rope_fn=None, output_projection_fn=None, missing={})
-    problems = stage_problems(policy.stages, facts)
+        rope_fn=None, output_projection_fn=None, missing=dict(missing or {}))
+    problems = lacking(policy.stages, facts.name, missing or {}) + stage_problems(policy.stages, facts)
     if not problems:
         return None
     return f"policy {policy.name!r} cannot serve the model {facts.name!r}: " + "; ".join(problems)

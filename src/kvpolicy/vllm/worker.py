@@ -273,5 +273,13 @@ def init_runner(runner: Any) -> WorkerEviction | None:
     return state
 
 
+def missing_facts(worker: Any) -> dict[str, str]:
+    """The model facts this rank's worker cannot give, with the reason (``ModelFacts.missing``);
+    empty where it does not evict. Called on every rank by the engine core at start-up
+    (``collective_rpc``), so a request needing one is refused alone, before it runs."""
+    state = runner_eviction(getattr(worker, "model_runner", None))
+    return {} if state is None else dict(state.model_facts.missing)
+
+
 def active() -> WorkerEviction | None:
     return _ACTIVE
