@@ -42,7 +42,7 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, request_policy
+from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -93,7 +93,7 @@ class SchedulerEviction:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
         if r.policy_yaml not in self.schedules:
             policy = r.policy()
-            self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
+            self.schedules[r.policy_yaml] = evicting_schedule(policy)  # select mode: every block held
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
         return self.schedules[r.policy_yaml]
 
@@ -323,10 +323,9 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     prompt within the budget (longer prompts are checked per request); None: vLLM's own check
     (the server's policy is ``none``, or kvpolicy is off)."""
     resolved = Resolved.from_additional_config(vllm_config.additional_config)
-    policy = None if resolved is None else resolved.policy()
-    if policy is None:
+    s = evicting_schedule(None if resolved is None else resolved.policy())
+    if s is None:
         return None
-    s = policy.schedule
     bs = int(vllm_config.cache_config.block_size)
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
     return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching)) * bs
