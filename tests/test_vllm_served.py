@@ -45,7 +45,7 @@ def test_every_policy_is_served_or_refused_by_name_with_its_reason(per_request):
         assert f"policy {name!r}" in why and NOT_SERVED[name] in why, why
 
 
-@pytest.mark.parametrize("name", ["snapkv@select", "vase-attnv@select", "knorm@select"])
+@pytest.mark.parametrize("name", ["snapkv@select", "vase-attnv@select", "streamingllm@select"])
 def test_select_mode_variants_are_served(name):
     assert refusal(name, per_request=True) is None and refusal(name, per_request=False) is None
 

@@ -97,7 +97,7 @@ def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_re
     finally:
         close(llm)
     got = {}
-    for name, out, prompt in zip(names, outs, prompts, strict=True):
+    for name, out in zip(names, outs, strict=True):
         got.setdefault(name, []).append(out)
     changed = 0
     for name in POLICIES:
