@@ -262,3 +262,37 @@ def test_select_policies_vllm_cannot_serve_are_refused_by_name(source, match):
 def test_a_page_budget_not_in_whole_pages_is_refused_at_load():
     with pytest.raises(Exception, match="must divide schedule.budget - schedule.recent"):
         load_policy(quest_pages(budget=44, recent=8))
+
+
+# -- the scheduler: recomputes and the prefix cache ------------------------------------------------
+def test_a_select_request_computes_each_selected_token_alone_and_caches_only_dense_blocks(monkeypatch):
+    """A select-mode request recomputed after preemption attends the selections it decoded with:
+    its steps end at ``max(prompt, budget)`` and go one token at a time after it; its blocks go to
+    the prefix cache only while it computes tokens that attended every slot. Other requests are
+    left alone."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm import scheduler as sched_mod
+    from kvpolicy.vllm.settings import resolve_request
+
+    monkeypatch.setattr(sched_mod, "_STATE", None)
+    requests: dict[str, SimpleNamespace] = {}
+    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
+                                requests=requests)
+    state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
+
+    def request(req_id: str, settings, prompt: int) -> SimpleNamespace:
+        extra = resolve_request({"kvpolicy": settings})
+        r = requests[req_id] = SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=0,
+                                               sampling_params=SimpleNamespace(extra_args=extra))
+        return r
+
+    short = request("short", {"policy": quest_pages(budget=40, recent=8)}, 20)  # budget past the prompt
+    long = request("long", {"policy": "quest", "budget": 40, "recent": 8}, 70)  # prompt past the budget
+    full = request("full", "none", 20)
+    assert [state.replay_cap(short, c, 100) for c in (0, 20, 39, 40, 41)] == [40, 20, 1, 1, 1]
+    assert [state.replay_cap(long, c, 100) for c in (0, 69, 70, 90)] == [70, 1, 1, 1]
+    assert state.replay_cap(full, 30, 100) == 100
+    for computed, cached in ((0, True), (39, True), (40, False), (80, False)):
+        short.num_computed_tokens = full.num_computed_tokens = computed
+        assert state.caches("short") is cached and state.caches("full")
