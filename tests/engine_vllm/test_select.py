@@ -116,3 +116,73 @@ def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_re
                 print(f"{name}, prompt {ids[:6]}: differs from the full cache from token {first_divergence(ref, full[1])}"
                       f", vLLM equals generate() {'throughout' if i is None else f'up to token {i}'}")
     assert changed >= 2, "selection at budget 128 changed no prompt's tokens: nothing shows it was attended"
+
+
+PREEMPT_POOL = 12  # blocks of 32: 352 usable slots, less than the three requests' 3 x 300 tokens
+
+
+def _preemption_workload():
+    import random
+
+    from vllm import SamplingParams
+
+    rng = random.Random(7)
+    shared = [rng.randint(3, 4000) for _ in range(32)]  # a block every prompt starts with
+    sources = [_quest_pages(recent=32), load_policy("quest", budget=64, recent=16).config.to_dict(),
+               load_policy("oracle-topk", budget=64, recent=16).config.to_dict()]
+    out = []
+    for i, source in enumerate(sources):
+        ids = shared + [rng.randint(3, 4000) for _ in range(8)]
+        params = SamplingParams(max_tokens=260, min_tokens=260, ignore_eos=True, temperature=0.0,
+                                extra_args={"kvpolicy": {"policy": source}})
+        out.append((f"select-{i}", ids, params))
+    return out
+
+
+def _run_alone_or_loaded(llm, work, loaded: bool) -> dict[str, list[int]]:
+    eng = llm.llm_engine
+    done: dict[str, list[int]] = {}
+    batches = [work] if loaded else [[w] for w in work]
+    step = 0
+    for batch in batches:
+        for rid, ids, params in batch:
+            eng.add_request(rid, tokens_prompt(ids), params)
+        while eng.has_unfinished_requests():
+            if loaded and step % 100 == 60:  # vLLM preempts every running request
+                assert eng.reset_prefix_cache(reset_running_requests=True)
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+    return done
+
+
+def test_select_requests_preempted_while_selecting_equal_their_runs_alone(tmp_path):
+    """The tiny random Qwen3, prefix caching on, three select-mode requests (Quest by pages of 32,
+    the shipped quest, oracle-topk) of 300 tokens over a pool of 12 blocks: vLLM preempts them as
+    they grow, and every 100 steps preempts every running one, after they started selecting.
+    Recomputed one token per step past their budget (the scheduler's cap), each gives exactly its
+    tokens alone on an idle engine with a large pool."""
+    from engine_util import read_jsonl
+
+    from kvpolicy.vllm.models import tiny_qwen3_folder
+
+    work = _preemption_workload()
+    got = {}
+    for name, blocks in (("alone", None), ("loaded", PREEMPT_POOL)):
+        trace = tmp_path / name
+        kwargs = {} if blocks is None else {"num_gpu_blocks_override": blocks}
+        llm = make_llm(tiny_qwen3_folder(), {"policy": "none", "trace": str(trace)}, block_size=BLOCK,
+                       max_model_len=320, enable_prefix_caching=True, **kwargs)
+        try:
+            got[name] = _run_alone_or_loaded(llm, work, loaded=blocks is not None)
+        finally:
+            close(llm)
+    steps = read_jsonl(tmp_path / "loaded", "scheduler-")
+    print(f"recompute steps cut to one token: {steps[-1]['replay_cuts_total']}; peak blocks in use "
+          f"{max(s['held_blocks'] for s in steps)} of {steps[-1]['total_blocks']}")
+    for rid, *_ in work:
+        assert got["loaded"][rid] == got["alone"][rid], (
+            f"{rid}: first divergence at {first_divergence(got['loaded'][rid], got['alone'][rid])}")
+    assert steps[-1]["replay_cuts_total"] > 0, "no select-mode request was recomputed past its budget"
+    assert steps[-1]["held_blocks"] == 0
