@@ -57,8 +57,8 @@ def test_invalid_policy_file_is_a_clear_error(tmp_path):
 def test_unknown_setting_and_select_mode_are_refused():
     with pytest.raises(KVPolicyVLLMError, match="unknown setting"):
         resolve({"policy": "snapkv", "budgte": 3})
-    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
-        resolve({"policy": "snapkv@select"})
+    with pytest.raises(KVPolicyVLLMError, match="select mode with stages that keep state"):
+        resolve({"policy": "h2o@select"})
     for bad in (["budget", 64], "budget=64"):
         with pytest.raises(KVPolicyVLLMError, match='"overrides" must be a mapping'):
             resolve({"policy": "snapkv", "overrides": bad})
@@ -148,7 +148,7 @@ def test_the_none_server_policy():
         ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
         ({"kvpolicy": "snapkv", "kvpolicy_budget": -3}, "does not load"),
         ({"kvpolicy": "snapkv", "kvpolicy_budget": [1, 2]}, "does not load|invalid override"),
-        ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+        ({"kvpolicy": "h2o@select"}, "keep state"),
         ({"kvpolicy": {"policy": "snapkv", "trace": "/tmp/x"}}, r"unknown setting\(s\) \['trace'\]"),
         ({"kvpolicy": {"resolved": {"policy_yaml": "x", "source": "x", "seed": 0}}}, r"unknown setting\(s\) \['resolved'\]"),
         ({"kvpolicy_budget": 64}, "without 'kvpolicy'"),
@@ -172,8 +172,9 @@ def test_a_request_cannot_make_the_server_read_a_file(tmp_path):
 
 def test_refuse_unservable_is_the_one_place_for_unservable_policies():
     refuse_unservable(load_policy("snapkv"))
-    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
-        refuse_unservable(load_policy("snapkv@select"))
+    refuse_unservable(load_policy("snapkv@select"))  # select mode: kvpolicy.vllm.select
+    with pytest.raises(KVPolicyVLLMError, match="keep state"):
+        refuse_unservable(load_policy("h2o@select"))
     for name in ("h2o", "gkv"):  # stages that keep state: the worker carries it (tests/engine_vllm/test_stateful.py)
         refuse_unservable(load_policy(name))
 

@@ -37,7 +37,7 @@ N, DROPPED = 36, 6
 MALFORMED = [  # (vllm_xargs, what the 400 must name)
     ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
     ({"kvpolicy": "snapkv", "kvpolicy_budget": 0}, "does not load"),
-    ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+    ({"kvpolicy": "h2o@select"}, "keep state"),
     ({"kvpolicy_budget": 64}, "given without 'kvpolicy'"),
 ]
 

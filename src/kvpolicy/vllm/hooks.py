@@ -16,7 +16,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
-| worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
+| worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once; a select-mode request's decode rows attend its chosen blocks (``kvpolicy.vllm.select``) |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
 the layer's backend: every backend receives the same post-RoPE query there, and the op is opaque
@@ -148,13 +148,16 @@ _MODEL_REFUSALS: dict[tuple[str | None, str], str | None] = {}  # front end: by 
 
 def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
     """Why a request's own policy cannot serve the model (TriAttention's calibration measured on
-    another): ``settings.model_refusal``, once per distinct policy."""
+    another; ``settings.model_refusal``) or its blocks (``settings.page_refusal``), once per
+    distinct policy."""
     from . import settings
 
     r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
     key = (r.policy_yaml, str(vllm_config.model_config.model))
     if key not in _MODEL_REFUSALS:
-        _MODEL_REFUSALS[key] = settings.model_refusal(r.policy(), vllm_config.model_config)
+        policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
+        _MODEL_REFUSALS[key] = (settings.model_refusal(policy, vllm_config.model_config)
+                                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size)))
     return _MODEL_REFUSALS[key]
 
 
@@ -172,7 +175,7 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
     r = settings.request_policy(resolved_args, server)
     if r.policy_yaml not in _SCHEDULES:
         policy = r.policy()
-        _SCHEDULES[r.policy_yaml] = None if policy is None else policy.schedule
+        _SCHEDULES[r.policy_yaml] = settings.evicting_schedule(policy)  # select mode: held whole, as `none`
     return sched_mod.pool_refusal(_SCHEDULES[r.policy_yaml], len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
                                   int(vllm_config.cache_config.block_size),
                                   bool(vllm_config.cache_config.enable_prefix_caching))
@@ -457,6 +460,8 @@ def install_backend(impl_cls: type) -> None:
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
+            if state is not None and attn_metadata is not None and state.select.selecting:
+                state.attend_selected(layer, query, kwargs.get("output", out), self.scale)  # select mode
             return out
 
         return forward

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, model_refusal, request_policy
+from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, model_refusal, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -86,6 +86,7 @@ class SchedulerEviction:
         self.ledger = SlotLedger()
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
+        self.select_budgets: dict[str | None, int | None] = {}  # by resolved policy YAML: select mode's budget
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
@@ -110,8 +111,9 @@ class SchedulerEviction:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
         if r.policy_yaml not in self.schedules:
             policy = r.policy()
-            self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
+            self.schedules[r.policy_yaml] = evicting_schedule(policy)  # select mode: every block held
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
+            self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
         return self.schedules[r.policy_yaml]
 
     def _model_refusal(self, request: Any) -> str | None:
@@ -160,13 +162,27 @@ class SchedulerEviction:
         entry = self.ledger.requests.get(request.request_id)
         plan = entry.replay if entry is not None else request.__dict__.get(REPLAY_ATTR)
         if plan is None or (entry is not None and entry.schedule is None):
-            return num_new
+            return self._select_cap(request, computed, num_new)
         if entry is not None and not entry.replay and computed >= request.num_prompt_tokens:
             return num_new
         end = replay_boundary(plan, int(request.num_prompt_tokens), computed)
         if end is None:
             return num_new
         capped = min(num_new, end - computed)
+        self.replay_cuts += capped < num_new
+        return capped
+
+    def _select_cap(self, request: Any, computed: int, num_new: int) -> int:
+        """A select-mode request (``kvpolicy.vllm.select``) computes every token past its prompt
+        and its budget in a step of its own, as it decoded it: a recompute after preemption then
+        attends the same selections (a chunk would attend densely). Its prompt and the tokens
+        before its budget may come in chunks (they attended every slot)."""
+        self._schedule(request)
+        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        if budget is None:
+            return num_new
+        end = max(int(request.num_prompt_tokens), budget)
+        capped = min(num_new, end - computed) if computed < end else 1
         self.replay_cuts += capped < num_new
         return capped
 
@@ -215,9 +231,18 @@ class SchedulerEviction:
 
     def caches(self, req_id: str) -> bool:
         """Whether vLLM may put the request's full blocks in the prefix cache: not once it has
-        evicted (its slot ``s`` no longer holds token ``s``)."""
+        evicted (its slot ``s`` no longer holds token ``s``), nor, under select mode, once it
+        computes the tokens it attends a selection for (their keys are not full attention's, which
+        another request with the same tokens would expect)."""
         entry = self.ledger.requests.get(req_id)
-        return entry is None or entry.evictions == 0
+        if entry is not None and entry.evictions:
+            return False
+        request = self.scheduler.requests.get(req_id)
+        if request is None:
+            return True
+        self._schedule(request)
+        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        return budget is None or request.num_computed_tokens < max(int(request.num_prompt_tokens), budget)
 
     def computed_blocks(self, request: Any, found: Any, hit: int, block_size: int) -> tuple[Any, int]:
         """A new request's prefix-cache hit (``found`` blocks per group, ``hit`` tokens), shortened
@@ -351,10 +376,9 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     prompt within the budget (longer prompts are checked per request); None: vLLM's own check
     (the server's policy is ``none``, or kvpolicy is off)."""
     resolved = Resolved.from_additional_config(vllm_config.additional_config)
-    policy = None if resolved is None else resolved.policy()
-    if policy is None:
+    s = evicting_schedule(None if resolved is None else resolved.policy())
+    if s is None:
         return None
-    s = policy.schedule
     bs = int(vllm_config.cache_config.block_size)
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
     return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching)) * bs

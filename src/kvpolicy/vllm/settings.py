@@ -36,6 +36,7 @@ from typing import Any
 from ..config import PolicyError
 from ..loading import load_policy
 from ..policy import Policy
+from ..schedule import Schedule
 from ..stages.base import DataFile
 
 #: The vLLM releases this integration is written against and tested with (``make test-vllm``).
@@ -186,10 +187,59 @@ def refuse_unservable(policy: Policy) -> None:
             "by every layer and head, so the slots one head drops free no memory there. Serve it with the "
             "transformers integration (KVPolicyCache) or EvictingCache, whose per-head runs free them"
         )
-    if policy.mode != "evict":
+    if policy.mode == "select":
+        why = select_refusal(policy)
+        if why is not None:
+            raise KVPolicyVLLMError(why)
+    elif policy.mode != "evict":
         raise KVPolicyVLLMError(
-            f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
+            f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serves evict and select modes only"
         )
+
+
+def select_refusal(policy: Policy) -> str | None:
+    """Why vLLM cannot serve a select-mode policy exactly (None: it can, ``kvpolicy.vllm.select``).
+
+    vLLM serves selection with the full cache in its blocks and each decode step attending the
+    choice of select mode's own call (``kvpolicy.eviction.choose``): whole blocks under a page
+    choice (``quest`` with ``granularity: page``, whose pages must be the blocks:
+    ``page_refusal``), else the chosen slots (the shipped ``quest``, ``oracle-topk``,
+    ``NAME@select``). Refused: stages that keep state (select mode's per-slot state is not kept
+    beside vLLM's blocks) and counts that differ by head."""
+    if policy.keeps_state:
+        return (
+            f"policy {policy.name!r} runs in select mode with stages that keep state ({sorted(policy.state_fields)}): "
+            "vLLM's select mode keeps no per-slot state beside its blocks. Serve it with the transformers "
+            "integration (KVPolicyCache), or in evict mode"
+        )
+    if policy.per_head:
+        return (
+            f"policy {policy.name!r} runs in select mode with a count per head: vLLM's select mode attends the same "
+            "number of slots on every head. Serve it with the transformers integration (KVPolicyCache)"
+        )
+    return None
+
+
+def page_refusal(policy: Policy | None, block_size: int) -> str | None:
+    """Why a page-choosing select-mode policy cannot run over KV blocks of ``block_size`` slots:
+    its pages must be vLLM's blocks (None: they are, or the policy chooses no pages)."""
+    if policy is None or policy.mode != "select":
+        return None
+    page = policy.chooses_pages
+    if page is None or page == block_size:
+        return None
+    return (
+        f"policy {policy.name!r} chooses pages of {page} slots (scorer.page_size), but vLLM's KV blocks hold "
+        f"{block_size}: its pages are the blocks. Start vLLM with block_size={page} or set scorer.page_size: "
+        f"{block_size} (with schedule.budget - schedule.recent a multiple of it)"
+    )
+
+
+def evicting_schedule(policy: Policy | None) -> Schedule | None:
+    """The schedule a request's blocks follow: its policy's when it evicts; None (every token's
+    block held, as under the policy ``none``) for no policy or a select-mode one, which keeps
+    every token and attends a selection (``kvpolicy.vllm.select``)."""
+    return policy.schedule if policy is not None and policy.mode == "evict" else None
 
 
 def _is_file(source: str) -> bool:
@@ -393,6 +443,9 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     model = model_refusal(policy, vllm_config.model_config)
     if model is not None:
         reasons.append(model)
+    page = page_refusal(policy, int(vllm_config.cache_config.block_size))
+    if page is not None:
+        reasons.append(page)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

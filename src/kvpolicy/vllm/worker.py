@@ -40,6 +40,7 @@ from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
 from .paged_cache import PagedCache, StepRequests
+from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class WorkerEviction:
             trace=Path(resolved.trace) if resolved.trace else None, rank=self.rank, model_facts=self.model_facts,
         )
         self.paged.check_policy(resolved.policy())
+        self.select = BlockSelection(self.paged)  # select-mode requests' page choices (kvpolicy.vllm.select)
 
     @property
     def long_steps(self) -> dict[str, Any]:
@@ -134,9 +136,12 @@ class WorkerEviction:
         paged = self.paged
         for req_id in scheduler_output.finished_req_ids:
             paged.drop(req_id)
+            self.select.drop(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             paged.drop(new.req_id)  # a new request, or one resubmitted under the same id
+            self.select.drop(new.req_id)
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            self.select.drop(req_id)  # recomputed: it chooses anew
             plan = paged.resume(req_id)
             if plan and self.rank == 0:
                 logger.info("kvpolicy: request %s resumes after preemption, replaying %d eviction(s)",
@@ -162,6 +167,7 @@ class WorkerEviction:
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
         self._hold_generators(num_reqs)
         self.paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+        self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
 
     @property
     def plan(self) -> StepRequests | None:
@@ -204,6 +210,11 @@ class WorkerEviction:
         if self.paged.long_steps:
             self.paged.after_attention(self._layer(layer), query, self._block_table())
 
+    def attend_selected(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
+        """After ``layer``'s attention: the rows of requests attending a selection at this step
+        become attention over their chosen blocks (``kvpolicy.vllm.select``)."""
+        self.select.attend(self._layer(layer), query, output, scaling)
+
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once: the cache holds what this module assumes (a plain, unpacked layout)."""
         self.layout_checked = True
@@ -224,6 +235,7 @@ class WorkerEviction:
 
     # -- after the forward ------------------------------------------------------------------
     def after_execute(self) -> None:
+        self.select.end_step()  # this step's selections are spent
         for ev in self.paged.end_step(self._block_table()):
             state = self.runner.requests.get(ev.req_id)
             if state is not None:
