@@ -2,7 +2,8 @@
 
 Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
 completions mixing per-request policies (among them the ones that read the model, ``criticalkv`` and
-``expected-attention``, the merges ``cam`` and ``d2o``, and as the server's policy ``triattention``
+``expected-attention``, the merges ``cam`` and ``d2o``, ``quest`` in select mode, and as the
+server's policy ``triattention``
 with a calibration measured here on the tiny model) and a shared prefix; 6 clients drop their stream midway;
 4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
 request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
@@ -61,7 +62,8 @@ SMALL = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
 #: model's facts and the merges. A request with none runs the server's policy, TriAttention with a
 #: calibration of the tiny model (a file: only the server's own policy may name one).
 SOAK_XARGS = [*XARGS, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
-                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o"))]
+                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o")),
+              {"kvpolicy": "quest", "kvpolicy_budget": 64}]  # select mode: every block held, 64 slots attended
 
 
 def _triattention_file(model, folder) -> str:
