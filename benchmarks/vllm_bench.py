@@ -18,6 +18,12 @@ CPU (here; the bundled SmolLM2-135M, float32)::
 
     .venv-vllm/bin/python benchmarks/vllm_bench.py --blocks 64 --requests 16 --new 512
 
+The policies that read the model, uneven budgets and selection beside plain vLLM and SnapKV (a
+policy this integration does not serve is recorded as refused, with its reason)::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,snapkv,criticalkv,triattention,pyramidkv,quest \
+        --blocks 64 --requests 16 --new 512
+
 ``--async-scheduling both`` runs every configuration with vLLM's async scheduling off and on and
 checks that every token is the same (vLLM's CPU platform switches async scheduling off; the
 benchmark keeps it on with kvpolicy's test switch, ``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``)::
@@ -43,9 +49,28 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-POLICIES: dict[str, dict | None] = {
+
+def triattention_file() -> dict:
+    """TriAttention with its bundled calibration (SmolLM2-135M's, named after the GGUF package),
+    accepted for the converted folder served here (``check_name: false``), its recent buffer cut
+    to 32 so that a 128 budget leaves candidates; as a policy file, since a server names a policy
+    or a file (mappings are per request)."""
+    from importlib.resources import files
+
+    import yaml
+
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["check_name"] = False
+    spec["schedule"].update(budget=128, recent=32, interval=64)
+    path = Path(tempfile.mkdtemp(prefix="kvbench-policy-")) / "triattention.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return {"policy": str(path)}
+
+
+POLICIES: dict[str, dict | Callable[[], dict] | None] = {
     "vllm": None,  # kvpolicy not switched on
     "full": {"policy": "none"},
     "snapkv": {"policy": "snapkv", "budget": 128},
@@ -54,6 +79,17 @@ POLICIES: dict[str, dict | None] = {
     "vase-attnv": {"policy": "vase-attnv", "budget": 128},
     "h2o": {"policy": "h2o", "budget": 128},  # stages that keep state, carried per request
     "gkv": {"policy": "gkv", "budget": 128},
+    # policies that read the model (RoPE, each layer's o_proj)
+    "criticalkv": {"policy": "criticalkv", "budget": 128},
+    "expected-attention": {"policy": "expected-attention", "budget": 128},
+    "triattention": triattention_file,
+    # uneven budgets and selection: recorded as refused where this vLLM integration does not serve them
+    "pyramidkv": {"policy": "pyramidkv", "budget": 128},
+    "ada-vase-attnv": {"policy": "ada-vase-attnv", "budget": 128},
+    "quest": {"policy": "quest", "budget": 128},
+    # merges
+    "cam": {"policy": "cam", "budget": 128},
+    "d2o": {"policy": "d2o", "budget": 128},
 }
 
 
@@ -84,6 +120,8 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
 
     trace = Path(tempfile.mkdtemp(prefix=f"kvbench-{name}-"))
     policy = POLICIES[name]
+    if callable(policy):
+        policy = policy()
     if policy is not None:
         extra = {**extra, "additional_config": {"kvpolicy": {**policy, "trace": str(trace)}}}
     # vLLM's CPU platform switches async scheduling off in every process; kvpolicy's test switch
@@ -133,7 +171,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
     shutil.rmtree(trace, ignore_errors=True)
     last = steps[-1] if steps else {}
     return {
-        "config": name + (" (async)" if async_on else ""), "policy": POLICIES[name], "async_scheduling": async_on,
+        "config": name + (" (async)" if async_on else ""), "policy": policy, "async_scheduling": async_on,
         "engine_async": steps[-1].get("async") if steps else None,
         "requests": args.requests, "output_tokens": tokens, "token_ids": token_ids,
         "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
@@ -168,6 +206,9 @@ def main() -> None:
                         help="vLLM's async scheduling for every configuration (both: each runs twice)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    unknown = [c for c in args.configs.split(",") if c not in POLICIES]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; known: {sorted(POLICIES)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU: GiB reserved; --blocks sets what is used
     extra: dict = {}

@@ -29,3 +29,6 @@ def test_batched_speed_reports_throughput_memory_and_eviction_time(tmp_path, cap
     # The throughput setting: a short prompt, a long output. The full cache ends holding 4 x 400
     # tokens; a policy never more than budget + interval slots per row (plus its query window).
     assert rows["snapkv@96"]["kv_mib"] < rows["full"]["kv_mib"]
+    # what is held never exceeds the room; a full cache (a DynamicCache) holds exactly its tensors
+    assert all(0 < v["kv_held_mib"] <= v["kv_mib"] for v in rows.values())
+    assert rows["full"]["kv_held_mib"] == rows["full"]["kv_mib"]

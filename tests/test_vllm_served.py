@@ -18,8 +18,6 @@ NOT_SERVED = {
     "pyramidkv": "shares its budget unevenly",
     "cake": "shares its budget unevenly",
     "duo-attention": "shares its budget unevenly",
-    "quest": "runs in 'select' mode",
-    "oracle-topk": "runs in 'select' mode",
 }
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 
@@ -44,10 +42,16 @@ def test_every_policy_is_served_or_refused_by_name_with_its_reason(per_request):
         assert f"policy {name!r}" in why and NOT_SERVED[name] in why, why
 
 
-@pytest.mark.parametrize("name", ["snapkv@select", "vase-attnv@select", "h2o@select"])
-def test_select_mode_variants_are_refused_by_name(name):
-    why = refusal(name, per_request=True)
-    assert why is not None and f"policy {name!r}" in why and "select" in why
+@pytest.mark.parametrize("name", ["snapkv@select", "vase-attnv@select", "streamingllm@select"])
+def test_select_mode_variants_are_served(name):
+    assert refusal(name, per_request=True) is None and refusal(name, per_request=False) is None
+
+
+@pytest.mark.parametrize("name,why", [("h2o@select", "keep state"),
+                                      ("ada-snapkv@select", "unevenly")])
+def test_select_mode_variants_vllm_cannot_serve_are_refused_by_name(name, why):
+    got = refusal(name, per_request=True)
+    assert got is not None and f"policy {name!r}" in got and why in got
 
 
 def test_the_docs_table_lists_every_policy_as_served_or_not():

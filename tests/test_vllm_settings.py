@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 
 import pytest
+import yaml
 
 from kvpolicy import load_policy
 from kvpolicy.vllm import additional_config
@@ -55,8 +57,8 @@ def test_invalid_policy_file_is_a_clear_error(tmp_path):
 def test_unknown_setting_and_select_mode_are_refused():
     with pytest.raises(KVPolicyVLLMError, match="unknown setting"):
         resolve({"policy": "snapkv", "budgte": 3})
-    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
-        resolve({"policy": "snapkv@select"})
+    with pytest.raises(KVPolicyVLLMError, match="select mode with stages that keep state"):
+        resolve({"policy": "h2o@select"})
     for bad in (["budget", 64], "budget=64"):
         with pytest.raises(KVPolicyVLLMError, match='"overrides" must be a mapping'):
             resolve({"policy": "snapkv", "overrides": bad})
@@ -146,7 +148,7 @@ def test_the_none_server_policy():
         ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
         ({"kvpolicy": "snapkv", "kvpolicy_budget": -3}, "does not load"),
         ({"kvpolicy": "snapkv", "kvpolicy_budget": [1, 2]}, "does not load|invalid override"),
-        ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+        ({"kvpolicy": "h2o@select"}, "keep state"),
         ({"kvpolicy": {"policy": "snapkv", "trace": "/tmp/x"}}, r"unknown setting\(s\) \['trace'\]"),
         ({"kvpolicy": {"resolved": {"policy_yaml": "x", "source": "x", "seed": 0}}}, r"unknown setting\(s\) \['resolved'\]"),
         ({"kvpolicy_budget": 64}, "without 'kvpolicy'"),
@@ -170,8 +172,9 @@ def test_a_request_cannot_make_the_server_read_a_file(tmp_path):
 
 def test_refuse_unservable_is_the_one_place_for_unservable_policies():
     refuse_unservable(load_policy("snapkv"))
-    with pytest.raises(KVPolicyVLLMError, match="evict mode only"):
-        refuse_unservable(load_policy("snapkv@select"))
+    refuse_unservable(load_policy("snapkv@select"))  # select mode: kvpolicy.vllm.select
+    with pytest.raises(KVPolicyVLLMError, match="keep state"):
+        refuse_unservable(load_policy("h2o@select"))
     for name in ("h2o", "gkv"):  # stages that keep state: the worker carries it (tests/engine_vllm/test_stateful.py)
         refuse_unservable(load_policy(name))
 
@@ -203,3 +206,27 @@ def test_per_head_budgets_are_refused_under_tensor_parallelism_by_name(name):
     own = request_policy(resolve_request({"kvpolicy": name}), Resolved(None, "none", 0)).policy()
     assert shard_refusal(own, 2) == why
     assert shard_refusal(load_policy(name), 1) is None
+
+
+def test_a_request_cannot_make_the_server_read_a_data_file(tmp_path):
+    """A stage field naming a file (TriAttention's calibration, a head profile) takes only
+    kvpolicy's built-in files per request, refused before anything reads the path; the server's
+    own policy may name any file."""
+    import json
+
+    calibration = tmp_path / "cal.safetensors"  # never created: the refusal must come before any read
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["calibration"] = str(calibration)
+    with pytest.raises(KVPolicyVLLMError, match=r"scorer: calibration: .* is a file of this machine") as info:
+        resolve_request({"kvpolicy": json.dumps({"policy": spec, "budget": 256})})
+    assert "no such calibration file" not in str(info.value)
+    server_file = tmp_path / "tri.yaml"
+    server_file.write_text(yaml.safe_dump(spec))
+    with pytest.raises(KVPolicyVLLMError, match="no such calibration file"):  # the server's own policy reads it
+        resolve({"policy": str(server_file)})
+    spec["scorer"]["calibration"] = "builtin:smollm2-135m.safetensors"
+    assert resolve_request({"kvpolicy": json.dumps({"policy": spec, "budget": 256})}) is not None
+    duo = yaml.safe_load((files("kvpolicy") / "policies" / "duo-attention.yaml").read_text())
+    duo["allocation"]["path"] = str(tmp_path / "heads.yaml")
+    with pytest.raises(KVPolicyVLLMError, match=r"allocation: .*path: .* is a file of this machine"):
+        resolve_request({"kvpolicy": {"policy": duo}})

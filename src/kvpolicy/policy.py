@@ -104,6 +104,12 @@ class Policy:
                     found.append(s)
         return found
 
+    @property
+    def data_files(self) -> list[tuple[Stage, str, str]]:
+        """The data files the policy's stages name (``Stage.data_files``, nested stages included):
+        ``(stage, field, value as written)``."""
+        return [(s, field, value) for s in self.stages for field, value in s.data_files.items()]
+
     @cached_property
     def stateful_stages(self) -> dict[str, Stage]:
         """The stages that keep state (``Stage.state_fields``), by ``state_key``: equal stages

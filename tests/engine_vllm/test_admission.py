@@ -115,3 +115,44 @@ def test_vllm_alone_refuses_the_same_pool_at_start_up(capfd):
         make_llm(tiny_qwen3_folder(), {"policy": "none"}, block_size=BLOCK, num_gpu_blocks_override=6)
     logged = capfd.readouterr()
     assert "To serve at least one request with the model's max seq len (2048)" in logged.err + logged.out
+
+
+def _tiny_gpt_neox(folder):
+    """A randomly initialised tiny ``GPTNeoXForCausalLM``: its attention has no ``o_proj`` (its
+    output projection is ``dense``) and rotates a quarter of each head, so the model facts that
+    CriticalKV and the RoPE policies read are missing on its workers."""
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from kvpolicy.vllm.models import smollm2_folder
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=2048,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    GPTNeoXForCausalLM(config).float().save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
+    return folder
+
+
+def test_a_request_needing_a_model_fact_the_workers_lack_fails_alone(tmp_path):
+    """The front end sees the model's configuration, not its modules: a request whose policy
+    reads a fact the loaded model cannot give (``criticalkv`` on GPT-NeoX: no ``o_proj``) passes
+    it, and the engine core, which asked every worker at start-up, refuses it alone; the other
+    requests are served and the server goes on."""
+    llm = make_llm(_tiny_gpt_neox(tmp_path / "neox"), POLICY, block_size=BLOCK, max_num_seqs=4)
+    try:
+        eng = llm.llm_engine
+        eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(80))
+        eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(80, extra_args={"kvpolicy": "criticalkv"}))
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id.split("-")[0]] = out
+        assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
+        assert len(done["good"].outputs[0].token_ids) == 80
+        out = llm.generate([tokens_prompt(list(range(10, 40)))], greedy(8), use_tqdm=False)  # still serving
+        assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        close(llm)

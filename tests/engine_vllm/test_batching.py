@@ -214,7 +214,7 @@ def test_a_bad_per_request_setting_fails_that_request_only(engine):
     ids = list(range(10, 40))
     for extra, message in (
         ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
-        ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+        ({"kvpolicy": "h2o@select"}, "keep state"),
         ({"kvpolicy": "snapkv", "kvpolicy_budget": 0}, "does not load"),
     ):
         with pytest.raises(VLLMValidationError, match=message):

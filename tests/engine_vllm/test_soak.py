@@ -1,7 +1,10 @@
 """A soak of the OpenAI server under kvpolicy (loopback only, bounded in count and time).
 
 Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
-completions mixing per-request policies and a shared prefix; 6 clients drop their stream midway;
+completions mixing per-request policies (among them the ones that read the model, ``criticalkv`` and
+``expected-attention``, the merges ``cam`` and ``d2o``, ``quest`` in select mode, and as the
+server's policy ``triattention``
+with a calibration measured here on the tiny model) and a shared prefix; 6 clients drop their stream midway;
 4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
 request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
 pool is empty again (vLLM's usage metric back to 0), and the server still answers.
@@ -17,13 +20,15 @@ import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from importlib.resources import files
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 
 from engine_util import ASYNC_DEFAULT  # noqa: E402
-from test_serve import POLICY, XARGS, _free_port, _post_status, _serve_command, _wait_healthy  # noqa: E402
+from test_serve import XARGS, _free_port, _post_status, _serve_command, _wait_healthy  # noqa: E402
 
 from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU  # noqa: E402
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
@@ -33,18 +38,50 @@ N, DROPPED = 36, 6
 MALFORMED = [  # (vllm_xargs, what the 400 must name)
     ({"kvpolicy": "no-such-policy"}, "unknown policy 'no-such-policy'"),
     ({"kvpolicy": "snapkv", "kvpolicy_budget": 0}, "does not load"),
-    ({"kvpolicy": "snapkv@select"}, "evict mode only"),
+    ({"kvpolicy": "h2o@select"}, "keep state"),
     ({"kvpolicy_budget": 64}, "given without 'kvpolicy'"),
 ]
 
 
-def _workload():
+def _calibration(model, out) -> str:
+    """TriAttention's query calibration of the tiny model, measured on random token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvpolicy.calibrate import measure_query_calibration
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.randint(3, 4000, (384,), generator=torch.Generator().manual_seed(3))
+    measure_query_calibration(hf, ids).save(out)
+    return str(out)
+
+
+#: Each per-request policy at a budget that evicts several times in a stream.
+SMALL = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
+#: The per-request settings the soak mixes: the serve test's, then the policies that read the
+#: model's facts and the merges. A request with none runs the server's policy, TriAttention with a
+#: calibration of the tiny model (a file: only the server's own policy may name one).
+SOAK_XARGS = [*XARGS, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
+                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o")),
+              {"kvpolicy": "quest", "kvpolicy_budget": 64}]  # select mode: every block held, 64 slots attended
+
+
+def _triattention_file(model, folder) -> str:
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
+    spec["scorer"]["calibration"] = _calibration(model, folder / "tiny-qwen3.safetensors")
+    spec["schedule"].update(SMALL)
+    path = folder / "triattention-tiny.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def _workload(policies: list):
     rng = random.Random(5)
     prefix = [rng.randint(3, 4000) for _ in range(70)]
     out = []
     for i in range(N):
         own = [rng.randint(3, 4000) for _ in range(rng.randint(5, 40))]
-        out.append(((prefix if i % 2 else []) + own, rng.randint(60, 160), XARGS[i % len(XARGS)]))
+        out.append(((prefix if i % 2 else []) + own, rng.randint(60, 160), policies[i % len(policies)]))
     return out
 
 
@@ -88,8 +125,8 @@ def test_soak_of_the_openai_server(tmp_path):
     model = tiny_qwen3_folder()
     port = _free_port()
     log = tmp_path / "server.log"
-    config = json.dumps({"kvpolicy": {**POLICY, "trace": str(tmp_path / "trace")}})
-    reqs = _workload()
+    config = json.dumps({"kvpolicy": {"policy": _triattention_file(model, tmp_path), "trace": str(tmp_path / "trace")}})
+    reqs = _workload(SOAK_XARGS)
     body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
     def params(r):

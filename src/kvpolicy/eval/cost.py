@@ -3,8 +3,10 @@
 One function per measure, shared by the metrics, the decoding loop, the lm-eval model and the
 benchmarks:
 
-- ``cache_bytes``: the bytes a cache holds now (static buffers and query windows of a
+- ``cache_bytes``: the bytes a cache has room for now (static buffers and query windows of a
   ``KVPolicyCache``; the grown key/value tensors of a ``DynamicCache``);
+- ``cache_held_bytes``: of those, the bytes holding tokens (``KVPolicyCache.held_bytes``: under a
+  threshold or a per-head allocation heads hold fewer slots than the room they have);
 - ``reset_peak_memory`` / ``peak_memory_mib``: the CUDA allocator's peak on a GPU, the process's
   resident high-water mark on the CPU;
 - ``PolicyTimer`` / ``time_policy``: seconds spent in the policy's work, through the executor's
@@ -40,6 +42,15 @@ def cache_bytes(cache: Any) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def cache_held_bytes(cache: Any) -> int:
+    """Bytes of what the cache holds now: ``held_bytes()`` of a ``KVPolicyCache`` (slot buffers
+    counted where a slot holds a token of a head), else ``cache_bytes`` (a ``DynamicCache`` holds
+    exactly its tensors)."""
+    if hasattr(cache, "held_bytes"):
+        return int(cache.held_bytes())
+    return cache_bytes(cache)
 
 
 def reset_peak_memory(device: str) -> None:
@@ -147,7 +158,8 @@ class BatchStats:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     evict_seconds: float = 0.0  # in due evictions (the executor's timing hook)
-    kv_bytes: int = 0  # the most the cache held at once
+    kv_bytes: int = 0  # the most room the cache had at once (cache_bytes)
+    held_bytes: int = 0  # the most it held at once (cache_held_bytes), at the same points
     evictions: int = 0
 
     def add(self, other: BatchStats) -> None:
@@ -158,6 +170,7 @@ class BatchStats:
         self.prefill_seconds += other.prefill_seconds
         self.evict_seconds += other.evict_seconds
         self.kv_bytes = max(self.kv_bytes, other.kv_bytes)
+        self.held_bytes = max(self.held_bytes, other.held_bytes)
         self.evictions += other.evictions
 
 
@@ -181,6 +194,7 @@ class CostTracker:
             "tokens_per_s": t.new_tokens / t.seconds if t.seconds > 0 else float("nan"),
             "peak_mib": peak_memory_mib(str(self.device)),
             "kv_mib": t.kv_bytes / 2**20,
+            "kv_held_mib": t.held_bytes / 2**20,
             "evict_share": t.evict_seconds / t.seconds if t.seconds > 0 else float("nan"),
             "new_tokens": t.new_tokens,
             "seconds": t.seconds,

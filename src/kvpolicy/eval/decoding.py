@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from ..policy import Policy
-from .cost import BatchStats, PolicyTimer, cache_bytes, sync, time_policy
+from .cost import BatchStats, PolicyTimer, cache_bytes, cache_held_bytes, sync, time_policy
 from .sampling import SamplingParams, StopRule, next_tokens
 
 if TYPE_CHECKING:
@@ -284,6 +284,7 @@ class _Batch:
 
     def keep(self, index: torch.Tensor) -> None:
         self.stats.kv_bytes = max(self.stats.kv_bytes, cache_bytes(self.cache))
+        self.stats.held_bytes = max(self.stats.held_bytes, cache_held_bytes(self.cache))
         self.cache.batch_select_indices(index)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
 
@@ -327,13 +328,14 @@ def generate_batch(
         start = time.perf_counter()
         out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                     use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
-        stats.kv_bytes = cache_bytes(cache)
+        stats.kv_bytes, stats.held_bytes = cache_bytes(cache), cache_held_bytes(cache)
         sync(device)
         stats.prefill_seconds = time.perf_counter() - start
         rows = _Batch(model, cache, mask, positions[:, -1] + 1, width, stats)
         gens = decode(rows, out.logits[:, -1, :], params, keys, StopRule(tokenizer, eos_ids, params),
                       [p.thinking for p in prompts], start=start, on_finish=on_finish)
         stats.kv_bytes = max(stats.kv_bytes, cache_bytes(cache))
+        stats.held_bytes = max(stats.held_bytes, cache_held_bytes(cache))
         sync(device)
         stats.seconds = time.perf_counter() - start
     stats.evict_seconds = timer.seconds["evict"]

@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from importlib.resources import files
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from ..profile_format import HeadProfile
 from .adaptive import share_the_rest
-from .base import Allocation, EvictionInput
+from .base import Allocation, DataFile, EvictionInput
 
 #: ``path: "builtin:NAME"`` reads a profile shipped with kvpolicy (``kvpolicy/policies/heads/NAME``).
-BUILTIN_PREFIX = "builtin:"
-
-
-def resolve_profile_path(path: str) -> str:
-    """The file ``path`` names: itself, or for ``builtin:NAME`` the profile shipped with kvpolicy."""
-    if not path.startswith(BUILTIN_PREFIX):
-        return path
-    return str(files("kvpolicy") / "policies" / "heads" / path.removeprefix(BUILTIN_PREFIX))
+PROFILE_FILE = DataFile("heads")
+resolve_profile_path = PROFILE_FILE.resolve
 
 
 def _hamilton(shares: list[Fraction], total: int) -> list[int]:
@@ -56,7 +49,7 @@ class DuoAllocation(Allocation):
     type_name: ClassVar[str] = "duo"
     per_head: ClassVar[bool] = True
 
-    path: str = Field(..., min_length=1, description='The head profile (see `kvpolicy profile`), or "builtin:NAME".')
+    path: Annotated[str, PROFILE_FILE] = Field(..., min_length=1, description='The head profile (see `kvpolicy profile`), or "builtin:NAME".')
     threshold: float | None = Field(
         None, ge=0.0, allow_inf_nan=False,
         description="Heads weighing at least this are retrieval heads; null: 0.5 (DuoAttention's deployment "
@@ -78,7 +71,7 @@ class DuoAllocation(Allocation):
         if self.streaming_fraction is not None and self.threshold is not None:
             raise ValueError("give threshold or streaming_fraction, not both")
         try:
-            self._profile = HeadProfile.load(resolve_profile_path(self.path))
+            self._profile = HeadProfile.load(PROFILE_FILE.resolve(self.path, "path"))
         except ValueError as exc:  # ProfileError: one line per problem, with the file's lines
             problems = getattr(exc, "problems", [str(exc)])
             raise ValueError(f"cannot use the head profile {self.path}: {'; '.join(problems)}") from None

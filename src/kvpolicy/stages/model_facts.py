@@ -251,11 +251,7 @@ def check_model_facts(
         )
     if not isinstance(facts, ModelFacts):
         raise TypeError(f"model facts must be a kvpolicy.ModelFacts, got {type(facts).__name__}")
-    missing = [
-        f"stage {', '.join(r)} needs the model's {f}, which the model facts of {facts.name!r} lack: "
-        f"{facts.why_missing(f)}"
-        for f, r in readers.items() if f not in facts.available
-    ]
+    missing = lacking(stages, facts.name, {f: facts.why_missing(f) for f in readers if f not in facts.available})
     if missing:
         raise PolicyError(missing, policy_name)
     try:
@@ -269,6 +265,14 @@ def check_model_facts(
     problems = stage_problems(stages, facts)
     if problems:
         raise PolicyError(problems, policy_name)
+
+
+def lacking(stages: Sequence[Any], model_name: str, missing: Mapping[str, str]) -> list[str]:
+    """One problem per fact in ``missing`` (fact -> why the model cannot give it) that a stage
+    reads, naming the stages."""
+    readers = {f: [s.type_name for s in stages if f in s.needs_model] for f in sorted(missing)}
+    return [f"stage {', '.join(r)} needs the model's {f}, which the model facts of {model_name!r} lack: {missing[f]}"
+            for f, r in readers.items() if r]
 
 
 def stage_problems(stages: Sequence[Any], facts: ModelFacts) -> list[str]:

@@ -4,20 +4,20 @@
 from __future__ import annotations
 
 import math
-from importlib.resources import files
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
-from .base import EvictionInput, Scorer
+from .base import DataFile, EvictionInput, Scorer
 from .model_facts import Fact, ModelFacts
 
 #: The calibration format this kvpolicy reads and writes (``kvpolicy_calibration`` in the file).
 CALIBRATION_FORMAT = 1
 #: ``calibration: "builtin:NAME"`` reads a file shipped with kvpolicy (``kvpolicy/policies/calibration/NAME``).
-BUILTIN_PREFIX = "builtin:"
+CALIBRATION_FILE = DataFile("calibration")
+resolve_calibration_path = CALIBRATION_FILE.resolve
 _SHAPE_FIELDS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim")
 _TENSORS = ("q_mean_real", "q_mean_imag", "q_abs_mean")
 
@@ -150,13 +150,6 @@ def _base_name(name: str) -> str:
     return Path(name.rstrip("/")).name.lower()
 
 
-def resolve_calibration_path(path: str) -> str:
-    """The file ``path`` names: itself, or for ``builtin:NAME`` the file shipped with kvpolicy."""
-    if not path.startswith(BUILTIN_PREFIX):
-        return path
-    return str(files("kvpolicy") / "policies" / "calibration" / path.removeprefix(BUILTIN_PREFIX))
-
-
 def geometric_offsets(largest: int) -> list[int]:
     """``1, 2, 4, ...`` up to ``largest``: the future distances the score is averaged over."""
     return [1 << i for i in range(int(math.log2(largest)) + 1)]
@@ -181,7 +174,7 @@ class TriAttentionScorer(Scorer):
     type_name: ClassVar[str] = "triattention"
     needs_model: ClassVar[frozenset[Fact]] = frozenset({"rope"})
 
-    calibration: str = Field(..., min_length=1, description='The query calibration file (see `kvpolicy calibrate`), or "builtin:NAME".')
+    calibration: Annotated[str, CALIBRATION_FILE] = Field(..., min_length=1, description='The query calibration file (see `kvpolicy calibrate`), or "builtin:NAME".')
     offset_max: int = Field(65536, ge=1, le=1 << 24, description="The largest future distance (offsets 1, 2, 4, ... up to it).")
     normalize: bool = Field(True, description="z-score each query head's scores over its candidates before reducing.")
     group_reduce: Literal["max", "mean"] = Field("max", description="Over the query heads of a KV head.")
@@ -194,7 +187,7 @@ class TriAttentionScorer(Scorer):
     @model_validator(mode="after")
     def _load(self) -> TriAttentionScorer:
         try:
-            self._calibration = QueryCalibration.load(resolve_calibration_path(self.calibration))
+            self._calibration = QueryCalibration.load(CALIBRATION_FILE.resolve(self.calibration, "calibration"))
         except CalibrationError as exc:
             raise ValueError(f"calibration: {exc}") from None
         return self

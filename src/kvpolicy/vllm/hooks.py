@@ -10,12 +10,13 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
-| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, or that cannot fit the KV pool, fails alone |
+| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``) |
+| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, or whose policy needs a model fact the workers cannot give, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
-| worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once |
+| worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once; a select-mode request's decode rows attend its chosen blocks (``kvpolicy.vllm.select``) |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
 the layer's backend: every backend receives the same post-RoPE query there, and the op is opaque
@@ -147,13 +148,16 @@ _MODEL_REFUSALS: dict[tuple[str | None, str], str | None] = {}  # front end: by 
 
 def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
     """Why a request's own policy cannot serve the model (TriAttention's calibration measured on
-    another): ``settings.model_refusal``, once per distinct policy."""
+    another; ``settings.model_refusal``) or its blocks (``settings.page_refusal``), once per
+    distinct policy."""
     from . import settings
 
     r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
     key = (r.policy_yaml, str(vllm_config.model_config.model))
     if key not in _MODEL_REFUSALS:
-        _MODEL_REFUSALS[key] = settings.model_refusal(r.policy(), vllm_config.model_config)
+        policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
+        _MODEL_REFUSALS[key] = (settings.model_refusal(policy, vllm_config.model_config)
+                                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size)))
     return _MODEL_REFUSALS[key]
 
 
@@ -171,7 +175,7 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
     r = settings.request_policy(resolved_args, server)
     if r.policy_yaml not in _SCHEDULES:
         policy = r.policy()
-        _SCHEDULES[r.policy_yaml] = (None if policy is None else policy.schedule,
+        _SCHEDULES[r.policy_yaml] = (settings.evicting_schedule(policy),  # select mode: held whole, as `none`
                                      settings.head_cap(policy, sched_mod.kv_heads_per_rank(vllm_config)))
     schedule, head_cap = _SCHEDULES[r.policy_yaml]
     return sched_mod.pool_refusal(schedule, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
@@ -314,6 +318,25 @@ def _install_engine_core() -> None:
 
     _wrap(core.EngineCore, "preprocess_add_request", make_preprocess)
 
+    from vllm.v1.executor.abstract import Executor
+
+    def make_kv_init(original):
+        # The workers start evicting in initialize_from_config (``init_runner``): ask them here,
+        # once, which facts they cannot give, before the scheduler exists or any request arrives
+        # (later, preprocess_add_request runs on the engine core's input thread, where a call to
+        # the workers could interleave with a running step). EngineCore.__init__ itself loads the
+        # plugins, so a wrapper of it would miss its first call in an engine-core process.
+        def initialize_from_config(self, *args: Any, **kwargs: Any):
+            original(self, *args, **kwargs)
+            if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
+                from .worker import missing_facts
+
+                sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
+
+        return initialize_from_config
+
+    _wrap(Executor, "initialize_from_config", make_kv_init)
+
     def make_configs(original):
         def get_kv_cache_configs(vllm_config, *args: Any, **kwargs: Any):
             need = sched_mod.pool_tokens_needed(vllm_config)
@@ -441,6 +464,8 @@ def install_backend(impl_cls: type) -> None:
                 state.attend_heads(layer, query, out, self.scale)  # requests whose heads hold different counts
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
+            if state is not None and attn_metadata is not None and state.select.selecting:
+                state.attend_selected(layer, query, kwargs.get("output", out), self.scale)  # select mode
             return out
 
         return forward

@@ -40,7 +40,7 @@ from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from .settings import KVPolicyVLLMError, Resolved, head_cap
+from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, head_cap
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
@@ -321,7 +321,7 @@ class PagedCache:
             rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy)
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
-            self.ledger.resume(req_id, None if rp.policy is None else rp.policy.schedule, self.replays.pop(req_id, None),
+            self.ledger.resume(req_id, evicting_schedule(rp.policy), self.replays.pop(req_id, None),
                                head_cap(rp.policy, self.kv_heads))
         return rp
 

@@ -42,10 +42,23 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, kept_held, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, head_cap, request_policy
+from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, head_cap, model_refusal, request_policy
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
+
+
+#: The model facts the workers of this engine-core process cannot give (``set_missing_facts``).
+_MISSING_FACTS: dict[str, str] = {}
+
+
+def set_missing_facts(per_rank: list[dict[str, str]]) -> None:
+    """The facts missing on any rank (``kvpolicy.vllm.worker.missing_facts`` of each), with the
+    first rank's reason: asked when the workers start evicting, before the scheduler exists."""
+    _MISSING_FACTS.clear()
+    for missing in per_rank:
+        for fact, why in (missing or {}).items():
+            _MISSING_FACTS.setdefault(fact, why)
 
 
 def ledger() -> SlotLedger | None:
@@ -74,7 +87,7 @@ class SchedulerEviction:
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
         self.head_caps: dict[str | None, int | None] = {}  # by resolved policy YAML (per-head budgets)
-        self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)
+        self.select_budgets: dict[str | None, int | None] = {}  # by resolved policy YAML: select mode's budget
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
@@ -90,20 +103,34 @@ class SchedulerEviction:
         self.preempted_after_evicting = 0
         self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
         self.pending_trace: list[Any] = []
+        #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up), and
+        #: by resolved policy YAML why the model cannot serve it (None: it can).
+        self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
+        self.model_refusals: dict[str | None, str | None] = {}
 
     def _schedule(self, request: Any) -> Schedule | None:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
         if r.policy_yaml not in self.schedules:
             policy = r.policy()
-            self.schedules[r.policy_yaml] = None if policy is None else policy.schedule
+            self.schedules[r.policy_yaml] = evicting_schedule(policy)  # select mode: every block held
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
-            self.head_caps[r.policy_yaml] = head_cap(policy, self.kv_heads)
+            self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
+            self.head_caps[r.policy_yaml] = (head_cap(policy, kv_heads_per_rank(self.scheduler.vllm_config))
+                                             if policy is not None and policy.per_head else None)
         return self.schedules[r.policy_yaml]
 
     def _head_cap(self, request: Any) -> int | None:
         """The request's policy's per-head bound (``settings.head_cap``; None: every head keeps the budget)."""
         self._schedule(request)
         return self.head_caps[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+
+    def _model_refusal(self, request: Any) -> str | None:
+        """Why the workers' model cannot serve the request's policy (a fact it needs is missing)."""
+        r = request_policy(request.sampling_params.extra_args, self.resolved)
+        if r.policy_yaml not in self.model_refusals:
+            self.model_refusals[r.policy_yaml] = model_refusal(
+                r.policy(), self.scheduler.vllm_config.model_config, missing=self.missing_facts)
+        return self.model_refusals[r.policy_yaml]
 
     def _sees_every_query(self, request: Any) -> bool:
         """Whether the request's policy keeps state that must see every query of its tokens."""
@@ -143,13 +170,27 @@ class SchedulerEviction:
         entry = self.ledger.requests.get(request.request_id)
         plan = entry.replay if entry is not None else request.__dict__.get(REPLAY_ATTR)
         if plan is None or (entry is not None and entry.schedule is None):
-            return num_new
+            return self._select_cap(request, computed, num_new)
         if entry is not None and not entry.replay and computed >= request.num_prompt_tokens:
             return num_new
         end = replay_boundary(plan, int(request.num_prompt_tokens), computed)
         if end is None:
             return num_new
         capped = min(num_new, end - computed)
+        self.replay_cuts += capped < num_new
+        return capped
+
+    def _select_cap(self, request: Any, computed: int, num_new: int) -> int:
+        """A select-mode request (``kvpolicy.vllm.select``) computes every token past its prompt
+        and its budget in a step of its own, as it decoded it: a recompute after preemption then
+        attends the same selections (a chunk would attend densely). Its prompt and the tokens
+        before its budget may come in chunks (they attended every slot)."""
+        self._schedule(request)
+        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        if budget is None:
+            return num_new
+        end = max(int(request.num_prompt_tokens), budget)
+        capped = min(num_new, end - computed) if computed < end else 1
         self.replay_cuts += capped < num_new
         return capped
 
@@ -170,13 +211,16 @@ class SchedulerEviction:
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
         """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
-        settings the front end did not resolve, or more blocks than the KV pool has."""
+        settings the front end did not resolve, more blocks than the KV pool has, or a policy
+        needing a model fact the workers cannot give."""
         self._schedule(request)  # raises for unresolved settings
         pool = self.scheduler.kv_cache_manager.block_pool
         block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
         refusal = pool_refusal(self._schedule(request), int(request.num_prompt_tokens),
                                int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
                                self.prefix_caching, self._head_cap(request))
+        if refusal is None:
+            refusal = self._model_refusal(request)
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
@@ -195,9 +239,18 @@ class SchedulerEviction:
 
     def caches(self, req_id: str) -> bool:
         """Whether vLLM may put the request's full blocks in the prefix cache: not once it has
-        evicted (its slot ``s`` no longer holds token ``s``)."""
+        evicted (its slot ``s`` no longer holds token ``s``), nor, under select mode, once it
+        computes the tokens it attends a selection for (their keys are not full attention's, which
+        another request with the same tokens would expect)."""
         entry = self.ledger.requests.get(req_id)
-        return entry is None or entry.evictions == 0
+        if entry is not None and entry.evictions:
+            return False
+        request = self.scheduler.requests.get(req_id)
+        if request is None:
+            return True
+        self._schedule(request)
+        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        return budget is None or request.num_computed_tokens < max(int(request.num_prompt_tokens), budget)
 
     def computed_blocks(self, request: Any, found: Any, hit: int, block_size: int) -> tuple[Any, int]:
         """A new request's prefix-cache hit (``found`` blocks per group, ``hit`` tokens), shortened
@@ -333,9 +386,9 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     (the server's policy is ``none``, or kvpolicy is off)."""
     resolved = Resolved.from_additional_config(vllm_config.additional_config)
     policy = None if resolved is None else resolved.policy()
-    if policy is None:
+    s = evicting_schedule(policy)
+    if s is None:
         return None
-    s = policy.schedule
     bs = int(vllm_config.cache_config.block_size)
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
     return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching),

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import PolicyError
 from ..loading import load_policy
 from ..policy import Policy
+from ..schedule import Schedule
+from ..stages.base import DataFile
 
 #: The vLLM releases this integration is written against and tested with (``make test-vllm``).
 SUPPORTED_VLLM = ((0, 32), (0, 33))  # >= 0.32, < 0.33
@@ -151,11 +155,14 @@ def resolve(entry: dict[str, Any], *, per_request: bool = False) -> Resolved:
             "not a file of the server"
         )
     try:
-        policy = load_policy(source, **overrides)
+        with DataFile.builtin_only() if per_request else nullcontext():
+            policy = load_policy(source, **overrides)
     except PolicyError as exc:
         raise KVPolicyVLLMError(f"policy {label!r} does not load:\n{exc}") from None
     except (TypeError, ValueError) as exc:  # an override of the wrong kind (a list for a budget, ...)
         raise KVPolicyVLLMError(f"policy {label!r}: invalid override: {exc}") from None
+    if per_request:
+        refuse_server_files(policy, label)
     refuse_unservable(policy)
     seed = policy.resolve_seed()  # a `seed: null` policy draws once here: every rank shares it
     return Resolved(policy.with_overrides(seed=seed).to_yaml(), label, seed, trace)
@@ -192,9 +199,13 @@ def refuse_unservable(policy: Policy) -> None:
             "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
             "memory there. Serve it with the transformers integration (KVPolicyCache), or use a uniform allocation"
         )
-    if policy.mode != "evict":
+    if policy.mode == "select":
+        why = select_refusal(policy)
+        if why is not None:
+            raise KVPolicyVLLMError(why)
+    elif policy.mode != "evict":
         raise KVPolicyVLLMError(
-            f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serving supports evict mode only"
+            f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serves evict and select modes only"
         )
 
 
@@ -203,11 +214,56 @@ def head_cap(policy: Policy | None, kv_heads: int) -> int | None:
     when that differs from its budget (a per-head allocation: ``Allocation.head_cap``); None when
     every head keeps the budget. The scheduler and every worker reserve it alike
     (``kvpolicy.vllm.ledger``)."""
-    if policy is None or not policy.per_head:
+    if policy is None or policy.mode != "evict" or not policy.per_head:
         return None
     if policy.config.selector.sets_counts:  # a threshold: each head keeps its own count, at most the budget
         return policy.budget
     return policy.config.allocation.head_cap(policy.budget, kv_heads)
+
+
+def select_refusal(policy: Policy) -> str | None:
+    """Why vLLM cannot serve a select-mode policy exactly (None: it can, ``kvpolicy.vllm.select``).
+
+    vLLM serves selection with the full cache in its blocks and each decode step attending the
+    choice of select mode's own call (``kvpolicy.eviction.choose``): whole blocks under a page
+    choice (``quest`` with ``granularity: page``, whose pages must be the blocks:
+    ``page_refusal``), else the chosen slots (the shipped ``quest``, ``oracle-topk``,
+    ``NAME@select``). Refused: stages that keep state (select mode's per-slot state is not kept
+    beside vLLM's blocks) and counts that differ by head."""
+    if policy.keeps_state:
+        return (
+            f"policy {policy.name!r} runs in select mode with stages that keep state ({sorted(policy.state_fields)}): "
+            "vLLM's select mode keeps no per-slot state beside its blocks. Serve it with the transformers "
+            "integration (KVPolicyCache), or in evict mode"
+        )
+    if policy.per_head:
+        return (
+            f"policy {policy.name!r} runs in select mode with a count per head: vLLM's select mode attends the same "
+            "number of slots on every head. Serve it with the transformers integration (KVPolicyCache)"
+        )
+    return None
+
+
+def page_refusal(policy: Policy | None, block_size: int) -> str | None:
+    """Why a page-choosing select-mode policy cannot run over KV blocks of ``block_size`` slots:
+    its pages must be vLLM's blocks (None: they are, or the policy chooses no pages)."""
+    if policy is None or policy.mode != "select":
+        return None
+    page = policy.chooses_pages
+    if page is None or page == block_size:
+        return None
+    return (
+        f"policy {policy.name!r} chooses pages of {page} slots (scorer.page_size), but vLLM's KV blocks hold "
+        f"{block_size}: its pages are the blocks. Start vLLM with block_size={page} or set scorer.page_size: "
+        f"{block_size} (with schedule.budget - schedule.recent a multiple of it)"
+    )
+
+
+def evicting_schedule(policy: Policy | None) -> Schedule | None:
+    """The schedule a request's blocks follow: its policy's when it evicts; None (every token's
+    block held, as under the policy ``none``) for no policy or a select-mode one, which keeps
+    every token and attends a selection (``kvpolicy.vllm.select``)."""
+    return policy.schedule if policy is not None and policy.mode == "evict" else None
 
 
 def _is_file(source: str) -> bool:
@@ -217,6 +273,18 @@ def _is_file(source: str) -> bool:
         return Path(source).is_file()
     except (OSError, ValueError):
         return False
+
+
+def refuse_server_files(policy: Policy, label: str) -> None:
+    """A request's policy may read kvpolicy's built-in data files only (``builtin:NAME``): a path in
+    a stage field (a calibration, a head profile) would make the server read a file a client named."""
+    named = [f"{stage.kind} {stage.type_name!r} {field}: {value!r}" for stage, field, value in policy.data_files
+             if not DataFile.is_builtin(value)]
+    if named:
+        raise KVPolicyVLLMError(
+            f"policy {label!r} names a file of the server ({'; '.join(named)}): a request may use kvpolicy's "
+            "built-in files only (builtin:NAME); a server names its own files in its policy (--additional-config)"
+        )
 
 
 def request_entry(extra_args: Any) -> dict[str, Any] | None:
@@ -373,20 +441,22 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     )
 
 
-def model_refusal(policy: Policy | None, model_config: Any) -> str | None:
+def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str, str] | None = None) -> str | None:
     """Why the served model cannot run ``policy`` (None: it can): a stage that reads the model
     and cannot serve this one (``Stage.check_model_facts``: TriAttention's calibration file
-    measured on another model), in ``KVPolicyCache``'s words. Asked in the front end from the
-    model's configuration and name, before any worker loads it; each worker checks the facts it
+    measured on another model), or a fact it reads that the loaded model cannot give
+    (``missing``: fact -> why, as the workers found), in ``KVPolicyCache``'s words. Asked in the
+    front end from the model's configuration and name, before any worker loads it; in the
+    engine core with the workers' missing facts, per request; each worker checks the facts it
     builds again (``PagedCache.check_policy``)."""
     if policy is None or not policy.needs_model or model_config is None:
         return None
     from ..engine_facts import ModelShape
-    from ..stages.model_facts import stage_problems
+    from ..stages.model_facts import lacking, stage_problems
 
     facts = ModelShape.of_config(model_config.hf_text_config, str(model_config.model)).facts(
-        rope_fn=None, output_projection_fn=None, missing={})
-    problems = stage_problems(policy.stages, facts)
+        rope_fn=None, output_projection_fn=None, missing=dict(missing or {}))
+    problems = lacking(policy.stages, facts.name, missing or {}) + stage_problems(policy.stages, facts)
     if not problems:
         return None
     return f"policy {policy.name!r} cannot serve the model {facts.name!r}: " + "; ".join(problems)
@@ -404,6 +474,9 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     model = model_refusal(policy, vllm_config.model_config)
     if model is not None:
         reasons.append(model)
+    page = page_refusal(policy, int(vllm_config.cache_config.block_size))
+    if page is not None:
+        reasons.append(page)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

@@ -40,6 +40,7 @@ from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
 from .paged_cache import PagedCache, StepRequests
+from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class WorkerEviction:
             per_head_refusal=per_head_refusal(ctx[names[0]].impl),
         )
         self.paged.check_policy(resolved.policy())
+        self.select = BlockSelection(self.paged)  # select-mode requests' page choices (kvpolicy.vllm.select)
 
     @property
     def long_steps(self) -> dict[str, Any]:
@@ -135,9 +137,12 @@ class WorkerEviction:
         paged = self.paged
         for req_id in scheduler_output.finished_req_ids:
             paged.drop(req_id)
+            self.select.drop(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             paged.drop(new.req_id)  # a new request, or one resubmitted under the same id
+            self.select.drop(new.req_id)
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            self.select.drop(req_id)  # recomputed: it chooses anew
             plan = paged.resume(req_id)
             if plan and self.rank == 0:
                 logger.info("kvpolicy: request %s resumes after preemption, replaying %d eviction(s)",
@@ -163,6 +168,7 @@ class WorkerEviction:
             batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
         self._hold_generators(num_reqs)
         self.paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+        self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
 
     @property
     def plan(self) -> StepRequests | None:
@@ -210,6 +216,11 @@ class WorkerEviction:
         if self.paged.long_steps:
             self.paged.after_attention(self._layer(layer), query, self._block_table())
 
+    def attend_selected(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
+        """After ``layer``'s attention: the rows of requests attending a selection at this step
+        become attention over their chosen blocks (``kvpolicy.vllm.select``)."""
+        self.select.attend(self._layer(layer), query, output, scaling)
+
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once: the cache holds what this module assumes (a plain, unpacked layout)."""
         self.layout_checked = True
@@ -230,6 +241,7 @@ class WorkerEviction:
 
     # -- after the forward ------------------------------------------------------------------
     def after_execute(self) -> None:
+        self.select.end_step()  # this step's selections are spent
         for ev in self.paged.end_step(self._block_table()):
             state = self.runner.requests.get(ev.req_id)
             if state is not None:
@@ -295,6 +307,14 @@ def init_runner(runner: Any) -> WorkerEviction | None:
     runner.__dict__["_kvpolicy"] = state
     _ACTIVE = state
     return state
+
+
+def missing_facts(worker: Any) -> dict[str, str]:
+    """The model facts this rank's worker cannot give, with the reason (``ModelFacts.missing``);
+    empty where it does not evict. Called on every rank by the engine core at start-up
+    (``collective_rpc``), so a request needing one is refused alone, before it runs."""
+    state = runner_eviction(getattr(worker, "model_runner", None))
+    return {} if state is None else dict(state.model_facts.missing)
 
 
 def active() -> WorkerEviction | None:

@@ -1,4 +1,5 @@
-"""``speed``: decode throughput once the cache is in steady state, peak memory and KV-cache bytes.
+"""``speed``: decode throughput once the cache is in steady state, peak memory and KV-cache bytes
+(the room the cache has, ``kv_mib``, and what it holds, ``kv_held_mib``: less under a threshold).
 
 With ``speed.batch`` 1, one sequence: ``context`` tokens fed (evicting as decoding would), then
 ``new_tokens`` greedy steps timed. Above 1, the throughput setting: ``batch`` rows of the same
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..cost import cache_bytes, peak_memory_mib, reset_peak_memory
+from ..cost import cache_bytes, cache_held_bytes, peak_memory_mib, reset_peak_memory
 from ..decoding import Prompt, generate_batch, new_cache
 from ..sampling import SamplingParams
 from .base import Column, Metric, MetricResult, need_text
@@ -26,6 +27,7 @@ class Speed(Metric):
     columns = [
         Column("tokens_per_s", "tok/s", "{:.1f}", "higher"),
         Column("kv_mib", "KV MiB", "{:.2f}", "lower"),
+        Column("kv_held_mib", "KV MiB held", "{:.2f}", "lower"),
         Column("peak_mib", "peak MiB", "{:.0f}", "lower"),
     ]
 
@@ -48,6 +50,7 @@ class Speed(Metric):
         values = {
             "tokens_per_s": forwards / seconds if seconds > 0 else float("nan"),
             "kv_mib": cache_bytes(stream.cache) / 2**20,
+            "kv_held_mib": cache_held_bytes(stream.cache) / 2**20,
             "peak_mib": peak_memory_mib(ctx.device),
         }
         return MetricResult(values)
@@ -67,13 +70,14 @@ class Speed(Metric):
             del cache
             torch.cuda.empty_cache()
             nan = float("nan")
-            return MetricResult({"tokens_per_s": nan, "kv_mib": nan, "peak_mib": peak_memory_mib(ctx.device),
+            return MetricResult({"tokens_per_s": nan, "kv_mib": nan, "kv_held_mib": nan, "peak_mib": peak_memory_mib(ctx.device),
                                  "evict_share": None, "oom": True})
         decode = stats.seconds - stats.prefill_seconds
         steps = max(s.new_tokens - 1, 1)  # forwards after the prefill
         values = {
             "tokens_per_s": s.batch * steps / decode if decode > 0 else float("nan"),
             "kv_mib": stats.kv_bytes / 2**20,
+            "kv_held_mib": stats.held_bytes / 2**20,
             "peak_mib": peak_memory_mib(ctx.device),
             "evict_share": stats.evict_seconds / decode if decode > 0 else None,
         }

@@ -1,0 +1,271 @@
+"""Select mode over vLLM's blocks: each decode step attends only the whole blocks a page-choosing
+policy chose, plus the recent tail; the full cache stays in the pool. Pure torch.
+
+A select-mode request is accounted like the policy ``none`` (``settings.evicting_schedule``: the
+scheduler and every worker's ledger never evict it, and it holds every token's block). What
+changes is its attention at a decode step: vLLM's attention backend computes the layer's output
+over every slot, and ``BlockSelection.attend`` then replaces the rows of the requests that
+select with attention (``kvpolicy.attend``) over the pages chosen by the transformers path's own
+code (``kvpolicy.eviction.choose``, hence ``kvpolicy.selection.choose_pages`` and the scorer's
+``score_pages``), read straight from the request's blocks, and the tail. vLLM's blocks are the
+policy's pages: ``settings.page_refusal`` refuses a policy whose page size is not the block size.
+
+The rule of when a request chooses is ``kvpolicy.selection.SelectionState.plan``'s, per request:
+a one-token step after the request's first step, holding more than ``budget`` slots, chooses
+when it has no choice yet or chose ``interval`` or more tokens ago; a multi-token chunk (a
+prompt, a recompute) attends densely (vLLM's own output) and makes the next decode step choose
+anew. Page summaries (each whole block's per-channel minimum and maximum key, per layer and KV
+head) are kept per request, incrementally: a page is reduced once, from the gathered keys, at the
+first choice after it filled (nothing is evicted, so a full page never changes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .. import eviction
+from ..attend import attend
+from ..policy import Policy, eviction_input
+from ..selection import page_plan, page_slots
+from .paged import gather_paged, slot_address
+from .paged_cache import BlockTable, PagedCache, RequestPolicy, StepRequests
+from .settings import KVPolicyVLLMError, page_refusal, select_refusal
+
+
+@dataclass
+class RequestChoice:
+    """One select-mode request's page summaries and current choice, per layer.
+
+    ``summaries``: per page size ``P`` the policy's stages read (``Policy.key_page_sizes``),
+    ``[Lyr, Hkv, pages, 2, D]``, each whole page's min and max key side by side (the form select
+    mode's cache keeps, which Quest reads as one view), valid for the first ``summarised[P][l]``
+    pages of layer ``l``. ``chosen [Lyr, Hkv, K]``: each layer's choice, whole pages under a page
+    choice (``K = budget // P``, the first ``k`` count: ``page_plan``), else slots
+    (``K = budget``, ascending). ``chosen_at``: slots held when it chose (-1: no choice);
+    ``choices``: choices made before this step (they key a policy's draws, as in select mode's
+    cache); ``fresh``: it chooses anew at this step."""
+
+    summaries: dict[int, torch.Tensor]
+    summarised: dict[int, list[int]]
+    chosen: torch.Tensor
+    chosen_at: int = -1
+    choices: int = 0
+    fresh: bool = False
+
+
+@dataclass(frozen=True)
+class SelectGroup:
+    """This step's requests that attend a selection, alike: one policy, the same slots held, and
+    the same point in the choice cycle (so one policy call serves them, as a phase of a select
+    cache's rows does)."""
+
+    rp: RequestPolicy
+    held: int
+    fresh: bool
+    chosen_at: int
+    req_ids: list[str]
+    tokens: torch.Tensor  # [R] each request's token in the step's flattened tokens (device)
+    blocks: torch.Tensor  # [R, ceil(held / block_size)] each request's block ids (device)
+    choices: list[RequestChoice] = field(default_factory=list)
+
+
+class BlockSelection:
+    """Select mode for the requests of one worker's ``PagedCache`` (its blocks, query rings,
+    policies, layer ids and head offset). ``begin_step`` after ``PagedCache.begin_step``,
+    ``attend`` after each attention layer's forward (its keys are in the blocks), ``end_step``
+    after the forward, ``drop`` when a request leaves or is preempted (a resumed request
+    recomputes its cache and chooses anew)."""
+
+    def __init__(self, paged: PagedCache) -> None:
+        self.paged = paged
+        self.requests: dict[str, RequestChoice] = {}
+        self.groups: list[SelectGroup] = []
+
+    @property
+    def selecting(self) -> bool:
+        """Whether some request of this step attends a selection."""
+        return bool(self.groups)
+
+    def drop(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def end_step(self) -> None:
+        self.groups = []
+
+    def begin_step(self, plan: StepRequests, table: BlockTable) -> None:
+        """Which requests of ``plan`` attend a selection at this step, and which choose anew
+        (``SelectionState.plan``'s rule, per request)."""
+        paged = self.paged
+        self.groups = []
+        phases: dict[tuple[str, int, bool, int], list[tuple[int, str]]] = {}
+        for i, req_id in enumerate(plan.req_ids):
+            rp = paged.request_policy(req_id)
+            policy = rp.policy
+            if policy is None or policy.mode != "select":
+                continue
+            choice = self._request(req_id, policy)
+            choice.choices += choice.fresh  # the choice of the last step counts
+            before, t = int(plan.computed_before[i]), int(plan.scheduled[i])
+            if t != 1 or before == 0:  # a chunk attends densely; the next decode step chooses anew
+                choice.chosen_at, choice.fresh = -1, False
+                continue
+            held = before + 1  # nothing is evicted: slot s holds token s
+            schedule = policy.schedule
+            stale = choice.chosen_at < 0 or held - choice.chosen_at >= schedule.interval
+            choice.fresh = held > schedule.budget and stale
+            if choice.fresh:
+                choice.chosen_at = held
+            if held <= schedule.budget:  # it attends every slot: vLLM's output stands
+                continue
+            key = (rp.resolved.policy_yaml or "", held, choice.fresh, choice.chosen_at)
+            phases.setdefault(key, []).append((i, req_id))
+        ends = np.cumsum(plan.scheduled)
+        device = paged.device
+        for (_, held, fresh, chosen_at), members in sorted(phases.items()):
+            rows = torch.tensor([i for i, _ in members], dtype=torch.long)
+            req_ids = [r for _, r in members]
+            blocks = table.get_cpu_tensor()[rows, : -(-held // paged.block_size)].to(device=device, dtype=torch.long)
+            tokens = torch.tensor([int(ends[i]) - 1 for i, _ in members], dtype=torch.long, device=device)
+            self.groups.append(SelectGroup(paged.policy_of[req_ids[0]], held, fresh, chosen_at, req_ids, tokens,
+                                           blocks, [self.requests[r] for r in req_ids]))
+
+    def _request(self, req_id: str, policy: Policy) -> RequestChoice:
+        known = self.requests.get(req_id)
+        if known is not None:
+            return known
+        paged = self.paged
+        why = select_refusal(policy) or page_refusal(policy, paged.block_size)
+        if why is not None:  # the front end refuses these first: a worker never runs them
+            raise KVPolicyVLLMError(why)
+        lyr, hkv, d = paged.layers, paged.kv_heads, paged.head_dim
+        page = policy.chooses_pages
+        width = policy.budget if page is None else policy.budget // page
+        sizes = sorted(policy.key_page_sizes | ({page} if page is not None else set()))
+        choice = self.requests[req_id] = RequestChoice(
+            summaries={p: torch.zeros(lyr, hkv, 0, 2, d, dtype=paged.dtype, device=paged.device) for p in sizes},
+            summarised={p: [0] * lyr for p in sizes},
+            chosen=torch.zeros(lyr, hkv, width, dtype=torch.long, device=paged.device),
+        )
+        return choice
+
+    def attended(self, req_id: str, layer: int, held: int) -> torch.Tensor:
+        """``[Hkv, L]`` the slots a decode step of ``req_id`` holding ``held`` slots attends on
+        ``layer`` under its current choice, ascending (what ``attend`` reads): the chosen pages'
+        slots and the tail, or the chosen slots and those appended since the choice."""
+        c = self.requests[req_id]
+        policy = self.paged.policy_of[req_id].policy
+        assert policy is not None and c.chosen_at > 0
+        page, s = policy.chooses_pages, policy.schedule
+        if page is None:
+            since = torch.arange(c.chosen_at, held, device=c.chosen.device)
+            return torch.cat([c.chosen[layer], since.expand(c.chosen.shape[1], -1)], dim=-1)
+        k, tail = page_plan(c.chosen_at, s.budget, s.recent, page)
+        return page_slots(c.chosen[layer, :, :k], page, tail, held)
+
+    # -- during the forward -------------------------------------------------------------------
+    def attend(self, layer: int, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
+        """After ``layer``'s attention: the selecting requests' rows of ``output`` (``[T, Hq * D]``
+        or ``[T, Hq, D]``, vLLM's result over every slot) become attention (``kvpolicy.attend``)
+        of their ``query`` rows over the slots chosen for them, read from their blocks, and the
+        tokens appended since the choice; the fresh ones choose first."""
+        paged = self.paged
+        q_all = query.view(query.shape[0], paged.q_heads, paged.head_dim)
+        out = output.view(output.shape[0], paged.q_heads, -1)
+        keys_cache, values_cache = paged.kv[layer]
+        bs = paged.block_size
+        heads = torch.arange(paged.kv_heads, device=paged.device)[None, :, None]
+        for group in self.groups:
+            policy = group.rp.policy
+            assert policy is not None
+            if group.fresh:
+                self._choose(layer, group, policy)
+            r, schedule = len(group.req_ids), policy.schedule
+            if policy.chooses_pages is not None:  # whole blocks, then the tail's blocks (as chosen at chosen_at)
+                k, first_tail = page_plan(group.chosen_at, schedule.budget, schedule.recent, bs)
+                chosen = torch.stack([c.chosen[layer, :, :k] for c in group.choices])  # [R, Hkv, k]
+                tail = torch.arange(first_tail // bs, -(-group.held // bs), device=chosen.device)
+                wanted = torch.cat([chosen, tail.expand(r, paged.kv_heads, -1)], dim=-1)  # ascending pages
+                ids = group.blocks.gather(1, wanted.flatten(1)).view_as(wanted)  # [R, Hkv, m] block ids
+                attended = k * bs + group.held - first_tail  # the last block's slots past those held are cut
+                # [R, Hkv, m, block_size, D]: each head's blocks, page after page
+                keys = keys_cache[ids, :, heads].flatten(2, 3)[:, :, :attended]
+                values = values_cache[ids, :, heads].flatten(2, 3)[:, :, :attended]
+            else:  # the chosen slots, then the tokens appended since the choice
+                chosen = torch.stack([c.chosen[layer] for c in group.choices])  # [R, Hkv, budget]
+                since = torch.arange(group.chosen_at, group.held, device=chosen.device)
+                slots = torch.cat([chosen, since.expand(r, paged.kv_heads, -1)], dim=-1)
+                ids = group.blocks.gather(1, (slots // bs).flatten(1)).view_as(slots)
+                keys = keys_cache[ids, slots % bs, heads]  # [R, Hkv, L, D]
+                values = values_cache[ids, slots % bs, heads]
+            q = q_all[group.tokens].to(keys.dtype)[:, :, None]  # [R, Hq, 1, D]
+            result = attend(q, keys, values, scaling=scaling)  # [R, Hq, 1, D]
+            out[group.tokens] = result[:, :, 0].to(out.dtype)
+
+    def _choose(self, layer: int, group: SelectGroup, policy: Policy) -> None:
+        """``group``'s choice on ``layer``: ``eviction.choose`` (select mode's own call) on the
+        requests' slots, with their page summaries brought up to the pages filled by now."""
+        paged = self.paged
+        n = group.held
+        blocks, offs = slot_address(group.blocks, n, paged.block_size)
+        keys, values = gather_paged(paged.kv[layer], blocks, offs)  # [R, Hkv, n, D]
+        key_pages = {}
+        for p in group.choices[0].summaries:
+            for j, c in enumerate(group.choices):
+                self._summarise(c, layer, keys[j], p)
+            both = torch.stack([c.summaries[p][layer, :, : n // p] for c in group.choices])  # [R, Hkv, pages, 2, D]
+            key_pages[p] = (both[..., 0, :], both[..., 1, :])
+        queries, query_valid = self._window(policy.schedule.window, layer, group)
+        shape = (keys.shape[0], keys.shape[1], n)
+        inp = eviction_input(
+            keys, values, queries, budget=policy.budget, recent=policy.schedule.recent,
+            seed=policy.resolve_seed(group.rp.resolved.seed), query_valid=query_valid,
+            slot_valid=torch.ones((), dtype=torch.bool, device=keys.device).expand(shape),
+            positions=torch.arange(n, device=keys.device).expand(shape),
+            layer_idx=paged.layer_ids[layer], evictions=torch.tensor([c.choices for c in group.choices]),
+            head_offset=paged.head_offset, key_pages=key_pages,
+            model=paged.model_facts if policy.needs_model else None,
+        )
+        kept = eviction.choose(policy, inp)
+        chosen = kept.pages if kept.pages is not None else kept.slots
+        if chosen is None:  # per-head counts: settings refuse them
+            raise KVPolicyVLLMError(f"policy {policy.name!r} chose a count per head, which vLLM does not serve")
+        for j, c in enumerate(group.choices):
+            c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
+
+    @staticmethod
+    def _summarise(choice: RequestChoice, layer: int, keys: torch.Tensor, p: int) -> None:
+        """Layer ``layer``'s summaries of pages of ``p`` slots of ``choice`` for every whole page
+        of ``keys [Hkv, n, D]`` (the request's slots), reducing only the pages filled since."""
+        full, done = keys.shape[1] // p, choice.summarised[p][layer]
+        if full <= done:
+            return
+        old = choice.summaries[p]
+        if old.shape[2] < full:  # grow geometrically
+            grown = old.new_zeros(*old.shape[:2], max(full, 2 * old.shape[2], 8), *old.shape[3:])
+            grown[:, :, : old.shape[2]] = old
+            choice.summaries[p] = old = grown
+        pages = keys[:, done * p : full * p].unflatten(1, (full - done, p))  # [Hkv, new, P, D]
+        old[layer, :, done:full, 0] = pages.amin(2)
+        old[layer, :, done:full, 1] = pages.amax(2)
+        choice.summarised[p][layer] = full
+
+    def _window(self, w: int, layer: int, group: SelectGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's last ``w`` queries of ``layer`` ``[R, Hq, W, D]``, oldest first (as
+        ``PagedCache`` reads an eviction's window), and which entries hold a query ``[R, W]``."""
+        paged = self.paged
+        device = paged.device
+        r = len(group.req_ids)
+        if w == 0:
+            return torch.zeros(r, paged.q_heads, 0, paged.head_dim, dtype=paged.dtype, device=device), \
+                torch.zeros(r, 0, dtype=torch.bool, device=device)
+        ring = paged.rings[w]
+        ring_rows = torch.tensor([ring.row_of[q] for q in group.req_ids], dtype=torch.long, device=device)
+        steps = torch.arange(w, device=device)
+        order = (group.held + steps) % w  # the ring holds this step's query already (captured first)
+        win = ring.tensor[ring_rows, layer]  # [R, W, Hq, D]
+        win = win[:, order]
+        valid = (group.held - w + steps >= 0).expand(r, w)
+        return win.permute(0, 2, 1, 3), valid

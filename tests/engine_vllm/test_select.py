@@ -1,0 +1,188 @@
+"""Select mode served by vLLM (``kvpolicy.vllm.select``): the bundled SmolLM2-135M, one engine
+(server policy ``none``) whose requests name their own select-mode policy: Quest at page
+granularity over vLLM's blocks of 32 (pages of 32 slots), and the shipped ``quest`` (slot
+granularity, pages of 16), each at budget 128 over prompts plus 256 new tokens. Their tokens
+equal ``KVPolicyCache`` + ``generate()`` with the same policy, but where both engines' top-2
+logits are within a rounding tie; the selection changes the tokens (they differ from the full
+cache's), so the engine did attend the chosen blocks. A page choice whose pages are not the
+blocks is refused for that request alone, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+
+from kvpolicy import load_policy  # noqa: E402
+
+BUDGET = 128
+NEW = 256
+BLOCK = 32
+TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
+PROMPTS = [
+    "Write a long story about a dragon who learns to code. Once upon a time",
+    "List the numbers from one to two hundred: one, two, three,",
+]
+
+
+def _quest_pages(page: int = BLOCK, recent: int = 32) -> dict:
+    """The shipped quest at page granularity, pages of ``page`` slots (a policy mapping)."""
+    data = load_policy("quest", budget=BUDGET, recent=recent).config.to_dict()
+    return {**data, "name": "quest-pages", "scorer": {**data["scorer"], "page_size": page, "granularity": "page"}}
+
+
+POLICIES = {
+    "quest-pages": _quest_pages(),
+    "quest": load_policy("quest", budget=BUDGET, recent=16).config.to_dict(),
+    "none": None,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from kvpolicy.vllm.models import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="module")
+def hf_refs(model_dir):
+    """``KVPolicyCache`` + ``generate()`` per policy and prompt (the full cache for ``none``),
+    computed before the engine starts: CPUs are few."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy import KVPolicyCache
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = {}
+    for name, source in POLICIES.items():
+        rows = []
+        for text in PROMPTS:
+            ids = tokenizer(text).input_ids
+            x = torch.tensor([ids])
+            cache = {} if source is None else {"past_key_values": KVPolicyCache(load_policy(source), model)}
+            with torch.no_grad():
+                g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
+                                   do_sample=False, output_logits=True, return_dict_in_generate=True, **cache)
+            top2 = [lg[0].float().topk(2).values for lg in g.logits]
+            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+        refs[name] = rows
+    del model
+    return refs
+
+
+def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_refused(model_dir, hf_refs):
+    from vllm.exceptions import VLLMValidationError
+
+    llm = make_llm(model_dir, {"policy": "none"}, block_size=BLOCK)
+    try:
+        prompts, params, names = [], [], []
+        for name, source in POLICIES.items():
+            extra = {"kvpolicy": "none" if source is None else {"policy": source}}
+            for ids, _, _ in hf_refs[name]:
+                prompts.append(tokens_prompt(ids))
+                params.append(greedy(NEW, logprobs=2, extra_args=extra))
+                names.append(name)
+        outs = llm.generate(prompts, params, use_tqdm=False)  # every policy in one batch
+        with pytest.raises(VLLMValidationError, match="chooses pages of 16 slots .* blocks hold 32"):
+            llm.generate([tokens_prompt(hf_refs["none"][0][0])],
+                         greedy(8, extra_args={"kvpolicy": {"policy": _quest_pages(page=16, recent=16)}}),
+                         use_tqdm=False)
+        after = llm.generate([tokens_prompt(hf_refs["none"][0][0])], greedy(8), use_tqdm=False)
+        assert len(after[0].outputs[0].token_ids) == 8  # the engine goes on serving
+    finally:
+        close(llm)
+    got = {}
+    for name, out in zip(names, outs, strict=True):
+        got.setdefault(name, []).append(out)
+    changed = 0
+    for name in POLICIES:
+        for (ids, ref, margins), out, full in zip(hf_refs[name], got[name], hf_refs["none"], strict=True):
+            tokens = list(out.outputs[0].token_ids)
+            i = first_divergence(tokens, ref)
+            if i is not None:
+                lp = sorted((x.logprob for x in out.outputs[0].logprobs[i].values()), reverse=True)
+                gap = lp[0] - lp[1] if len(lp) > 1 else float("inf")
+                assert margins[i] < TIE or gap < TIE, (
+                    f"{name}, prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} "
+                    f"(hf), {gap:.2e} (vllm)"
+                )
+            if name != "none" and ref != full[1]:
+                changed += 1
+                print(f"{name}, prompt {ids[:6]}: differs from the full cache from token {first_divergence(ref, full[1])}"
+                      f", vLLM equals generate() {'throughout' if i is None else f'up to token {i}'}")
+    assert changed >= 2, "selection at budget 128 changed no prompt's tokens: nothing shows it was attended"
+
+
+PREEMPT_POOL = 12  # blocks of 32: 352 usable slots, less than the three requests' 3 x 300 tokens
+
+
+def _preemption_workload():
+    import random
+
+    from vllm import SamplingParams
+
+    rng = random.Random(7)
+    shared = [rng.randint(3, 4000) for _ in range(32)]  # a block every prompt starts with
+    sources = [_quest_pages(recent=32), load_policy("quest", budget=64, recent=16).config.to_dict(),
+               load_policy("oracle-topk", budget=64, recent=16).config.to_dict()]
+    out = []
+    for i, source in enumerate(sources):
+        ids = shared + [rng.randint(3, 4000) for _ in range(8)]
+        params = SamplingParams(max_tokens=260, min_tokens=260, ignore_eos=True, temperature=0.0,
+                                extra_args={"kvpolicy": {"policy": source}})
+        out.append((f"select-{i}", ids, params))
+    return out
+
+
+def _run_alone_or_loaded(llm, work, loaded: bool) -> dict[str, list[int]]:
+    eng = llm.llm_engine
+    done: dict[str, list[int]] = {}
+    batches = [work] if loaded else [[w] for w in work]
+    step = 0
+    for batch in batches:
+        for rid, ids, params in batch:
+            eng.add_request(rid, tokens_prompt(ids), params)
+        while eng.has_unfinished_requests():
+            if loaded and step % 100 == 60:  # vLLM preempts every running request
+                assert eng.reset_prefix_cache(reset_running_requests=True)
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            step += 1
+    return done
+
+
+def test_select_requests_preempted_while_selecting_equal_their_runs_alone(tmp_path):
+    """The tiny random Qwen3, prefix caching on, three select-mode requests (Quest by pages of 32,
+    the shipped quest, oracle-topk) of 300 tokens over a pool of 12 blocks: vLLM preempts them as
+    they grow, and every 100 steps preempts every running one, after they started selecting.
+    Recomputed one token per step past their budget (the scheduler's cap), each gives exactly its
+    tokens alone on an idle engine with a large pool."""
+    from engine_util import read_jsonl
+
+    from kvpolicy.vllm.models import tiny_qwen3_folder
+
+    work = _preemption_workload()
+    got = {}
+    for name, blocks in (("alone", None), ("loaded", PREEMPT_POOL)):
+        trace = tmp_path / name
+        kwargs = {} if blocks is None else {"num_gpu_blocks_override": blocks}
+        llm = make_llm(tiny_qwen3_folder(), {"policy": "none", "trace": str(trace)}, block_size=BLOCK,
+                       max_model_len=320, enable_prefix_caching=True, **kwargs)
+        try:
+            got[name] = _run_alone_or_loaded(llm, work, loaded=blocks is not None)
+        finally:
+            close(llm)
+    steps = read_jsonl(tmp_path / "loaded", "scheduler-")
+    print(f"recompute steps cut to one token: {steps[-1]['replay_cuts_total']}; peak blocks in use "
+          f"{max(s['held_blocks'] for s in steps)} of {steps[-1]['total_blocks']}")
+    for rid, *_ in work:
+        assert got["loaded"][rid] == got["alone"][rid], (
+            f"{rid}: first divergence at {first_divergence(got['loaded'][rid], got['alone'][rid])}")
+    assert steps[-1]["replay_cuts_total"] > 0, "no select-mode request was recomputed past its budget"
+    assert steps[-1]["held_blocks"] == 0
