@@ -207,7 +207,8 @@ def test_attention_output_equals_float64_attention_over_the_reference_pages(budg
 
 def test_padded_rows_choose_and_attend_as_each_row_alone():
     """A left-padded batch (rows holding different counts choose apart): every decode step's
-    output and attended slots of each row equal the row's run alone, exactly."""
+    output and attended slots of each row equal the row's run alone, exactly (the prompt's
+    attention to rounding: SDPA's kernels over a padded length may round differently)."""
     policy = _quest(24, 4, 4)
     gen = torch.Generator().manual_seed(12)
     pads = [0, 5, 2]
@@ -226,7 +227,10 @@ def test_padded_rows_choose_and_attend_as_each_row_alone():
             for row, cache in enumerate(alone):
                 real = token_valid[row] if i == 0 else torch.ones(1, dtype=torch.bool)
                 one = cache.attend(layer, q[row:row + 1, :, real], k[row:row + 1, :, real], v[row:row + 1, :, real])
-                assert torch.equal(out[row:row + 1, :, -1:], one[:, :, -1:]), (i, layer, row)
+                if i == 0:  # SDPA over a padded prompt may round apart from the row alone (AMD EPYC)
+                    torch.testing.assert_close(out[row:row + 1, :, -1:], one[:, :, -1:], atol=1e-6, rtol=1e-6)
+                else:  # chosen pages, and attention over them, exactly the row's own
+                    assert torch.equal(out[row:row + 1, :, -1:], one[:, :, -1:]), (i, layer, row)
             if i > 0:
                 group = batch.layers[layer].group
                 for row, cache in enumerate(alone):

@@ -59,10 +59,11 @@ def _calibration(model, out) -> str:
 #: Each per-request policy at a budget that evicts several times in a stream.
 SMALL = {"budget": 48, "recent": 8, "interval": 16, "window": 8}
 #: The per-request settings the soak mixes: the serve test's, then the policies that read the
-#: model's facts and the merges. A request with none runs the server's policy, TriAttention with a
+#: model's facts, the merges, per-head counts (Ada-KV, DMS's threshold) and select mode. A request with none runs the server's policy, TriAttention with a
 #: calibration of the tiny model (a file: only the server's own policy may name one).
 SOAK_XARGS = [*XARGS, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
-                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o")),
+                        for name in ("snapkv", "criticalkv", "expected-attention", "cam", "d2o",
+                                     "ada-vase-attnv", "dms")),
               {"kvpolicy": "quest", "kvpolicy_budget": 64}]  # select mode: every block held, 64 slots attended
 
 
