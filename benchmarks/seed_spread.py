@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
         above = f"  {mean - args.target:+.4f} from the target" if args.target is not None else ""
         print(f"{name}@{budget}: {' '.join(f'{v:.4f}' for v in values)}  mean {mean:.4f} sd {sd:.4f}{above}")
     for (name, budget), reason in refused.items():
-        print(f"{name}@{budget}: refused: {reason}")
+        print(f"{name}@{budget}: refused: {' '.join(reason.split())}")  # the policy's error, on one line
     return 0
 
 
