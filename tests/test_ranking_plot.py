@@ -86,3 +86,19 @@ def _write(folder: Path, text: str) -> Path:
     path = folder / "findings.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def test_nested_outliers_are_all_left_out_of_the_zoomed_scale():
+    from kvpolicy.eval.report import off_scale, off_scale_nested
+
+    _, _, rows = _published()
+    ppl: dict[str, list[float]] = {}
+    for (name, _), row in rows.items():
+        if name != FULL and "ppl_ratio" in row["values"]:
+            ppl.setdefault(name, []).append(row["values"]["ppl_ratio"])
+    assert off_scale(ppl, 1.0) == ["cam"]  # one pass: random's 2.2 would still squeeze the rest
+    assert off_scale_nested(ppl, 1.0) == ["cam", "random", "knorm"]
+    # nothing stands out: nothing left out; never more than a third of the policies
+    assert off_scale_nested({"a": [1.0], "b": [1.1], "c": [1.2]}, 1.0) == []
+    # y stands out, then x does among the rest, but a third of four policies is one: x stays in scale
+    assert off_scale_nested({"a": [1.0], "b": [1.01], "x": [5.0], "y": [500.0]}, 1.0) == ["y"]
