@@ -3,7 +3,8 @@ where one seed's figure says little (VaSE-AttnV's seed alone moves its ratio at 
 0.0056 on the bundled model).
 
     python benchmarks/seed_spread.py vase-attnv docs/examples/quality-goal/v-t2.yaml \
-        --seeds 0 1 2 3 --budgets 256 --out runs/seeds [--full-from RUN] [--target 1.0246]
+        --seeds 0 1 2 3 --budgets 256 --out runs/seeds [--full-from RUN] [--target 1.0246] \
+        [--refusals report]
 
 Each policy (a registered name or a YAML file) runs once per seed, as ``NAME#sSEED``, through
 ``kvpolicy eval`` (metric ``perplexity``, 4,096 tokens of the bundled text with a 64-token
@@ -51,12 +52,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--full-from", help="a run folder of the same protocol whose full-cache row is done")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     ap.add_argument("--target", type=float, help="the ratio to measure the means against (the oracle's)")
+    ap.add_argument("--refusals", choices=["error", "report"], default="error",
+                    help="as the eval config's `refusals`: report shows a policy that refuses a budget "
+                         "(dms's 128-token window at 128) instead of stopping before any pair runs")
     args = ap.parse_args(argv)
 
     config = EvalConfig.model_validate({
         "model": args.model, "budgets": args.budgets, "metrics": ["perplexity"],
         "perplexity": {"tokens": args.tokens, "prefill": 64},
-        "policies": variants(args.policies, args.seeds),
+        "policies": variants(args.policies, args.seeds), "refusals": args.refusals,
     })
     out = Path(args.out)
     if args.resume:
@@ -69,7 +73,10 @@ def main(argv: list[str]) -> int:
             result = run_eval(config, out, progress=False)
 
     ratios: dict[tuple[str, int], list[float]] = {}
+    refused: dict[tuple[str, int], str] = {}
     for row in result.rows:
+        if row.get("refused"):
+            refused[(row["policy"].split("#s")[0], row["budget"])] = row["refused"]
         if row["key"] == "full" or "ppl_ratio" not in row["values"]:
             continue
         base = row["policy"].split("#s")[0]
@@ -79,6 +86,8 @@ def main(argv: list[str]) -> int:
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         above = f"  {mean - args.target:+.4f} from the target" if args.target is not None else ""
         print(f"{name}@{budget}: {' '.join(f'{v:.4f}' for v in values)}  mean {mean:.4f} sd {sd:.4f}{above}")
+    for (name, budget), reason in refused.items():
+        print(f"{name}@{budget}: refused: {' '.join(reason.split())}")  # the policy's error, on one line
     return 0
 
 

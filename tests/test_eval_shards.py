@@ -118,3 +118,23 @@ def test_seed_spread_runs_a_sampled_policy_once_per_seed(tmp_path, capsys):
                              "--out", str(again), "--full-from", str(out)]) == 0
     assert _rows(again)["full"] == rows["full"]
     assert _rows(again)["vase-attnv#s1@96"]["values"] == rows["vase-attnv#s1@96"]["values"]
+
+
+def test_seed_spread_reports_a_refused_budget_when_asked(tmp_path, capsys):
+    from test_eval_e2e import build_tiny_model
+
+    from kvpolicy.eval.config import EvalError
+
+    seed_spread = load_benchmark("seed_spread")
+    model = build_tiny_model(tmp_path / "tiny")
+    args = ["snapkv", "--seeds", "0", "--budgets", "64", "96", "--tokens", "300", "--model", str(model)]
+    # snapkv's 64 recent slots leave no candidate at budget 64: by default nothing runs
+    with pytest.raises(EvalError, match="snapkv#s0' at budget 64"):
+        seed_spread.main([*args, "--out", str(tmp_path / "strict")])
+    assert not (tmp_path / "strict" / "results.jsonl").exists()
+    assert seed_spread.main([*args, "--out", str(tmp_path / "report"), "--refusals", "report"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert any(x.startswith("snapkv@64: refused: ") and "recent buffer" in x for x in printed)
+    assert any(x.startswith("snapkv@96: ") and " mean " in x for x in printed)
+    rows = _rows(tmp_path / "report")
+    assert rows["snapkv#s0@64"]["values"] == {} and "ppl_ratio" in rows["snapkv#s0@96"]["values"]

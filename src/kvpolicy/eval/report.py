@@ -200,6 +200,20 @@ def off_scale(series: dict[str, list[float]], ref: float | None, squeeze: float 
     return []
 
 
+def off_scale_nested(series: dict[str, list[float]], ref: float | None, squeeze: float = SQUEEZE) -> list[str]:
+    """``off_scale`` applied again to what it leaves, until nothing more stands out: one policy
+    thousands of times off (``cam``'s ratios) would otherwise be the only one left out, and the
+    next tier (``random``'s 2.2) would still squeeze the others. At most a third of the policies
+    in all, the farthest first."""
+    out: list[str] = []
+    while len(out) < len(series) // 3:
+        more = off_scale({n: v for n, v in series.items() if n not in out}, ref, squeeze)
+        if not more or len(out) + len(more) > len(series) // 3:
+            break
+        out += more
+    return out
+
+
 def _span(values: Iterable[list[float]], ref: float | None) -> float:
     flat = [v for vs in values for v in vs] + ([] if ref is None else [ref])
     return max(flat) - min(flat) if flat else 0.0
@@ -349,7 +363,7 @@ def ranking_markdown(cols: Sequence[Column], rows: list[dict]) -> str:
 def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path | None:
     """``ranking.png``: one line per policy in rank order (best at the top), one panel per ranked
     number, a marker per budget; the full cache as a dashed line, selection policies in italics,
-    refused budgets marked. A value off the panel's scale (see ``off_scale``) is drawn at its edge
+    refused budgets marked. A value off the panel's scale (see ``off_scale_nested``) is drawn at its edge
     with its figure beside it."""
     import matplotlib
 
@@ -374,7 +388,7 @@ def ranking_plot(folder: Path, cols: Sequence[Column], rows: list[dict]) -> Path
             if vals:
                 series[name] = vals
         ref = _number(rk.full.get(c.key)) if rk.full is not None else None
-        off = set(off_scale(series, ref))
+        off = set(off_scale_nested(series, ref))
         shown = [v for k, vs in series.items() if k not in off for v in vs] + ([] if ref is None else [ref])
         lo, hi = (min(shown), max(shown)) if shown else (0.0, 1.0)
         pad = (hi - lo) * 0.06 or 0.01
