@@ -17,6 +17,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec`` | under a per-layer policy (``settings.per_layer``), each layer's spec of its own (``kvpolicy.vllm.layer_spec``): vLLM builds a KV-cache group, so a block table, per layer |
 | worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
+| worker | ``build`` of the attention backend's metadata builder (``install_builder``, under per-layer budgets) | each KV-cache group's attention length (``seq_lens``) its own |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once; a select-mode request's decode rows attend its chosen blocks (``kvpolicy.vllm.select``) |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
@@ -265,8 +266,9 @@ def _install_scheduler() -> None:
             state = sched_mod.state()
             if state is None:
                 return original(self, request_id, num_tokens, *args, **kwargs)
-            copies = state.copy_blocks(request_id, num_tokens, self.block_size)
-            slots = state.counted_slots(request_id, num_tokens)
+            group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
+            copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
+            slots = state.counted_slots(request_id, num_tokens, group)
             return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
 
         return counted
@@ -293,8 +295,7 @@ def _install_scheduler() -> None:
 
     def make_free(original):
         def freed(self, request_id, *args: Any, **kwargs: Any):
-            ledger = sched_mod.ledger()
-            if ledger is not None:
+            for ledger in sched_mod.ledgers():  # every KV-cache group's (vLLM frees a request's groups together)
                 ledger.reset(request_id)
             return original(self, request_id, *args, **kwargs)
 
@@ -435,6 +436,8 @@ def _install_worker() -> None:
             if state is not None:
                 for impl_cls in state.impl_classes:
                     install_backend(impl_cls)
+                for builder_cls in state.builder_classes:
+                    install_builder(builder_cls)
             return out
 
         return initialize_kv_cache
@@ -501,7 +504,7 @@ def install_backend(impl_cls: type) -> None:
             if state is not None and attn_metadata is not None:
                 state.capture_queries(layer, query)
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            if state is not None and attn_metadata is not None and state.paged.head_attention is not None:
+            if state is not None and attn_metadata is not None and state.head_attention:
                 state.attend_heads(layer, query, out, self.scale)  # requests whose heads hold different counts
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
@@ -524,3 +527,21 @@ def install_backend(impl_cls: type) -> None:
     _wrap(impl_cls, "forward", make_forward)
     if hasattr(impl_cls, "do_kv_cache_update"):
         _wrap(impl_cls, "do_kv_cache_update", make_kv_update)
+
+
+def install_builder(builder_cls: type) -> None:
+    """Under per-layer budgets (a KV-cache group per layer), wrap the attention backend's metadata
+    builder (once per class and process): each group's metadata gets that group's attention
+    length (``WorkerEviction.group_metadata``); vLLM gives every group the same ``seq_lens``."""
+    from . import worker
+
+    def make_build(original):
+        def build(self, common_prefix_len, common_attn_metadata, *args: Any, **kwargs: Any):
+            state = worker.active()
+            if state is not None:
+                common_attn_metadata = state.group_metadata(self, common_attn_metadata)
+            return original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+        return build
+
+    _wrap(builder_cls, "build", make_build)

@@ -36,11 +36,11 @@ from .. import eviction
 from ..attend import attend_heads
 from ..documents import PolicyError
 from ..policy import Policy, eviction_input
+from ..schedule import Schedule
 from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from ..schedule import Schedule
 from .settings import KVPolicyVLLMError, Resolved, group_schedules, head_cap
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
