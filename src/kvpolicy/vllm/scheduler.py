@@ -407,6 +407,9 @@ class SchedulerEviction:
             "held_blocks": len({id(b) for m in managers for bs in m.req_to_blocks.values() for b in bs}),
             # per KV-cache group (a layer's, under per-layer budgets): blocks its requests hold
             "group_blocks": [len({id(b) for bs in m.req_to_blocks.values() for b in bs}) for m in managers],
+            # per running request: blocks held in all its groups (the null block is no block)
+            "request_blocks": {r: sum(sum(not b.is_null for b in m.req_to_blocks.get(r, ())) for m in managers)
+                               for r in sched.requests},
             "requests": len(sched.requests),
             "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
             "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
