@@ -265,3 +265,13 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     reasons = per_layer_refusals(pyramid, config)
     assert len(reasons) == 2 and "prefix caching" in reasons[0] and "pipeline parallelism" in reasons[1]
     assert per_layer_refusals(load_policy("snapkv"), config) == []
+
+
+def test_a_per_layer_split_the_model_cannot_take_is_refused_by_name():
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, layer_schedules
+
+    tight = load_policy("pyramidkv", budget=24, recent=16, interval=16, window=16)  # the last layers get <= recent
+    with pytest.raises(KVPolicyVLLMError, match="policy 'pyramidkv' cannot share its budget among the model's 30 layers"):
+        layer_schedules(tight, 30, 3)
+    roomy = load_policy("pyramidkv", budget=32, recent=16, interval=16, window=16)
+    assert min(s.budget for s in layer_schedules(roomy, 30, 3)) > 16

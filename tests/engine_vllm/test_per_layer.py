@@ -2,8 +2,8 @@
 KV-cache group of its own (``kvpolicy.vllm.layer_spec``: one block table per layer, blocks from
 the one shared pool), so the blocks a request holds follow its layers' budgets.
 
-The bundled SmolLM2-135M (30 layers) under the server's ``pyramidkv`` at a mean budget of 160
-(layer budgets 297 down to 23) over prompts plus 340 new tokens, so every layer evicts several
+The bundled SmolLM2-135M (30 layers) under the server's ``pyramidkv`` at a mean budget of 96
+(layer budgets 172 down to 20) over a prompt plus 224 new tokens, so every layer evicts several
 times, beside a ``snapkv`` request (a uniform policy per request, on the same groups): the tokens
 equal the transformers path's (``KVPolicyCache`` + ``generate()``) but where both engines' top-2
 logits are within a rounding tie; the scheduler's trace (vLLM's block managers, one per group)
@@ -21,15 +21,12 @@ from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, t
 
 from kvpolicy import load_policy  # noqa: E402
 
-BUDGET = 160
-NEW = 340
-BLOCK = 16
+BUDGET = 96
+NEW = 224
+BLOCK = 32  # the CPU backend's blocks are multiples of 32
 TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
 OVERRIDES = {"budget": BUDGET, "recent": 16, "interval": 16, "window": 16}
-PYRAMID = [
-    "Write a long story about a dragon who learns to code. Once upon a time",
-    "List the numbers from one to two hundred: one, two, three,",
-]
+PYRAMID = ["Write a long story about a dragon who learns to code. Once upon a time"]
 UNIFORM = "Explain in detail how a steam engine works, step by step."
 
 
@@ -110,7 +107,7 @@ def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir,
         kept.setdefault(layer, set()).add(rec["kept"])
     requests = {req for req, _ in evictions}
     assert len(requests) == len(refs) and sorted(names.values()) == sorted(name for name, _ in jobs), names
-    assert min(evictions.get((req, layer), 0) for req in requests for layer in range(layers)) >= 2, evictions
+    assert min(evictions.get((req, layer), 0) for req in requests for layer in range(layers)) >= 3, evictions
     for layer, counts in kept.items():  # pyramidkv's layer budget, or snapkv's uniform one
         assert counts == {budgets[layer], BUDGET}, (layer, counts)
 
@@ -129,17 +126,18 @@ def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir,
     # Bytes: a block of a per-layer group holds one layer of BLOCK tokens (keys and values, float32).
     head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
     block_bytes = 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
-    peak: dict[str, int] = {}
-    for s in steps:
-        for req, blocks in s["request_blocks"].items():
-            peak[req] = max(peak.get(req, 0), blocks)
-    pyramid_peak = max(peak[r] for r, n in names.items() if n == "pyramidkv")
-    uniform_peak = max(peak[r] for r, n in names.items() if n == "snapkv")
+    (pyramid_req,) = [r for r, n in names.items() if n == "pyramidkv"]
+    (uniform_req,) = [r for r, n in names.items() if n == "snapkv"]
+    both = [s["request_blocks"] for s in steps if pyramid_req in s["request_blocks"] and uniform_req in s["request_blocks"]]
+    pyramid_peak = max(b[pyramid_req] for b in both)
+    uniform_peak = max(b[uniform_req] for b in both)
+    mean = sum(b[pyramid_req] for b in both) / sum(b[uniform_req] for b in both)
     ratio = pyramid_peak / uniform_peak
     print(f"pyramidkv@{BUDGET} (layer budgets {budgets[0]}..{budgets[-1]}): a request holds at most {pyramid_peak} "
-          f"layer-blocks ({pyramid_peak * block_bytes / 2**20:.2f} MiB) against snapkv@{BUDGET}'s {uniform_peak} "
-          f"({uniform_peak * block_bytes / 2**20:.2f} MiB): x{ratio:.3f}; a one-group server would hold for both "
-          f"{layers} x {uniform_room} = {layers * uniform_room}; evictions per request and layer "
+          f"layer-blocks of {block_bytes / 1024:.0f} KiB ({pyramid_peak * block_bytes / 2**20:.2f} MiB) against "
+          f"snapkv@{BUDGET}'s {uniform_peak} ({uniform_peak * block_bytes / 2**20:.2f} MiB): x{ratio:.3f} at the peak, "
+          f"x{mean:.3f} summed over the {len(both)} steps both ran; a one-group server holds {layers} x "
+          f"{uniform_room} = {layers * uniform_room} for either; evictions per request and layer "
           f"{min(evictions.values())}-{max(evictions.values())}; engine {wall:.0f} s")
     assert uniform_peak == layers * uniform_room  # a uniform request: every layer its budget's blocks
     assert ratio <= 1.05

@@ -159,11 +159,24 @@ def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
     key = (r.policy_yaml, str(vllm_config.model_config.model), None if server is None else server.policy_yaml)
     if key not in _MODEL_REFUSALS:
         policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
+        per_layer = _per_layer_server(vllm_config)
         _MODEL_REFUSALS[key] = (settings.model_refusal(policy, vllm_config.model_config)
                                 or settings.page_refusal(policy, int(vllm_config.cache_config.block_size))
-                                or settings.layer_group_refusal(policy, server is not None
-                                                                and settings.per_layer(server.policy())))
+                                or settings.layer_group_refusal(policy, per_layer)
+                                or (_layer_split_refusal(vllm_config, policy) if per_layer else None))
     return _MODEL_REFUSALS[key]
+
+
+def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
+    """Why a request's policy cannot share its budget among the model's layers (None: it can)."""
+    from . import scheduler as sched_mod
+    from . import settings
+
+    try:
+        settings.layer_schedules(policy, sched_mod.num_layers(vllm_config), sched_mod.kv_heads_per_rank(vllm_config))
+    except settings.KVPolicyVLLMError as exc:
+        return str(exc).removeprefix("kvpolicy[vllm]: ")
+    return None
 
 
 def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:

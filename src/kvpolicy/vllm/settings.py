@@ -232,7 +232,11 @@ def layer_schedules(policy: Policy | None, num_layers: int, kv_heads: int) -> li
     if evicting_schedule(policy) is None:
         return [None] * num_layers
     assert policy is not None
-    return list(policy.layer_schedules(num_layers, kv_heads))
+    try:
+        return list(policy.layer_schedules(num_layers, kv_heads))
+    except PolicyError as exc:  # the allocation cannot share this budget among the model's layers
+        raise KVPolicyVLLMError(f"policy {policy.name!r} cannot share its budget among the model's {num_layers} "
+                                f"layers:\n{exc}") from None
 
 
 def group_schedules(policy: Policy | None, group_layers: list[int] | None, kv_heads: int) -> list[Schedule | None]:
@@ -538,6 +542,13 @@ def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append(f"policy {policy.name!r} keeps per-layer budgets (a KV-cache group per layer), which is not "
                    "implemented with pipeline parallelism (pipeline_parallel_size must be 1)")
+    elif getattr(vllm_config, "model_config", None) is not None:
+        mc = vllm_config.model_config
+        try:
+            layer_schedules(policy, int(mc.get_num_layers(vllm_config.parallel_config)),
+                            int(mc.get_num_kv_heads(vllm_config.parallel_config)))
+        except KVPolicyVLLMError as exc:
+            out.append(str(exc).removeprefix("kvpolicy[vllm]: "))
     return out
 
 
