@@ -26,6 +26,11 @@ other requests from the next scheduled step on, which every worker runs after th
 eviction. So the accounting is the same whether vLLM schedules the next step before this one's
 output is back (async scheduling) or after.
 
+**Per-layer budgets** (``settings.per_layer``: PyramidKV). The server's layers then have a
+KV-cache group each (``kvpolicy.vllm.layer_spec``), and each group a ledger of its own on that
+layer's schedule (``settings.group_schedules``): allocations for a group's manager count that
+group's slots, and a group that evicts gives back its own blocks past its kept slots.
+
 **Preemption replays evictions.** A preempted request keeps its eviction points
 (``SlotLedger.replay_plan``, kept on the vLLM ``Request``); when vLLM recomputes it, each step's
 tokens for it are capped to end at the next point (``replay_cap``), so it evicts at exactly the

@@ -21,6 +21,10 @@ At start-up it also builds the model facts of its rank (``kvpolicy.vllm.facts``:
 shard of each ``o_proj``) for the stages that read the model, and checks the server's policy
 against them (each request's own policy is checked when the paged cache first loads it).
 
+Under per-layer budgets (a KV-cache group per layer, ``kvpolicy.vllm.layer_spec``) it holds a
+``PagedCache`` per group, each on its group's block table; each group's slot mapping and
+attention length (``group_metadata``, through the wrapped metadata builder) follow its own slots.
+
 A request resumed after preemption replays its evictions (``kvpolicy.vllm.ledger``). The cache is
 read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``), from the layout vLLM
 resolved for the server and the backend's block interior.
