@@ -151,8 +151,9 @@ class SchedulerEviction:
             self.head_caps[r.policy_yaml] = (head_cap(policy, kv_heads_per_rank(self.scheduler.vllm_config))
                                              if policy is not None and policy.per_head else None)
             refusal = layer_group_refusal(policy, self.server_per_layer)
+            heads = None if self.group_layers is None else kv_heads_per_rank(self.scheduler.vllm_config)
             self.group_schedules[r.policy_yaml] = [] if refusal is not None else group_schedules(
-                policy, self.group_layers, kv_heads_per_rank(self.scheduler.vllm_config))
+                policy, self.group_layers, heads)
         return self.schedules[r.policy_yaml]
 
     def _group_schedules(self, request: Any) -> list[Schedule | None]:

@@ -239,14 +239,17 @@ def layer_schedules(policy: Policy | None, num_layers: int, kv_heads: int) -> li
                                 f"layers:\n{exc}") from None
 
 
-def group_schedules(policy: Policy | None, group_layers: list[int] | None, kv_heads: int) -> list[Schedule | None]:
+def group_schedules(policy: Policy | None, group_layers: list[int] | None,
+                    kv_heads: int | None) -> list[Schedule | None]:
     """A request's schedule in each KV-cache group: ``[its policy's]`` when one group holds every
     layer (``group_layers`` None); under per-layer budgets (group g holds layer
     ``group_layers[g]`` alone) that layer's (``layer_schedules``). The scheduler and every worker
     run one slot ledger per group on these schedules (``kvpolicy.vllm.ledger``): the same rule,
     ``Schedule.due`` on the group's own slot count, that ``EvictingCache`` runs per layer group."""
-    if group_layers is None:
+    if group_layers is None:  # kv_heads (a rank's, what an allocation's model check reads) unused
         return [evicting_schedule(policy)]
+    if kv_heads is None:
+        raise ValueError("group_schedules: per-layer groups need the KV heads of a rank")
     per = layer_schedules(policy, len(group_layers), kv_heads)
     return [per[layer] for layer in group_layers]
 
