@@ -189,10 +189,10 @@ def test_peak_slots_and_the_pool_check():
     # blocks: the peak, plus the fresh blocks of a first eviction under prefix caching
     assert request_need_blocks(snap, 40, 10_000, 32, False) == 6
     assert request_need_blocks(snap, 40, 10_000, 32, True) == 6 + 4
-    assert pool_refusal(snap, 40, 30_000, 6, 32, False) is None  # 30k tokens in 6 blocks
-    msg = pool_refusal(None, 40, 300, 6, 32, False)
+    assert pool_refusal([snap], 40, 30_000, 6, 32, False) is None  # 30k tokens in 6 blocks
+    msg = pool_refusal([None], 40, 300, 6, 32, False)
     assert msg is not None and "no eviction" in msg and "11 KV blocks" in msg
-    assert "prompt of 1000 tokens" in pool_refusal(snap, 1000, 10, 6, 32, False)
+    assert "prompt of 1000 tokens" in pool_refusal([snap], 1000, 10, 6, 32, False)
 
 
 def test_would_fire_on_a_replay_looks_past_its_points_without_error():
@@ -203,3 +203,17 @@ def test_would_fire_on_a_replay_looks_past_its_points_without_error():
     led.resume("r", sched, plan)
     assert led.would_fire("r", 100, 10)  # vLLM's whole-sequence admission check
     assert not led.would_fire("r", plan[0] - 1, 10) and led.would_fire("r", plan[0], 10)
+
+
+def test_the_pool_check_counts_every_layers_blocks_under_per_layer_budgets():
+    """A block of a per-layer KV-cache group holds one layer: a request needs each layer's blocks."""
+    from kvpolicy.vllm.scheduler import pool_refusal, request_need_blocks
+    from kvpolicy.vllm.settings import group_schedules
+
+    pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)
+    per = group_schedules(pyramid, list(range(4)), 2)
+    need = sum(request_need_blocks(s, 40, 10_000, 32, False) for s in per)
+    assert need > 4 * request_need_blocks(per[-1], 40, 10_000, 32, False)
+    assert pool_refusal(per, 40, 10_000, need, 32, False) is None
+    msg = pool_refusal(per, 40, 10_000, need - 1, 32, False)
+    assert msg is not None and f"needs {need} KV blocks" in msg

@@ -33,7 +33,7 @@ from kvpolicy.stages.model_facts import ModelFacts
 from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import kept_held, replay_boundary
 from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
-from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, refuse_unservable
+from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, per_layer, refuse_unservable
 
 LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4
 #: Small enough to evict often: every request below evicts at least three times.
@@ -177,10 +177,14 @@ class BlockTable:
 class Engine:
     """What vLLM's scheduler and model runner do around the workers' ``PagedCache``: one per
     tensor-parallel rank (``len(facts)`` of them), each holding its share of the KV heads (and
-    their query heads) in its own copy of the blocks, as vLLM's workers do."""
+    their query heads) in its own copy of the blocks, as vLLM's workers do.
+
+    ``per_layer``: the KV-cache groups of a server under per-layer budgets
+    (``kvpolicy.vllm.layer_spec``): every layer a group of its own, with its own block table,
+    slot mapping and ``PagedCache`` (``model_layers``), its blocks drawn from the one free list."""
 
     def __init__(self, requests: list[Request], *, prefix_caching: bool = False, num_blocks: int = 4096,
-                 facts: list[ModelFacts | None] | None = None) -> None:
+                 facts: list[ModelFacts | None] | None = None, per_layer: bool = False) -> None:
         self.requests = {r.req_id: r for r in requests}
         self.shape = shape = requests[0].shape
         ranks = facts or [None]
@@ -190,28 +194,42 @@ class Engine:
                      for _ in range(shape.layers)] for _ in range(tp)]
         self.kv = self.kvs[0]
         self.free = list(range(num_blocks - 1, -1, -1))
-        self.blocks: dict[str, list[int]] = {r: [] for r in self.requests}
+        self.per_layer = per_layer
+        assert not (per_layer and prefix_caching), "per-layer budgets are refused with prefix caching"
+        self.group_layers = [[layer] for layer in range(shape.layers)] if per_layer else [list(range(shape.layers))]
+        self.group_of = {layer: (g, i) for g, group in enumerate(self.group_layers) for i, layer in enumerate(group)}
+        self.group_blocks: list[dict[str, list[int]]] = [{r: [] for r in self.requests} for _ in self.group_layers]
+        self.blocks = self.group_blocks[0]
         self.computed = dict.fromkeys(self.requests, 0)
         self.prefix_caching = prefix_caching
-        self.pageds = [
-            PagedCache(self.kvs[rank], list(range(shape.layers)), q_heads=self.hq, head_dim=shape.d, block_size=BLOCK,
-                       policy_of=lambda r: self.requests[r].policy, prefix_caching=prefix_caching,
-                       head_offset=rank * self.hkv, rank=rank, model_facts=ranks[rank])
+        self.grouped = [  # [rank][group]
+            [PagedCache([self.kvs[rank][layer] for layer in group], group, q_heads=self.hq, head_dim=shape.d,
+                        block_size=BLOCK, policy_of=lambda r: self.requests[r].policy, prefix_caching=prefix_caching,
+                        head_offset=rank * self.hkv, rank=rank, model_facts=ranks[rank],
+                        model_layers=shape.layers if per_layer else None)
+             for group in self.group_layers]
             for rank in range(tp)
         ]
+        self.pageds = [groups[0] for groups in self.grouped]
         self.paged = self.pageds[0]  # every rank keeps the same ledger
-        self.evictions: list[tuple[str, int]] = []  # (request, its eviction count after it)
+        self.evictions: list[tuple[str, int]] = []  # (request, its eviction count after it), group 0's
+        self.layer_evictions: list[tuple[str, int, int]] = []  # (request, group, its count there after it)
         # Per-head budgets: each layer's attention output of the last step for the requests whose
         # heads hold different counts (``PagedCache.attend_heads``; NaN elsewhere), by (rank, layer).
         self.attention: dict[tuple[int, int], torch.Tensor] = {}
 
-    def held(self, req_id: str) -> int:
-        ledger = self.paged.ledger
+    def held(self, req_id: str, group: int = 0) -> int:
+        ledger = self.grouped[0][group].ledger
         return ledger.get(req_id).held if ledger.tracks(req_id) else 0  # block-table slots (per-head room included)
 
-    def _block_for(self, req_id: str, slots: int) -> None:
-        while len(self.blocks[req_id]) * BLOCK < slots:
-            self.blocks[req_id].append(self.free.pop())
+    def _block_for(self, req_id: str, slots: int, group: int = 0) -> None:
+        blocks = self.group_blocks[group][req_id]
+        while len(blocks) * BLOCK < slots:
+            blocks.append(self.free.pop())
+
+    def held_blocks(self, req_id: str) -> int:
+        """Blocks the request holds, every group's (a per-layer group's block holds one layer)."""
+        return sum(len(blocks[req_id]) for blocks in self.group_blocks)
 
     def step(self, chunks: dict[str, int]) -> None:
         """One forward over ``chunks`` (request -> tokens computed for it in this step)."""
@@ -219,15 +237,19 @@ class Engine:
         n = np.array([chunks[r] for r in req_ids], dtype=np.int64)
         before = np.array([self.computed[r] for r in req_ids], dtype=np.int64)
         prompt = np.array([self.requests[r].prompt for r in req_ids], dtype=np.int64)
-        held = [self.held(r) for r in req_ids]
-        for r, h, t in zip(req_ids, held, n, strict=True):
-            self._block_for(r, h + int(t))
-        tables = [BlockTable(len(req_ids), 512) for _ in self.pageds]  # each worker's own copy
-        for table in tables:
-            for i, r in enumerate(req_ids):
-                table.add_row(self.blocks[r], i)
-        for paged, table in zip(self.pageds, tables, strict=True):
-            paged.begin_step(StepRequests(req_ids, n, before, prompt), table)
+        groups = range(len(self.group_layers))
+        held = [[self.held(r, g) for r in req_ids] for g in groups]
+        for g in groups:
+            for r, h, t in zip(req_ids, held[g], n, strict=True):
+                self._block_for(r, h + int(t), g)
+        tables = [[BlockTable(len(req_ids), 512) for _ in groups] for _ in self.grouped]  # each worker's own copy
+        for rank_tables in tables:
+            for g, table in enumerate(rank_tables):
+                for i, r in enumerate(req_ids):
+                    table.add_row(self.group_blocks[g][r], i)
+        for pageds, rank_tables in zip(self.grouped, tables, strict=True):
+            for paged, table in zip(pageds, rank_tables, strict=True):
+                paged.begin_step(StepRequests(req_ids, n, before, prompt), table)
         if self.prefix_caching:  # the scheduler appends fresh blocks for a first eviction
             for i, r in enumerate(req_ids):
                 ledger = self.paged.ledger.get(r)
@@ -237,66 +259,75 @@ class Engine:
                     room = kept_held(schedule, ledger.head_cap, int(before[i] + n[i]))
                     fresh = [self.free.pop() for _ in range(-(-room // BLOCK))]
                     self.blocks[r] += fresh
-                    for table in tables:
-                        table.add_row(self.blocks[r], i)
-        for rank, (paged, table) in enumerate(zip(self.pageds, tables, strict=True)):
+                    for rank_tables in tables:
+                        rank_tables[0].add_row(self.blocks[r], i)
+        for rank, (pageds, rank_tables) in enumerate(zip(self.grouped, tables, strict=True)):
             heads = slice(rank * self.hkv, (rank + 1) * self.hkv)
             q_heads = slice(rank * self.hq, (rank + 1) * self.hq)
             for layer in range(self.shape.layers):
-                for i, r in enumerate(req_ids):  # vLLM's slot mapping: the tokens go after the held slots
+                g, local = self.group_of[layer]
+                paged, table = pageds[g], rank_tables[g]
+                for i, r in enumerate(req_ids):  # vLLM's slot mapping (the group's): the tokens go after the held slots
                     req, a, t = self.requests[r], int(before[i]), int(n[i])
-                    slots = torch.arange(held[i], held[i] + t)
-                    ids = torch.tensor(self.blocks[r])[slots // BLOCK]
+                    slots = torch.arange(held[g][i], held[g][i] + t)
+                    ids = torch.tensor(self.group_blocks[g][r])[slots // BLOCK]
                     keys, values = self.kvs[rank][layer]
                     keys[ids, slots % BLOCK] = req.keys[layer, heads, a : a + t].transpose(0, 1)
                     values[ids, slots % BLOCK] = req.values[layer, heads, a : a + t].transpose(0, 1)
                 query = torch.cat([self.requests[r].queries[layer, q_heads, int(before[i]) : int(before[i] + n[i])]
                                    .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
-                paged.capture_queries(layer, query)
+                paged.capture_queries(local, query)
                 if paged.head_attention is not None:  # the worker's attention wrapper, after vLLM's kernel
                     out = torch.full_like(query, float("nan"))
-                    paged.attend_heads(layer, query, out, self.shape.d**-0.5)
+                    paged.attend_heads(local, query, out, self.shape.d**-0.5)
                     self.attention[rank, layer] = out
-                paged.after_attention(layer, query, table)
-        evicted = [paged.end_step(table) for paged, table in zip(self.pageds, tables, strict=True)]
-        for other in evicted[1:]:  # the ranks evict the same requests into the same blocks
-            assert [(e.req_id, e.blocks) for e in other] == [(e.req_id, e.blocks) for e in evicted[0]]
-        for ev in evicted[0]:
-            dropped = set(self.blocks[ev.req_id]) - set(ev.blocks)
-            self.free += sorted(dropped)
-            self.blocks[ev.req_id] = list(ev.blocks)
-            self.evictions.append((ev.req_id, self.paged.ledger.get(ev.req_id).evictions))
+                paged.after_attention(local, query, table)
+        for g in groups:
+            evicted = [pageds[g].end_step(rank_tables[g]) for pageds, rank_tables in zip(self.grouped, tables, strict=True)]
+            for other in evicted[1:]:  # the ranks evict the same requests into the same blocks
+                assert [(e.req_id, e.blocks) for e in other] == [(e.req_id, e.blocks) for e in evicted[0]]
+            for ev in evicted[0]:
+                dropped = set(self.group_blocks[g][ev.req_id]) - set(ev.blocks)
+                self.free += sorted(dropped)
+                self.group_blocks[g][ev.req_id] = list(ev.blocks)
+                count = self.grouped[0][g].ledger.get(ev.req_id).evictions
+                self.layer_evictions.append((ev.req_id, g, count))
+                if g == 0:
+                    self.evictions.append((ev.req_id, count))
         for r, t in chunks.items():
             self.computed[r] += t
 
     def preempt(self, req_id: str) -> list[int]:
         """Free the request's blocks and forget its cache; returns the chunks it is recomputed by
-        (vLLM's scheduler caps them at the prompt's end and at every eviction point)."""
-        self.free += self.blocks[req_id]
-        self.blocks[req_id] = []
+        (vLLM's scheduler caps them at the prompt's end and at every group's eviction points)."""
+        plan: set[int] = set()
+        for g, blocks in enumerate(self.group_blocks):
+            self.free += blocks[req_id]
+            blocks[req_id] = []
+            plans = [pageds[g].resume(req_id) or [] for pageds in self.grouped]
+            plan.update(plans[0])
         target = self.computed[req_id]
-        plans = [paged.resume(req_id) or [] for paged in self.pageds]
-        plan = plans[0]
         self.computed[req_id] = 0
         chunks, done, prompt = [], 0, self.requests[req_id].prompt
         while done < target:
-            end = replay_boundary(plan, prompt, done)
+            end = replay_boundary(sorted(plan), prompt, done)
             end = target if end is None else min(end, target)
             chunks.append(end - done)
             done = end
         return chunks
 
-    def snapshot(self, req_id: str) -> Snapshot:
-        """The request's cache after an eviction, every rank's heads side by side (the model's order)."""
+    def snapshot(self, req_id: str, group: int = 0) -> Snapshot:
+        """The request's cache (a group's layers) after an eviction, every rank's heads side by side
+        (the model's order)."""
         parts = []
-        for paged, kv in zip(self.pageds, self.kvs, strict=True):
+        layers = self.group_layers[group]
+        for pageds, kv in zip(self.grouped, self.kvs, strict=True):
+            paged = pageds[group]
             kept = paged.kept[req_id]
             k = kept.count
-            ids = torch.tensor(self.blocks[req_id])[torch.arange(k) // BLOCK]
-            keys = torch.stack([kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1)
-                                for layer in range(self.shape.layers)])
-            values = torch.stack([kv[layer][1][ids, torch.arange(k) % BLOCK].transpose(0, 1)
-                                  for layer in range(self.shape.layers)])
+            ids = torch.tensor(self.group_blocks[group][req_id])[torch.arange(k) // BLOCK]
+            keys = torch.stack([kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in layers])
+            values = torch.stack([kv[layer][1][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in layers])
             parts.append(Snapshot(kept.positions, keys, {**kept.state, **paged.head_state.get(req_id, {})}, values))
         return Snapshot(torch.cat([p.positions for p in parts], 1), torch.cat([p.keys for p in parts], 1),
                         {name: torch.cat([p.state[name] for p in parts], 1) for name in parts[0].state},
@@ -342,6 +373,64 @@ def run_and_check(requests: list[Request], schedule, *, prefix_caching: bool = F
     return engine
 
 
+def layer_reference(req: Request, facts: ModelFacts | None = None) -> list[list[Snapshot]]:
+    """``reference`` per layer: each layer's own evictions (under per-layer budgets a layer
+    evicts on its own schedule, ``Schedule.due`` on its own slots and budget), a snapshot of that
+    layer (``[1, Hkv, K]``...) after each."""
+    policy = load_policy(req.policy.policy_yaml)
+    lyr = req.shape.layers
+    cache = EvictingCache(policy, lyr, seed=req.policy.seed, model_facts=facts)
+    snaps: list[list[Snapshot]] = [[] for _ in range(lyr)]
+    bounds = [0, req.prompt, *range(req.prompt + 1, req.total + 1)]
+    for a, b in itertools.pairwise(bounds):
+        for layer in range(lyr):
+            cache.step(layer, req.keys[None, layer, :, a:b], req.values[None, layer, :, a:b],
+                       req.queries[None, layer, :, a:b])
+        cache.evict_due()
+        for layer, view in enumerate(cache.layers):
+            if view.stats.evictions > len(snaps[layer]):
+                state = {name: view.state[name][0][None].clone() for name in policy.state_fields}  # copies: the
+                snaps[layer].append(Snapshot(view.positions[0][None].clone(), view.keys[0][None].clone(), state,
+                                             view.values[0][None].clone()))  # views follow the cache
+    return snaps
+
+
+def run_and_check_layers(requests: list[Request], schedule, *, tp: int = 1) -> Engine:
+    """``run_and_check`` for requests on the KV-cache groups of a server under per-layer budgets
+    (``Engine(per_layer=True)``): every eviction of every layer's group against that layer's
+    eviction of the same index in ``EvictingCache`` (each layer evicts at least three times)."""
+    needs_model = any(load_policy(r.policy.policy_yaml).needs_model for r in requests)
+    whole, ranks = requests[0].shape.facts(tp) if needs_model else (None, [None] * tp)
+    refs = {r.req_id: layer_reference(r, whole) for r in requests}
+    for r in requests:
+        counts = [len(layer) for layer in refs[r.req_id]]
+        assert min(counts) >= 3, f"{r.req_id}'s layers evict {counts} times: the check needs three each"
+    engine = Engine(requests, facts=ranks, per_layer=True)
+    checked = 0
+
+    def check_new(since: int) -> None:
+        nonlocal checked
+        for req_id, g, k in engine.layer_evictions[since:]:
+            (layer,) = engine.group_layers[g]
+            want, got = refs[req_id][layer][k - 1], engine.snapshot(req_id, g)
+            where = f"{req_id} ({engine.requests[req_id].policy.source}), layer {layer}, eviction {k}"
+            assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
+            assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
+            torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6, msg=f"{where}: values")
+            assert set(got.state) == set(want.state), where
+            for name, t in want.state.items():
+                torch.testing.assert_close(got.state[name], t, rtol=1e-5, atol=1e-6, msg=f"{where}: state {name}")
+            checked += 1
+
+    schedule(engine, check_new)
+    assert checked >= 3 * len(requests) * requests[0].shape.layers
+    for r in requests:  # every eviction of the reference was made and checked
+        made = [engine.grouped[0][g].ledger.get(r.req_id).evictions if engine.grouped[0][g].ledger.tracks(r.req_id)
+                else len(refs[r.req_id][layer]) for g, (layer,) in enumerate(engine.group_layers)]
+        assert made == [len(layer) for layer in refs[r.req_id]], (r.req_id, made)
+    return engine
+
+
 def own_slots(snap: Snapshot) -> Snapshot:
     """A snapshot with each head's own slots only, in order (``[Lyr, Hkv]`` nested lists): under
     per-head budgets the reference right-aligns a head's slots after empty columns, the paged
@@ -375,7 +464,7 @@ def check_own_slots(got: Snapshot, want: Snapshot, where: str) -> None:
 
 
 def step_and_check(engine: Engine, check_new, chunks: dict[str, int]) -> None:
-    since = len(engine.evictions)
+    since = len(engine.layer_evictions if engine.per_layer else engine.evictions)
     engine.step(chunks)
     check_new(since)
 
@@ -398,8 +487,59 @@ def decode_all(engine: Engine, check_new) -> None:
 @pytest.mark.parametrize("name", served_policies())
 def test_every_served_policy_keeps_the_caches_slots(name):
     shape = shape_for(name)
-    run_and_check([Request("a", resolved(name), 21, 70, shape), Request("b", resolved(name), 9, 64, shape)],
-                  decode_all)
+    requests = [Request("a", resolved(name), 21, 70, shape), Request("b", resolved(name), 9, 64, shape)]
+    if per_layer(load_policy(requests[0].policy.policy_yaml)):  # a KV-cache group per layer
+        requests = [Request(r.req_id, resolved(name), r.prompt, r.total + 40, shape) for r in requests]
+        run_and_check_layers(requests, decode_all)
+        return
+    run_and_check(requests, decode_all)
+
+
+#: PyramidKV on the made-up model with four layers: budgets 35, 27, 21, 13 around the mean 24.
+PYRAMID = Shape(layers=4)
+
+
+def test_pyramidkv_keeps_each_layers_own_budget_in_its_own_group():
+    """Each layer's group evicts on its own schedule to its own budget (PyramidKV's line), into
+    its own blocks: the same slots as ``EvictingCache``, and each group holds its budget's blocks."""
+    policy = load_policy(resolved("pyramidkv").policy_yaml)
+    budgets = [s.budget for s in policy.layer_schedules(PYRAMID.layers, PYRAMID.hkv)]
+    assert len(set(budgets)) == PYRAMID.layers and sum(budgets) == PYRAMID.layers * policy.budget
+    requests = [Request("a", resolved("pyramidkv"), 21, 130, PYRAMID), Request("b", resolved("pyramidkv"), 40, 120, PYRAMID),
+                Request("c", resolved("snapkv"), 15, 110, PYRAMID)]  # a uniform request on the per-layer groups
+    engine = run_and_check_layers(requests, decode_all)
+    for g, budget in enumerate(budgets):
+        kept = engine.grouped[0][g].kept["a"].count
+        assert kept == budget, (g, kept, budget)
+    assert {engine.grouped[0][g].kept["c"].count for g in range(PYRAMID.layers)} == {policy.budget}
+
+
+def test_pyramidkv_preempted_after_evicting_replays_each_layers_evictions():
+    """Preempted after its layers evicted (at different token counts), a request is recomputed in
+    chunks ending at every layer's eviction points: each layer evicts again where it did, to the
+    same slots, and the request goes on as if uninterrupted."""
+    requests = [Request("a", resolved("pyramidkv"), 21, 130, PYRAMID), Request("b", resolved("snapkv"), 15, 110, PYRAMID)]
+    chunks_seen: list[list[int]] = []
+
+    def schedule(engine: Engine, check_new) -> None:
+        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
+        preempted = False
+        while True:
+            last = engine.grouped[0][-1].ledger
+            if not preempted and last.tracks("a") and last.get("a").evictions >= 2 and engine.computed["a"] % 5 == 3:
+                points = [p.ledger.get("a").evicted_at for p in engine.grouped[0]]
+                assert len({tuple(p) for p in points}) > 1, "the layers evicted at the same token counts"
+                preempted = True
+                chunks = engine.preempt("a")
+                chunks_seen.append(chunks)
+                for chunk in chunks:  # recomputed alone, in the chunks the scheduler allows
+                    step_and_check(engine, check_new, {"a": chunk})
+            if not decode_one(engine, check_new):
+                break
+        assert preempted
+
+    run_and_check_layers(requests, schedule)
+    assert len(chunks_seen[0]) > 3  # the prompt, then a chunk per eviction point of any layer
 
 
 def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():

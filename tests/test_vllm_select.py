@@ -278,7 +278,8 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
     monkeypatch.setattr(sched_mod, "_STATE", None)
     requests: dict[str, SimpleNamespace] = {}
     scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
-                                requests=requests)
+                                requests=requests,  # one KV-cache group for every layer
+                                kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
 
     def request(req_id: str, settings, prompt: int) -> SimpleNamespace:

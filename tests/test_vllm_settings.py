@@ -230,3 +230,48 @@ def test_a_request_cannot_make_the_server_read_a_data_file(tmp_path):
     duo["allocation"]["path"] = str(tmp_path / "heads.yaml")
     with pytest.raises(KVPolicyVLLMError, match=r"allocation: .*path: .* is a file of this machine"):
         resolve_request({"kvpolicy": {"policy": duo}})
+
+
+def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewhere_by_name():
+    """KV-cache groups are built at start-up from the server's policy: a per-layer policy
+    (pyramidkv) needs a group per layer, which a uniform server does not have; a per-layer server
+    serves uniform evict-mode policies and the full cache, and refuses select mode and per-head
+    counts by name."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm.settings import group_schedules, layer_group_refusal, per_layer, per_layer_refusals
+
+    pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)
+    assert per_layer(pyramid) and not per_layer(load_policy("snapkv")) and not per_layer(None)
+    assert not per_layer(load_policy("ada-snapkv")) and not per_layer(load_policy("cake"))
+    why = layer_group_refusal(pyramid, server_per_layer=False)
+    assert why is not None and "policy 'pyramidkv'" in why and "KV-cache group per layer" in why
+    assert layer_group_refusal(pyramid, server_per_layer=True) is None
+    assert layer_group_refusal(load_policy("snapkv"), server_per_layer=True) is None
+    assert layer_group_refusal(None, server_per_layer=True) is None  # the full cache
+    for name in ("quest", "ada-snapkv"):
+        why = layer_group_refusal(load_policy(name), server_per_layer=True)
+        assert why is not None and f"policy {name!r}" in why and "KV-cache group per layer" in why
+        assert layer_group_refusal(load_policy(name), server_per_layer=False) is None
+    # Each group's schedule is its layer's (EvictingCache's), or the policy's for every layer.
+    per = group_schedules(pyramid, [0, 1, 2, 3], 3)
+    assert [s.budget for s in per] == [s.budget for s in pyramid.layer_schedules(4, 3)]
+    assert len({s.budget for s in per}) == 4 and sum(s.budget for s in per) == 4 * 96
+    assert group_schedules(pyramid, None, 3) == [pyramid.schedule]
+    assert {s.budget for s in group_schedules(load_policy("snapkv", budget=80), [0, 1, 2], 3)} == {80}
+    assert group_schedules(None, [0, 1], 3) == [None, None]
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                             parallel_config=SimpleNamespace(pipeline_parallel_size=2))
+    reasons = per_layer_refusals(pyramid, config)
+    assert len(reasons) == 2 and "prefix caching" in reasons[0] and "pipeline parallelism" in reasons[1]
+    assert per_layer_refusals(load_policy("snapkv"), config) == []
+
+
+def test_a_per_layer_split_the_model_cannot_take_is_refused_by_name():
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, layer_schedules
+
+    tight = load_policy("pyramidkv", budget=24, recent=16, interval=16, window=16)  # the last layers get <= recent
+    with pytest.raises(KVPolicyVLLMError, match="policy 'pyramidkv' cannot share its budget among the model's 30 layers"):
+        layer_schedules(tight, 30, 3)
+    roomy = load_policy("pyramidkv", budget=32, recent=16, interval=16, window=16)
+    assert min(s.budget for s in layer_schedules(roomy, 30, 3)) > 16

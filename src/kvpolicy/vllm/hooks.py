@@ -15,7 +15,9 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
+| worker | ``vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec`` | under a per-layer policy (``settings.per_layer``), each layer's spec of its own (``kvpolicy.vllm.layer_spec``): vLLM builds a KV-cache group, so a block table, per layer |
 | worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
+| worker | ``build`` of the attention backend's metadata builder (``install_builder``, under per-layer budgets) | each KV-cache group's attention length (``seq_lens``) its own |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once; a select-mode request's decode rows attend its chosen blocks (``kvpolicy.vllm.select``) |
 
 Queries are captured where vLLM's attention op (``unified_attention_with_output``) hands them to
@@ -142,23 +144,39 @@ def _install_frontend() -> None:
     _wrap(InputProcessor, "process_inputs", make_process)
 
 
-_SCHEDULES: dict[str | None, Any] = {}  # front end: schedules by resolved policy YAML
-_MODEL_REFUSALS: dict[tuple[str | None, str], str | None] = {}  # front end: by resolved policy YAML and model
+_SCHEDULES: dict[tuple[str | None, str | None], Any] = {}  # front end: by request and server policy YAML
+_MODEL_REFUSALS: dict[tuple[str | None, str, str | None], str | None] = {}  # front end: by policy YAML, model, server policy
 
 
 def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
     """Why a request's own policy cannot serve the model (TriAttention's calibration measured on
-    another; ``settings.model_refusal``) or its blocks (``settings.page_refusal``), once per
-    distinct policy."""
+    another; ``settings.model_refusal``), its blocks (``settings.page_refusal``) or the server's
+    KV-cache groups (``settings.layer_group_refusal``), once per distinct policy and server."""
     from . import settings
 
     r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
-    key = (r.policy_yaml, str(vllm_config.model_config.model))
+    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
+    key = (r.policy_yaml, str(vllm_config.model_config.model), None if server is None else server.policy_yaml)
     if key not in _MODEL_REFUSALS:
         policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
+        per_layer = _per_layer_server(vllm_config)
         _MODEL_REFUSALS[key] = (settings.model_refusal(policy, vllm_config.model_config)
-                                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size)))
+                                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size))
+                                or settings.layer_group_refusal(policy, per_layer)
+                                or (_layer_split_refusal(vllm_config, policy) if per_layer else None))
     return _MODEL_REFUSALS[key]
+
+
+def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
+    """Why a request's policy cannot share its budget among the model's layers (None: it can)."""
+    from . import scheduler as sched_mod
+    from . import settings
+
+    try:
+        settings.layer_schedules(policy, sched_mod.num_layers(vllm_config), sched_mod.kv_heads_per_rank(vllm_config))
+    except settings.KVPolicyVLLMError as exc:
+        return str(exc).removeprefix("kvpolicy[vllm]: ")
+    return None
 
 
 def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
@@ -173,14 +191,33 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
     if server is None or not blocks or params is None or prompt is None:
         return None
     r = settings.request_policy(resolved_args, server)
-    if r.policy_yaml not in _SCHEDULES:
+    key = (r.policy_yaml, server.policy_yaml)
+    if key not in _SCHEDULES:
         policy = r.policy()
-        _SCHEDULES[r.policy_yaml] = (settings.evicting_schedule(policy),  # select mode: held whole, as `none`
-                                     settings.head_cap(policy, sched_mod.kv_heads_per_rank(vllm_config)))
-    schedule, head_cap = _SCHEDULES[r.policy_yaml]
-    return sched_mod.pool_refusal(schedule, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
+        heads = sched_mod.kv_heads_per_rank(vllm_config)
+        # Under per-layer budgets a block holds one layer: the request needs each layer's blocks.
+        layers = list(range(sched_mod.num_layers(vllm_config))) if _per_layer_server(vllm_config) else None
+        _SCHEDULES[key] = (settings.group_schedules(policy, layers, heads),  # select mode: held whole, as `none`
+                           settings.head_cap(policy, heads))
+    schedules, head_cap = _SCHEDULES[key]
+    return sched_mod.pool_refusal(schedules, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
                                   int(vllm_config.cache_config.block_size),
                                   bool(vllm_config.cache_config.enable_prefix_caching), head_cap)
+
+
+_PER_LAYER: dict[str | None, bool] = {}  # by the server's resolved policy YAML
+
+
+def _per_layer_server(vllm_config: Any) -> bool:
+    """Whether the server's policy keeps per-layer budgets (``settings.per_layer``)."""
+    from . import settings
+
+    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
+    if server is None:
+        return False
+    if server.policy_yaml not in _PER_LAYER:
+        _PER_LAYER[server.policy_yaml] = settings.per_layer(server.policy())
+    return _PER_LAYER[server.policy_yaml]
 
 
 def _install_scheduler() -> None:
@@ -242,8 +279,9 @@ def _install_scheduler() -> None:
             state = sched_mod.state()
             if state is None:
                 return original(self, request_id, num_tokens, *args, **kwargs)
-            copies = state.copy_blocks(request_id, num_tokens, self.block_size)
-            slots = state.counted_slots(request_id, num_tokens)
+            group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
+            copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
+            slots = state.counted_slots(request_id, num_tokens, group)
             return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
 
         return counted
@@ -270,8 +308,7 @@ def _install_scheduler() -> None:
 
     def make_free(original):
         def freed(self, request_id, *args: Any, **kwargs: Any):
-            ledger = sched_mod.ledger()
-            if ledger is not None:
+            for ledger in sched_mod.ledgers():  # every KV-cache group's (vLLM frees a request's groups together)
                 ledger.reset(request_id)
             return original(self, request_id, *args, **kwargs)
 
@@ -387,6 +424,24 @@ def _install_worker() -> None:
 
     _wrap(UnquantizedLinearMethod, "process_weights_after_loading", make_process_weights)
 
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def make_spec(original):
+        def get_kv_cache_spec(self, vllm_config):
+            spec = original(self, vllm_config)
+            # A server under per-layer budgets: a KV-cache group (a block table) per layer.
+            if type(spec) is FullAttentionSpec and _per_layer_server(vllm_config):
+                from .layer_spec import layer_spec
+
+                return layer_spec(spec, extract_layer_index(self.layer_name))
+            return spec
+
+        return get_kv_cache_spec
+
+    _wrap(Attention, "get_kv_cache_spec", make_spec)
+
     def make_init_kv(original):
         def initialize_kv_cache(self, *args: Any, **kwargs: Any):
             out = original(self, *args, **kwargs)
@@ -394,6 +449,8 @@ def _install_worker() -> None:
             if state is not None:
                 for impl_cls in state.impl_classes:
                     install_backend(impl_cls)
+                for builder_cls in state.builder_classes:
+                    install_builder(builder_cls)
             return out
 
         return initialize_kv_cache
@@ -460,7 +517,7 @@ def install_backend(impl_cls: type) -> None:
             if state is not None and attn_metadata is not None:
                 state.capture_queries(layer, query)
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            if state is not None and attn_metadata is not None and state.paged.head_attention is not None:
+            if state is not None and attn_metadata is not None and state.head_attention:
                 state.attend_heads(layer, query, out, self.scale)  # requests whose heads hold different counts
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
@@ -483,3 +540,21 @@ def install_backend(impl_cls: type) -> None:
     _wrap(impl_cls, "forward", make_forward)
     if hasattr(impl_cls, "do_kv_cache_update"):
         _wrap(impl_cls, "do_kv_cache_update", make_kv_update)
+
+
+def install_builder(builder_cls: type) -> None:
+    """Under per-layer budgets (a KV-cache group per layer), wrap the attention backend's metadata
+    builder (once per class and process): each group's metadata gets that group's attention
+    length (``WorkerEviction.group_metadata``); vLLM gives every group the same ``seq_lens``."""
+    from . import worker
+
+    def make_build(original):
+        def build(self, common_prefix_len, common_attn_metadata, *args: Any, **kwargs: Any):
+            state = worker.active()
+            if state is not None:
+                common_attn_metadata = state.group_metadata(self, common_attn_metadata)
+            return original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+        return build
+
+    _wrap(builder_cls, "build", make_build)

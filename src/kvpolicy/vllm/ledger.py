@@ -17,6 +17,12 @@ room is the same for every process, whatever the heads kept.
 Each request carries its own schedule (requests may name their own policies); ``None`` for a
 request that never evicts.
 
+**Per-layer budgets** (PyramidKV). A server whose layers keep budgets of their own has a KV-cache
+group, so a block table, per layer; the scheduler and every worker then keep one ``SlotLedger``
+per group, each request's entry there on that layer's schedule
+(``kvpolicy.vllm.settings.group_schedules``). The rule is the same: ``Schedule.due`` on the
+group's own slots and budget, as ``EvictingCache`` runs it per layer group.
+
 **Replay after preemption.** vLLM recomputes a preempted request from its tokens. Each entry
 records where its evictions fell (``evicted_at``); ``replay_plan`` turns that into the chunk
 boundaries a resumed request is recomputed by (the prompt's end and every eviction point), and

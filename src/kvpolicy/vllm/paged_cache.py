@@ -36,11 +36,12 @@ from .. import eviction
 from ..attend import attend_heads
 from ..documents import PolicyError
 from ..policy import Policy, eviction_input
+from ..schedule import Schedule
 from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, head_cap
+from .settings import KVPolicyVLLMError, Resolved, group_schedules, head_cap
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
@@ -175,6 +176,7 @@ class RequestPolicy:
 
     resolved: Resolved
     policy: Policy | None  # None: the request never evicts
+    schedule: Schedule | None = None  # this cache's layers' schedule under it (per-layer budgets: its layer's)
 
 
 @dataclass(frozen=True)
@@ -238,14 +240,22 @@ class PagedCache:
         per_head_refusal: why this engine's attention cannot attend heads of uneven counts
             (``attend_heads``: plain softmax attention only); a per-head policy is then refused
             when first loaded. None: it can.
+        model_layers: set when this cache serves one KV-cache group of a server under per-layer
+            budgets (``kvpolicy.vllm.layer_spec``): its one layer (``layer_ids[0]`` of a model of
+            ``model_layers``) keeps that layer's budget and runs that layer's schedule
+            (``settings.group_schedules``), in a block table of its own. None: the cache serves
+            every layer, in the one block table they share.
     """
 
     def __init__(
         self, kv: list[KV], layer_ids: list[int], *, q_heads: int, head_dim: int, block_size: int,
         policy_of: Callable[[str], Resolved], head_offset: int = 0, prefix_caching: bool = False,
         trace: Path | None = None, rank: int = 0, model_facts: ModelFacts | None = None,
-        per_head_refusal: str | None = None,
+        per_head_refusal: str | None = None, model_layers: int | None = None,
     ) -> None:
+        if model_layers is not None and len(layer_ids) != 1:
+            raise ValueError(f"a per-layer KV-cache group holds one layer, got layers {layer_ids}")
+        self.model_layers = model_layers
         self.kv = kv
         self.layer_ids = list(layer_ids)
         self.q_heads, self.head_dim, self.block_size = q_heads, head_dim, block_size
@@ -318,10 +328,14 @@ class PagedCache:
         if rp is None:
             policy = r.policy()
             self.check_policy(policy)
-            rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy)
+            # Every layer's KV-cache group, or this one layer's (of a model of model_layers).
+            groups = None if self.model_layers is None else list(range(self.model_layers))
+            schedules = group_schedules(policy, groups, self.kv_heads)
+            schedule = schedules[0] if groups is None else schedules[self.layer_ids[0]]
+            rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy, schedule)
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
-            self.ledger.resume(req_id, evicting_schedule(rp.policy), self.replays.pop(req_id, None),
+            self.ledger.resume(req_id, rp.schedule, self.replays.pop(req_id, None),
                                head_cap(rp.policy, self.kv_heads))
         return rp
 
@@ -761,8 +775,9 @@ class PagedCache:
             seen = torch.tensor(tokens, dtype=torch.long).repeat(lyr)
             observed = torch.tensor([self.observed.get(q, 0) for q in req_ids], dtype=torch.long).repeat(lyr)
             query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
+        schedule = rp.schedule or policy.schedule  # a layer's own budget under per-layer budgets
         return eviction_input(
-            keys, values, queries, budget=policy.budget, recent=policy.schedule.recent,
+            keys, values, queries, budget=schedule.budget, recent=schedule.recent,
             seed=policy.resolve_seed(rp.resolved.seed), slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             layer_idx=layer_idx, evictions=torch.tensor(evictions, dtype=torch.long).repeat(lyr),
             head_offset=self.head_offset, query_positions=query_positions, query_new=query_new,
@@ -864,7 +879,7 @@ class PagedCache:
         record = {
             "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
             "policy": rp.resolved.source,
-            "budget": None if rp.policy is None else rp.policy.budget, "requests": req_ids, "slots_before": n,
+            "budget": None if rp.schedule is None else rp.schedule.budget, "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]) if counts is None else self.ledger.get(req_ids[0]).held,
             "head_counts": None if counts is None else counts.view(self.layers, len(req_ids), -1).transpose(0, 1).tolist(),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],

@@ -26,6 +26,11 @@ other requests from the next scheduled step on, which every worker runs after th
 eviction. So the accounting is the same whether vLLM schedules the next step before this one's
 output is back (async scheduling) or after.
 
+**Per-layer budgets** (``settings.per_layer``: PyramidKV). The server's layers then have a
+KV-cache group each (``kvpolicy.vllm.layer_spec``), and each group a ledger of its own on that
+layer's schedule (``settings.group_schedules``): allocations for a group's manager count that
+group's slots, and a group that evicts gives back its own blocks past its kept slots.
+
 **Preemption replays evictions.** A preempted request keeps its eviction points
 (``SlotLedger.replay_plan``, kept on the vLLM ``Request``); when vLLM recomputes it, each step's
 tokens for it are capped to end at the next point (``replay_cap``), so it evicts at exactly the
@@ -42,7 +47,17 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, kept_held, peak_slots, prefix_hit_cap, replay_boundary
-from .settings import KVPolicyVLLMError, Resolved, evicting_schedule, head_cap, model_refusal, request_policy
+from .settings import (
+    KVPolicyVLLMError,
+    Resolved,
+    evicting_schedule,
+    group_schedules,
+    head_cap,
+    layer_group_refusal,
+    model_refusal,
+    per_layer,
+    request_policy,
+)
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -65,6 +80,11 @@ def ledger() -> SlotLedger | None:
     return None if _STATE is None else _STATE.ledger
 
 
+def ledgers() -> list[SlotLedger]:
+    """The ledger of each KV-cache group (one, unless the server keeps per-layer budgets)."""
+    return [] if _STATE is None else _STATE.ledgers
+
+
 def state() -> SchedulerEviction | None:
     return _STATE
 
@@ -83,8 +103,21 @@ class SchedulerEviction:
         global _STATE
         self.scheduler = scheduler
         self.resolved = resolved
-        self.ledger = SlotLedger()
+        # One KV-cache group shared by every layer, or (a server under per-layer budgets,
+        # ``kvpolicy.vllm.layer_spec``) a group per layer: group g is layer group_layers[g], and
+        # keeps a ledger of its own, on that layer's schedule (``settings.group_schedules``).
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self.group_layers: list[int] | None = None
+        if len(groups) > 1:
+            self.group_layers = [int(getattr(g.kv_cache_spec, "kvpolicy_layer", -1)) for g in groups]
+            if min(self.group_layers) < 0 or sorted(self.group_layers) != list(range(len(groups))):
+                raise KVPolicyVLLMError(f"expected one KV cache group per layer (per-layer budgets) or one in all, "
+                                        f"got {len(groups)} groups of layers {self.group_layers}")
+        self.ledgers = [SlotLedger() for _ in groups]
+        self.ledger = self.ledgers[0]
+        self.server_per_layer = self.group_layers is not None
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
+        self.group_schedules: dict[str | None, list[Schedule | None]] = {}  # by resolved policy YAML, per group
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
         self.head_caps: dict[str | None, int | None] = {}  # by resolved policy YAML (per-head budgets)
         self.select_budgets: dict[str | None, int | None] = {}  # by resolved policy YAML: select mode's budget
@@ -117,7 +150,19 @@ class SchedulerEviction:
             self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
             self.head_caps[r.policy_yaml] = (head_cap(policy, kv_heads_per_rank(self.scheduler.vllm_config))
                                              if policy is not None and policy.per_head else None)
+            refusal = layer_group_refusal(policy, self.server_per_layer)
+            heads = None if self.group_layers is None else kv_heads_per_rank(self.scheduler.vllm_config)
+            self.group_schedules[r.policy_yaml] = [] if refusal is not None else group_schedules(
+                policy, self.group_layers, heads)
         return self.schedules[r.policy_yaml]
+
+    def _group_schedules(self, request: Any) -> list[Schedule | None]:
+        """The schedule of each KV-cache group for the request (``settings.group_schedules``)."""
+        self._schedule(request)
+        found = self.group_schedules[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        if not found:  # admitted requests never get here (``admit``)
+            raise KVPolicyVLLMError(f"request {request.request_id}: {self._model_refusal(request)}")
+        return found
 
     def _head_cap(self, request: Any) -> int | None:
         """The request's policy's per-head bound (``settings.head_cap``; None: every head keeps the budget)."""
@@ -128,8 +173,10 @@ class SchedulerEviction:
         """Why the workers' model cannot serve the request's policy (a fact it needs is missing)."""
         r = request_policy(request.sampling_params.extra_args, self.resolved)
         if r.policy_yaml not in self.model_refusals:
-            self.model_refusals[r.policy_yaml] = model_refusal(
-                r.policy(), self.scheduler.vllm_config.model_config, missing=self.missing_facts)
+            policy = r.policy()
+            self.model_refusals[r.policy_yaml] = (
+                model_refusal(policy, self.scheduler.vllm_config.model_config, missing=self.missing_facts)
+                or layer_group_refusal(policy, self.server_per_layer))
         return self.model_refusals[r.policy_yaml]
 
     def _sees_every_query(self, request: Any) -> bool:
@@ -150,28 +197,39 @@ class SchedulerEviction:
     def _track(self, request: Any) -> None:
         # The plan stays on the request (replaced at its next preemption): a recompute whose
         # first allocation fails is tracked again later and its prefix hit must stay capped.
-        plan = request.__dict__.get(REPLAY_ATTR)
-        self.ledger.resume(request.request_id, self._schedule(request), plan, self._head_cap(request))
+        plans = request.__dict__.get(REPLAY_ATTR)
+        cap = self._head_cap(request)
+        for g, (ledger, schedule) in enumerate(zip(self.ledgers, self._group_schedules(request), strict=True)):
+            ledger.resume(request.request_id, schedule, None if plans is None else plans[g], cap)
 
     # -- preemption -------------------------------------------------------------------------
     def on_preempt(self, request: Any) -> None:
-        """Before vLLM frees a preempted request: keep its eviction points for the recompute."""
-        plan = self.ledger.replay_plan(request.request_id)
-        if plan is None:
-            plan = request.__dict__.get(REPLAY_ATTR)  # preempted again before it was scheduled
-        if plan is not None:
-            request.__dict__[REPLAY_ATTR] = plan
+        """Before vLLM frees a preempted request: keep each group's eviction points for the recompute."""
+        plans = [ledger.replay_plan(request.request_id) for ledger in self.ledgers]
+        if plans[0] is None and not self.ledger.tracks(request.request_id):
+            plans = request.__dict__.get(REPLAY_ATTR)  # preempted again before it was scheduled
+        elif all(p is None for p in plans):
+            plans = None
+        if plans is not None:
+            plans = [p or [] for p in plans]
+            request.__dict__[REPLAY_ATTR] = plans
             self.preemptions += 1
-            self.preempted_after_evicting += bool(plan)
+            self.preempted_after_evicting += any(plans)
 
     def replay_cap(self, request: Any, computed: int, num_new: int) -> int:
         """``num_new`` tokens scheduled for a request from ``computed``, capped so that a request
         being recomputed after preemption ends the step at its next eviction point or prompt end."""
-        entry = self.ledger.requests.get(request.request_id)
-        plan = entry.replay if entry is not None else request.__dict__.get(REPLAY_ATTR)
-        if plan is None or (entry is not None and entry.schedule is None):
+        entries = [ledger.requests.get(request.request_id) for ledger in self.ledgers]
+        entry = entries[0]
+        stored = request.__dict__.get(REPLAY_ATTR)
+        # Every group's eviction points bound the chunks: a chunk never crosses one of them.
+        if entry is not None:
+            plan: list[int] | None = sorted({p for e in entries if e is not None for p in e.replay})
+        else:
+            plan = None if stored is None else sorted({p for group in stored for p in group})
+        if plan is None or (entry is not None and all(e is None or e.schedule is None for e in entries)):
             return self._select_cap(request, computed, num_new)
-        if entry is not None and not entry.replay and computed >= request.num_prompt_tokens:
+        if entry is not None and not plan and computed >= request.num_prompt_tokens:
             return num_new
         end = replay_boundary(plan, int(request.num_prompt_tokens), computed)
         if end is None:
@@ -194,16 +252,17 @@ class SchedulerEviction:
         self.replay_cuts += capped < num_new
         return capped
 
-    def counted_slots(self, req_id: str, num_tokens: int) -> int:
-        """Slots to allocate for a request to reach ``num_tokens`` tokens: its tokens less those
-        evicted, and never more than its policy's peak. (The peak binds only vLLM's admission
-        check that a request's whole sequence fits the pool: a request recomputed after
-        preemption replays its evictions and never holds its whole sequence.)"""
-        slots = num_tokens - self.ledger.offset(req_id)
+    def counted_slots(self, req_id: str, num_tokens: int, group: int = 0) -> int:
+        """Slots of KV-cache group ``group`` to allocate for a request to reach ``num_tokens``
+        tokens: its tokens less those the group evicted, and never more than its schedule's peak.
+        (The peak binds only vLLM's admission check that a request's whole sequence fits the pool:
+        a request recomputed after preemption replays its evictions and never holds its whole
+        sequence.)"""
+        slots = num_tokens - self.ledgers[group].offset(req_id)
         request = self.scheduler.requests.get(req_id)
         if request is None:
             return slots
-        schedule = self._schedule(request)
+        schedule = self._group_schedules(request)[group]
         if schedule is None:
             return slots
         return min(slots, peak_slots(schedule, int(request.num_prompt_tokens), slots, self._head_cap(request)))
@@ -214,26 +273,28 @@ class SchedulerEviction:
         settings the front end did not resolve, more blocks than the KV pool has, or a policy
         needing a model fact the workers cannot give."""
         self._schedule(request)  # raises for unresolved settings
-        pool = self.scheduler.kv_cache_manager.block_pool
-        block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
-        refusal = pool_refusal(self._schedule(request), int(request.num_prompt_tokens),
-                               int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
-                               self.prefix_caching, self._head_cap(request))
+        refusal = self._model_refusal(request)
         if refusal is None:
-            refusal = self._model_refusal(request)
+            pool = self.scheduler.kv_cache_manager.block_pool
+            block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
+            refusal = pool_refusal(self._group_schedules(request), int(request.num_prompt_tokens),
+                                   int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
+                                   self.prefix_caching, self._head_cap(request))
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
     # -- prefix caching ---------------------------------------------------------------------
-    def copy_blocks(self, req_id: str, num_tokens: int, block_size: int) -> int:
-        """Fresh blocks to allocate with this step's for a request that first evicts after it."""
+    def copy_blocks(self, req_id: str, num_tokens: int, block_size: int, group: int = 0) -> int:
+        """Fresh blocks of KV-cache group ``group`` to allocate with this step's for a request
+        that first evicts after it (prefix caching: one group only, ``settings.per_layer_refusals``)."""
         if not self.prefix_caching or not self._tracked(req_id):
             return 0
-        entry = self.ledger.get(req_id)
+        ledger = self.ledgers[group]
+        entry = ledger.get(req_id)
         if entry.schedule is None or entry.evictions:
             return 0
         prompt = self.scheduler.requests[req_id].num_prompt_tokens
-        if not self.ledger.would_fire(req_id, num_tokens, prompt):
+        if not ledger.would_fire(req_id, num_tokens, prompt):
             return 0
         return cdiv(kept_held(entry.schedule, entry.head_cap, entry.held + num_tokens - entry.tokens), block_size)
 
@@ -242,8 +303,7 @@ class SchedulerEviction:
         evicted (its slot ``s`` no longer holds token ``s``), nor, under select mode, once it
         computes the tokens it attends a selection for (their keys are not full attention's, which
         another request with the same tokens would expect)."""
-        entry = self.ledger.requests.get(req_id)
-        if entry is not None and entry.evictions:
+        if any(ledger.requests[req_id].evictions for ledger in self.ledgers if ledger.tracks(req_id)):
             return False
         request = self.scheduler.requests.get(req_id)
         if request is None:
@@ -287,36 +347,44 @@ class SchedulerEviction:
                 continue
             if not self.ledger.tracks(req_id):
                 self._track(request)
-            if not self.ledger.advance(req_id, request.num_computed_tokens, request.num_prompt_tokens):
-                continue
-            entry = self.ledger.get(req_id)
-            held, first = entry.held, entry.evictions == 0
-            kept = self.ledger.evicted(req_id)
-            evicted += 1
-            for mgr in managers:
-                blocks = mgr.req_to_blocks.get(req_id)
-                if not blocks:
+            any_group = False
+            # Each KV-cache group (every layer, or one layer under per-layer budgets) runs its own
+            # ledger entry: a group that evicts gives back the blocks past its own kept slots.
+            for ledger, mgr in zip(self.ledgers, managers, strict=True):
+                if not ledger.advance(req_id, request.num_computed_tokens, request.num_prompt_tokens):
                     continue
-                keep, needed = cdiv(kept, mgr.block_size), cdiv(held, mgr.block_size)
-                copies = len(blocks) - needed  # fresh blocks allocated for this eviction (copy_blocks)
-                expected = keep if self.prefix_caching and first else 0
-                if copies != expected:
-                    raise RuntimeError(
-                        f"kvpolicy: request {req_id} holds {len(blocks)} blocks for {held} slots; "
-                        f"expected {needed} + {expected} fresh"
-                    )
-                # The kept slots now live in blocks[needed:] (fresh) + blocks[copies:keep] (compacted in place).
-                old, fresh = blocks[:needed], blocks[needed:]
-                blocks[:] = fresh + old[copies:keep]
-                tail, copied = old[keep:], old[:copies]
-                if tail:  # freed tail first: vLLM evicts cached blocks from the free queue in that order
-                    mgr.block_pool.free_blocks(reversed(tail))
-                if copied:  # released: each returns to the pool when its last reader lets go
-                    mgr.block_pool.free_blocks(reversed(copied))
-                self.blocks_freed += len(tail) + len(copied)
-                self.blocks_copied += len(copied)
+                any_group = True
+                entry = ledger.get(req_id)
+                held, first = entry.held, entry.evictions == 0
+                kept = ledger.evicted(req_id)
+                self._trim(mgr, req_id, held, kept, first)
+            evicted += any_group
         if self.trace is not None:  # written when the step's output is back (at most a few steps in flight)
             self.pending_trace = [*self.pending_trace[-7:], (scheduler_output, evicted)]
+
+    def _trim(self, mgr: Any, req_id: str, held: int, kept: int, first: bool) -> None:
+        """A group's blocks of a request that evicted from ``held`` block-table slots to ``kept``."""
+        blocks = mgr.req_to_blocks.get(req_id)
+        if not blocks:
+            return
+        keep, needed = cdiv(kept, mgr.block_size), cdiv(held, mgr.block_size)
+        copies = len(blocks) - needed  # fresh blocks allocated for this eviction (copy_blocks)
+        expected = keep if self.prefix_caching and first else 0
+        if copies != expected:
+            raise RuntimeError(
+                f"kvpolicy: request {req_id} holds {len(blocks)} blocks of group {mgr.kv_cache_group_id} for {held} "
+                f"slots; expected {needed} + {expected} fresh"
+            )
+        # The kept slots now live in blocks[needed:] (fresh) + blocks[copies:keep] (compacted in place).
+        old, fresh = blocks[:needed], blocks[needed:]
+        blocks[:] = fresh + old[copies:keep]
+        tail, copied = old[keep:], old[:copies]
+        if tail:  # freed tail first: vLLM evicts cached blocks from the free queue in that order
+            mgr.block_pool.free_blocks(reversed(tail))
+        if copied:  # released: each returns to the pool when its last reader lets go
+            mgr.block_pool.free_blocks(reversed(copied))
+        self.blocks_freed += len(tail) + len(copied)
+        self.blocks_copied += len(copied)
 
     def after_update(self, scheduler_output: Any) -> None:
         """After a step's output came back: the trace record of that step."""
@@ -343,6 +411,11 @@ class SchedulerEviction:
             "blocks_freed_total": self.blocks_freed, "blocks_copied_total": self.blocks_copied,
             # distinct blocks: under prefix caching several requests may hold the same block
             "held_blocks": len({id(b) for m in managers for bs in m.req_to_blocks.values() for b in bs}),
+            # per KV-cache group (a layer's, under per-layer budgets): blocks its requests hold
+            "group_blocks": [len({id(b) for bs in m.req_to_blocks.values() for b in bs}) for m in managers],
+            # per running request: blocks held in all its groups (the null block is no block)
+            "request_blocks": {r: sum(sum(not b.is_null for b in m.req_to_blocks.get(r, ())) for m in managers)
+                               for r in sched.requests},
             "requests": len(sched.requests),
             "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
             "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
@@ -357,7 +430,7 @@ class SchedulerEviction:
 
 
 def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, block_size: int,
-                        prefix_caching: bool, head_cap: int | None = None) -> int:
+                        prefix_caching: bool, head_cap: int | None = None) -> int:  # one KV-cache group
     """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
     blocks its first eviction writes the kept slots into (held for one step beside the old ones).
     ``head_cap``: its policy's per-head bound (``settings.head_cap``)."""
@@ -367,12 +440,16 @@ def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, 
     return blocks
 
 
-def pool_refusal(schedule: Schedule | None, prompt_len: int, max_tokens: int, pool_blocks: int, block_size: int,
-                 prefix_caching: bool, head_cap: int | None = None) -> str | None:
-    """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can)."""
-    need = request_need_blocks(schedule, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, head_cap)
+def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: int, pool_blocks: int,
+                 block_size: int, prefix_caching: bool, head_cap: int | None = None) -> str | None:
+    """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can), with
+    ``schedules`` the request's schedule of each KV-cache group (``settings.group_schedules``:
+    one for all layers, or one per layer, whose blocks each hold one layer)."""
+    need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, head_cap)
+               for s in schedules)
     if need <= pool_blocks:
         return None
+    schedule = schedules[0]
     what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
             else f"its policy keeps {schedule.budget} slots, but its prompt of {prompt_len} tokens is held whole before "
                  "the first eviction")
@@ -391,8 +468,16 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
         return None
     bs = int(vllm_config.cache_config.block_size)
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
-    return request_need_blocks(s, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching),
-                               head_cap(policy, kv_heads_per_rank(vllm_config))) * bs
+    # Under per-layer budgets vLLM checks that every layer's group holds this many: its fullest layer's.
+    layers = list(range(num_layers(vllm_config))) if per_layer(policy) else None
+    return max(request_need_blocks(g, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching),
+                                   head_cap(policy, kv_heads_per_rank(vllm_config)))
+               for g in group_schedules(policy, layers, kv_heads_per_rank(vllm_config))) * bs
+
+
+def num_layers(vllm_config: Any) -> int:
+    """The model's attention layers (pipeline parallelism is refused under per-layer budgets)."""
+    return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
 
 
 def kv_heads_per_rank(vllm_config: Any) -> int:

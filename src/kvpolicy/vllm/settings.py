@@ -193,11 +193,19 @@ def refuse_unservable(policy: Policy) -> None:
                 f"policy {policy.name!r} shares its budget unevenly (allocation {allocation.type_name!r}): "
                 "vLLM's block tables are shared by every layer of a request (not implemented with per-head counts)"
             )
-    elif policy.allocation.uneven:
+    elif policy.allocation.uneven and policy.allocation.from_prompt:
         raise KVPolicyVLLMError(
-            f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}): "
-            "vLLM's block tables are shared by every layer and head of a request, so uneven budgets would free no "
-            "memory there. Serve it with the transformers integration (KVPolicyCache), or use a uniform allocation"
+            f"policy {policy.name!r} shares its budget unevenly, with layer budgets decided from each prompt "
+            f"(allocation {policy.allocation.type_name!r}): the workers decide them and the scheduler, which sizes "
+            "each layer's blocks, cannot see them (not implemented). Serve it with the transformers integration "
+            "(KVPolicyCache), or use an allocation whose layer budgets are known in advance (pyramid)"
+        )
+    elif policy.allocation.uneven and (policy.per_head or policy.mode != "evict"):
+        raise KVPolicyVLLMError(
+            f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}) "
+            f"{'with counts of its own per head' if policy.per_head else f'in {policy.mode!r} mode'}: vLLM serves "
+            "per-layer budgets (a KV-cache group per layer) for evict-mode policies whose heads keep the layer's "
+            "budget only. Serve it with the transformers integration (KVPolicyCache)"
         )
     if policy.mode == "select":
         why = select_refusal(policy)
@@ -207,6 +215,65 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serves evict and select modes only"
         )
+
+
+def per_layer(policy: Policy | None) -> bool:
+    """Whether ``policy`` keeps budgets of its own per layer, known before any data (``pyramid``):
+    a server started with it gives every attention layer a KV-cache group of its own
+    (``kvpolicy.vllm.layer_spec``), whose blocks follow that layer's slots."""
+    return (policy is not None and policy.mode == "evict" and policy.allocation.uneven
+            and not policy.per_head and not policy.allocation.from_prompt)
+
+
+def layer_schedules(policy: Policy | None, num_layers: int, kv_heads: int) -> list[Schedule | None]:
+    """Each layer's schedule under ``policy`` (``Policy.layer_schedules``, as ``EvictingCache``
+    builds them: the policy's schedule with the layer's budget); None per layer for a request
+    that never evicts (no policy, or select mode)."""
+    if evicting_schedule(policy) is None:
+        return [None] * num_layers
+    assert policy is not None
+    try:
+        return list(policy.layer_schedules(num_layers, kv_heads))
+    except PolicyError as exc:  # the allocation cannot share this budget among the model's layers
+        raise KVPolicyVLLMError(f"policy {policy.name!r} cannot share its budget among the model's {num_layers} "
+                                f"layers:\n{exc}") from None
+
+
+def group_schedules(policy: Policy | None, group_layers: list[int] | None,
+                    kv_heads: int | None) -> list[Schedule | None]:
+    """A request's schedule in each KV-cache group: ``[its policy's]`` when one group holds every
+    layer (``group_layers`` None); under per-layer budgets (group g holds layer
+    ``group_layers[g]`` alone) that layer's (``layer_schedules``). The scheduler and every worker
+    run one slot ledger per group on these schedules (``kvpolicy.vllm.ledger``): the same rule,
+    ``Schedule.due`` on the group's own slot count, that ``EvictingCache`` runs per layer group."""
+    if group_layers is None:  # kv_heads (a rank's, what an allocation's model check reads) unused
+        return [evicting_schedule(policy)]
+    if kv_heads is None:
+        raise ValueError("group_schedules: per-layer groups need the KV heads of a rank")
+    per = layer_schedules(policy, len(group_layers), kv_heads)
+    return [per[layer] for layer in group_layers]
+
+
+def layer_group_refusal(policy: Policy | None, server_per_layer: bool) -> str | None:
+    """Why a request's ``policy`` cannot run on this server's KV-cache groups (None: it can).
+
+    KV-cache groups are built at start-up from the server's policy: a server started with a
+    per-layer policy has a group per layer, which serves per-layer and uniform evict-mode policies
+    (every group then holds the uniform budget) and the full cache; one started otherwise has
+    one group shared by every layer, where a layer keeping fewer slots frees no block."""
+    if policy is None:
+        return None
+    if per_layer(policy) and not server_per_layer:
+        return (f"policy {policy.name!r} keeps per-layer budgets (allocation {policy.allocation.type_name!r}), "
+                "which need a KV-cache group per layer, built at start-up: this server was started with a policy "
+                "whose layers keep one budget, so its layers share one block table. Start the server with a "
+                "per-layer policy (pyramidkv) to serve such requests")
+    if server_per_layer and (policy.mode != "evict" or policy.per_head):
+        what = "select mode" if policy.mode == "select" else f"{policy.mode!r} mode" if policy.mode != "evict" \
+            else "counts of its own per head"
+        return (f"policy {policy.name!r} runs {what}, which is not implemented on a server with a KV-cache group "
+                "per layer (started with a per-layer policy); send it to a server started with a uniform policy")
+    return None
 
 
 def head_cap(policy: Policy | None, kv_heads: int) -> int | None:
@@ -462,6 +529,32 @@ def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str
     return f"policy {policy.name!r} cannot serve the model {facts.name!r}: " + "; ".join(problems)
 
 
+def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
+    """What a server under a per-layer policy (``per_layer``: a KV-cache group per layer) cannot
+    run with: prefix caching (a request's groups would hit the prefix cache apart, and a first
+    eviction's fresh blocks are implemented for one group), pipeline parallelism (each stage's
+    layers would need their groups of their own: not implemented)."""
+    if not per_layer(policy):
+        return []
+    assert policy is not None
+    out = []
+    if vllm_config.cache_config.enable_prefix_caching:
+        out.append(f"policy {policy.name!r} keeps per-layer budgets (a KV-cache group per layer), which is not "
+                   "implemented with prefix caching: start the server with enable_prefix_caching=False "
+                   "(--no-enable-prefix-caching)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        out.append(f"policy {policy.name!r} keeps per-layer budgets (a KV-cache group per layer), which is not "
+                   "implemented with pipeline parallelism (pipeline_parallel_size must be 1)")
+    elif getattr(vllm_config, "model_config", None) is not None:
+        mc = vllm_config.model_config
+        try:
+            layer_schedules(policy, int(mc.get_num_layers(vllm_config.parallel_config)),
+                            int(mc.get_num_kv_heads(vllm_config.parallel_config)))
+        except KVPolicyVLLMError as exc:
+            out.append(str(exc).removeprefix("kvpolicy[vllm]: "))
+    return out
+
+
 def check_config(vllm_config: Any, resolved: Resolved) -> None:
     import vllm
 
@@ -477,6 +570,7 @@ def check_config(vllm_config: Any, resolved: Resolved) -> None:
     page = page_refusal(policy, int(vllm_config.cache_config.block_size))
     if page is not None:
         reasons.append(page)
+    reasons += per_layer_refusals(policy, vllm_config)
     if reasons:
         lines = "\n".join(f"  - {r}" for r in reasons)
         raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

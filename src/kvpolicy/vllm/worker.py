@@ -21,6 +21,10 @@ At start-up it also builds the model facts of its rank (``kvpolicy.vllm.facts``:
 shard of each ``o_proj``) for the stages that read the model, and checks the server's policy
 against them (each request's own policy is checked when the paged cache first loads it).
 
+Under per-layer budgets (a KV-cache group per layer, ``kvpolicy.vllm.layer_spec``) it holds a
+``PagedCache`` per group, each on its group's block table; each group's slot mapping and
+attention length (``group_metadata``, through the wrapped metadata builder) follow its own slots.
+
 A request resumed after preemption replays its evictions (``kvpolicy.vllm.ledger``). The cache is
 read and written through ``BlockLayout`` (``kvpolicy.vllm.layout``), from the layout vLLM
 resolved for the server and the backend's block interior.
@@ -57,16 +61,26 @@ class WorkerEviction:
         self.runner = runner
         self.resolved = resolved  # the server's policy: requests naming none run it
         groups = runner.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise KVPolicyVLLMError(f"expected one KV cache group (full attention everywhere), got {len(groups)}")
+        # One KV-cache group for every layer, or (a server under per-layer budgets:
+        # ``kvpolicy.vllm.layer_spec``) one group per layer, each with its own block table.
+        self.per_layer = len(groups) > 1
+        if self.per_layer and any(len(g.layer_names) != 1 or getattr(g.kv_cache_spec, "kvpolicy_layer", None) is None
+                                  for g in groups):
+            raise KVPolicyVLLMError(f"expected one KV cache group (full attention everywhere) or one per layer "
+                                    f"(per-layer budgets), got {len(groups)}")
         spec = groups[0].kv_cache_spec
         self.block_size = int(spec.block_size)
-        names = sorted(groups[0].layer_names, key=extract_layer_index)
+        names = sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
         ctx = runner.compilation_config.static_forward_context
         check_layer_names(names, ctx)
         self.layer_of = {name: i for i, name in enumerate(names)}
+        #: by the index of a layer in ``names``: its KV-cache group and its index among the group's layers
+        self.group_of = ({i: (next(g for g, grp in enumerate(groups) if grp.layer_names == [n]), 0)
+                          for i, n in enumerate(names)} if self.per_layer else {i: (0, i) for i in range(len(names))})
         caches: list[torch.Tensor] = [ctx[n].kv_cache for n in names]
-        if len({c.data_ptr() for c in caches}) != len(caches):
+        # Per-layer groups share one tensor (vLLM's kv_cache_tensors: every layer's group draws its
+        # blocks from one pool), each block held by one layer; shared tensors are refused otherwise.
+        if not self.per_layer and len({c.data_ptr() for c in caches}) != len(caches):
             raise KVPolicyVLLMError("layers sharing one KV cache tensor (KV sharing) are not supported")
         self.kv_heads = int(caches[0].shape[1])
         impl = ctx[names[0]].impl
@@ -82,6 +96,9 @@ class WorkerEviction:
         except LayoutError as exc:
             raise KVPolicyVLLMError(f"KV cache layout: {exc}") from None
         self.impl_classes = {type(ctx[n].impl) for n in names}
+        # Under per-layer budgets each group's attention length is its own (``group_metadata``).
+        self.builder_classes = {ctx[n].attn_backend.get_builder_cls() for n in names} if self.per_layer else set()
+        self.group_seq_lens: dict[int, tuple[torch.Tensor, int]] = {}  # this step's, by group (per-layer budgets)
         self.device = caches[0].device
         self.held_generators: dict[int, torch.Generator] = {}  # see _hold_generators
         self.layout_checked = False
@@ -94,20 +111,30 @@ class WorkerEviction:
         # What stages that read the model get (RoPE, this rank's shard of each o_proj), checked
         # against every policy as it is first loaded: the server's here, at start-up.
         self.model_facts = rank_facts(runner, dict(zip(layer_ids, names, strict=True)), head_offset)
-        self.paged = PagedCache(
-            kv, layer_ids, q_heads=q_heads, head_dim=head_dim,
+        members = ([[i for i in range(len(names)) if self.group_of[i][0] == g] for g in range(len(groups))]
+                   if self.per_layer else [list(range(len(names)))])
+        # A paged cache per KV-cache group (every layer's, or one layer's), on the group's block table.
+        self.pageds = [PagedCache(
+            [kv[i] for i in member], [layer_ids[i] for i in member], q_heads=q_heads, head_dim=head_dim,
             block_size=self.block_size, policy_of=self._resolve, head_offset=head_offset,
             prefix_caching=bool(runner.vllm_config.cache_config.enable_prefix_caching),
             trace=Path(resolved.trace) if resolved.trace else None, rank=self.rank, model_facts=self.model_facts,
-            per_head_refusal=per_head_refusal(ctx[names[0]].impl),
-        )
-        self.paged.check_policy(resolved.policy())
+            per_head_refusal=per_head_refusal(ctx[names[0]].impl), model_layers=len(names) if self.per_layer else None,
+        ) for member in members]
+        self.paged = self.pageds[0]
+        for paged in self.pageds:
+            paged.check_policy(resolved.policy())
         self.select = BlockSelection(self.paged)  # select-mode requests' page choices (kvpolicy.vllm.select)
 
     @property
-    def long_steps(self) -> dict[str, Any]:
-        """This step's requests whose chunk is longer than their window (``PagedCache.long_steps``)."""
-        return self.paged.long_steps
+    def long_steps(self) -> bool:
+        """Whether this step has requests whose chunk is longer than their window (``PagedCache.long_steps``)."""
+        return any(p.long_steps for p in self.pageds)
+
+    @property
+    def head_attention(self) -> bool:
+        """Whether this step has requests whose heads hold different counts (``PagedCache.head_attention``)."""
+        return any(p.head_attention is not None for p in self.pageds)
 
     @property
     def ledger(self):
@@ -118,8 +145,13 @@ class WorkerEviction:
         params = None if state is None else state.sampling_params
         return request_policy(None if params is None else params.extra_args, self.resolved)
 
-    def _block_table(self) -> Any:
-        return self.runner.input_batch.block_table.block_tables[0]
+    def _block_table(self, group: int = 0) -> Any:
+        return self.runner.input_batch.block_table.block_tables[group]
+
+    def _route(self, layer: Any) -> tuple[PagedCache, int, int]:
+        """The paged cache of an attention layer's KV-cache group, the layer's index there, and the group."""
+        g, local = self.group_of[self._layer(layer)]
+        return self.pageds[g], local, g
 
     def _layer(self, layer: Any) -> int:
         """The index of an attention layer of the model, by the name vLLM gives it."""
@@ -134,16 +166,18 @@ class WorkerEviction:
 
     # -- requests joining and leaving -------------------------------------------------------
     def on_update_states(self, scheduler_output: Any) -> None:
-        paged = self.paged
         for req_id in scheduler_output.finished_req_ids:
-            paged.drop(req_id)
+            for paged in self.pageds:
+                paged.drop(req_id)
             self.select.drop(req_id)
         for new in scheduler_output.scheduled_new_reqs:
-            paged.drop(new.req_id)  # a new request, or one resubmitted under the same id
+            for paged in self.pageds:
+                paged.drop(new.req_id)  # a new request, or one resubmitted under the same id
             self.select.drop(new.req_id)
         for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
             self.select.drop(req_id)  # recomputed: it chooses anew
-            plan = paged.resume(req_id)
+            plans = [paged.resume(req_id) for paged in self.pageds]  # each group replays its own points
+            plan = sorted({p for group in plans for p in group or []})
             if plan and self.rank == 0:
                 logger.info("kvpolicy: request %s resumes after preemption, replaying %d eviction(s)",
                             req_id, len(plan))
@@ -157,18 +191,56 @@ class WorkerEviction:
         n = np.asarray(num_scheduled[:num_reqs], dtype=np.int64)
         before = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         prompt = batch.num_prompt_tokens[:num_reqs].astype(np.int64)
-        offsets = np.array([self.paged.ledger.offset(r) for r in req_ids], dtype=np.int64)
-        if offsets.any():
-            total = int(n.sum())
+        total = int(n.sum())
+        # Each group's own slot count: group 0's (every layer's, with one group) makes the runner's
+        # attention length; under per-layer budgets every other group's is its attention
+        # metadata's (``group_metadata``), and each group's slot mapping follows its own slots.
+        unevicted = runner.seq_lens.clone()  # every token: a group that evicted nothing yet attends them all
+        seq_lens = unevicted[:num_reqs]
+        self.group_seq_lens = {}
+        for g, paged in enumerate(self.pageds):
+            offsets = np.array([paged.ledger.offset(r) for r in req_ids], dtype=np.int64)
+            if not offsets.any():
+                continue
             off_rows = torch.from_numpy(offsets)
-            runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.device, runner.seq_lens.dtype)
-            runner.optimistic_seq_lens_cpu[:num_reqs] -= off_rows.to(runner.optimistic_seq_lens_cpu.dtype)
+            if g == 0:
+                runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.device, runner.seq_lens.dtype)
+                runner.optimistic_seq_lens_cpu[:num_reqs] -= off_rows.to(runner.optimistic_seq_lens_cpu.dtype)
+            else:
+                group_lens = unevicted.clone()
+                group_lens[:num_reqs] -= off_rows.to(seq_lens.device, seq_lens.dtype)
+                self.group_seq_lens[g] = (group_lens, int(group_lens[:num_reqs].max()))
             per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
             slots = runner.positions[:total] - per_token
-            batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
+            table = batch.block_table if not self.per_layer else batch.block_table.block_tables[g]
+            table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
+        if self.per_layer:  # a group that evicted nothing yet attends every token (group 0's may have evicted)
+            for g in range(1, len(self.pageds)):
+                self.group_seq_lens.setdefault(g, (unevicted, int(seq_lens.max()) if num_reqs else 0))
         self._hold_generators(num_reqs)
-        self.paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+        for g, paged in enumerate(self.pageds):
+            paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table(g))
         self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+
+    def group_metadata(self, builder: Any, common: Any) -> Any:
+        """The common attention metadata a KV-cache group's builder gets: under per-layer budgets,
+        its own attention length (``seq_lens``: its slots, not group 0's); else unchanged."""
+        if not self.group_seq_lens:
+            return common
+        names = getattr(builder, "layer_names", None) or []
+        index = self.layer_of.get(names[0]) if len(names) == 1 else None
+        if index is None:
+            return common
+        found = self.group_seq_lens.get(self.group_of[index][0])
+        if found is None:  # group 0: the runner's own
+            return common
+        lens, longest = found
+        import copy
+
+        mine = copy.copy(common)
+        mine.seq_lens = lens[: common.seq_lens.shape[0]]
+        mine.max_seq_len = longest
+        return mine
 
     @property
     def plan(self) -> StepRequests | None:
@@ -176,7 +248,8 @@ class WorkerEviction:
 
     @plan.setter
     def plan(self, value: StepRequests | None) -> None:
-        self.paged.plan = value
+        for paged in self.pageds:
+            paged.plan = value
 
     def _hold_generators(self, num_reqs: int) -> None:
         """Take the seeded generators of requests whose step ends inside their known tokens (a
@@ -203,18 +276,21 @@ class WorkerEviction:
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer: Any, query: torch.Tensor) -> None:
         """Before ``layer``'s attention (an attention layer of the model): its post-RoPE queries."""
-        if self.paged.captures:
-            self.paged.capture_queries(self._layer(layer), query)
+        paged, local, _ = self._route(layer)
+        if paged.captures:
+            paged.capture_queries(local, query)
 
     def attend_heads(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
         """After ``layer``'s attention (its keys are in the cache): the requests whose heads hold
         different counts (per-head budgets) attend each head's own slots, over vLLM's output."""
-        self.paged.attend_heads(self._layer(layer), query, output, scale)
+        paged, local, _ = self._route(layer)
+        paged.attend_heads(local, query, output, scale)
 
     def after_attention(self, layer: Any, query: torch.Tensor) -> None:
         """After ``layer``'s attention (its keys are in the cache): the long steps' queries."""
-        if self.paged.long_steps:
-            self.paged.after_attention(self._layer(layer), query, self._block_table())
+        paged, local, g = self._route(layer)
+        if paged.long_steps:
+            paged.after_attention(local, query, self._block_table(g))
 
     def attend_selected(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
         """After ``layer``'s attention: the rows of requests attending a selection at this step
@@ -242,10 +318,12 @@ class WorkerEviction:
     # -- after the forward ------------------------------------------------------------------
     def after_execute(self) -> None:
         self.select.end_step()  # this step's selections are spent
-        for ev in self.paged.end_step(self._block_table()):
-            state = self.runner.requests.get(ev.req_id)
-            if state is not None:
-                state.block_ids[0][:] = ev.blocks
+        self.group_seq_lens = {}
+        for g, paged in enumerate(self.pageds):
+            for ev in paged.end_step(self._block_table(g)):
+                state = self.runner.requests.get(ev.req_id)
+                if state is not None:
+                    state.block_ids[g][:] = ev.blocks
 
 
 def rank_facts(runner: Any, layers: dict[int, str], head_offset: int) -> ModelFacts:

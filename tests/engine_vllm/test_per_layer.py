@@ -1,0 +1,143 @@
+"""Per-layer budgets served by vLLM: PyramidKV's layers keep budgets of their own, each layer in a
+KV-cache group of its own (``kvpolicy.vllm.layer_spec``: one block table per layer, blocks from
+the one shared pool), so the blocks a request holds follow its layers' budgets.
+
+The bundled SmolLM2-135M (30 layers) under the server's ``pyramidkv`` at a mean budget of 96
+(layer budgets 172 down to 20) over a prompt plus 224 new tokens, so every layer evicts several
+times, beside a ``snapkv`` request (a uniform policy per request, on the same groups): the tokens
+equal the transformers path's (``KVPolicyCache`` + ``generate()``) but where both engines' top-2
+logits are within a rounding tie; the scheduler's trace (vLLM's block managers, one per group)
+shows each layer's group holding its own budget's blocks, and each request's bytes: a block of a
+per-layer group holds one layer's keys and values of ``BLOCK`` tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+
+from kvpolicy import load_policy  # noqa: E402
+
+BUDGET = 96
+NEW = 224
+BLOCK = 32  # the CPU backend's blocks are multiples of 32
+TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
+OVERRIDES = {"budget": BUDGET, "recent": 16, "interval": 16, "window": 16}
+PYRAMID = ["Write a long story about a dragon who learns to code. Once upon a time"]
+UNIFORM = "Explain in detail how a steam engine works, step by step."
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from kvpolicy.vllm.models import smollm2_folder
+
+    return smollm2_folder()
+
+
+def hf_refs(model_dir, jobs):
+    """``KVPolicyCache`` + ``generate()`` for (policy name, prompt) pairs (before the engine starts:
+    CPUs are few): prompt ids, tokens, and each step's top-2 logit gap."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy import KVPolicyCache
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    for name, text in jobs:
+        ids = tokenizer(text).input_ids
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(
+                x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(load_policy(name, **OVERRIDES), model),
+                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
+                return_dict_in_generate=True,
+            )
+        top2 = [lg[0].float().topk(2).values for lg in g.logits]
+        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+    config = model.config
+    del model
+    return rows, config
+
+
+def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir, tmp_path):
+    import time
+
+    from vllm.exceptions import VLLMValidationError
+
+    jobs = [("pyramidkv", t) for t in PYRAMID] + [("snapkv", UNIFORM)]
+    refs, config = hf_refs(model_dir, jobs)
+    layers = int(config.num_hidden_layers)
+    budgets = [s.budget for s in load_policy("pyramidkv", **OVERRIDES).layer_schedules(layers, config.num_key_value_heads)]
+    assert max(budgets) + OVERRIDES["interval"] < min(len(ids) for ids, _, _ in refs) + NEW  # every layer evicts
+    start = time.monotonic()
+    llm = make_llm(model_dir, {"policy": "pyramidkv", **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK)
+    try:
+        params = [greedy(NEW, logprobs=2)] * len(PYRAMID) + [
+            greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
+        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
+        # Select mode keeps every block and attends a choice: not implemented on per-layer groups.
+        with pytest.raises(VLLMValidationError, match="policy 'quest'.*KV-cache group per layer"):
+            llm.generate([tokens_prompt(refs[0][0])], greedy(4, extra_args={"kvpolicy": "quest"}), use_tqdm=False)
+    finally:
+        close(llm)
+    wall = time.monotonic() - start
+    for (ids, ref, margins), out in zip(refs, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        i = first_divergence(got, ref)
+        if i is None:
+            continue
+        vllm_lp = sorted((x.logprob for x in out.outputs[0].logprobs[i].values()), reverse=True)
+        gap = vllm_lp[0] - vllm_lp[1] if len(vllm_lp) > 1 else float("inf")
+        assert margins[i] < TIE or gap < TIE, (
+            f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+
+    # Every layer's group evicted, to its own budget (the pyramid's), several times per request.
+    evictions: dict[tuple[str, int], int] = {}
+    kept: dict[int, set[int]] = {}
+    names: dict[str, str] = {}  # the engine's request id -> its policy
+    for rec in read_jsonl(tmp_path, "worker-"):
+        (layer,) = rec["layers"]
+        for req in rec["requests"]:
+            evictions[req, layer] = evictions.get((req, layer), 0) + 1
+            names[req] = rec["policy"]
+        kept.setdefault(layer, set()).add(rec["kept"])
+    requests = {req for req, _ in evictions}
+    assert len(requests) == len(refs) and sorted(names.values()) == sorted(name for name, _ in jobs), names
+    assert min(evictions.get((req, layer), 0) for req in requests for layer in range(layers)) >= 3, evictions
+    for layer, counts in kept.items():  # pyramidkv's layer budget, or snapkv's uniform one
+        assert counts == {budgets[layer], BUDGET}, (layer, counts)
+
+    # Blocks from vLLM's pool, per group: what its requests hold, in use in the pool; group 0
+    # (the largest budget) holds more blocks than the last (the smallest) once they evicted.
+    steps = read_jsonl(tmp_path, "scheduler-")
+    assert all(s["total_blocks"] - s["free_blocks"] == s["held_blocks"] == sum(s["group_blocks"]) for s in steps)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    peak_room = [cdiv(b + OVERRIDES["interval"], BLOCK) for b in budgets]  # a pyramid request's most per layer
+    uniform_room = cdiv(BUDGET + OVERRIDES["interval"], BLOCK)
+    for s in steps:
+        for g, blocks in enumerate(s["group_blocks"]):
+            assert blocks <= len(PYRAMID) * peak_room[g] + uniform_room, (s["step"], g, blocks)
+    assert steps[-1]["group_blocks"][0] == 0 and steps[-1]["held_blocks"] == 0  # all back in the pool at the end
+
+    # Bytes: a block of a per-layer group holds one layer of BLOCK tokens (keys and values, float32).
+    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
+    block_bytes = 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
+    (pyramid_req,) = [r for r, n in names.items() if n == "pyramidkv"]
+    (uniform_req,) = [r for r, n in names.items() if n == "snapkv"]
+    both = [s["request_blocks"] for s in steps if pyramid_req in s["request_blocks"] and uniform_req in s["request_blocks"]]
+    pyramid_peak = max(b[pyramid_req] for b in both)
+    uniform_peak = max(b[uniform_req] for b in both)
+    mean = sum(b[pyramid_req] for b in both) / sum(b[uniform_req] for b in both)
+    ratio = pyramid_peak / uniform_peak
+    print(f"pyramidkv@{BUDGET} (layer budgets {budgets[0]}..{budgets[-1]}): a request holds at most {pyramid_peak} "
+          f"layer-blocks of {block_bytes / 1024:.0f} KiB ({pyramid_peak * block_bytes / 2**20:.2f} MiB) against "
+          f"snapkv@{BUDGET}'s {uniform_peak} ({uniform_peak * block_bytes / 2**20:.2f} MiB): x{ratio:.3f} at the peak, "
+          f"x{mean:.3f} summed over the {len(both)} steps both ran; a one-group server holds {layers} x "
+          f"{uniform_room} = {layers * uniform_room} for either; evictions per request and layer "
+          f"{min(evictions.values())}-{max(evictions.values())}; engine {wall:.0f} s")
+    assert uniform_peak == layers * uniform_room  # a uniform request: every layer its budget's blocks
+    assert ratio <= 1.05
