@@ -114,6 +114,22 @@ def qwen3_4b_random(folder: Path) -> Path:
     return folder
 
 
+def layers_per_block(policy: dict | None, model: str) -> int:
+    """How many of a per-layer server's blocks hold what one whole-model block holds: the model's
+    layer count under a per-layer policy (``kvpolicy.vllm.settings.per_layer``), else 1."""
+    if policy is None:
+        return 1
+    from transformers import AutoConfig
+
+    from kvpolicy import load_policy
+    from kvpolicy.vllm.settings import per_layer
+
+    source = {k: v for k, v in policy.items() if k != "policy"}
+    if not per_layer(load_policy(policy["policy"], **source)):
+        return 1
+    return int(AutoConfig.from_pretrained(model).num_hidden_layers)
+
+
 def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_on: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -124,6 +140,9 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
         policy = policy()
     if policy is not None:
         extra = {**extra, "additional_config": {"kvpolicy": {**policy, "trace": str(trace)}}}
+    # A per-layer policy's server gives every layer a KV-cache group of its own, whose blocks hold
+    # one layer each: the same bytes as ``--blocks`` whole-model blocks take that many times more.
+    per_block = layers_per_block(policy, model)
     # vLLM's CPU platform switches async scheduling off in every process; kvpolicy's test switch
     # keeps it on (the plugin is loaded in every vLLM process, with or without a policy).
     switch = "KVPOLICY_VLLM_TEST_ASYNC_ON_CPU"
@@ -132,7 +151,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
     try:
         llm = LLM(
             model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-            block_size=args.block_size, num_gpu_blocks_override=args.blocks, max_num_seqs=args.requests,
+            block_size=args.block_size, num_gpu_blocks_override=args.blocks * per_block, max_num_seqs=args.requests,
             enable_prefix_caching=args.prefix_caching, async_scheduling=async_on, seed=0, **extra,
         )
     finally:
@@ -178,7 +197,8 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
         "mean_decoding": round(sum(decoding) / len(decoding), 2), "engine_steps": len(decoding),
         "peak_running": max((s["running"] for s in steps), default=None),
         "mean_running": round(sum(s["running"] for s in steps) / len(steps), 2) if steps else None,
-        "peak_blocks_in_use": max((s["held_blocks"] for s in steps), default=None),
+        # in whole-model blocks (a per-layer group's block holds one layer)
+        "peak_blocks_in_use": (max((s["held_blocks"] for s in steps), default=0) / per_block) if steps else None,
         "kv_blocks": args.blocks, "block_size": args.block_size,
         "evictions": sum(s["evicted"] for s in steps) if steps else None,
         "shared_prefix": args.shared_prefix, "prefix_caching": args.prefix_caching,
