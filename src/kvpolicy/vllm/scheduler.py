@@ -205,10 +205,11 @@ class SchedulerEviction:
     # -- preemption -------------------------------------------------------------------------
     def on_preempt(self, request: Any) -> None:
         """Before vLLM frees a preempted request: keep each group's eviction points for the recompute."""
-        plans = [ledger.replay_plan(request.request_id) for ledger in self.ledgers]
-        if plans[0] is None and not self.ledger.tracks(request.request_id):
+        found = [ledger.replay_plan(request.request_id) for ledger in self.ledgers]
+        plans: list[list[int] | None] | None = found
+        if found[0] is None and not self.ledger.tracks(request.request_id):
             plans = request.__dict__.get(REPLAY_ATTR)  # preempted again before it was scheduled
-        elif all(p is None for p in plans):
+        elif all(p is None for p in found):
             plans = None
         if plans is not None:
             plans = [p or [] for p in plans]
