@@ -32,6 +32,7 @@ resolved for the server and the backend's block interior.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,11 @@ class WorkerEviction:
         check_layer_names(names, ctx)
         self.layer_of = {name: i for i, name in enumerate(names)}
         #: by the index of a layer in ``names``: its KV-cache group and its index among the group's layers
-        self.group_of = ({i: (next(g for g, grp in enumerate(groups) if grp.layer_names == [n]), 0)
-                          for i, n in enumerate(names)} if self.per_layer else {i: (0, i) for i in range(len(names))})
+        if self.per_layer:  # each group holds one layer (checked above)
+            group_by_name = {grp.layer_names[0]: g for g, grp in enumerate(groups)}
+            self.group_of = {i: (group_by_name[n], 0) for i, n in enumerate(names)}
+        else:
+            self.group_of = {i: (0, i) for i in range(len(names))}
         caches: list[torch.Tensor] = [ctx[n].kv_cache for n in names]
         # Per-layer groups share one tensor (vLLM's kv_cache_tensors: every layer's group draws its
         # blocks from one pool), each block held by one layer; shared tensors are refused otherwise.
@@ -235,8 +239,6 @@ class WorkerEviction:
         if found is None:  # group 0: the runner's own
             return common
         lens, longest = found
-        import copy
-
         mine = copy.copy(common)
         mine.seq_lens = lens[: common.seq_lens.shape[0]]
         mine.max_seq_len = longest
