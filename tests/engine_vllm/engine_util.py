@@ -75,6 +75,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def top2_gap(output, i: int) -> float:
+    """The gap between the two most likely tokens' log-probabilities at generated token ``i`` of a
+    vLLM completion (``logprobs`` asked for); infinite when only one was returned."""
+    ranked = sorted((x.logprob for x in output.outputs[0].logprobs[i].values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+
+
 def close(llm) -> None:
     """Stop an engine's processes now (the next engine then has the CPUs to itself)."""
     import gc

@@ -18,7 +18,15 @@ import yaml
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, generate_in_subprocess, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import (  # noqa: E402
+    close,
+    first_divergence,
+    generate_in_subprocess,
+    greedy,
+    make_llm,
+    tokens_prompt,
+    top2_gap,
+)
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.facts import TABLE_ROPES, model_facts  # noqa: E402
@@ -240,8 +248,7 @@ def test_policies_reading_the_model_give_generates_tokens(name, model_dir, hf_re
         i = first_divergence(got, ref)
         if i is None:
             continue
-        vllm_lp = sorted((x.logprob for x in out.outputs[0].logprobs[i].values()), reverse=True)
-        gap = vllm_lp[0] - vllm_lp[1] if len(vllm_lp) > 1 else float("inf")
+        gap = top2_gap(out, i)
         assert margins[i] < TIE or gap < TIE, (
             f"{name}, prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), "
             f"{gap:.2e} (vllm)"

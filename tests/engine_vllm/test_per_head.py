@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt, top2_gap  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -101,8 +101,7 @@ def test_per_head_budgets_give_generates_tokens(name, model_dir, tmp_path, monke
         agreed.append(NEW if i is None else i)
         if i is None:
             continue
-        vllm_lp = sorted((x.logprob for x in out.outputs[0].logprobs[i].values()), reverse=True)
-        gap = vllm_lp[0] - vllm_lp[1] if len(vllm_lp) > 1 else float("inf")
+        gap = top2_gap(out, i)
         if not (margins[i] < TIE or gap < TIE) and divergence is None:
             divergence = (f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), "
                           f"{gap:.2e} (vllm)")
