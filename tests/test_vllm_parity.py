@@ -32,7 +32,7 @@ from kvpolicy import EvictingCache, load_policy
 from kvpolicy.stages.model_facts import ModelFacts
 from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import kept_held, replay_boundary
-from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
+from kvpolicy.vllm.paged_cache import PagedCache, StepRequests, decide_layer_budgets
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, per_layer, refuse_unservable
 
 LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4
@@ -181,10 +181,15 @@ class Engine:
 
     ``per_layer``: the KV-cache groups of a server under per-layer budgets
     (``kvpolicy.vllm.layer_spec``): every layer a group of its own, with its own block table,
-    slot mapping and ``PagedCache`` (``model_layers``), its blocks drawn from the one free list."""
+    slot mapping and ``PagedCache`` (``model_layers``), its blocks drawn from the one free list.
+
+    ``trim_delay``: under layer budgets decided from the prompt (CAKE), how many steps after a
+    first eviction the scheduler learns the budgets and frees the blocks past the kept slots (0:
+    with that step's output, as under synchronous scheduling; 1: a step later, as when vLLM
+    schedules the next step before the output is back)."""
 
     def __init__(self, requests: list[Request], *, prefix_caching: bool = False, num_blocks: int = 4096,
-                 facts: list[ModelFacts | None] | None = None, per_layer: bool = False) -> None:
+                 facts: list[ModelFacts | None] | None = None, per_layer: bool = False, trim_delay: int = 0) -> None:
         self.requests = {r.req_id: r for r in requests}
         self.shape = shape = requests[0].shape
         ranks = facts or [None]
@@ -217,6 +222,9 @@ class Engine:
         # Per-head budgets: each layer's attention output of the last step for the requests whose
         # heads hold different counts (``PagedCache.attend_heads``; NaN elsewhere), by (rank, layer).
         self.attention: dict[tuple[int, int], torch.Tensor] = {}
+        self.trim_delay = trim_delay
+        self.pending_trims: list[tuple[int, str]] = []  # (steps left, request) whose budgets the scheduler awaits
+        self.decided: dict[str, list[int]] = {}  # each request's layer budgets, as the workers reported them
 
     def held(self, req_id: str, group: int = 0) -> int:
         ledger = self.grouped[0][group].ledger
@@ -282,8 +290,15 @@ class Engine:
                     paged.attend_heads(local, query, out, self.shape.d**-0.5)
                     self.attention[rank, layer] = out
                 paged.after_attention(local, query, table)
+        dues = [[paged.advance_step() for paged in pageds] for pageds in self.grouped]
+        decided = [decide_layer_budgets(pageds, due, rank_tables)  # before any layer evicts
+                   for pageds, due, rank_tables in zip(self.grouped, dues, tables, strict=True)]
+        assert all(d == decided[0] for d in decided[1:])  # every rank decides the same budgets
+        self.decided.update(decided[0])
+        self.pending_trims += [(self.trim_delay, r) for r in decided[0]]
         for g in groups:
-            evicted = [pageds[g].end_step(rank_tables[g]) for pageds, rank_tables in zip(self.grouped, tables, strict=True)]
+            evicted = [pageds[g].evict_due(due[g], rank_tables[g])
+                       for pageds, due, rank_tables in zip(self.grouped, dues, tables, strict=True)]
             for other in evicted[1:]:  # the ranks evict the same requests into the same blocks
                 assert [(e.req_id, e.blocks) for e in other] == [(e.req_id, e.blocks) for e in evicted[0]]
             for ev in evicted[0]:
@@ -296,11 +311,27 @@ class Engine:
                     self.evictions.append((ev.req_id, count))
         for r, t in chunks.items():
             self.computed[r] += t
+        self._trim_decided()
+
+    def _trim_decided(self) -> None:
+        """The scheduler's side of a decided first eviction, once it learns the budgets: each
+        group keeps the blocks of its slots now (``SlotLedger.decide``), the rest go back."""
+        due = [r for left, r in self.pending_trims if left == 0]
+        self.pending_trims = [(left - 1, r) for left, r in self.pending_trims if left > 0]
+        for r in due:
+            for g in range(len(self.group_layers)):
+                keep = -(-self.held(r, g) // BLOCK)
+                blocks = self.group_blocks[g][r]
+                self.free += blocks[keep:]
+                for pageds in self.grouped:
+                    assert pageds[g].trimmed(r, blocks, keep) == blocks[:keep]
+                self.group_blocks[g][r] = blocks[:keep]
 
     def preempt(self, req_id: str) -> list[int]:
         """Free the request's blocks and forget its cache; returns the chunks it is recomputed by
         (vLLM's scheduler caps them at the prompt's end and at every group's eviction points)."""
         plan: set[int] = set()
+        self.pending_trims = [(left, r) for left, r in self.pending_trims if r != req_id]  # its blocks all go
         for g, blocks in enumerate(self.group_blocks):
             self.free += blocks[req_id]
             blocks[req_id] = []
@@ -395,7 +426,7 @@ def layer_reference(req: Request, facts: ModelFacts | None = None) -> list[list[
     return snaps
 
 
-def run_and_check_layers(requests: list[Request], schedule, *, tp: int = 1) -> Engine:
+def run_and_check_layers(requests: list[Request], schedule, *, tp: int = 1, trim_delay: int = 0) -> Engine:
     """``run_and_check`` for requests on the KV-cache groups of a server under per-layer budgets
     (``Engine(per_layer=True)``): every eviction of every layer's group against that layer's
     eviction of the same index in ``EvictingCache`` (each layer evicts at least three times)."""
@@ -405,7 +436,7 @@ def run_and_check_layers(requests: list[Request], schedule, *, tp: int = 1) -> E
     for r in requests:
         counts = [len(layer) for layer in refs[r.req_id]]
         assert min(counts) >= 3, f"{r.req_id}'s layers evict {counts} times: the check needs three each"
-    engine = Engine(requests, facts=ranks, per_layer=True)
+    engine = Engine(requests, facts=ranks, per_layer=True, trim_delay=trim_delay)
     checked = 0
 
     def check_new(since: int) -> None:
@@ -540,6 +571,65 @@ def test_pyramidkv_preempted_after_evicting_replays_each_layers_evictions():
 
     run_and_check_layers(requests, schedule)
     assert len(chunks_seen[0]) > 3  # the prompt, then a chunk per eviction point of any layer
+
+
+@pytest.mark.parametrize("trim_delay", [0, 1], ids=["output-then-schedule", "schedule-before-output"])
+def test_cake_decides_each_layers_budget_from_its_own_prompt_and_frees_the_rest(trim_delay):
+    """CAKE's layer budgets, decided by the workers from each request's own prompt at its first
+    eviction (``decide_layer_budgets``): every layer's group keeps the slots of ``EvictingCache``
+    with that request alone, its budgets are uneven and add up to the layers' total, and once the
+    scheduler learns them (with that step's output, or a step later) each group holds only its
+    kept slots' blocks."""
+    requests = [Request("a", resolved("cake"), 40, 130, PYRAMID), Request("b", resolved("cake"), 30, 120, PYRAMID),
+                Request("c", resolved("snapkv"), 15, 110, PYRAMID)]  # a uniform request beside them
+    engine = run_and_check_layers(requests, decode_all, trim_delay=trim_delay)
+    budget = load_policy(resolved("cake").policy_yaml).budget
+    for r in ("a", "b"):
+        budgets = engine.decided[r]
+        assert len(set(budgets)) > 1 and sum(budgets) == PYRAMID.layers * budget, budgets
+        for g, b in enumerate(budgets):
+            paged = engine.grouped[0][g]
+            assert paged.ledger.get(r).schedule.budget == b == paged.kept[r].count
+    assert engine.decided["a"] != engine.decided["b"]  # each request's own prompt decides
+    assert "c" not in engine.decided
+
+
+def test_cake_blocks_follow_the_kept_slots_once_the_budgets_are_known():
+    """Until the scheduler learns a request's budgets it holds every block (the workers compact
+    in place); a step after it learned them each group holds the blocks of its slots alone."""
+    engine = Engine([Request("a", resolved("cake"), 40, 70, PYRAMID)], per_layer=True, trim_delay=1)
+    engine.step({"a": 40})  # the prompt: CAKE compresses it once it is in
+    assert engine.decided["a"] and all(paged.untrimmed == {"a"} for paged in engine.grouped[0])
+    assert [len(b["a"]) for b in engine.group_blocks] == [10] * PYRAMID.layers  # 40 slots, blocks of 4
+    engine.step({"a": 1})
+    assert all(not paged.untrimmed for paged in engine.grouped[0])
+    for g, b in enumerate(engine.decided["a"]):
+        assert len(engine.group_blocks[g]["a"]) == -(-(b + 1) // BLOCK)
+
+
+def test_cake_preempted_after_evicting_replays_the_budgets_its_prompt_decided():
+    """Recomputed after preemption, a CAKE request keeps the budgets its first run decided (the
+    workers keep them with the replay plan; nothing is decided again) and evicts to the same slots."""
+    requests = [Request("a", resolved("cake"), 40, 130, PYRAMID), Request("b", resolved("snapkv"), 15, 110, PYRAMID)]
+    seen: dict[str, list[int]] = {}
+
+    def schedule(engine: Engine, check_new) -> None:
+        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
+        preempted = False
+        while True:
+            last = engine.grouped[0][-1].ledger
+            if not preempted and last.tracks("a") and last.get("a").evictions >= 2 and engine.computed["a"] % 5 == 3:
+                preempted, seen["before"] = True, list(engine.decided["a"])
+                engine.decided.pop("a")
+                for chunk in engine.preempt("a"):
+                    step_and_check(engine, check_new, {"a": chunk})
+                assert "a" not in engine.decided  # not decided again
+            if not decode_one(engine, check_new):
+                break
+        assert preempted
+
+    engine = run_and_check_layers(requests, schedule)
+    assert [engine.grouped[0][g].ledger.get("a").schedule.budget for g in range(PYRAMID.layers)] == seen["before"]
 
 
 def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():

@@ -15,7 +15,6 @@ from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
 #: refusal gives as the reason: the short documented list (docs/vllm.md, "Every policy, served or
 #: not"). Serving one of them means removing it here and in that table.
 NOT_SERVED = {
-    "cake": "layer budgets decided from each prompt",
     "duo-attention": "with counts of its own per head",
 }
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"

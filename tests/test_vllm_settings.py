@@ -239,11 +239,23 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     counts by name."""
     from types import SimpleNamespace
 
-    from kvpolicy.vllm.settings import group_schedules, layer_group_refusal, per_layer, per_layer_refusals
+    from kvpolicy.vllm.settings import (
+        decides_from_prompt,
+        group_schedules,
+        layer_group_refusal,
+        per_layer,
+        per_layer_refusals,
+        shard_refusal,
+    )
 
     pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)
     assert per_layer(pyramid) and not per_layer(load_policy("snapkv")) and not per_layer(None)
-    assert not per_layer(load_policy("ada-snapkv")) and not per_layer(load_policy("cake"))
+    assert not per_layer(load_policy("ada-snapkv"))
+    cake = load_policy("cake")  # its budgets decided from each prompt: a group per layer too
+    assert per_layer(cake) and decides_from_prompt(cake) and not decides_from_prompt(pyramid)
+    why = shard_refusal(cake, 2)
+    assert why is not None and "policy 'cake'" in why and "tensor_parallel_size 1" in why
+    assert shard_refusal(cake, 1) is None and shard_refusal(pyramid, 2) is None
     why = layer_group_refusal(pyramid, server_per_layer=False)
     assert why is not None and "policy 'pyramidkv'" in why and "KV-cache group per layer" in why
     assert layer_group_refusal(pyramid, server_per_layer=True) is None

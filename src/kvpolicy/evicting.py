@@ -177,17 +177,9 @@ class EvictingCache:
             rows = torch.arange(group.batch)
             inputs.append(self.executor.group_input(group, rows, slice(None), group.layout.gather_layer(layer),
                                                        layer=layer))
-        schedule = self.policy.schedule
-        budgets = self.policy.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
-        if len(budgets) != len(groups) or sum(budgets) != len(groups) * schedule.budget or min(budgets) <= schedule.recent:
-            raise PolicyError(
-                [f"allocation {self.policy.allocation.type_name!r} gave the layer budgets {budgets}: {len(groups)} "
-                 f"budgets above the recent {schedule.recent}, adding up to {len(groups) * schedule.budget}, were due"],
-                self.policy.name,
-            )
-        for layer, (group, budget) in enumerate(zip(groups, budgets, strict=True)):
+        for layer, (group, schedule) in enumerate(zip(groups, self.policy.prompt_schedules(inputs), strict=True)):
             assert group is not None
-            group.schedule = self.schedules[layer] = schedule.model_copy(update={"budget": budget})
+            group.schedule = self.schedules[layer] = schedule
         self._prompt_decided = True
 
     def tokens_to_next_eviction(self) -> int | None:

@@ -8,7 +8,7 @@ model-fact checks sit beside ``ModelFacts`` and the layer schedules beside ``All
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cached_property
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .config import PolicyConfig, load_config
+from .documents import PolicyError
 from .inputs import MAX_HEAD_OFFSET, check_tensors, eviction_input
 from .schedule import Schedule
 from .stages import guards
@@ -470,6 +471,27 @@ class Policy:
         return self.config.allocation.layer_schedules(
             self.schedule, self.config.reservations, num_layers, num_kv_heads, self.name
         )
+
+    def prompt_schedules(self, inputs: Sequence[EvictionInput]) -> list[Schedule]:
+        """``from_prompt`` allocations (CAKE): each layer's schedule from what every layer holds
+        at the first eviction (``inputs[l]``: layer ``l``'s slots and query window), decided once.
+        ``EvictingCache`` (every row of its batch at once) and vLLM's workers (each request alone,
+        ``kvpolicy.vllm.paged_cache.decide_layer_budgets``) both decide through this.
+
+        Raises:
+            PolicyError: the allocation gave budgets that do not add up to the layers' total or
+                leave a layer no candidate after the recent buffer.
+        """
+        schedule = self.schedule
+        budgets = self.config.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
+        layers = len(inputs)
+        if len(budgets) != layers or sum(budgets) != layers * schedule.budget or min(budgets) <= schedule.recent:
+            raise PolicyError(
+                [f"allocation {self.config.allocation.type_name!r} gave the layer budgets {budgets}: {layers} "
+                 f"budgets above the recent {schedule.recent}, adding up to {layers * schedule.budget}, were due"],
+                self.name,
+            )
+        return [schedule.model_copy(update={"budget": b}) for b in budgets]
 
 
 def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:

@@ -143,3 +143,70 @@ def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir,
           f"divergence: {agreed} of {NEW}; engine {wall:.0f} s")
     assert uniform_peak == layers * uniform_room  # a uniform request: every layer its budget's blocks
     assert ratio <= 1.05
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cake_gives_generates_tokens_and_frees_each_layers_blocks_past_its_budget(model_dir, tmp_path,
+                                                                                 async_scheduling):
+    """CAKE's layer budgets, decided by the workers from each request's own prompt at its first
+    eviction, then learned by the scheduler (with that step's output; with async scheduling
+    after the next step was scheduled): the tokens equal ``generate()``'s, every layer evicts to
+    its own budget, and a request's blocks follow those budgets, read from vLLM's pool."""
+    jobs = [("cake", PYRAMID[0]), ("snapkv", UNIFORM)]
+    refs, config = hf_refs(model_dir, jobs)
+    layers = int(config.num_hidden_layers)
+    llm = make_llm(model_dir, {"policy": "cake", **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK,
+                   async_scheduling=async_scheduling)
+    try:
+        params = [greedy(NEW, logprobs=2),
+                  greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
+        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
+    finally:
+        close(llm)
+    agreed = []
+    for (ids, ref, margins), out in zip(refs, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        i = first_divergence(got, ref)
+        agreed.append(NEW if i is None else i)
+        if i is not None:
+            gap = top2_gap(out, i)
+            assert margins[i] < TIE or gap < TIE, (
+                f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+
+    # The workers' evictions: the CAKE request's layers keep uneven budgets adding up to the total.
+    names: dict[str, str] = {}
+    budgets: dict[str, dict[int, set[int]]] = {}
+    evictions: dict[tuple[str, int], int] = {}
+    for rec in read_jsonl(tmp_path, "worker-"):
+        (layer,) = rec["layers"]
+        for req in rec["requests"]:
+            names[req] = rec["policy"]
+            budgets.setdefault(req, {}).setdefault(layer, set()).add(rec["budget"])
+            evictions[req, layer] = evictions.get((req, layer), 0) + 1
+    (cake_req,) = [r for r, n in names.items() if n == "cake"]
+    (uniform_req,) = [r for r, n in names.items() if n == "snapkv"]
+    assert all(len(b) == 1 for b in budgets[cake_req].values())  # decided once
+    decided = [next(iter(budgets[cake_req][layer])) for layer in range(layers)]
+    assert len(set(decided)) > 1 and sum(decided) == layers * BUDGET, decided
+    assert min(evictions[cake_req, layer] for layer in range(layers)) >= 3, evictions
+
+    # Blocks from vLLM's pool: after its first eviction each layer's group holds its budget's blocks.
+    steps = read_jsonl(tmp_path, "scheduler-")
+    assert all(s["total_blocks"] - s["free_blocks"] == s["held_blocks"] == sum(s["group_blocks"]) for s in steps)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    room = sum(cdiv(b + OVERRIDES["interval"], BLOCK) for b in decided)  # a request's most once decided
+    both = [s["request_blocks"] for s in steps if cake_req in s["request_blocks"] and uniform_req in s["request_blocks"]]
+    cake_peak, uniform_peak = max(b[cake_req] for b in both), max(b[uniform_req] for b in both)
+    late = [b[cake_req] for b in both[len(both) // 2:]]  # long after the first eviction
+    assert max(late) <= room, (max(late), room)
+    mean = sum(b[cake_req] for b in both) / sum(b[uniform_req] for b in both)
+    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
+    block_bytes = 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
+    print(f"cake@{BUDGET} ({'async' if async_scheduling else 'sync'} scheduling; layer budgets decided "
+          f"{min(decided)}..{max(decided)}): a request holds at most {cake_peak} layer-blocks "
+          f"({cake_peak * block_bytes / 2**20:.2f} MiB) against snapkv@{BUDGET}'s {uniform_peak}: "
+          f"x{cake_peak / uniform_peak:.3f} at the peak, x{mean:.3f} summed over the {len(both)} steps both ran, "
+          f"at most {room} once decided; evictions per layer {min(evictions[cake_req, l] for l in range(layers))}-"
+          f"{max(evictions[cake_req, l] for l in range(layers))}; tokens equal to generate()'s before any "
+          f"divergence: {agreed} of {NEW}")
+    assert cake_peak / uniform_peak <= 1.05

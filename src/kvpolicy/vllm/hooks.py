@@ -10,7 +10,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
-| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``) |
+| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``); the executor kept for the scheduler, which asks the workers for the layer budgets they decided (CAKE) |
 | engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, or whose policy needs a model fact the workers cannot give, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
@@ -369,6 +369,7 @@ def _install_engine_core() -> None:
                 from .worker import missing_facts
 
                 sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
+                sched_mod.set_executor(self)  # the scheduler asks the workers for CAKE's layer budgets
 
         return initialize_from_config
 

@@ -23,6 +23,13 @@ per group, each request's entry there on that layer's schedule
 (``kvpolicy.vllm.settings.group_schedules``). The rule is the same: ``Schedule.due`` on the
 group's own slots and budget, as ``EvictingCache`` runs it per layer group.
 
+**Layer budgets decided from the prompt** (CAKE: ``settings.decides_from_prompt``). Every layer
+runs the policy's own schedule until the request's first eviction, where the workers decide each
+layer's budget from what it holds (``Policy.prompt_schedules``); from then on each group's entry
+runs its layer's schedule (``RequestSlots.layer_schedule``). The workers know it at once; the
+scheduler learns it when that step's output is back, and until then the entry awaits it
+(``RequestSlots.awaiting``: it holds every slot, and ``decide`` then applies the eviction).
+
 **Replay after preemption.** vLLM recomputes a preempted request from its tokens. Each entry
 records where its evictions fell (``evicted_at``); ``replay_plan`` turns that into the chunk
 boundaries a resumed request is recomputed by (the prompt's end and every eviction point), and
@@ -48,6 +55,16 @@ class RequestSlots:
     replay: list[int] = field(default_factory=list)  # eviction points still to replay (ascending)
     head_cap: int | None = None  # the most slots one head may keep at an eviction (per-head budgets)
     reserve: int = 0  # block-table slots held beyond ``slots``: room for the fullest head (per-head budgets)
+    from_prompt: bool = False  # its layer budgets are decided at its first eviction (CAKE)
+    layer_schedule: Schedule | None = None  # from_prompt: the schedule from its first eviction on, once known
+    awaiting_held: int | None = None  # awaiting: slots held at the first eviction, whose budget is not known yet
+    awaited_steps: list[tuple[int, int]] = field(default_factory=list)  # awaiting: (tokens after, prompt) of each step since
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether the request evicted and this process does not know yet what it kept (the
+        scheduler, until the workers report the layer budgets of a ``from_prompt`` request)."""
+        return self.awaiting_held is not None
 
     @property
     def held(self) -> int:
@@ -67,10 +84,13 @@ class SlotLedger:
     def __init__(self) -> None:
         self.requests: dict[str, RequestSlots] = {}
 
-    def track(self, req_id: str, schedule: Schedule | None, head_cap: int | None = None) -> RequestSlots:
+    def track(self, req_id: str, schedule: Schedule | None, head_cap: int | None = None, *,
+              from_prompt: bool = False, layer_schedule: Schedule | None = None) -> RequestSlots:
         """Start counting a request (again, after a reset) under ``schedule`` (``head_cap``: its
-        policy's per-head bound, ``kvpolicy.vllm.settings.head_cap``)."""
-        state = self.requests[req_id] = RequestSlots(schedule, head_cap=head_cap)
+        policy's per-head bound, ``kvpolicy.vllm.settings.head_cap``; ``from_prompt``: its layer
+        budgets are decided at its first eviction, ``layer_schedule`` when already known)."""
+        state = self.requests[req_id] = RequestSlots(schedule, head_cap=head_cap, from_prompt=from_prompt,
+                                                     layer_schedule=layer_schedule)
         return state
 
     def get(self, req_id: str) -> RequestSlots:
@@ -99,9 +119,11 @@ class SlotLedger:
         return [*state.evicted_at, *(p for p in state.replay if p > state.tokens)]
 
     def resume(self, req_id: str, schedule: Schedule | None, plan: list[int] | None,
-               head_cap: int | None = None) -> RequestSlots:
-        """Track a request recomputed after preemption: a fresh count that must evict at ``plan``."""
-        state = self.track(req_id, schedule, head_cap)
+               head_cap: int | None = None, *, from_prompt: bool = False,
+               layer_schedule: Schedule | None = None) -> RequestSlots:
+        """Track a request recomputed after preemption: a fresh count that must evict at ``plan``
+        (a ``from_prompt`` request with the ``layer_schedule`` its first run decided)."""
+        state = self.track(req_id, schedule, head_cap, from_prompt=from_prompt, layer_schedule=layer_schedule)
         state.replay = list(plan or [])
         return state
 
@@ -122,6 +144,9 @@ class SlotLedger:
         state.tokens = tokens_after
         sched = state.schedule
         if sched is None:
+            return False
+        if state.awaiting:  # whether it is due depends on its layer's budget: decided in ``decide``
+            state.awaited_steps.append((tokens_after, prompt_len))
             return False
         # Schedule.due is the one rule, shared with the transformers caches.
         due = bool(sched.due(state.slots, state.tokens, prompt=before < prompt_len)) and (
@@ -153,14 +178,44 @@ class SlotLedger:
         state = self.requests[req_id]
         if state.schedule is None:
             raise RuntimeError(f"request {req_id} has no schedule: it never evicts")
-        held = kept_held(state.schedule, state.head_cap, state.held)
-        state.slots = min(state.slots, state.schedule.budget)
-        state.reserve = held - state.slots
+        if state.from_prompt and state.evictions == 0:
+            if state.layer_schedule is None:  # what it kept is known once the workers report its budget (decide)
+                state.awaiting_held = state.held
+            else:
+                state.schedule = state.layer_schedule
+        if not state.awaiting:
+            _keep(state)
         state.evictions += 1
         state.evicted_at.append(state.tokens)
         if state.replay and state.replay[0] == state.tokens:
             state.replay.pop(0)
         return state.held
+
+    def decide(self, req_id: str, layer_schedule: Schedule) -> tuple[int, int]:
+        """The layer budget of an awaiting request's first eviction, now known: it kept
+        ``budget`` of the slots it held then, and runs ``layer_schedule`` from then on; the steps
+        recorded since are replayed on it (each eviction they make is recorded as usual). Returns
+        the block-table slots it held before and holds now."""
+        state = self.get(req_id)
+        if state.awaiting_held is None:
+            raise RuntimeError(f"request {req_id} awaits no layer budget")
+        before, steps = state.held, state.awaited_steps
+        state.schedule = state.layer_schedule = layer_schedule
+        state.tokens, state.slots, state.reserve = state.evicted_at[0], state.awaiting_held, 0
+        state.awaiting_held, state.awaited_steps = None, []
+        _keep(state)
+        for tokens_after, prompt_len in steps:
+            if self.advance(req_id, tokens_after, prompt_len):
+                self.evicted(req_id)
+        return before, state.held
+
+
+def _keep(state: RequestSlots) -> None:
+    """The slots an eviction leaves: ``budget``, and under per-head budgets the room for the fullest head."""
+    assert state.schedule is not None
+    held = kept_held(state.schedule, state.head_cap, state.held)
+    state.slots = min(state.slots, state.schedule.budget)
+    state.reserve = held - state.slots
 
 
 def kept_held(schedule: Schedule, head_cap: int | None, held: int) -> int:

@@ -41,7 +41,7 @@ from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from .settings import KVPolicyVLLMError, Resolved, group_schedules, head_cap
+from .settings import KVPolicyVLLMError, Resolved, decides_from_prompt, group_schedules, head_cap
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
@@ -281,6 +281,12 @@ class PagedCache:
         # this step's requests whose heads hold different counts.
         self.head_counts: dict[str, torch.Tensor] = {}
         self.head_attention: HeadAttention | None = None
+        # Layer budgets decided from the prompt (CAKE, ``decide_layer_budgets``): each request's
+        # layer schedule from its first eviction on (kept through preemption, for the replay), and
+        # the requests whose block table keeps the blocks past their kept slots until the
+        # scheduler, which learns the budget from the step's output, frees them (``trimmed``).
+        self.decided: dict[str, Schedule] = {}
+        self.untrimmed: set[str] = set()
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace, self.rank, self.saves, self.step = trace, rank, 0, 0
@@ -302,6 +308,8 @@ class PagedCache:
         self.head_state.pop(req_id, None)
         self.observed.pop(req_id, None)
         self.replays.pop(req_id, None)
+        self.decided.pop(req_id, None)
+        self.untrimmed.discard(req_id)
         self.policy_of.pop(req_id, None)
         for ring in self.rings.values():
             ring.drop(req_id)
@@ -313,9 +321,12 @@ class PagedCache:
         plan = self.ledger.replay_plan(req_id)
         if plan is None:
             plan = self.replays.get(req_id)  # preempted again before it ran
+        decided = self.decided.get(req_id)  # its recompute keeps the layer budget its first run decided
         self.drop(req_id)
         if plan is not None:
             self.replays[req_id] = plan
+        if decided is not None:
+            self.decided[req_id] = decided
         return plan
 
     def request_policy(self, req_id: str) -> RequestPolicy:
@@ -336,7 +347,8 @@ class PagedCache:
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
             self.ledger.resume(req_id, rp.schedule, self.replays.pop(req_id, None),
-                               head_cap(rp.policy, self.kv_heads))
+                               head_cap(rp.policy, self.kv_heads), from_prompt=decides_from_prompt(rp.policy),
+                               layer_schedule=self.decided.get(req_id))
         return rp
 
     def check_policy(self, policy: Policy | None) -> None:
@@ -461,6 +473,11 @@ class PagedCache:
         """After the forward: advance each request on its policy's schedule and evict the due
         ones, grouped by policy and slot count (each evicts exactly as it would alone). Returns
         the requests that evicted, with their new block tables (already written to ``table``)."""
+        return self.evict_due(self.advance_step(), table)
+
+    def advance_step(self) -> list[tuple[int, str]]:
+        """After the forward: advance each request of the step on its schedule; returns the due
+        ones (batch row, request id), for ``evict_due`` (``decide_layer_budgets`` in between)."""
         plan, self.plan = self.plan, None
         if plan is None:
             return []
@@ -474,18 +491,25 @@ class PagedCache:
             self.request_policy(req_id)  # tracked in the ledger under its policy's schedule
             if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
                 due.append((i, req_id))
-        groups: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        return due
+
+    def evict_due(self, due: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
+        """Evict the ``due`` requests (``advance_step``), grouped by policy, slot count and budget
+        (each evicts exactly as it would alone). Returns the requests that evicted, with their
+        new block tables (already written to ``table``)."""
+        groups: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
         groups_w: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
         for i, req_id in due:
-            policy, held = self.policy_of[req_id].policy, self.ledger.get(req_id).held
+            policy, entry = self.policy_of[req_id].policy, self.ledger.get(req_id)
+            held = entry.held
             if policy is not None and policy.per_head:  # grouped by its view's width too: its draws are its own
                 key_w = (self.policy_of[req_id].resolved.policy_yaml or "", held, self._head_width(req_id, held))
                 groups_w.setdefault(key_w, []).append((i, req_id))
                 continue
-            key = (self.policy_of[req_id].resolved.policy_yaml or "", held)
+            key = (self.policy_of[req_id].resolved.policy_yaml or "", held, evicts_to(entry).budget)
             groups.setdefault(key, []).append((i, req_id))
         out: list[Evicted] = []
-        for (_, count), group in sorted(groups.items()):
+        for (_, count, _), group in sorted(groups.items()):
             out += self._evict(self.policy_of[group[0][1]], count, group, table)
         for (_, count, _), group in sorted(groups_w.items()):
             out += self._evict_heads(self.policy_of[group[0][1]], count, group, table)
@@ -751,6 +775,7 @@ class PagedCache:
         inp = self._input(
             rp, keys, values, queries, query_valid, positions, self.layer_ids, [s.evictions for s in states],
             state=self._state_of(req_ids, slots, policy), req_ids=req_ids, tokens=tokens,
+            schedule=evicts_to(states[0]),
         )
         return HeldRequests(rows, req_ids, states, slots, gathered, inp)
 
@@ -758,12 +783,13 @@ class PagedCache:
         self, rp: RequestPolicy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
         query_valid: torch.Tensor | None, positions: torch.Tensor, layer_ids: list[int], evictions: list[int], *,
         state: Mapping[str, torch.Tensor] | None, req_ids: list[str] | None = None, tokens: list[int] | None = None,
-        slot_valid: torch.Tensor | None = None,
+        slot_valid: torch.Tensor | None = None, schedule: Schedule | None = None,
     ) -> EvictionInput:
         """The eviction input of requests stacked layer-major (``[len(layer_ids) * R, ...]``),
         through ``kvpolicy.policy.eviction_input``: each row's layer and eviction count key its
         draws, as ``EvictingCache`` keys a row's. With ``tokens`` (each request's tokens so far),
-        the window's positions and new queries follow ``eviction.new_queries``."""
+        the window's positions and new queries follow ``eviction.new_queries``. ``schedule``: the
+        one the eviction keeps (a request's layer budget decided from its prompt); else ``rp``'s."""
         policy = rp.policy
         assert policy is not None
         lyr = len(layer_ids)
@@ -775,7 +801,7 @@ class PagedCache:
             seen = torch.tensor(tokens, dtype=torch.long).repeat(lyr)
             observed = torch.tensor([self.observed.get(q, 0) for q in req_ids], dtype=torch.long).repeat(lyr)
             query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
-        schedule = rp.schedule or policy.schedule  # a layer's own budget under per-layer budgets
+        schedule = schedule or rp.schedule or policy.schedule  # a layer's own budget under per-layer budgets
         return eviction_input(
             keys, values, queries, budget=schedule.budget, recent=schedule.recent,
             seed=policy.resolve_seed(rp.resolved.seed), slot_valid=slot_valid, query_valid=query_valid, positions=positions,
@@ -801,6 +827,11 @@ class PagedCache:
         held = int(table.num_blocks_per_row[row])
         ids = [int(b) for b in table.get_cpu_tensor()[row, :held]]
         needed = -(-n // self.block_size)
+        if req_id in self.untrimmed:  # compacted in place; the scheduler frees the blocks past them (trimmed)
+            if held < needed:
+                raise KVPolicyVLLMError(f"request {req_id} holds {held} blocks for {n} slots (the scheduler and this "
+                                        "worker disagree)")
+            return ids
         copies = held - needed
         expected = keep if self.prefix_caching and first else 0
         if copies != expected:
@@ -809,6 +840,31 @@ class PagedCache:
                 "(the scheduler and this worker disagree)"
             )
         return ids[needed:] + ids[copies:keep]
+
+    def trimmed(self, req_id: str, ids: list[int], keep: int) -> list[int]:
+        """The first ``keep`` of a request's blocks ``ids``: the scheduler freed the blocks past its
+        kept slots once it learned the layer budget of its first eviction (``untrimmed``)."""
+        if req_id not in self.untrimmed:
+            raise KVPolicyVLLMError(f"request {req_id}: the scheduler trimmed blocks this worker did not keep for it")
+        need = -(-self.ledger.get(req_id).held // self.block_size) if self.ledger.tracks(req_id) else 0
+        if not need <= keep <= len(ids):
+            raise KVPolicyVLLMError(f"request {req_id}: the scheduler keeps {keep} of its {len(ids)} blocks, this "
+                                    f"worker needs {need} (the scheduler and this worker disagree)")
+        self.untrimmed.discard(req_id)
+        return ids[:keep]
+
+    def layer_input(self, row: int, req_id: str, table: BlockTable) -> EvictionInput:
+        """A due request's eviction input on this cache's one layer (per-layer budgets), as its
+        next eviction reads it: what ``decide_layer_budgets`` hands the policy for each layer."""
+        entry = self.ledger.get(req_id)
+        return self._gather_requests(self.policy_of[req_id], entry.held, [(row, req_id)], table).inp
+
+    def decided_here(self, req_id: str, schedule: Schedule) -> None:
+        """The request's layer schedule, decided from its prompt at this step's eviction: its
+        eviction keeps that budget, and its block table keeps its blocks until ``trimmed``."""
+        self.decided[req_id] = schedule
+        self.ledger.get(req_id).layer_schedule = schedule
+        self.untrimmed.add(req_id)
 
     def _window(
         self, w: int, req_ids: list[str], tokens: list[int], keys: torch.Tensor
@@ -879,7 +935,8 @@ class PagedCache:
         record = {
             "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
             "policy": rp.resolved.source,
-            "budget": None if rp.schedule is None else rp.schedule.budget, "requests": req_ids, "slots_before": n,
+            "budget": self.ledger.get(req_ids[0]).schedule.budget,  # its layer's, when decided from its prompt
+            "requests": req_ids, "slots_before": n,
             "kept": int(kept.shape[-1]) if counts is None else self.ledger.get(req_ids[0]).held,
             "head_counts": None if counts is None else counts.view(self.layers, len(req_ids), -1).transpose(0, 1).tolist(),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
@@ -901,6 +958,44 @@ class PagedCache:
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def evicts_to(state: Any) -> Schedule:
+    """The schedule whose budget a request's next eviction keeps (a ledger entry with a schedule):
+    its own, or at a first eviction that decided its layer budget, that layer's."""
+    if state.from_prompt and state.evictions == 0 and state.layer_schedule is not None:
+        return state.layer_schedule
+    assert state.schedule is not None
+    return state.schedule
+
+
+def decide_layer_budgets(caches: list[PagedCache], dues: list[list[tuple[int, str]]],
+                         tables: list[BlockTable]) -> dict[str, list[int]]:
+    """Layer budgets decided from the prompt (``Allocation.from_prompt``: CAKE), for the requests
+    of this step whose first eviction is due: from every layer's slots and query window of the
+    request alone (``Policy.prompt_schedules``, as ``EvictingCache`` decides for a batch of one),
+    given to each layer's cache before any evicts. ``caches``: one per KV-cache group, each holding
+    one layer, in layer order; ``dues``, ``tables``: each one's ``advance_step`` and block table.
+    Returns each deciding request's budgets, by layer (what the scheduler is told)."""
+    out: dict[str, list[int]] = {}
+    first = caches[0]
+    for row, req_id in dues[0]:
+        entry = first.ledger.get(req_id)
+        if not entry.from_prompt or entry.evictions or entry.layer_schedule is not None:
+            continue
+        if len(caches) != first.model_layers or any(c.layers != 1 for c in caches):
+            raise KVPolicyVLLMError(f"request {req_id}: layer budgets decided from the prompt need a KV-cache group "
+                                    "per layer (a server started with a per-layer policy)")
+        if any((row, req_id) not in due for due in dues):  # they all ran the policy's schedule on its tokens
+            raise KVPolicyVLLMError(f"request {req_id}: its layers are not all due at its first eviction")
+        policy = first.policy_of[req_id].policy
+        assert policy is not None
+        inputs = [c.layer_input(row, req_id, t) for c, t in zip(caches, tables, strict=True)]
+        schedules = policy.prompt_schedules(inputs)
+        for cache, schedule in zip(caches, schedules, strict=True):
+            cache.decided_here(req_id, schedule)
+        out[req_id] = [s.budget for s in schedules]
+    return out
 
 
 def kept_room(state: Any, n: int) -> int:

@@ -31,6 +31,17 @@ KV-cache group each (``kvpolicy.vllm.layer_spec``), and each group a ledger of i
 layer's schedule (``settings.group_schedules``): allocations for a group's manager count that
 group's slots, and a group that evicts gives back its own blocks past its kept slots.
 
+**Layer budgets decided from the prompt** (``settings.decides_from_prompt``: CAKE, on a server
+with a group per layer). The workers decide a request's layer budgets at its first eviction, from
+its own prompt (``kvpolicy.vllm.paged_cache.decide_layer_budgets``); the scheduler cannot, so that
+eviction leaves its ledger entries awaiting them (``SlotLedger.evicted``), holding every block.
+When that step's output is back (``after_update``; at the latest when the request is preempted)
+it asks the workers (``collective_rpc``, ``worker.reported_layer_budgets``), applies each group's
+eviction (``SlotLedger.decide``, which also replays any step scheduled meanwhile), frees the blocks
+past the kept slots, and tells the workers which blocks each group keeps (``worker.trim_blocks``)
+before it schedules another step; their block tables then match its own again. The budgets stay
+on the vLLM ``Request`` (``BUDGETS_ATTR``): a recompute after preemption replays them.
+
 **Preemption replays evictions.** A preempted request keeps its eviction points
 (``SlotLedger.replay_plan``, kept on the vLLM ``Request``); when vLLM recomputes it, each step's
 tokens for it are capped to end at the next point (``replay_cap``), so it evicts at exactly the
@@ -53,6 +64,7 @@ from .settings import (
     evicting_schedule,
     group_schedules,
     head_cap,
+    decides_from_prompt,
     layer_group_refusal,
     model_refusal,
     per_layer,
@@ -76,6 +88,16 @@ def set_missing_facts(per_rank: list[dict[str, str]]) -> None:
             _MISSING_FACTS.setdefault(fact, why)
 
 
+#: The engine core's executor (``set_executor``): how the scheduler asks the workers for the layer
+#: budgets they decided (``worker.reported_layer_budgets``).
+_EXECUTOR: Any = None
+
+
+def set_executor(executor: Any) -> None:
+    global _EXECUTOR
+    _EXECUTOR = executor
+
+
 def ledger() -> SlotLedger | None:
     return None if _STATE is None else _STATE.ledger
 
@@ -96,6 +118,8 @@ def cdiv(a: int, b: int) -> int:
 #: Where a preempted request's eviction points wait for its recompute (an attribute of vLLM's
 #: ``Request``: it lives and dies with the request).
 REPLAY_ATTR = "_kvpolicy_replay"
+#: Where a request's layer budgets decided from its prompt stay (by KV-cache group), for its replays.
+BUDGETS_ATTR = "_kvpolicy_layer_budgets"
 
 
 class SchedulerEviction:
@@ -140,6 +164,10 @@ class SchedulerEviction:
         #: by resolved policy YAML why the model cannot serve it (None: it can).
         self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
         self.model_refusals: dict[str | None, str | None] = {}
+        #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
+        #: by id: the scheduler output of the step that evicts, until the budgets are back.
+        self.awaiting: dict[str, Any] = {}
+        self.from_prompt: dict[str | None, bool] = {}  # by resolved policy YAML
 
     def _schedule(self, request: Any) -> Schedule | None:
         r = request_policy(request.sampling_params.extra_args, self.resolved)
@@ -147,6 +175,7 @@ class SchedulerEviction:
             policy = r.policy()
             self.schedules[r.policy_yaml] = evicting_schedule(policy)  # select mode: every block held
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
+            self.from_prompt[r.policy_yaml] = decides_from_prompt(policy)
             self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
             self.head_caps[r.policy_yaml] = (head_cap(policy, kv_heads_per_rank(self.scheduler.vllm_config))
                                              if policy is not None and policy.per_head else None)
@@ -199,12 +228,18 @@ class SchedulerEviction:
         # first allocation fails is tracked again later and its prefix hit must stay capped.
         plans = request.__dict__.get(REPLAY_ATTR)
         cap = self._head_cap(request)
+        from_prompt = self.from_prompt[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        budgets = request.__dict__.get(BUDGETS_ATTR)  # decided in an earlier run: its replay keeps them
         for g, (ledger, schedule) in enumerate(zip(self.ledgers, self._group_schedules(request), strict=True)):
-            ledger.resume(request.request_id, schedule, None if plans is None else plans[g], cap)
+            layer = None if budgets is None or schedule is None else schedule.model_copy(update={"budget": budgets[g]})
+            ledger.resume(request.request_id, schedule, None if plans is None else plans[g], cap,
+                          from_prompt=from_prompt, layer_schedule=layer)
 
     # -- preemption -------------------------------------------------------------------------
     def on_preempt(self, request: Any) -> None:
         """Before vLLM frees a preempted request: keep each group's eviction points for the recompute."""
+        if request.request_id in self.awaiting:  # its eviction points depend on the budgets
+            self._decide([request.request_id])
         found = [ledger.replay_plan(request.request_id) for ledger in self.ledgers]
         plans: list[list[int] | None] | None = found
         if found[0] is None and not self.ledger.tracks(request.request_id):
@@ -266,7 +301,14 @@ class SchedulerEviction:
         schedule = self._group_schedules(request)[group]
         if schedule is None:
             return slots
-        return min(slots, peak_slots(schedule, int(request.num_prompt_tokens), slots, self._head_cap(request)))
+        entry = self.ledgers[group].requests.get(req_id)
+        if entry is not None and entry.awaiting:  # it holds every slot until its layer budget is known
+            return slots
+        prompt, cap = int(request.num_prompt_tokens), self._head_cap(request)
+        peak = peak_slots(schedule, prompt, slots, cap)
+        if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
+            peak = max(peak, peak_slots(entry.layer_schedule, prompt, slots, cap))
+        return min(slots, peak)
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
@@ -358,6 +400,9 @@ class SchedulerEviction:
                 entry = ledger.get(req_id)
                 held, first = entry.held, entry.evictions == 0
                 kept = ledger.evicted(req_id)
+                if entry.awaiting:  # the workers decide what it keeps: its blocks stay until they say
+                    self.awaiting.setdefault(req_id, scheduler_output)
+                    continue
                 self._trim(mgr, req_id, held, kept, first)
             evicted += any_group
         if self.trace is not None:  # written when the step's output is back (at most a few steps in flight)
@@ -387,8 +432,43 @@ class SchedulerEviction:
         self.blocks_freed += len(tail) + len(copied)
         self.blocks_copied += len(copied)
 
+    def _decide(self, req_ids: list[str]) -> None:
+        """The layer budgets the workers decided for these awaiting requests' first evictions:
+        each group's eviction applied, the blocks past its kept slots freed, and the workers told
+        which blocks each group keeps, before another step is scheduled."""
+        if _EXECUTOR is None:
+            raise RuntimeError("kvpolicy: the scheduler cannot ask the workers for layer budgets (no executor)")
+        from .worker import reported_layer_budgets, trim_blocks
+
+        reported = _EXECUTOR.collective_rpc(reported_layer_budgets, args=(req_ids,))[0]  # every rank decides alike
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        keep: dict[str, list[int]] = {}
+        for req_id in req_ids:
+            self.awaiting.pop(req_id, None)
+            budgets = reported.get(req_id)
+            if budgets is None or len(budgets) != len(self.ledgers):
+                raise RuntimeError(f"kvpolicy: request {req_id}: the workers report layer budgets {budgets} for its "
+                                   f"first eviction, for {len(self.ledgers)} KV-cache groups")
+            request = self.scheduler.requests.get(req_id)
+            if request is None:  # finished: its blocks are gone
+                continue
+            request.__dict__[BUDGETS_ATTR] = budgets
+            if not self.ledger.tracks(req_id):
+                continue
+            for ledger, mgr, budget in zip(self.ledgers, managers, budgets, strict=True):
+                entry = ledger.get(req_id)
+                assert entry.schedule is not None
+                held, kept = ledger.decide(req_id, entry.schedule.model_copy(update={"budget": budget}))
+                self._trim(mgr, req_id, held, kept, first=False)
+            keep[req_id] = [len(mgr.req_to_blocks.get(req_id, ())) for mgr in managers]
+        if keep:
+            _EXECUTOR.collective_rpc(trim_blocks, args=(keep,))
+
     def after_update(self, scheduler_output: Any) -> None:
-        """After a step's output came back: the trace record of that step."""
+        """After a step's output came back: the layer budgets decided in it, and the trace record."""
+        ready = [r for r, out in self.awaiting.items() if out is scheduler_output]
+        if ready:
+            self._decide(ready)
         self.step += 1
         if self.trace is None:
             return

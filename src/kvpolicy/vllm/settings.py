@@ -193,13 +193,6 @@ def refuse_unservable(policy: Policy) -> None:
                 f"policy {policy.name!r} shares its budget unevenly (allocation {allocation.type_name!r}): "
                 "vLLM's block tables are shared by every layer of a request (not implemented with per-head counts)"
             )
-    elif policy.allocation.uneven and policy.allocation.from_prompt:
-        raise KVPolicyVLLMError(
-            f"policy {policy.name!r} shares its budget unevenly, with layer budgets decided from each prompt "
-            f"(allocation {policy.allocation.type_name!r}): the workers decide them and the scheduler, which sizes "
-            "each layer's blocks, cannot see them (not implemented). Serve it with the transformers integration "
-            "(KVPolicyCache), or use an allocation whose layer budgets are known in advance (pyramid)"
-        )
     elif policy.allocation.uneven and (policy.per_head or policy.mode != "evict"):
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}) "
@@ -218,11 +211,19 @@ def refuse_unservable(policy: Policy) -> None:
 
 
 def per_layer(policy: Policy | None) -> bool:
-    """Whether ``policy`` keeps budgets of its own per layer, known before any data (``pyramid``):
-    a server started with it gives every attention layer a KV-cache group of its own
+    """Whether ``policy`` keeps budgets of its own per layer (``pyramid``; ``cake``, whose budgets
+    each request's first eviction decides from its prompt: ``decides_from_prompt``): a server
+    started with it gives every attention layer a KV-cache group of its own
     (``kvpolicy.vllm.layer_spec``), whose blocks follow that layer's slots."""
     return (policy is not None and policy.mode == "evict" and policy.allocation.uneven
-            and not policy.per_head and not policy.allocation.from_prompt)
+            and not policy.per_head)
+
+
+def decides_from_prompt(policy: Policy | None) -> bool:
+    """Whether a request's layer budgets under ``policy`` are decided by the workers from its own
+    prompt at its first eviction (``Allocation.from_prompt``: CAKE). Until the workers report them
+    (``kvpolicy.vllm.scheduler``) the scheduler holds every layer's blocks."""
+    return policy is not None and policy.mode == "evict" and policy.allocation.from_prompt
 
 
 def layer_schedules(policy: Policy | None, num_layers: int, kv_heads: int) -> list[Schedule | None]:
@@ -491,8 +492,19 @@ def refusals(vllm_config: Any) -> list[str]:
 def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | None:
     """Why ``policy`` cannot run with its KV heads split over ``tensor_parallel_size`` ranks
     (None: it can). Each rank evicts its own heads alone, which a policy whose heads choose
-    together (``Policy.couples_heads``: TOVA's one decision per layer) cannot do."""
-    if policy is None or tensor_parallel_size <= 1 or not policy.couples_heads:
+    together (``Policy.couples_heads``: TOVA's one decision per layer) cannot do, nor one whose
+    layer budgets come from every head's attention (``decides_from_prompt``: CAKE's preference
+    sums over all heads)."""
+    if policy is None or tensor_parallel_size <= 1:
+        return None
+    if decides_from_prompt(policy):
+        return (
+            f"policy {policy.name!r} decides each layer's budget from its prompt's attention over all the layer's "
+            f"heads (allocation {policy.allocation.type_name!r}), but tensor_parallel_size {tensor_parallel_size} "
+            "gives each rank a share of the heads (not implemented: the ranks would have to add up their shares "
+            "before deciding): serve it with tensor_parallel_size 1"
+        )
+    if not policy.couples_heads:
         return None
     if policy.config.allocation.per_head:
         return (

@@ -44,7 +44,7 @@ from ..stages.model_facts import ModelFacts, ModelFactsError
 from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
-from .paged_cache import PagedCache, StepRequests
+from .paged_cache import PagedCache, StepRequests, decide_layer_budgets
 from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
@@ -321,11 +321,33 @@ class WorkerEviction:
     def after_execute(self) -> None:
         self.select.end_step()  # this step's selections are spent
         self.group_seq_lens = {}
-        for g, paged in enumerate(self.pageds):
-            for ev in paged.end_step(self._block_table(g)):
+        tables = [self._block_table(g) for g in range(len(self.pageds))]
+        dues = [paged.advance_step() for paged in self.pageds]
+        if self.per_layer:  # CAKE: a first eviction's layer budgets, from every layer, before any evicts
+            decide_layer_budgets(self.pageds, dues, tables)
+        for g, (paged, due) in enumerate(zip(self.pageds, dues, strict=True)):
+            for ev in paged.evict_due(due, tables[g]):
                 state = self.runner.requests.get(ev.req_id)
                 if state is not None:
                     state.block_ids[g][:] = ev.blocks
+
+    def layer_budgets(self, req_ids: list[str]) -> dict[str, list[int]]:
+        """The layer budgets this worker decided for requests at their first eviction (by layer)."""
+        return {r: [paged.decided[r].budget for paged in self.pageds] for r in req_ids if r in self.pageds[0].decided}
+
+    def trim(self, keep: dict[str, list[int]]) -> None:
+        """The scheduler freed the blocks past each request's first ``keep[req][group]`` (it learned
+        the layer budgets of its first eviction): the runner's block tables follow."""
+        batch = self.runner.input_batch
+        for req_id, counts in keep.items():
+            state = self.runner.requests.get(req_id)
+            if state is None:
+                continue
+            row = batch.req_id_to_index.get(req_id)
+            for g, (paged, n) in enumerate(zip(self.pageds, counts, strict=True)):
+                state.block_ids[g][:] = paged.trimmed(req_id, list(state.block_ids[g]), n)
+                if row is not None:
+                    self._block_table(g).add_row(state.block_ids[g], row)
 
 
 def rank_facts(runner: Any, layers: dict[int, str], head_offset: int) -> ModelFacts:
@@ -387,6 +409,22 @@ def init_runner(runner: Any) -> WorkerEviction | None:
     runner.__dict__["_kvpolicy"] = state
     _ACTIVE = state
     return state
+
+
+def reported_layer_budgets(worker: Any, req_ids: list[str]) -> dict[str, list[int]]:
+    """The layer budgets this rank's worker decided for ``req_ids`` at their first eviction
+    (``WorkerEviction.layer_budgets``). Called by the scheduler (``collective_rpc``) once the step
+    that decided them has run."""
+    state = runner_eviction(getattr(worker, "model_runner", None))
+    return {} if state is None else state.layer_budgets(req_ids)
+
+
+def trim_blocks(worker: Any, keep: dict[str, list[int]]) -> None:
+    """The scheduler's trim of requests whose layer budgets it just learned (``WorkerEviction.trim``),
+    called (``collective_rpc``) before it schedules another step."""
+    state = runner_eviction(getattr(worker, "model_runner", None))
+    if state is not None:
+        state.trim(keep)
 
 
 def missing_facts(worker: Any) -> dict[str, str]:
