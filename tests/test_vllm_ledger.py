@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from kvpolicy import load_policy
+from kvpolicy.schedule import Schedule
 from kvpolicy.vllm.ledger import SlotLedger, prefix_hit_cap
 
 
@@ -217,3 +220,38 @@ def test_the_pool_check_counts_every_layers_blocks_under_per_layer_budgets():
     assert pool_refusal(per, 40, 10_000, need, 32, False) is None
     msg = pool_refusal(per, 40, 10_000, need - 1, 32, False)
     assert msg is not None and f"needs {need} KV blocks" in msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.integers(5, 60), recent=st.integers(0, 4), interval=st.integers(1, 16),
+       count=st.sampled_from(["slots", "tokens"]), compress=st.booleans(), prompt=st.integers(1, 90),
+       layer_budget=st.integers(5, 120), delay=st.integers(0, 3), chunk=st.integers(1, 7))
+def test_a_layer_budget_learned_late_gives_the_ledger_of_one_known_from_the_start(
+        budget, recent, interval, count, compress, prompt, layer_budget, delay, chunk):
+    """The scheduler learns a CAKE request's layer budget ``delay`` steps after its first eviction
+    (``SlotLedger.decide``, the steps in between replayed); the workers know it at once. Once
+    learned, both ledgers agree on every count and eviction point; before, the awaiting one holds
+    every slot it had (it frees nothing it may still need)."""
+    assume(recent < budget and recent < layer_budget)
+    nominal = Schedule(budget=budget, recent=recent, interval=interval, window=0, count=count,
+                       compress_prompt=compress)
+    layer = nominal.model_copy(update={"budget": layer_budget})
+    known, late = SlotLedger(), SlotLedger()
+    known.track("r", nominal, from_prompt=True, layer_schedule=layer)
+    late.track("r", nominal, from_prompt=True)
+    steps = [min(t, prompt) for t in range(chunk, prompt + chunk, chunk)] + list(range(prompt + 1, prompt + 120))
+    waited = None
+    for tokens in steps:
+        for led in (known, late):
+            if led.advance("r", tokens, prompt):
+                led.evicted("r")
+        k, a = known.get("r"), late.get("r")
+        if a.awaiting:
+            waited = 0 if waited is None else waited + 1
+            assert a.held >= k.held and a.tokens == k.tokens
+            if waited < delay:
+                continue
+            before, after = late.decide("r", layer)
+            assert before >= after == k.held
+        assert (a.slots, a.reserve, a.evicted_at, a.schedule) == (k.slots, k.reserve, k.evicted_at, k.schedule)
+    assert waited is None or late.get("r").schedule == layer

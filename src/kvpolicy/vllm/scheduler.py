@@ -61,10 +61,10 @@ from .ledger import SlotLedger, kept_held, peak_slots, prefix_hit_cap, replay_bo
 from .settings import (
     KVPolicyVLLMError,
     Resolved,
+    decides_from_prompt,
     evicting_schedule,
     group_schedules,
     head_cap,
-    decides_from_prompt,
     layer_group_refusal,
     model_refusal,
     per_layer,
