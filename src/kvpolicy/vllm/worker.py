@@ -15,7 +15,10 @@ and does only what needs vLLM:
    the worker knows) and hands the paged cache its post-RoPE queries;
 4. after the forward (``GPUModelRunner.execute_model``, wrapped): the paged cache evicts the due
    requests, and the runner's own records of their block tables follow (the scheduler returns the
-   freed blocks to vLLM's pool: see ``kvpolicy.vllm.scheduler``).
+   freed blocks to vLLM's pool: see ``kvpolicy.vllm.scheduler``). Under layer budgets decided from
+   the prompt (CAKE) a first eviction's budgets are decided here, from every group's layer, before
+   any group evicts; the scheduler asks for them (``reported_layer_budgets``) and then says which
+   blocks each group keeps (``trim_blocks``).
 
 At start-up it also builds the model facts of its rank (``kvpolicy.vllm.facts``: RoPE, and its
 shard of each ``o_proj``) for the stages that read the model, and checks the server's policy
