@@ -1,13 +1,21 @@
 """A soak of the OpenAI server under kvpolicy (loopback only, bounded in count and time).
 
-Prefix caching on, a KV pool too small for the load (16 blocks of 32), 36 concurrent streamed
-completions mixing per-request policies (among them the ones that read the model, ``criticalkv`` and
-``expected-attention``, the merges ``cam`` and ``d2o``, ``quest`` in select mode, and as the
-server's policy ``triattention``
-with a calibration measured here on the tiny model) and a shared prefix; 6 clients drop their stream midway;
-4 requests carry malformed kvpolicy settings (sent plain, and one also streamed). Afterwards: every completed stream equals the same
-request sent alone to the idle server, the malformed ones got HTTP 400 naming the problem, the KV
-pool is empty again (vLLM's usage metric back to 0), and the server still answers.
+Two servers, each with a KV pool too small for the load (16 blocks of 32 of the whole model),
+36 concurrent streamed completions mixing per-request policies and a shared prefix; 6 clients
+drop their stream midway; malformed kvpolicy settings (sent plain, and one also streamed):
+
+- **uniform**: prefix caching on, the server's policy ``triattention`` with a calibration
+  measured here on the tiny model; per request among others the ones that read the model
+  (``criticalkv``, ``expected-attention``), the merges ``cam`` and ``d2o``, per-head counts
+  (``ada-vase-attnv``, ``dms``) and ``quest`` in select mode;
+- **per-layer**: the server's policy ``cake`` (a KV-cache group per layer, each request's layer
+  budgets decided from its own prompt), per request ``pyramidkv``, ``cake`` at another budget,
+  per-head counts (``ada-snapkv``) and uniform ones (``snapkv``, ``criticalkv``, ``d2o``);
+  preempted CAKE requests replay the budgets their first run decided.
+
+Afterwards: every completed stream equals the same request sent alone to the idle server, the
+malformed ones got HTTP 400 naming the problem, the KV pool is empty again (vLLM's usage metric
+back to 0), and the server still answers.
 """
 
 from __future__ import annotations
@@ -67,6 +75,14 @@ SOAK_XARGS = [*XARGS, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
               {"kvpolicy": "quest", "kvpolicy_budget": 64}]  # select mode: every block held, 64 slots attended
 
 
+#: The per-layer server's: a policy for every layer's group of its own (and malformed: select mode there).
+LAYER_XARGS = [None, *({"kvpolicy": json.dumps({"policy": name, **SMALL})}
+                       for name in ("pyramidkv", "snapkv", "criticalkv", "d2o", "ada-snapkv")),
+               {"kvpolicy": json.dumps({"policy": "cake", **SMALL, "budget": 64})}]
+LAYER_MALFORMED = [*MALFORMED, ({"kvpolicy": "quest"}, "KV-cache group per layer"),
+                   ({"kvpolicy": "duo-attention"}, "is for a model with 30 layers")]  # its head profile: SmolLM2's
+
+
 def _triattention_file(model, folder) -> str:
     spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
     spec["scorer"]["calibration"] = _calibration(model, folder / "tiny-qwen3.safetensors")
@@ -122,12 +138,20 @@ def _usage(port: int) -> float:
     return max(values)
 
 
-def test_soak_of_the_openai_server(tmp_path):
+@pytest.mark.parametrize("server", ["uniform", "per-layer"])
+def test_soak_of_the_openai_server(tmp_path, server):
     model = tiny_qwen3_folder()
     port = _free_port()
     log = tmp_path / "server.log"
-    config = json.dumps({"kvpolicy": {"policy": _triattention_file(model, tmp_path), "trace": str(tmp_path / "trace")}})
-    reqs = _workload(SOAK_XARGS)
+    trace = str(tmp_path / "trace")
+    if server == "uniform":
+        config = json.dumps({"kvpolicy": {"policy": _triattention_file(model, tmp_path), "trace": trace}})
+        xargs, malformed, flags = SOAK_XARGS, MALFORMED, ["--enable-prefix-caching", "--num-gpu-blocks-override", "16"]
+    else:  # a block of a per-layer group holds one of the tiny model's 4 layers: 16 blocks of the whole model
+        config = json.dumps({"kvpolicy": {"policy": "cake", **SMALL, "trace": trace}})
+        xargs, malformed, flags = LAYER_XARGS, LAYER_MALFORMED, ["--no-enable-prefix-caching",
+                                                                  "--num-gpu-blocks-override", "64"]
+    reqs = _workload(xargs)
     body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
     def params(r):
@@ -138,15 +162,15 @@ def test_soak_of_the_openai_server(tmp_path):
     if ASYNC_DEFAULT:  # the server with async scheduling on (kvpolicy's CPU test switch, in every process)
         extra, env[TEST_ASYNC_ON_CPU] = ["--async-scheduling"], "1"
     with open(log, "w") as f:
-        proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config, "--enable-prefix-caching",
-                                               "--num-gpu-blocks-override", "16", "--max-num-seqs", "32", *extra),
+        proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config, *flags,
+                                               "--max-num-seqs", "32", *extra),
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_healthy(proc, port, log)
         t0 = time.monotonic()
         drops = set(random.Random(6).sample(range(N), DROPPED))
         jobs = [lambda r=r, i=i: _stream(port, params(r), 3 if i in drops else None) for i, r in enumerate(reqs)]
-        bad = [{**params((list(range(5, 30)), 20, None)), "vllm_xargs": x} for x, _ in MALFORMED]
+        bad = [{**params((list(range(5, 30)), 20, None)), "vllm_xargs": x} for x, _ in malformed]
         # malformed ones plain (an HTTP 400), and the first once more as a stream (vLLM answers a
         # stream 200, then an error event with code 400)
         jobs += [lambda b=b: _post_status(port, b) for b in bad]
@@ -154,7 +178,7 @@ def test_soak_of_the_openai_server(tmp_path):
         with ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda job: job(), jobs))
         soak_s = time.monotonic() - t0
-        for (status, answer), (_, message) in zip(results[N:N + len(MALFORMED)], MALFORMED, strict=True):
+        for (status, answer), (_, message) in zip(results[N:N + len(malformed)], malformed, strict=True):
             assert status == 400 and message in answer["error"]["message"], (status, answer)
         status, ids, event = results[-1]
         assert status == 200 and ids is None and '"code": 400' in event and MALFORMED[0][1] in event
@@ -171,7 +195,7 @@ def test_soak_of_the_openai_server(tmp_path):
             status, alone = _post_status(port, params(reqs[i]))
             assert status == 200
             assert results[i][1] == alone["choices"][0]["token_ids"], f"request {i} ({reqs[i][2]})"
-        print(f"soak: {N} streams ({DROPPED} dropped) and {len(MALFORMED)} malformed in {soak_s:.1f} s")
+        print(f"soak ({server}): {N} streams ({DROPPED} dropped) and {len(malformed)} malformed in {soak_s:.1f} s")
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -179,4 +203,5 @@ def test_soak_of_the_openai_server(tmp_path):
     assert sum(s["evicted"] for s in steps) > 0 and steps[-1]["held_blocks"] == 0
     assert max(s["waiting"] for s in steps) > 0  # the pool could not take the load at once
     assert all(s["async"] is ASYNC_DEFAULT for s in steps)
-    print(f"soak: {steps[-1]['preempted_total']} preemptions, at most {max(s['waiting'] for s in steps)} waiting")
+    print(f"soak ({server}): {steps[-1]['preempted_total']} preemptions ({steps[-1]['preempted_after_evicting_total']} "
+          f"after evicting), at most {max(s['waiting'] for s in steps)} waiting")
