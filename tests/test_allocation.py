@@ -279,17 +279,24 @@ def test_profile_allocation_follows_the_weights(tmp_path):
     assert counts.tolist() == [[2 * budgets[1] - 6, 6]]
 
 
-def test_vllm_refuses_uneven_budgets_it_cannot_bound():
+def test_vllm_refuses_uneven_budgets_it_cannot_bound(tmp_path):
     """vLLM serves per-head budgets whose fullest head has a data-free bound (Ada-KV's ``adaptive``:
     ``head_cap``), without state or merges, and per-layer budgets known before any data
-    (``pyramid``) or decided from each prompt (``cake``), each a KV-cache group per layer; other
-    uneven budgets are refused by name."""
+    (``pyramid``) or decided from each prompt (``cake``), each a KV-cache group per layer, and
+    per-head counts whose fullest head has a data-free bound in each layer (``duo``:
+    ``layer_head_cap``); other uneven budgets are refused by name (a head profile's ``profile``
+    allocation, which bounds no head)."""
     from kvpolicy.vllm.settings import KVPolicyVLLMError, head_cap, resolve
 
-    with pytest.raises(KVPolicyVLLMError, match="policy 'duo-attention' shares its budget unevenly.*with counts of its own per head"):
-        resolve({"policy": "duo-attention"})
-    assert resolve({"policy": "pyramidkv"}).policy() is not None
-    assert resolve({"policy": "cake"}).policy() is not None
+    for name in ("pyramidkv", "cake", "duo-attention"):
+        assert resolve({"policy": name}).policy() is not None
+    profile = tmp_path / "heads.yaml"
+    HeadProfile.parse({"kvpolicy_profile": 1, "num_layers": 2, "num_kv_heads": 2,
+                       "weights": [[1.0, 0.5], [0.2, 0.1]]}).save(profile)
+    spec = yaml.safe_load((files("kvpolicy") / "policies" / "ada-snapkv.yaml").read_text())
+    spec["allocation"] = {"type": "profile", "path": str(profile)}
+    with pytest.raises(KVPolicyVLLMError, match="shares its budget unevenly .* no bound on a head count known"):
+        resolve({"policy": yaml.safe_dump(spec)})
     assert resolve({"policy": "ada-snapkv"}).policy() is not None
     assert head_cap(load_policy("ada-snapkv", budget=100), 8) == 8 * 100 - 7 * 20
     assert head_cap(load_policy("ada-snapkv", budget=100), 1) == 100  # one head keeps the layer's total

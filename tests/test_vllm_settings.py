@@ -241,6 +241,7 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
 
     from kvpolicy.vllm.settings import (
         decides_from_prompt,
+        group_head_caps,
         group_schedules,
         layer_group_refusal,
         per_layer,
@@ -261,10 +262,17 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     assert layer_group_refusal(pyramid, server_per_layer=True) is None
     assert layer_group_refusal(load_policy("snapkv"), server_per_layer=True) is None
     assert layer_group_refusal(None, server_per_layer=True) is None  # the full cache
-    for name in ("quest", "ada-snapkv"):
-        why = layer_group_refusal(load_policy(name), server_per_layer=True)
-        assert why is not None and f"policy {name!r}" in why and "KV-cache group per layer" in why
-        assert layer_group_refusal(load_policy(name), server_per_layer=False) is None
+    why = layer_group_refusal(load_policy("quest"), server_per_layer=True)
+    assert why is not None and "policy 'quest'" in why and "KV-cache group per layer" in why
+    assert layer_group_refusal(load_policy("quest"), server_per_layer=False) is None
+    # Per-head counts on per-layer groups: Ada-KV's (even layers) on either server, DuoAttention's
+    # (its layers keep budgets of their own) on a per-layer one only.
+    duo = load_policy("duo-attention", budget=96, recent=16, interval=16, window=16)
+    assert per_layer(duo) and not per_layer(load_policy("ada-snapkv"))
+    assert layer_group_refusal(load_policy("ada-snapkv"), server_per_layer=True) is None
+    assert layer_group_refusal(duo, server_per_layer=True) is None
+    why = layer_group_refusal(duo, server_per_layer=False)
+    assert why is not None and "policy 'duo-attention'" in why and "KV-cache group per layer" in why
     # Each group's schedule is its layer's (EvictingCache's), or the policy's for every layer.
     per = group_schedules(pyramid, [0, 1, 2, 3], 3)
     assert [s.budget for s in per] == [s.budget for s in pyramid.layer_schedules(4, 3)]
@@ -272,6 +280,16 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     assert group_schedules(pyramid, None, 3) == [pyramid.schedule]
     assert {s.budget for s in group_schedules(load_policy("snapkv", budget=80), [0, 1, 2], 3)} == {80}
     assert group_schedules(None, [0, 1], 3) == [None, None]
+    # Each group's per-head bound beside its schedule: a DuoAttention layer's largest head share
+    # (a layer of streaming heads: its sinks and recent buffer), Ada-KV's the same in every group.
+    caps = group_head_caps(duo, list(range(30)), 3)
+    shares = [duo.config.allocation.head_budgets(layer, s.budget, 16)
+              for layer, s in enumerate(duo.layer_schedules(30, 3))]
+    assert caps == [max(row) for row in shares] and min(caps) == 16 + 4 and len(set(caps)) > 1
+    assert group_head_caps(duo, [3, *range(3), *range(4, 30)], 3)[:2] == [caps[3], caps[0]]  # group g: layer of g
+    ada = load_policy("ada-snapkv", budget=100)
+    assert group_head_caps(ada, [0, 1], 8) == [8 * 100 - 7 * 20] * 2 == group_head_caps(ada, None, 8) * 2
+    assert group_head_caps(pyramid, [0, 1, 2, 3], 3) == [None] * 4 and group_head_caps(None, None, 3) == [None]
     config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
                              parallel_config=SimpleNamespace(pipeline_parallel_size=2))
     reasons = per_layer_refusals(pyramid, config)

@@ -210,3 +210,71 @@ def test_cake_gives_generates_tokens_and_frees_each_layers_blocks_past_its_budge
           f"at most {room} once decided; evictions per layer {min(per_layer)}-{max(per_layer)}; tokens equal to generate()'s before any "
           f"divergence: {agreed} of {NEW}")
     assert cake_peak / uniform_peak <= 1.05
+
+
+def test_duo_attention_gives_generates_tokens_and_holds_its_layers_largest_head_share(model_dir, tmp_path):
+    """DuoAttention (the bundled passkey head profile of this model: half its heads stream) on a
+    group per layer: retrieval and streaming heads keep counts of their own, and its layers
+    budgets of their own. The tokens equal ``generate()``'s; at its last eviction every layer's
+    heads keep exactly their shares (a streaming head its sinks and recent slots); each layer's
+    group holds the room for its largest share (``DuoAllocation.layer_head_cap``), read from
+    vLLM's pool: heads sharing a block free no memory per head, so the bytes are reported against
+    a uniform request's at the same total budget."""
+    jobs = [("duo-attention", PYRAMID[0]), ("snapkv", UNIFORM)]
+    refs, config = hf_refs(model_dir, jobs)
+    layers, hkv = int(config.num_hidden_layers), int(config.num_key_value_heads)
+    policy = load_policy("duo-attention", **OVERRIDES)
+    schedules = policy.layer_schedules(layers, hkv)
+    shares = [policy.config.allocation.head_budgets(layer, s.budget, OVERRIDES["recent"]) for layer, s in enumerate(schedules)]
+    llm = make_llm(model_dir, {"policy": "duo-attention", **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK)
+    try:
+        params = [greedy(NEW, logprobs=2),
+                  greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
+        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
+    finally:
+        close(llm)
+    agreed = []
+    for (ids, ref, margins), out in zip(refs, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        i = first_divergence(got, ref)
+        agreed.append(NEW if i is None else i)
+        if i is not None:
+            gap = top2_gap(out, i)
+            assert margins[i] < TIE or gap < TIE, (
+                f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+
+    names: dict[str, str] = {}
+    evictions: dict[tuple[str, int], int] = {}
+    last: dict[int, list[int]] = {}  # the DuoAttention request's head counts at each layer's last eviction
+    for rec in read_jsonl(tmp_path, "worker-"):
+        (layer,) = rec["layers"]
+        for j, req in enumerate(rec["requests"]):
+            names[req] = rec["policy"]
+            evictions[req, layer] = evictions.get((req, layer), 0) + 1
+            if rec["head_counts"] is not None:
+                last[layer] = rec["head_counts"][j][0]
+    (duo_req,) = [r for r, n in names.items() if n == "duo-attention"]
+    (uniform_req,) = [r for r, n in names.items() if n == "snapkv"]
+    per_layer = [evictions[duo_req, layer] for layer in range(layers)]
+    assert min(per_layer) >= 3, evictions
+    assert [last[layer] for layer in range(layers)] == shares
+
+    steps = read_jsonl(tmp_path, "scheduler-")
+    assert all(s["total_blocks"] - s["free_blocks"] == s["held_blocks"] == sum(s["group_blocks"]) for s in steps)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    room = sum(cdiv(max(row) + OVERRIDES["interval"], BLOCK) for row in shares)  # its most: each layer's largest share
+    both = [s["request_blocks"] for s in steps if duo_req in s["request_blocks"] and uniform_req in s["request_blocks"]]
+    duo_peak, uniform_peak = max(b[duo_req] for b in both), max(b[uniform_req] for b in both)
+    assert duo_peak <= room and uniform_peak == layers * cdiv(BUDGET + OVERRIDES["interval"], BLOCK)
+    assert steps[-1]["held_blocks"] == 0
+    mean = sum(b[duo_req] for b in both) / sum(b[uniform_req] for b in both)
+    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
+    block_bytes = 2 * BLOCK * hkv * head_dim * 4
+    used = sum(sum(row) for row in shares)
+    print(f"duo-attention@{BUDGET} (layer budgets {min(s.budget for s in schedules)}..{max(s.budget for s in schedules)}, "
+          f"largest head shares {min(max(r) for r in shares)}..{max(max(r) for r in shares)}): a request holds at most "
+          f"{duo_peak} layer-blocks ({duo_peak * block_bytes / 2**20:.2f} MiB) against snapkv@{BUDGET}'s {uniform_peak} "
+          f"({uniform_peak * block_bytes / 2**20:.2f} MiB): x{duo_peak / uniform_peak:.3f} at the peak, x{mean:.3f} summed "
+          f"over the {len(both)} steps both ran (its heads use {used} slot-heads after an eviction, as a uniform "
+          f"request's do); evictions per layer {min(per_layer)}-{max(per_layer)}; tokens equal to "
+          f"generate()'s before any divergence: {agreed} of {NEW}")

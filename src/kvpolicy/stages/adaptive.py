@@ -25,6 +25,7 @@ class AdaptiveAllocation(Allocation):
 
     type_name: ClassVar[str] = "adaptive"
     per_head: ClassVar[bool] = True
+    layer_budgets_differ: ClassVar[bool] = False
 
     floor: float = Field(
         0.2, ge=0.0, le=1.0, allow_inf_nan=False,

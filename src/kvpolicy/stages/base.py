@@ -765,6 +765,10 @@ class Allocation(Stage):
     #: layer holds it, before the first eviction (CAKE); ``layer_budgets`` then gives the
     #: provisional ones, and each layer gets buffers of its own. Evict mode only.
     from_prompt: ClassVar[bool] = False
+    #: False for a ``per_head`` stage that shares each layer's own ``budget`` among its heads,
+    #: every layer keeping the same (Ada-KV); True when ``layer_budgets`` may differ by layer
+    #: (a paged engine then gives every layer blocks of its own: vLLM's KV-cache group per layer).
+    layer_budgets_differ: ClassVar[bool] = True
 
     @property
     def uneven(self) -> bool:
@@ -802,6 +806,12 @@ class Allocation(Stage):
         whatever the data, with ``budget`` per head on average (a paged engine reserves this much
         room per request: vLLM). None: no such bound is known (vLLM then refuses the policy)."""
         return None
+
+    def layer_head_cap(self, layer: int, layer_budget: int, num_kv_heads: int, recent: int) -> int | None:
+        """``head_cap`` for layer ``layer``, which keeps ``layer_budget`` per head on average
+        (``recent``: the schedule's recent buffer), where the bound differs by layer (a head
+        profile's retrieval heads). The default: ``head_cap``, the same rule in every layer."""
+        return self.head_cap(layer_budget, num_kv_heads)
 
 
 

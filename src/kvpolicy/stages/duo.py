@@ -131,6 +131,15 @@ class DuoAllocation(Allocation):
         it = iter(ret)
         return [next(it) if r else stream for r in row]
 
+    def layer_head_cap(self, layer: int, layer_budget: int, num_kv_heads: int, recent: int) -> int:
+        """The largest of the layer's head shares (``head_budgets``). Every head of a layer holds
+        the same slots at its first eviction, and a retrieval head keeps all it holds until it
+        holds its share; the layer has spare slots only while a retrieval head holds less than
+        its share, and they go to heads holding no more than it (a streaming head keeps at most
+        what it holds, and grows no faster). So no head keeps more than the largest share. (An
+        engine reserving this room checks every eviction against it: vLLM's paged cache.)"""
+        return max(self.head_budgets(layer, layer_budget, recent))
+
     def head_counts(self, priority: torch.Tensor, protected: torch.Tensor, inp: EvictionInput) -> torch.Tensor:
         p = self._profile
         layers = inp.layer_index.tolist()

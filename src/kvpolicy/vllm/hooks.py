@@ -198,11 +198,11 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
         # Under per-layer budgets a block holds one layer: the request needs each layer's blocks.
         layers = list(range(sched_mod.num_layers(vllm_config))) if _per_layer_server(vllm_config) else None
         _SCHEDULES[key] = (settings.group_schedules(policy, layers, heads),  # select mode: held whole, as `none`
-                           settings.head_cap(policy, heads))
-    schedules, head_cap = _SCHEDULES[key]
+                           settings.group_head_caps(policy, layers, heads))
+    schedules, head_caps = _SCHEDULES[key]
     return sched_mod.pool_refusal(schedules, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
                                   int(vllm_config.cache_config.block_size),
-                                  bool(vllm_config.cache_config.enable_prefix_caching), head_cap)
+                                  bool(vllm_config.cache_config.enable_prefix_caching), head_caps)
 
 
 _PER_LAYER: dict[str | None, bool] = {}  # by the server's resolved policy YAML

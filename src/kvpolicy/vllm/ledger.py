@@ -6,11 +6,12 @@ policy's schedule and on each request's token counts, and every rank keeps exact
 slots per request, so each process replays the same ``SlotLedger`` and agrees on every request's
 slot count, and so on its number of blocks, at every step.
 
-**Per-head budgets** (Ada-KV: ``head_cap``). Heads of a layer then keep different counts, decided
-from data the scheduler never sees; all heads and layers share one block table, and vLLM writes a
-new token at one slot for every head. So after each eviction a request holds, in its block table,
-room for the fullest head any data could give (``head_cap``, from the allocation's floor and the
-layer's total, ``Allocation.head_cap``) but never more than it held: ``held = slots + reserve``,
+**Per-head budgets** (Ada-KV, DuoAttention: ``head_cap``). Heads of a layer then keep different
+counts, decided from data the scheduler never sees; all heads of a layer share its block table,
+and vLLM writes a new token at one slot for every head. So after each eviction a request holds,
+in its block table, room for the fullest head any data could give (``head_cap``, from the
+allocation's floor and the layer's total, ``Allocation.head_cap``; under per-layer groups each
+group's own, ``settings.group_head_caps``) but never more than it held: ``held = slots + reserve``,
 where ``slots`` is still the mean count its schedule runs on (what ``EvictingCache`` counts). The
 room is the same for every process, whatever the heads kept.
 

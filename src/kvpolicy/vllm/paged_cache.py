@@ -41,7 +41,7 @@ from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
 from .ledger import SlotLedger, kept_held
 from .paged import KV, compact, gather_paged, slot_address
-from .settings import KVPolicyVLLMError, Resolved, decides_from_prompt, group_schedules, head_cap
+from .settings import KVPolicyVLLMError, Resolved, decides_from_prompt, group_head_caps, group_schedules
 
 #: How many eviction inputs a trace folder receives per process (for parity checks).
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
@@ -177,6 +177,7 @@ class RequestPolicy:
     resolved: Resolved
     policy: Policy | None  # None: the request never evicts
     schedule: Schedule | None = None  # this cache's layers' schedule under it (per-layer budgets: its layer's)
+    head_cap: int | None = None  # its per-head bound in this cache's layers (``settings.group_head_caps``)
 
 
 @dataclass(frozen=True)
@@ -342,12 +343,13 @@ class PagedCache:
             # Every layer's KV-cache group, or this one layer's (of a model of model_layers).
             groups = None if self.model_layers is None else list(range(self.model_layers))
             schedules = group_schedules(policy, groups, self.kv_heads)
-            schedule = schedules[0] if groups is None else schedules[self.layer_ids[0]]
-            rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy, schedule)
+            caps = group_head_caps(policy, groups, self.kv_heads)
+            mine = 0 if groups is None else self.layer_ids[0]
+            rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy, schedules[mine], caps[mine])
         self.policy_of[req_id] = rp
         if not self.ledger.tracks(req_id):
             self.ledger.resume(req_id, rp.schedule, self.replays.pop(req_id, None),
-                               head_cap(rp.policy, self.kv_heads), from_prompt=decides_from_prompt(rp.policy),
+                               rp.head_cap, from_prompt=decides_from_prompt(rp.policy),
                                layer_schedule=self.decided.get(req_id))
         return rp
 

@@ -28,8 +28,10 @@ output is back (async scheduling) or after.
 
 **Per-layer budgets** (``settings.per_layer``: PyramidKV). The server's layers then have a
 KV-cache group each (``kvpolicy.vllm.layer_spec``), and each group a ledger of its own on that
-layer's schedule (``settings.group_schedules``): allocations for a group's manager count that
-group's slots, and a group that evicts gives back its own blocks past its kept slots.
+layer's schedule (``settings.group_schedules``; under per-head counts with that layer's room
+for its fullest head, ``settings.group_head_caps``: DuoAttention's largest head share):
+allocations for a group's manager count that group's slots, and a group that evicts gives back
+its own blocks past its kept slots.
 
 **Layer budgets decided from the prompt** (``settings.decides_from_prompt``: CAKE, on a server
 with a group per layer). The workers decide a request's layer budgets at its first eviction, from
@@ -63,8 +65,8 @@ from .settings import (
     Resolved,
     decides_from_prompt,
     evicting_schedule,
+    group_head_caps,
     group_schedules,
-    head_cap,
     layer_group_refusal,
     model_refusal,
     per_layer,
@@ -143,7 +145,7 @@ class SchedulerEviction:
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         self.group_schedules: dict[str | None, list[Schedule | None]] = {}  # by resolved policy YAML, per group
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
-        self.head_caps: dict[str | None, int | None] = {}  # by resolved policy YAML (per-head budgets)
+        self.head_caps: dict[str | None, list[int | None]] = {}  # by resolved policy YAML, per group (per-head budgets)
         self.select_budgets: dict[str | None, int | None] = {}  # by resolved policy YAML: select mode's budget
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
@@ -177,11 +179,11 @@ class SchedulerEviction:
             self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
             self.from_prompt[r.policy_yaml] = decides_from_prompt(policy)
             self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
-            self.head_caps[r.policy_yaml] = (head_cap(policy, kv_heads_per_rank(self.scheduler.vllm_config))
-                                             if policy is not None and policy.per_head else None)
             refusal = layer_group_refusal(policy, self.server_per_layer)
-            heads = None if self.group_layers is None else kv_heads_per_rank(self.scheduler.vllm_config)
+            heads = kv_heads_per_rank(self.scheduler.vllm_config)
             self.group_schedules[r.policy_yaml] = [] if refusal is not None else group_schedules(
+                policy, self.group_layers, heads)
+            self.head_caps[r.policy_yaml] = [] if refusal is not None else group_head_caps(
                 policy, self.group_layers, heads)
         return self.schedules[r.policy_yaml]
 
@@ -193,9 +195,10 @@ class SchedulerEviction:
             raise KVPolicyVLLMError(f"request {request.request_id}: {self._model_refusal(request)}")
         return found
 
-    def _head_cap(self, request: Any) -> int | None:
-        """The request's policy's per-head bound (``settings.head_cap``; None: every head keeps the budget)."""
-        self._schedule(request)
+    def _head_caps(self, request: Any) -> list[int | None]:
+        """The request's policy's per-head bound in each KV-cache group (``settings.group_head_caps``;
+        None: every head keeps the group's budget)."""
+        self._group_schedules(request)
         return self.head_caps[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
 
     def _model_refusal(self, request: Any) -> str | None:
@@ -227,12 +230,12 @@ class SchedulerEviction:
         # The plan stays on the request (replaced at its next preemption): a recompute whose
         # first allocation fails is tracked again later and its prefix hit must stay capped.
         plans = request.__dict__.get(REPLAY_ATTR)
-        cap = self._head_cap(request)
+        caps = self._head_caps(request)
         from_prompt = self.from_prompt[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
         budgets = request.__dict__.get(BUDGETS_ATTR)  # decided in an earlier run: its replay keeps them
         for g, (ledger, schedule) in enumerate(zip(self.ledgers, self._group_schedules(request), strict=True)):
             layer = None if budgets is None or schedule is None else schedule.model_copy(update={"budget": budgets[g]})
-            ledger.resume(request.request_id, schedule, None if plans is None else plans[g], cap,
+            ledger.resume(request.request_id, schedule, None if plans is None else plans[g], caps[g],
                           from_prompt=from_prompt, layer_schedule=layer)
 
     # -- preemption -------------------------------------------------------------------------
@@ -304,7 +307,7 @@ class SchedulerEviction:
         entry = self.ledgers[group].requests.get(req_id)
         if entry is not None and entry.awaiting:  # it holds every slot until its layer budget is known
             return slots
-        prompt, cap = int(request.num_prompt_tokens), self._head_cap(request)
+        prompt, cap = int(request.num_prompt_tokens), self._head_caps(request)[group]
         peak = peak_slots(schedule, prompt, slots, cap)
         if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
             peak = max(peak, peak_slots(entry.layer_schedule, prompt, slots, cap))
@@ -322,7 +325,7 @@ class SchedulerEviction:
             block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
             refusal = pool_refusal(self._group_schedules(request), int(request.num_prompt_tokens),
                                    int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
-                                   self.prefix_caching, self._head_cap(request))
+                                   self.prefix_caching, self._head_caps(request))
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
@@ -522,12 +525,14 @@ def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, 
 
 
 def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: int, pool_blocks: int,
-                 block_size: int, prefix_caching: bool, head_cap: int | None = None) -> str | None:
+                 block_size: int, prefix_caching: bool, head_caps: list[int | None] | None = None) -> str | None:
     """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can), with
     ``schedules`` the request's schedule of each KV-cache group (``settings.group_schedules``:
-    one for all layers, or one per layer, whose blocks each hold one layer)."""
-    need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, head_cap)
-               for s in schedules)
+    one for all layers, or one per layer, whose blocks each hold one layer) and ``head_caps``
+    its per-head bound in each (``settings.group_head_caps``; None: none anywhere)."""
+    caps = head_caps if head_caps is not None else [None] * len(schedules)
+    need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, cap)
+               for s, cap in zip(schedules, caps, strict=True))
     if need <= pool_blocks:
         return None
     schedule = schedules[0]
@@ -551,9 +556,10 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     long = max(vllm_config.model_config.max_model_len, s.budget + 1)
     # Under per-layer budgets vLLM checks that every layer's group holds this many: its fullest layer's.
     layers = list(range(num_layers(vllm_config))) if per_layer(policy) else None
-    return max(request_need_blocks(g, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching),
-                                   head_cap(policy, kv_heads_per_rank(vllm_config)))
-               for g in group_schedules(policy, layers, kv_heads_per_rank(vllm_config))) * bs
+    heads = kv_heads_per_rank(vllm_config)
+    return max(request_need_blocks(g, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching), cap)
+               for g, cap in zip(group_schedules(policy, layers, heads), group_head_caps(policy, layers, heads),
+                                 strict=True)) * bs
 
 
 def num_layers(vllm_config: Any) -> int:

@@ -174,11 +174,12 @@ def refuse_unservable(policy: Policy) -> None:
     Every request keeps exactly its budget on every layer and head: the scheduler's block
     accounting and the block table shared by all layers (and tensor-parallel ranks) rely on it;
     or, under per-head counts with a data-free bound on a head's count (Ada-KV's ``adaptive``
-    allocation, a threshold selector: ``head_cap``), room for that bound in every head (the paged
-    cache keeps each head's own count, and attends each head's own slots).
+    allocation, DuoAttention's head shares, a threshold selector: ``head_cap``,
+    ``layer_head_caps``), room for that bound in every head (the paged cache keeps each head's
+    own count, and attends each head's own slots).
     """
     allocation = policy.config.allocation
-    if policy.per_head and head_cap(policy, 1) is not None:
+    if policy.per_head and _bounds_heads(policy):
         what = (f"allocation {allocation.type_name!r}" if allocation.per_head
                 else f"selector {policy.config.selector.type_name!r}")
         if policy.observes_queries or policy.config.merge.merges:
@@ -190,15 +191,17 @@ def refuse_unservable(policy: Policy) -> None:
             )
         if allocation.uneven and not allocation.per_head:
             raise KVPolicyVLLMError(
-                f"policy {policy.name!r} shares its budget unevenly (allocation {allocation.type_name!r}): "
-                "vLLM's block tables are shared by every layer of a request (not implemented with per-head counts)"
+                f"policy {policy.name!r} shares its budget unevenly (allocation {allocation.type_name!r}) and its "
+                f"selector {policy.config.selector.type_name!r} sets each head's count: vLLM serves per-head counts "
+                "of one allocation only (not implemented). Serve it with the transformers integration (KVPolicyCache)"
             )
     elif policy.allocation.uneven and (policy.per_head or policy.mode != "evict"):
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} shares its budget unevenly (allocation {policy.allocation.type_name!r}) "
-            f"{'with counts of its own per head' if policy.per_head else f'in {policy.mode!r} mode'}: vLLM serves "
-            "per-layer budgets (a KV-cache group per layer) for evict-mode policies whose heads keep the layer's "
-            "budget only. Serve it with the transformers integration (KVPolicyCache)"
+            f"{'with counts of its own per head and no bound on a head count known before the data' if policy.per_head else f'in {policy.mode!r} mode'}: "
+            "vLLM serves per-layer budgets (a KV-cache group per layer) for evict-mode policies, and per-head "
+            "counts where the allocation bounds the fullest head (Allocation.layer_head_cap). Serve it with the "
+            "transformers integration (KVPolicyCache)"
         )
     if policy.mode == "select":
         why = select_refusal(policy)
@@ -212,11 +215,14 @@ def refuse_unservable(policy: Policy) -> None:
 
 def per_layer(policy: Policy | None) -> bool:
     """Whether ``policy`` keeps budgets of its own per layer (``pyramid``; ``cake``, whose budgets
-    each request's first eviction decides from its prompt: ``decides_from_prompt``): a server
-    started with it gives every attention layer a KV-cache group of its own
-    (``kvpolicy.vllm.layer_spec``), whose blocks follow that layer's slots."""
-    return (policy is not None and policy.mode == "evict" and policy.allocation.uneven
-            and not policy.per_head)
+    each request's first eviction decides from its prompt: ``decides_from_prompt``; ``duo``,
+    whose layers' heads keep shares of their own: ``layer_head_caps``): a server started with it
+    gives every attention layer a KV-cache group of its own (``kvpolicy.vllm.layer_spec``),
+    whose blocks follow that layer's slots."""
+    if policy is None or policy.mode != "evict" or not policy.allocation.uneven:
+        return False
+    allocation = policy.config.allocation
+    return not policy.per_head or (allocation.per_head and allocation.layer_budgets_differ)
 
 
 def decides_from_prompt(policy: Policy | None) -> bool:
@@ -269,9 +275,8 @@ def layer_group_refusal(policy: Policy | None, server_per_layer: bool) -> str | 
                 "which need a KV-cache group per layer, built at start-up: this server was started with a policy "
                 "whose layers keep one budget, so its layers share one block table. Start the server with a "
                 "per-layer policy (pyramidkv) to serve such requests")
-    if server_per_layer and (policy.mode != "evict" or policy.per_head):
-        what = "select mode" if policy.mode == "select" else f"{policy.mode!r} mode" if policy.mode != "evict" \
-            else "counts of its own per head"
+    if server_per_layer and policy.mode != "evict":
+        what = "select mode" if policy.mode == "select" else f"{policy.mode!r} mode"
         return (f"policy {policy.name!r} runs {what}, which is not implemented on a server with a KV-cache group "
                 "per layer (started with a per-layer policy); send it to a server started with a uniform policy")
     return None
@@ -281,12 +286,46 @@ def head_cap(policy: Policy | None, kv_heads: int) -> int | None:
     """The most slots one of a layer's ``kv_heads`` KV heads keeps at an eviction of ``policy``
     when that differs from its budget (a per-head allocation: ``Allocation.head_cap``); None when
     every head keeps the budget. The scheduler and every worker reserve it alike
-    (``kvpolicy.vllm.ledger``)."""
+    (``kvpolicy.vllm.ledger``), per KV-cache group: ``group_head_caps``."""
     if policy is None or policy.mode != "evict" or not policy.per_head:
         return None
     if policy.config.selector.sets_counts:  # a threshold: each head keeps its own count, at most the budget
         return policy.budget
     return policy.config.allocation.head_cap(policy.budget, kv_heads)
+
+
+def _bounds_heads(policy: Policy) -> bool:
+    """Whether a per-head ``policy`` has a data-free bound on a head's count in every layer."""
+    if policy.config.selector.sets_counts:
+        return True
+    allocation = policy.config.allocation
+    return allocation.layer_head_cap(0, policy.budget, 1, policy.schedule.recent) is not None
+
+
+def layer_head_caps(policy: Policy | None, num_layers: int, kv_heads: int) -> list[int | None]:
+    """Per layer, ``head_cap`` with the layer's own budget (``layer_schedules``) and the
+    allocation's own bound for it (``Allocation.layer_head_cap``: a DuoAttention layer's largest
+    head share); None per layer where every head keeps the budget."""
+    if policy is None or policy.mode != "evict" or not policy.per_head:
+        return [None] * num_layers
+    schedules = layer_schedules(policy, num_layers, kv_heads)
+    if policy.config.selector.sets_counts:
+        return [s.budget if s is not None else None for s in schedules]
+    allocation = policy.config.allocation
+    caps = [None if s is None else allocation.layer_head_cap(layer, s.budget, kv_heads, s.recent)
+            for layer, s in enumerate(schedules)]
+    if any(c is None for c in caps):  # refuse_unservable refused it already
+        raise KVPolicyVLLMError(f"policy {policy.name!r}: allocation {allocation.type_name!r} bounds no head count")
+    return caps
+
+
+def group_head_caps(policy: Policy | None, group_layers: list[int] | None, kv_heads: int) -> list[int | None]:
+    """A request's ``head_cap`` in each KV-cache group, beside ``group_schedules``: ``[head_cap]``
+    with one group for every layer, else each group's layer's (``layer_head_caps``)."""
+    if group_layers is None:
+        return [head_cap(policy, kv_heads)]
+    per = layer_head_caps(policy, len(group_layers), kv_heads)
+    return [per[layer] for layer in group_layers]
 
 
 def select_refusal(policy: Policy) -> str | None:
