@@ -252,7 +252,7 @@ def test_slot_level_select_policies_are_served(source):
 
 
 @pytest.mark.parametrize("source,match", [
-    ("h2o@select", "keep state"), ("ada-snapkv@select", "unevenly"), ("pyramidkv@select", "unevenly"),
+    ("h2o@select", "keep state"), ("ada-snapkv@select", "count per head"), ("pyramidkv@select", "unevenly"),
 ])
 def test_select_policies_vllm_cannot_serve_are_refused_by_name(source, match):
     with pytest.raises(KVPolicyVLLMError, match=match):
@@ -277,7 +277,9 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
 
     monkeypatch.setattr(sched_mod, "_STATE", None)
     requests: dict[str, SimpleNamespace] = {}
-    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True)),
+    model = SimpleNamespace(get_num_kv_heads=lambda parallel: 2)
+    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                                                            model_config=model, parallel_config=None),
                                 requests=requests,  # one KV-cache group for every layer
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))

@@ -142,6 +142,7 @@ class SchedulerEviction:
         self.ledgers = [SlotLedger() for _ in groups]
         self.ledger = self.ledgers[0]
         self.server_per_layer = self.group_layers is not None
+        self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)  # what a per-head bound counts
         self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
         self.group_schedules: dict[str | None, list[Schedule | None]] = {}  # by resolved policy YAML, per group
         self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
@@ -180,11 +181,10 @@ class SchedulerEviction:
             self.from_prompt[r.policy_yaml] = decides_from_prompt(policy)
             self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
             refusal = layer_group_refusal(policy, self.server_per_layer)
-            heads = kv_heads_per_rank(self.scheduler.vllm_config)
             self.group_schedules[r.policy_yaml] = [] if refusal is not None else group_schedules(
-                policy, self.group_layers, heads)
+                policy, self.group_layers, self.kv_heads)
             self.head_caps[r.policy_yaml] = [] if refusal is not None else group_head_caps(
-                policy, self.group_layers, heads)
+                policy, self.group_layers, self.kv_heads)
         return self.schedules[r.policy_yaml]
 
     def _group_schedules(self, request: Any) -> list[Schedule | None]:
