@@ -20,7 +20,9 @@ tensor-parallel rank of the paged run its own share (its KV heads and its ``o_pr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -551,6 +553,30 @@ def test_pyramidkv_keeps_each_layers_own_budget_in_its_own_group():
     assert {engine.grouped[0][g].kept["c"].count for g in range(PYRAMID.layers)} == {policy.budget}
 
 
+def preempting_a_after_two_evictions(before: Callable[[Engine], None],
+                                     after: Callable[[Engine, list[int]], None]) -> Callable[[Engine, Any], None]:
+    """A schedule for ``run_and_check_layers``: the prompts, then decoding, with request ``a``
+    preempted once its last layer evicted twice (``before`` it; ``after`` its recompute, which goes
+    alone in the chunks the scheduler allows)."""
+    def schedule(engine: Engine, check_new) -> None:
+        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
+        preempted = False
+        while True:
+            last = engine.grouped[0][-1].ledger
+            if not preempted and last.tracks("a") and last.get("a").evictions >= 2 and engine.computed["a"] % 5 == 3:
+                preempted = True
+                before(engine)
+                chunks = engine.preempt("a")
+                for chunk in chunks:
+                    step_and_check(engine, check_new, {"a": chunk})
+                after(engine, chunks)
+            if not decode_one(engine, check_new):
+                break
+        assert preempted
+
+    return schedule
+
+
 def test_pyramidkv_preempted_after_evicting_replays_each_layers_evictions():
     """Preempted after its layers evicted (at different token counts), a request is recomputed in
     chunks ending at every layer's eviction points: each layer evicts again where it did, to the
@@ -558,24 +584,11 @@ def test_pyramidkv_preempted_after_evicting_replays_each_layers_evictions():
     requests = [Request("a", resolved("pyramidkv"), 21, 130, PYRAMID), Request("b", resolved("snapkv"), 15, 110, PYRAMID)]
     chunks_seen: list[list[int]] = []
 
-    def schedule(engine: Engine, check_new) -> None:
-        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
-        preempted = False
-        while True:
-            last = engine.grouped[0][-1].ledger
-            if not preempted and last.tracks("a") and last.get("a").evictions >= 2 and engine.computed["a"] % 5 == 3:
-                points = [p.ledger.get("a").evicted_at for p in engine.grouped[0]]
-                assert len({tuple(p) for p in points}) > 1, "the layers evicted at the same token counts"
-                preempted = True
-                chunks = engine.preempt("a")
-                chunks_seen.append(chunks)
-                for chunk in chunks:  # recomputed alone, in the chunks the scheduler allows
-                    step_and_check(engine, check_new, {"a": chunk})
-            if not decode_one(engine, check_new):
-                break
-        assert preempted
+    def before(engine: Engine) -> None:
+        points = [p.ledger.get("a").evicted_at for p in engine.grouped[0]]
+        assert len({tuple(p) for p in points}) > 1, "the layers evicted at the same token counts"
 
-    run_and_check_layers(requests, schedule)
+    run_and_check_layers(requests, preempting_a_after_two_evictions(before, lambda _, chunks: chunks_seen.append(chunks)))
     assert len(chunks_seen[0]) > 3  # the prompt, then a chunk per eviction point of any layer
 
 
@@ -619,22 +632,13 @@ def test_cake_preempted_after_evicting_replays_the_budgets_its_prompt_decided():
     requests = [Request("a", resolved("cake"), 40, 130, PYRAMID), Request("b", resolved("snapkv"), 15, 110, PYRAMID)]
     seen: dict[str, list[int]] = {}
 
-    def schedule(engine: Engine, check_new) -> None:
-        step_and_check(engine, check_new, {r: q.prompt for r, q in engine.requests.items()})
-        preempted = False
-        while True:
-            last = engine.grouped[0][-1].ledger
-            if not preempted and last.tracks("a") and last.get("a").evictions >= 2 and engine.computed["a"] % 5 == 3:
-                preempted, seen["before"] = True, list(engine.decided["a"])
-                engine.decided.pop("a")
-                for chunk in engine.preempt("a"):
-                    step_and_check(engine, check_new, {"a": chunk})
-                assert "a" not in engine.decided  # not decided again
-            if not decode_one(engine, check_new):
-                break
-        assert preempted
+    def before(engine: Engine) -> None:
+        seen["before"] = list(engine.decided.pop("a"))
 
-    engine = run_and_check_layers(requests, schedule)
+    def after(engine: Engine, chunks: list[int]) -> None:
+        assert "a" not in engine.decided  # not decided again
+
+    engine = run_and_check_layers(requests, preempting_a_after_two_evictions(before, after))
     assert [engine.grouped[0][g].ledger.get("a").schedule.budget for g in range(PYRAMID.layers)] == seen["before"]
 
 

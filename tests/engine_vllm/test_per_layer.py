@@ -63,6 +63,38 @@ def hf_refs(model_dir, jobs):
     return rows, config
 
 
+def agreed_with_generate(refs, outs) -> list[int]:
+    """How many tokens of each request equal ``generate()``'s before they first differ, failing
+    on a difference that is not a rounding tie of the top-2 logits in either engine."""
+    agreed = []
+    for (ids, ref, margins), out in zip(refs, outs, strict=True):
+        i = first_divergence(list(out.outputs[0].token_ids), ref)
+        agreed.append(NEW if i is None else i)
+        if i is not None:
+            gap = top2_gap(out, i)
+            assert margins[i] < TIE or gap < TIE, (
+                f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+    return agreed
+
+
+def layer_block_bytes(config) -> int:
+    """The bytes of one block of a per-layer group: one layer's float32 keys and values of ``BLOCK`` tokens."""
+    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
+    return 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
+
+def serve_beside_snapkv(model_dir, policy: str, refs, tmp_path, **llm_kwargs):
+    """The two prompts of ``refs`` served at once: the first under the server's ``policy``, the
+    second under ``snapkv`` per request, with the engine's trace in ``tmp_path``."""
+    llm = make_llm(model_dir, {"policy": policy, **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK, **llm_kwargs)
+    try:
+        params = [greedy(NEW, logprobs=2),
+                  greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
+        return llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
+    finally:
+        close(llm)
+
+
+
 def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir, tmp_path):
     import time
 
@@ -85,16 +117,7 @@ def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir,
     finally:
         close(llm)
     wall = time.monotonic() - start
-    agreed = []
-    for (ids, ref, margins), out in zip(refs, outs, strict=True):
-        got = list(out.outputs[0].token_ids)
-        i = first_divergence(got, ref)
-        agreed.append(NEW if i is None else i)
-        if i is None:
-            continue
-        gap = top2_gap(out, i)
-        assert margins[i] < TIE or gap < TIE, (
-            f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+    agreed = agreed_with_generate(refs, outs)
 
     # Every layer's group evicted, to its own budget (the pyramid's), several times per request.
     evictions: dict[tuple[str, int], int] = {}
@@ -125,8 +148,7 @@ def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir,
     assert steps[-1]["group_blocks"][0] == 0 and steps[-1]["held_blocks"] == 0  # all back in the pool at the end
 
     # Bytes: a block of a per-layer group holds one layer of BLOCK tokens (keys and values, float32).
-    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
-    block_bytes = 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
+    block_bytes = layer_block_bytes(config)
     (pyramid_req,) = [r for r, n in names.items() if n == "pyramidkv"]
     (uniform_req,) = [r for r, n in names.items() if n == "snapkv"]
     both = [s["request_blocks"] for s in steps if pyramid_req in s["request_blocks"] and uniform_req in s["request_blocks"]]
@@ -155,23 +177,8 @@ def test_cake_gives_generates_tokens_and_frees_each_layers_blocks_past_its_budge
     jobs = [("cake", PYRAMID[0]), ("snapkv", UNIFORM)]
     refs, config = hf_refs(model_dir, jobs)
     layers = int(config.num_hidden_layers)
-    llm = make_llm(model_dir, {"policy": "cake", **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK,
-                   async_scheduling=async_scheduling)
-    try:
-        params = [greedy(NEW, logprobs=2),
-                  greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
-        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
-    finally:
-        close(llm)
-    agreed = []
-    for (ids, ref, margins), out in zip(refs, outs, strict=True):
-        got = list(out.outputs[0].token_ids)
-        i = first_divergence(got, ref)
-        agreed.append(NEW if i is None else i)
-        if i is not None:
-            gap = top2_gap(out, i)
-            assert margins[i] < TIE or gap < TIE, (
-                f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+    agreed = agreed_with_generate(refs, serve_beside_snapkv(model_dir, "cake", refs, tmp_path,
+                                                            async_scheduling=async_scheduling))
 
     # The workers' evictions: the CAKE request's layers keep uneven budgets adding up to the total.
     names: dict[str, str] = {}
@@ -201,8 +208,7 @@ def test_cake_gives_generates_tokens_and_frees_each_layers_blocks_past_its_budge
     late = [b[cake_req] for b in both[len(both) // 2:]]  # long after the first eviction
     assert max(late) <= room, (max(late), room)
     mean = sum(b[cake_req] for b in both) / sum(b[uniform_req] for b in both)
-    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
-    block_bytes = 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
+    block_bytes = layer_block_bytes(config)
     print(f"cake@{BUDGET} ({'async' if async_scheduling else 'sync'} scheduling; layer budgets decided "
           f"{min(decided)}..{max(decided)}): a request holds at most {cake_peak} layer-blocks "
           f"({cake_peak * block_bytes / 2**20:.2f} MiB) against snapkv@{BUDGET}'s {uniform_peak}: "
@@ -226,22 +232,7 @@ def test_duo_attention_gives_generates_tokens_and_holds_its_layers_largest_head_
     policy = load_policy("duo-attention", **OVERRIDES)
     schedules = policy.layer_schedules(layers, hkv)
     shares = [policy.config.allocation.head_budgets(layer, s.budget, OVERRIDES["recent"]) for layer, s in enumerate(schedules)]
-    llm = make_llm(model_dir, {"policy": "duo-attention", **OVERRIDES, "trace": str(tmp_path)}, block_size=BLOCK)
-    try:
-        params = [greedy(NEW, logprobs=2),
-                  greedy(NEW, logprobs=2, extra_args={"kvpolicy": {"policy": "snapkv", **OVERRIDES}})]
-        outs = llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
-    finally:
-        close(llm)
-    agreed = []
-    for (ids, ref, margins), out in zip(refs, outs, strict=True):
-        got = list(out.outputs[0].token_ids)
-        i = first_divergence(got, ref)
-        agreed.append(NEW if i is None else i)
-        if i is not None:
-            gap = top2_gap(out, i)
-            assert margins[i] < TIE or gap < TIE, (
-                f"prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), {gap:.2e} (vllm)")
+    agreed = agreed_with_generate(refs, serve_beside_snapkv(model_dir, "duo-attention", refs, tmp_path))
 
     names: dict[str, str] = {}
     evictions: dict[tuple[str, int], int] = {}
@@ -268,8 +259,7 @@ def test_duo_attention_gives_generates_tokens_and_holds_its_layers_largest_head_
     assert duo_peak <= room and uniform_peak == layers * cdiv(BUDGET + OVERRIDES["interval"], BLOCK)
     assert steps[-1]["held_blocks"] == 0
     mean = sum(b[duo_req] for b in both) / sum(b[uniform_req] for b in both)
-    head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
-    block_bytes = 2 * BLOCK * hkv * head_dim * 4
+    block_bytes = layer_block_bytes(config)
     used = sum(sum(row) for row in shares)
     print(f"duo-attention@{BUDGET} (layer budgets {min(s.budget for s in schedules)}..{max(s.budget for s in schedules)}, "
           f"largest head shares {min(max(r) for r in shares)}..{max(max(r) for r in shares)}): a request holds at most "
