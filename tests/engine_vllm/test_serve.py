@@ -126,10 +126,10 @@ def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
     assert [len(t) for t in served] == [n for _, n, _ in reqs]
     evictions = read_jsonl(trace, "worker-")
     assert evictions, "the server did not evict"
-    per_step: dict[int, int] = {}
-    for e in evictions:
-        per_step[e["step"]] = per_step.get(e["step"], 0) + len(e["requests"])
-    assert max(per_step.values()) > 1, "no step evicted several requests together"
+    # Batched: steps decoding several requests at once. (Whether two requests' evictions fall on
+    # one step depends on when each arrived; test_batching checks that offline, deterministically.)
+    steps = read_jsonl(trace, "scheduler-")
+    assert max(s["running"] for s in steps) > 1, "the server never ran several requests together"
     assert {e["policy"] for e in evictions} == {"snapkv", "streamingllm", "vase-attnv"}
 
     llm = make_llm(model, POLICY, block_size=BLOCK)
