@@ -82,6 +82,7 @@ def layer_block_bytes(config) -> int:
     head_dim = int(getattr(config, "head_dim", config.hidden_size // config.num_attention_heads))
     return 2 * BLOCK * int(config.num_key_value_heads) * head_dim * 4
 
+
 def serve_beside_snapkv(model_dir, policy: str, refs, tmp_path, **llm_kwargs):
     """The two prompts of ``refs`` served at once: the first under the server's ``policy``, the
     second under ``snapkv`` per request, with the engine's trace in ``tmp_path``."""
@@ -92,7 +93,6 @@ def serve_beside_snapkv(model_dir, policy: str, refs, tmp_path, **llm_kwargs):
         return llm.generate([tokens_prompt(ids) for ids, _, _ in refs], params, use_tqdm=False)
     finally:
         close(llm)
-
 
 
 def test_pyramidkv_gives_generates_tokens_and_holds_its_layers_blocks(model_dir, tmp_path):

@@ -934,13 +934,14 @@ class PagedCache:
         """``kept``: the kept slots ``[B, Hkv, K]``, or under per-head budgets the kept mask
         ``[B, Hkv, N]`` with each head's ``counts [B, Hkv]``."""
         assert self.trace is not None
-        schedule = self.ledger.get(req_ids[0]).schedule  # an evicting request's, so never None here
+        entry = self.ledger.get(req_ids[0])
+        schedule = entry.schedule  # an evicting request's, so never None here
         record = {
             "step": self.step, "rank": self.rank, "head_offset": self.head_offset, "layers": self.layer_ids,
             "policy": rp.resolved.source,
             "budget": None if schedule is None else schedule.budget,  # its layer's, when decided from its prompt
             "requests": req_ids, "slots_before": n,
-            "kept": int(kept.shape[-1]) if counts is None else self.ledger.get(req_ids[0]).held,
+            "kept": int(kept.shape[-1]) if counts is None else entry.held,
             "head_counts": None if counts is None else counts.view(self.layers, len(req_ids), -1).transpose(0, 1).tolist(),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
             # what each request's cache holds after this eviction (token index per layer, head and slot)
