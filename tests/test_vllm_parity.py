@@ -358,12 +358,12 @@ class Engine:
         layers = self.group_layers[group]
         for pageds, kv in zip(self.grouped, self.kvs, strict=True):
             paged = pageds[group]
-            kept = paged.kept[req_id]
+            kept = paged.records[req_id].kept
             k = kept.count
             ids = torch.tensor(self.group_blocks[group][req_id])[torch.arange(k) // BLOCK]
             keys = torch.stack([kv[layer][0][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in layers])
             values = torch.stack([kv[layer][1][ids, torch.arange(k) % BLOCK].transpose(0, 1) for layer in layers])
-            parts.append(Snapshot(kept.positions, keys, {**kept.state, **paged.head_state.get(req_id, {})}, values))
+            parts.append(Snapshot(kept.positions, keys, {**kept.state, **(paged.records[req_id].head_state or {})}, values))
         return Snapshot(torch.cat([p.positions for p in parts], 1), torch.cat([p.keys for p in parts], 1),
                         {name: torch.cat([p.state[name] for p in parts], 1) for name in parts[0].state},
                         torch.cat([p.values for p in parts], 1))
@@ -548,9 +548,9 @@ def test_pyramidkv_keeps_each_layers_own_budget_in_its_own_group():
                 Request("c", resolved("snapkv"), 15, 110, PYRAMID)]  # a uniform request on the per-layer groups
     engine = run_and_check_layers(requests, decode_all)
     for g, budget in enumerate(budgets):
-        kept = engine.grouped[0][g].kept["a"].count
+        kept = engine.grouped[0][g].records["a"].kept.count
         assert kept == budget, (g, kept, budget)
-    assert {engine.grouped[0][g].kept["c"].count for g in range(PYRAMID.layers)} == {policy.budget}
+    assert {engine.grouped[0][g].records["c"].kept.count for g in range(PYRAMID.layers)} == {policy.budget}
 
 
 def preempting_a_after_two_evictions(before: Callable[[Engine], None],
@@ -608,7 +608,7 @@ def test_cake_decides_each_layers_budget_from_its_own_prompt_and_frees_the_rest(
         assert len(set(budgets)) > 1 and sum(budgets) == PYRAMID.layers * budget, budgets
         for g, b in enumerate(budgets):
             paged = engine.grouped[0][g]
-            assert paged.ledger.get(r).schedule.budget == b == paged.kept[r].count
+            assert paged.ledger.get(r).schedule.budget == b == paged.records[r].kept.count
     assert engine.decided["a"] != engine.decided["b"]  # each request's own prompt decides
     assert "c" not in engine.decided
 
@@ -618,10 +618,10 @@ def test_cake_blocks_follow_the_kept_slots_once_the_budgets_are_known():
     in place); a step after it learned them each group holds the blocks of its slots alone."""
     engine = Engine([Request("a", resolved("cake"), 40, 70, PYRAMID)], per_layer=True, trim_delay=1)
     engine.step({"a": 40})  # the prompt: CAKE compresses it once it is in
-    assert engine.decided["a"] and all(paged.untrimmed == {"a"} for paged in engine.grouped[0])
+    assert engine.decided["a"] and all({r for r, rec in paged.records.items() if rec.untrimmed} == {"a"} for paged in engine.grouped[0])
     assert [len(b["a"]) for b in engine.group_blocks] == [10] * PYRAMID.layers  # 40 slots, blocks of 4
     engine.step({"a": 1})
-    assert all(not paged.untrimmed for paged in engine.grouped[0])
+    assert all(not any(rec.untrimmed for rec in paged.records.values()) for paged in engine.grouped[0])
     for g, b in enumerate(engine.decided["a"]):
         assert len(engine.group_blocks[g]["a"]) == -(-(b + 1) // BLOCK)
 
@@ -663,12 +663,12 @@ def test_duo_attention_keeps_each_heads_share_in_its_layers_group():
         for req_id in ("a", "b"):
             entry = paged.ledger.get(req_id)
             assert entry.head_cap == max(shares) and entry.schedule == schedules[layer]
-            assert paged.head_counts[req_id].flatten().tolist() == shares, (layer, req_id)  # each its own share
+            assert paged.records[req_id].head_counts.flatten().tolist() == shares, (layer, req_id)  # each its own share
             assert len(engine.group_blocks[g][req_id]) == -(-entry.held // BLOCK)
         assert paged.ledger.get("c").head_cap == 3 * 24 - 2 * 5  # Ada-KV's bound, the same in every group
-        assert paged.ledger.get("d").head_cap is None and paged.kept["d"].count == 24
+        assert paged.ledger.get("d").head_cap is None and paged.records["d"].kept.count == 24
     streaming = [g for g, (layer,) in enumerate(engine.group_layers) if not any(policy.config.allocation.retrieval[layer])]
-    assert streaming and all(engine.grouped[0][g].kept["a"].count == 4 + 4 for g in streaming)  # sinks + recent
+    assert streaming and all(engine.grouped[0][g].records["a"].kept.count == 4 + 4 for g in streaming)  # sinks + recent
 
 
 def test_the_served_policies_include_the_stateful_ones_both_plugins_and_those_reading_the_model():
@@ -761,14 +761,14 @@ def test_per_head_budgets_keep_each_heads_own_slots(name):
             for req_id, _ in engine.evictions[since:]:
                 entry = engine.paged.ledger.get(req_id)
                 assert len(engine.blocks[req_id]) == -(-entry.held // BLOCK)
-                counts = engine.paged.head_counts[req_id]
-                assert int(counts.max()) <= entry.held and entry.held == engine.paged.kept[req_id].count
+                counts = engine.paged.records[req_id].head_counts
+                assert int(counts.max()) <= entry.held and entry.held == engine.paged.records[req_id].kept.count
                 assert int(counts.sum()) == LAYERS * HKV * entry.schedule.budget  # the layer's total, shared
                 rooms[req_id].append(entry.held)
 
     engine = run_and_check(requests, schedule)
     for r in requests:  # the heads really keep counts of their own
-        assert len(set(engine.paged.head_counts[r.req_id].flatten().tolist())) > 1
+        assert len(set(engine.paged.records[r.req_id].head_counts.flatten().tolist())) > 1
     assert engine.paged.ledger.get("a").head_cap == 2 * 24 - 5 and engine.paged.ledger.get("c").head_cap == 2 * 16 - 4
     assert rooms["a"][-1] == 43 and rooms["c"][-1] == 28  # capped once the request holds more
 
@@ -779,7 +779,7 @@ def test_per_head_budgets_with_prefix_caching_and_beside_even_policies():
     requests = [Request("a", resolved("ada-vase-attnv"), 21, 70), Request("b", resolved("snapkv"), 13, 66),
                 Request("c", resolved("ada-snapkv"), 17, 72)]
     engine = run_and_check(requests, decode_all, prefix_caching=True)
-    assert set(engine.paged.head_counts) == {"a", "c"}
+    assert {r for r, rec in engine.paged.records.items() if rec.head_counts is not None} == {"a", "c"}
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
@@ -795,14 +795,14 @@ def test_a_padded_slot_is_never_attended(chunk):
     while engine.paged.ledger.get("a").evictions < 3:
         engine.step({"a": 1})
     paged, ids = engine.paged, engine.blocks["a"]
-    counts, room = paged.head_counts["a"], paged.kept["a"].count
+    counts, room = paged.records["a"].head_counts, paged.records["a"].kept.count
     assert (counts < room).any()
     for layer in range(LAYERS):
         for h in range(HKV):
             for slot in range(int(counts[layer, h]), room):
                 for t in engine.kv[layer]:
                     t[ids[slot // BLOCK], slot % BLOCK, h] = 1e4
-    kept = paged.kept["a"].positions.clone()
+    kept = paged.records["a"].kept.positions.clone()
     before, held_before = engine.computed["a"], engine.held("a")
     engine.step({"a": chunk})
     g = HQ // HKV
@@ -855,10 +855,10 @@ def test_a_threshold_keeps_each_heads_own_count_under_its_budget():
     engine = run_and_check(requests, decode_all)
     for r in requests:
         entry = engine.paged.ledger.get(r.req_id)
-        counts = engine.paged.head_counts[r.req_id]
-        assert entry.head_cap == 24 and engine.paged.kept[r.req_id].count == 24 and entry.reserve == 0
+        counts = engine.paged.records[r.req_id].head_counts
+        assert entry.head_cap == 24 and engine.paged.records[r.req_id].kept.count == 24 and entry.reserve == 0
         assert int(counts.max()) <= 24 and int(counts.min()) < 24 and len(set(counts.flatten().tolist())) > 1
-        assert engine.paged.kept[r.req_id].state  # the arrival scores, moved with the slots
+        assert engine.paged.records[r.req_id].kept.state  # the arrival scores, moved with the slots
 
 
 def test_a_threshold_under_tensor_parallelism_2_keeps_the_single_ranks_slots():

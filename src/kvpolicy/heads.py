@@ -26,6 +26,15 @@ import torch
 from .attend import attend_heads  # noqa: F401  (its documented home before kvpolicy.attend)
 
 
+def own_columns(own: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one column order of heads holding different counts, for every engine (a policy's
+    seeded draws depend on it): each head's ``own [...]`` held slots right-aligned in ``width``
+    columns, oldest first. Returns ``(j, valid)``, ``[..., width]`` each: column ``c`` holds the
+    head's slot ``j = c - (width - own)`` (counted from its oldest), a slot where ``j >= 0``."""
+    j = torch.arange(width, device=own.device) - (width - own[..., None])
+    return j, j >= 0
+
+
 class ReadPlan(NamedTuple):
     """What every step of a per-head group needs, fixed between evictions (``HeadLayout``)."""
 
@@ -96,9 +105,8 @@ class HeadLayout:
         ``p + L - width``; columns before the head's first slot are invalid (flat index 0)."""
         shift = self.shift(capacity)[layers][:, rows]
         deficit = self.deficit[layers][:, rows]
-        row_slot = torch.arange(width, device=shift.device) + (counts.to(shift.device)[:, None] - width)  # [R, W]
-        valid = row_slot[None, :, None, :] >= deficit[..., None]
-        flat = torch.where(valid, shift[..., None] + row_slot[None, :, None, :], 0)
+        j, valid = own_columns(counts.to(shift.device)[:, None] - deficit, width)  # row slot d_h + j
+        flat = torch.where(valid, (shift + deficit)[..., None] + j, 0)
         return flat, valid
 
     def width(

@@ -1,10 +1,29 @@
-"""The window of recent post-RoPE queries that attention scorers read: a ring per layer."""
+"""The window of recent post-RoPE queries that attention scorers read: a ring per layer.
+
+``time_order`` is the one rule of reading a ring oldest first, for a cache's layer group
+(``QueryRing``) and for vLLM's per-request rings (``kvpolicy.vllm.paged_cache.RequestQueryRing``)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+
+def time_order(next_entry: int | torch.Tensor, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """The entries of a ``window``-entry ring written in turn, oldest first, when ``next_entry``
+    is the one written next (the oldest): ``[W]`` long for an int, ``[R, W]`` for ``[R]`` rings.
+    A ring written one entry per token has ``next_entry = tokens % window``."""
+    steps = torch.arange(window, device=device)
+    if isinstance(next_entry, torch.Tensor):
+        return (next_entry.to(steps.device)[:, None] + steps) % window
+    return (steps + next_entry) % window
+
+
+def filled(tokens: torch.Tensor, window: int) -> torch.Tensor:
+    """``[R, W]`` bool: which entries, oldest first (``time_order``), of rings written one entry
+    per token hold a query after ``tokens [R]`` tokens (the newest ``min(tokens, W)``)."""
+    return tokens[:, None] - window + torch.arange(window, device=tokens.device) >= 0
 
 
 class RingClaim(NamedTuple):
@@ -49,8 +68,7 @@ class QueryRing:
     def windows(self, layers: slice, rows: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows of ``layers`` and ``rows``, stacked layer-major on the batch axis, in time
         order: ``[Lyr * R, Hq, W, D]`` and ``[Lyr * R, W]``."""
-        w = self.window
-        order = (torch.arange(w, device=self.valid.device) + self.next) % w
+        order = time_order(self.next, self.window, self.valid.device)
         ring = self.queries[layers][:, rows].index_select(3, order)
         valid = self.valid[rows].index_select(1, order)
         return ring.flatten(0, 1), valid.repeat(ring.shape[0], 1)

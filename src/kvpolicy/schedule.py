@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -11,6 +11,23 @@ _RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
 #: Upper bound of every slot count of a schedule (16,777,216): far beyond any model's context,
 #: and small enough that capacities and indices stay exact in float32 and int32 arithmetic.
 MAX_SLOTS = 1 << 24
+
+#: Where a step falls in a request's life, the one prompt rule every engine asks (``step_phase``):
+#: ``"prefill"``, a chunk of the prompt that leaves some of it still to come (vLLM prefills long
+#: prompts in chunks); ``"prompt"``, the step that completes the prompt; ``"decode"``, any later
+#: step (a generated token, or a later turn's chunk fed after the prompt).
+Phase = Literal["prefill", "prompt", "decode"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+
+
+def step_phase(before: int, after: int, prompt_len: int) -> Phase:
+    """The phase of a step that took a request from ``before`` to ``after`` tokens computed,
+    for a prompt of ``prompt_len`` tokens. A cache that sees the prompt as its first step has
+    ``prompt_len`` = that step's length; vLLM knows each request's own. So a prompt prefilled in
+    chunks has one ``"prompt"`` step, its last chunk, exactly as a prompt in one step has."""
+    if before >= prompt_len:
+        return "decode"
+    return "prompt" if after >= prompt_len else "prefill"
 
 
 class Schedule(BaseModel):
@@ -112,6 +129,14 @@ class Schedule(BaseModel):
         counted = slots if self.count == "slots" else tokens
         return (slots > self.fires_above) & (counted % self.interval == 0)
 
+    def step_due(self, slots: Any, tokens: Any, phase: Phase) -> Any:
+        """``due`` after a step of ``phase`` (``step_phase``): a prefill chunk never evicts (the
+        prompt is not in yet), the step completing the prompt evicts as ``due(prompt=True)``,
+        a decode step as ``due``. Ints or ``[B]`` tensors, as ``due``."""
+        if phase == "prefill":
+            return (slots > self.fires_above) & False  # False, or a tensor of them shaped as slots
+        return self.due(slots, tokens, prompt=phase == "prompt")
+
     def fires(self, slots: int, tokens: int) -> bool:
         """Whether a decode step leaving ``slots`` held after ``tokens`` positions evicts."""
         return bool(self.due(slots, tokens))
@@ -125,3 +150,4 @@ class Schedule(BaseModel):
         first = self.interval - tokens % self.interval
         short = max(0, self.fires_above + 1 - slots - first)
         return first + -(-short // self.interval) * self.interval
+

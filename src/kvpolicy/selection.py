@@ -7,11 +7,12 @@ every ``interval`` steps). Nothing here runs a policy: the executor does.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from .policy import Policy, keep_top
-from .schedule import Schedule
+from .schedule import Phase, Schedule
 from .slots import StepPlan
 from .stages import guards
 from .stages.base import EvictionInput, declared_for
@@ -98,22 +99,16 @@ class SelectionState:
         self.selection[i, rows] = torch.where(past, order[..., :1], order)
         self.head_counts[i, rows] = counts
 
-    def plan(self, t: int, counts: int | torch.Tensor, tokens_seen_before: int, schedule: Schedule) -> None:
-        """Which rows choose anew at a step of ``t`` tokens; the rows that chose at the previous
-        step count that choice (it keyed that step's draws).
-
-        A decode step of a row holding more than ``budget`` slots chooses when it has no choice
-        yet or chose ``interval`` or more tokens ago; a multi-token chunk (prompt, later turn) is
-        attended densely and makes the next decode step choose anew."""
+    def plan(self, t: int, counts: int | torch.Tensor, phase: Phase, schedule: Schedule) -> None:
+        """Which rows choose anew at a step of ``t`` tokens and ``phase`` (``choose_now``); the
+        rows that chose at the previous step count that choice (it keyed that step's draws)."""
         self.choices += self.reselect
-        batch = self.reselect.shape[0]
-        if t > 1 or tokens_seen_before == 0:
+        now = choose_now(t, phase, counts, self.selected_at, schedule)
+        if now is None:
             self.selected_at.fill_(-1)
-            self.reselect = torch.zeros(batch, dtype=torch.bool)
+            self.reselect = torch.zeros(self.reselect.shape[0], dtype=torch.bool)
             return
-        stale = (self.selected_at < 0) | (counts - self.selected_at >= schedule.interval)
-        self.reselect = (counts > schedule.budget) & stale
-        self.selected_at = torch.where(self.reselect, counts, self.selected_at)
+        self.selected_at, self.reselect = now
 
     def _keep_summaries(self, p: int, both: torch.Tensor) -> None:
         self._summaries[p] = both
@@ -143,13 +138,9 @@ class SelectionState:
             else:
                 full = False
                 empty = (slot >= counts.to(keys.device)[:, None])[:, None, :, None]  # [B, 1, S, 1]
-            if full and pad == 0:
-                low = high = block
-            else:
-                low = torch.nn.functional.pad(block.masked_fill(empty, float("inf")), (0, 0, 0, pad), value=float("inf"))
-                high = torch.nn.functional.pad(block.masked_fill(empty, float("-inf")), (0, 0, 0, pad), value=float("-inf"))
-            lo[i, :, :, first:last] = low.unflatten(2, (last - first, p)).amin(3)
-            hi[i, :, :, first:last] = high.unflatten(2, (last - first, p)).amax(3)
+            low, high = page_bounds(block, p) if full and pad == 0 else page_bounds(block, p, empty=empty, pad=pad)
+            lo[i, :, :, first:last] = low
+            hi[i, :, :, first:last] = high
 
     def _fold_in(self, i: int, s: int, key: torch.Tensor) -> None:
         """Layer ``i``'s page summaries after one key ``[B, Hkv, D]`` was appended at slot ``s``
@@ -248,6 +239,44 @@ def choose_pages(policy: Policy, inp: EvictionInput) -> torch.Tensor:
     k, _ = page_plan(inp.num_slots, inp.budget, inp.num_slots - inp.num_candidates, page)
     scores = guards.run_page_scorer(scorer, inp, page)
     return keep_top(scores, k)
+
+
+def choose_now(
+    t: int, phase: Phase, held: Any, chosen_at: Any, schedule: Schedule,
+) -> tuple[Any, Any] | None:
+    """Select mode's one rule of when a choice is made, for a cache's rows (``SelectionState``)
+    and vLLM's requests (``kvpolicy.vllm.select``) alike: ``(chosen_at, fresh)`` after a step of
+    ``t`` tokens and ``phase`` (``kvpolicy.schedule.step_phase``) of rows holding ``held`` slots
+    that chose at ``chosen_at`` (-1: no choice); ints or ``[B]`` tensors.
+
+    A one-token decode step of a row holding more than ``budget`` slots chooses (``fresh``) when
+    it has no choice yet or chose ``interval`` or more tokens ago. A multi-token chunk and every
+    step of the prompt (a prompt prefilled in chunks included, even a one-token last chunk) attend
+    densely: None, and the next decode step chooses anew."""
+    if t > 1 or phase != "decode":
+        return None
+    stale = (chosen_at < 0) | (held - chosen_at >= schedule.interval)
+    fresh = (held > schedule.budget) & stale
+    if isinstance(fresh, torch.Tensor):
+        return torch.where(fresh, held, chosen_at), fresh
+    return (held if fresh else chosen_at), bool(fresh)
+
+
+def page_bounds(
+    keys: torch.Tensor, page_size: int, *, empty: torch.Tensor | None = None, pad: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The page summaries every engine keeps (Quest's): each page's per-channel minimum and
+    maximum key, ``[..., pages, D]`` each, of ``keys [..., S, D]``, whose slot axis holds whole
+    pages once ``pad`` slots are added at its end. The padding and the slots where ``empty``
+    (broadcast to ``keys``) is true hold no token: they change neither bound."""
+    low = high = keys
+    if empty is not None:
+        low, high = keys.masked_fill(empty, float("inf")), keys.masked_fill(empty, float("-inf"))
+    if pad:
+        low = torch.nn.functional.pad(low, (0, 0, 0, pad), value=float("inf"))
+        high = torch.nn.functional.pad(high, (0, 0, 0, pad), value=float("-inf"))
+    shape = (low.shape[-2] // page_size, page_size)
+    return low.unflatten(-2, shape).amin(-2), high.unflatten(-2, shape).amax(-2)
 
 
 def page_slots(pages: torch.Tensor, page_size: int, tail: int, held: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .layouts import CacheStateError as CacheStateError
 from .layouts import LayoutChoice, SlotLayout
 from .query_ring import QueryRing
 from .rows import RowCounters
-from .schedule import Schedule
+from .schedule import Phase, Schedule, step_phase
 from .selection import SELECT_GROWTH as SELECT_GROWTH
 from .selection import SELECT_MIN_GROWTH as SELECT_MIN_GROWTH
 from .selection import SelectionState
@@ -93,6 +93,11 @@ class LayerGroup:
         self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
         self.tokens_seen = 0  # padded positions, after the current step
         self.tokens_seen_before = 0
+        #: The prompt's tokens: this cache's first step is the prompt (``step_phase``, the rule
+        #: vLLM's ledger asks too, with each request's own prompt length).
+        self.prompt_tokens = t
+        #: The phase of the current step (``step_phase``).
+        self.phase: Phase = "prompt"
         self.steps = 0  # steps begun
         self.layer_steps = [0] * len(layer_ids)  # steps each layer has written
         self.eviction_steps = 0
@@ -212,10 +217,10 @@ class LayerGroup:
         else:
             placement = Scattered.of(before, t, token_valid, needed, device)
         ring = self.ring.advance(t, token_valid)
-        is_prompt = self.tokens_seen == 0
+        self.phase = self._phase(t)
         self._plan_long_step(t, token_valid)
         self._plan_new_positions(t, token_valid)
-        self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, is_prompt))
+        self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, self.phase))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = self.extent_now, needed
@@ -235,7 +240,8 @@ class LayerGroup:
         ring = self.ring.advance(t, None)
         self._plan_long_step(t, None)
         self._plan_new_positions(t, None)
-        self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.tokens_seen == 0)))
+        self.phase = self._phase(t)
+        self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.phase)))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = count, after
@@ -244,6 +250,10 @@ class LayerGroup:
         return StepPlan(
             tokens=t, batch=self.batch, placement=Contiguous(count), ring=ring, written_from=count, written_to=after
         )
+
+    def _phase(self, t: int) -> Phase:
+        """The phase of the step of ``t`` tokens being planned (``step_phase``)."""
+        return step_phase(self.tokens_seen, self.tokens_seen + t, self.prompt_tokens)
 
     def _plan_long_step(self, t: int, token_valid: torch.Tensor | None) -> None:
         """A step with more queries than the window holds, under a policy that keeps state: each

@@ -10,7 +10,8 @@ benchmarks:
 - ``reset_peak_memory`` / ``peak_memory_mib``: the CUDA allocator's peak on a GPU, the process's
   resident high-water mark on the CPU;
 - ``PolicyTimer`` / ``time_policy``: seconds spent in the policy's work, through the executor's
-  timing hook (``kvpolicy.executor.Executor.timer``);
+  timing hook (``kvpolicy.executor.Executor.timer``); ``runs_policy`` tells kvpolicy's caches
+  from the full cache, ``executor_of`` finds a policy cache's executor (or refuses);
 - ``BatchStats`` / ``CostTracker``: what one decoded batch cost, summed over a run.
 """
 
@@ -23,9 +24,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..executor import Executor
 
 KINDS = ("evict", "select")
 
@@ -124,20 +128,61 @@ class PolicyTimer:
         return sum(self.seconds.values())
 
 
-def executor_of(cache: Any) -> Any:
-    """The cache's ``Executor`` (``KVPolicyCache`` or ``EvictingCache``), or None (a full cache)."""
-    evicting = getattr(cache, "evicting", cache)
-    return getattr(evicting, "executor", None)
+def _is_kvpolicy_cache(cache: Any) -> bool:
+    from ..hf.cache import KVPolicyCache  # here: transformers is imported only when a cache needs it
+
+    return isinstance(cache, KVPolicyCache)
+
+
+def runs_policy(cache: Any) -> bool:
+    """Whether ``cache`` runs a policy: True for kvpolicy's caches (``KVPolicyCache``,
+    ``EvictingCache``), False for transformers' own (``DynamicCache``, ``StaticCache``: the full
+    cache). Anything else is a TypeError: what it does is not known, so its cost is not either."""
+    from ..evicting import EvictingCache
+
+    if isinstance(cache, EvictingCache) or _is_kvpolicy_cache(cache):
+        return True
+    from transformers.cache_utils import Cache
+
+    if isinstance(cache, Cache):
+        return False
+    raise TypeError(
+        f"cannot tell whether a {type(cache).__name__} runs a policy: expected a KVPolicyCache or an "
+        "EvictingCache (a policy), or a transformers Cache such as DynamicCache (the full cache)"
+    )
+
+
+def executor_of(cache: Any) -> Executor:
+    """The ``Executor`` that runs the policy of ``cache``: ``cache.evicting.executor`` of a
+    ``KVPolicyCache``, ``cache.executor`` of an ``EvictingCache``. Anything else, the full cache
+    included, is a TypeError naming what was looked for: a cache without a policy is told apart
+    by ``runs_policy``, never by an attribute that is not there."""
+    from ..evicting import EvictingCache
+    from ..executor import Executor
+
+    if isinstance(cache, EvictingCache):
+        where, found = "executor", getattr(cache, "executor", None)
+    elif _is_kvpolicy_cache(cache):
+        where = "evicting.executor"
+        found = getattr(getattr(cache, "evicting", None), "executor", None)
+    else:
+        raise TypeError(f"a {type(cache).__name__} has no policy executor: it is looked for as "
+                        "`.evicting.executor` of a KVPolicyCache or `.executor` of an EvictingCache")
+    if not isinstance(found, Executor):
+        got = "missing" if found is None else f"a {type(found).__name__}"
+        raise TypeError(f"{type(cache).__name__}.{where} is {got}, not the Executor that runs its policy")
+    return found
 
 
 @contextmanager
 def time_policy(cache: Any, timer: PolicyTimer) -> Iterator[PolicyTimer]:
-    """Install ``timer`` as the cache's executor hook for the block (a cache without an executor,
-    the full cache, never runs a policy: the timer then stays at zero)."""
-    executor = executor_of(cache)
-    if executor is None:
+    """Install ``timer`` as the hook of the executor of ``cache`` (``executor_of``) for the block.
+    The full cache (a transformers cache, ``runs_policy`` False) runs no policy: the timer then
+    stays at zero. A cache that is neither is a TypeError."""
+    if not runs_policy(cache):
         yield timer
         return
+    executor = executor_of(cache)
     if executor.timer is not None:
         raise RuntimeError("this cache's executor already has a timer")
     executor.timer = timer

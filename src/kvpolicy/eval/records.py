@@ -1,20 +1,44 @@
 """Per-sample records on disk: one JSON line per finished generation, written as it finishes.
 
 The file is both the run's per-sample data and its resume point: a sample whose record is there
-is never generated again. A run killed mid-write leaves at most one partial last line, which is
-ignored (and overwritten by the next append).
+is never generated again. So a valid record is never deleted. Loading checks every line:
+
+- a line that is not a record (a hand edit, a disk fault) is reported (``DamagedRecordWarning``,
+  with its line number) and moved aside, out of the file, into ``<file>.damaged`` beside it
+  (e.g. ``samples.jsonl.damaged``; see ``set_aside`` for its form), and the file is rewritten
+  without it (a new file renamed over the old one, after the line is safe in ``.damaged``);
+- a final line without its newline is what a run killed mid-write leaves: moved aside the same
+  way when it is not a whole record, kept (its newline added) when it is.
+
+Appends are one ``os.write`` of the whole line to a file opened ``O_APPEND`` (POSIX keeps such a
+write to a regular file whole), under an exclusive ``fcntl.flock`` of the file that loading takes
+too; so two runs appending to one file never interleave within a line, and loading never reads
+another run's line half-written.
 """
 
 from __future__ import annotations
 
+import base64
+import fcntl
 import hashlib
 import json
 import os
+import tempfile
+import time
+import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 SampleKey = tuple[str, str, str, int, str]  # (run key, task, doc id, sample, prompt hash)
+
+#: Appended to a record file's name for the file its damaged lines are moved to.
+DAMAGED_SUFFIX = ".damaged"
+
+
+class DamagedRecordWarning(UserWarning):
+    """A line of a record file was not a record: it was moved aside (to ``<file>.damaged``)."""
 
 
 def prompt_hash(context: str, settings: dict[str, Any]) -> str:
@@ -28,6 +52,85 @@ def record_key(record: dict[str, Any]) -> SampleKey:
             str(record["prompt_hash"]))
 
 
+def parse_record(line: bytes) -> dict[str, Any] | None:
+    """The record on ``line`` (UTF-8 JSON of an object with every ``record_key`` field), else None."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+        if not isinstance(record, dict):
+            return None
+        record_key(record)
+    except (ValueError, KeyError, TypeError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return record
+
+
+def damaged_path(path: Path) -> Path:
+    """Where the damaged lines of the record file ``path`` are moved: ``<path>.damaged``."""
+    return path.with_name(path.name + DAMAGED_SUFFIX)
+
+
+@contextmanager
+def _locked(path: Path, flags: int) -> Iterator[int]:
+    """A descriptor of ``path`` (opened with ``flags``, created if missing) under an exclusive
+    ``flock``. A loader may replace the file while we wait for the lock: the lock is then on the
+    old file, so it is taken again on the file the path names now."""
+    while True:
+        fd = os.open(path, flags | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held, now = os.fstat(fd), os.stat(path)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                break
+        except FileNotFoundError:  # replaced and not yet renamed in: try again
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _excerpt(line: bytes, width: int = 80) -> str:
+    text = line.decode("utf-8", errors="replace")
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def set_aside(path: Path, damaged: list[tuple[int, bytes, str]]) -> Path:
+    """Append the ``(line number, bytes without the newline, why)`` of damaged lines of ``path`` to ``<path>.damaged``,
+    one JSON object a line: ``file``, ``line`` (1-based, in the file as it was), ``why``, ``moved_at``
+    (UTC), ``text`` (the bytes as UTF-8, undecodable bytes replaced) and ``base64`` (the bytes
+    exactly). Returns that path; it is flushed to disk when this returns."""
+    aside = damaged_path(path)
+    moved_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = b"".join(
+        json.dumps({"file": path.name, "line": n, "why": why, "moved_at": moved_at,
+                    "text": raw.decode("utf-8", errors="replace"),
+                    "base64": base64.b64encode(raw).decode("ascii")}).encode("utf-8") + b"\n"
+        for n, raw, why in damaged
+    )
+    with _locked(aside, os.O_WRONLY | os.O_APPEND) as fd:
+        _write_all(fd, out)
+        os.fsync(fd)
+    return aside
+
+
 class SampleStore:
     """Records in a JSONL file (``path``), indexed by ``record_key``; ``None`` path: memory only."""
 
@@ -39,20 +142,53 @@ class SampleStore:
 
     def _load(self) -> None:
         assert self.path is not None
-        raw = self.path.read_bytes()
-        good = 0
-        for line in raw.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break  # a partial last line from a killed run
-            try:
-                record = json.loads(line)
+        with _locked(self.path, os.O_RDWR) as fd:
+            raw = _read_all(fd)
+            lines = raw.split(b"\n")
+            tail = lines.pop()  # b"" when the file ends with its newline
+            kept: list[bytes] = []
+            damaged: list[tuple[int, bytes, str]] = []
+            for n, line in enumerate(lines, start=1):
+                record = parse_record(line)
+                if record is None:
+                    damaged.append((n, line, "not a record"))
+                    continue
                 self._records[record_key(record)] = record
-            except (ValueError, KeyError, TypeError):
-                break
-            good += len(line)
-        if good < len(raw):  # drop the torn tail so appends start on a fresh line
-            with self.path.open("r+b") as f:
-                f.truncate(good)
+                kept.append(line + b"\n")
+            if tail:
+                record = parse_record(tail)
+                if record is None:  # a run killed mid-write
+                    damaged.append((len(lines) + 1, tail, "a torn last line (no newline): not a whole record"))
+                else:  # whole but for its newline: kept, and the newline added so appends start a line
+                    self._records[record_key(record)] = record
+                    kept.append(tail + b"\n")
+            if not damaged:
+                if tail:  # only a newline missing: add it, so the next append starts a line
+                    os.lseek(fd, 0, os.SEEK_END)
+                    _write_all(fd, b"\n")
+                    os.fsync(fd)
+                return
+            aside = set_aside(self.path, damaged)  # safe there before the file loses them
+            self._replace(b"".join(kept))
+        for n, line, why in damaged:
+            warnings.warn(f"{self.path}: line {n} is {why}; moved to {aside}: {_excerpt(line)}",
+                          DamagedRecordWarning, stacklevel=3)
+
+    def _replace(self, data: bytes) -> None:
+        """Write ``data`` to a new file beside ``path`` and rename it over ``path`` (atomic: a crash
+        leaves the old file or the new one, never a part of either)."""
+        assert self.path is not None
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), os.stat(self.path).st_mode & 0o777)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def __len__(self) -> int:
         return len(self._records)
@@ -67,13 +203,12 @@ class SampleStore:
         return [r for r in self._records.values() if r["key"] == run_key]
 
     def add(self, record: dict[str, Any]) -> None:
-        """Keep ``record`` and append it to the file at once (flushed to the OS)."""
+        """Keep ``record`` and append it to the file at once (one write, under the file's lock, synced)."""
         self._records[record_key(record)] = record
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(record, default=str, ensure_ascii=False) + "\n"
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode("utf-8")
+        with _locked(self.path, os.O_WRONLY | os.O_APPEND) as fd:
+            _write_all(fd, line)
+            os.fsync(fd)

@@ -12,7 +12,7 @@ from ..eviction import Kept
 from ..heads import HeadLayout
 from ..policy import Policy
 from ..rows import RowCounters
-from ..schedule import Schedule
+from ..schedule import Phase, Schedule
 from ..selection import SelectionState
 from ..slots import SlotBuffers, StepPlan
 from ..stages.base import StateField
@@ -152,9 +152,9 @@ class SlotLayout(ABC):
         """Slots per head to allocate when ``needed`` do not fit."""
 
     @abstractmethod
-    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
+    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
         """Whether rows holding ``after`` slots after ``tokens`` real tokens evict (ints or
-        ``[B]`` tensors, as ``Schedule.due``)."""
+        ``[B]`` tensors) after a step of ``phase``, as ``Schedule.step_due``."""
 
     def begin_step(self, t: int) -> None:  # noqa: B027  (a hook)
         """After the group planned a step of ``t`` tokens. Nothing by default."""

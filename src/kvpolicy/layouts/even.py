@@ -10,6 +10,7 @@ import torch
 
 from ..attend import attend
 from ..eviction import Kept
+from ..schedule import Phase
 from ..slots import Contiguous, StepPlan, block, compact_rows
 from .base import HeldSlots, RowClass, SlotLayout, SlotView
 
@@ -26,8 +27,8 @@ class EvenRows(SlotLayout):
     def capacity_for(self, needed: int) -> int:
         return self.group.schedule.capacity_for(needed)
 
-    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
-        return self.group.schedule.due(after, tokens, prompt=prompt)
+    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
+        return self.group.schedule.step_due(after, tokens, phase)
 
     def tokens_to_next_eviction(self) -> int:
         group = self.group

@@ -9,6 +9,7 @@ import torch
 
 from ..attend import attend
 from ..eviction import Kept
+from ..schedule import Phase
 from ..selection import SELECT_GROWTH, SelectionState, page_plan, page_slots, select_capacity
 from ..slots import Contiguous, StepPlan, block, gather_pages, gather_slots
 from ..stages import guards
@@ -83,7 +84,7 @@ class SelectRows(EvenRows):
             capacity = -(-capacity // self.page_choice) * self.page_choice
         return capacity
 
-    def due(self, after: Any, tokens: Any, prompt: bool) -> Any:
+    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
         return torch.zeros_like(after, dtype=torch.bool) if isinstance(after, torch.Tensor) else False
 
     def begin_step(self, t: int) -> None:
@@ -91,7 +92,7 @@ class SelectRows(EvenRows):
         alike = group.rows.alike
         # While rows are alike, their count is one int (reading .counts would leave the fast path).
         counts = alike.held if alike is not None else group.rows.counts
-        self.select.plan(t, counts, group.tokens_seen_before, group.schedule)
+        self.select.plan(t, counts, group.phase, group.schedule)
 
     def tokens_to_next_eviction(self) -> int:
         """How many tokens one chunk may hold and still attend exactly as step by step: chunks
@@ -126,7 +127,7 @@ class SelectRows(EvenRows):
     @property
     def selecting(self) -> bool:
         """Whether this step attends a selection (a decode step after the prompt)."""
-        return self.group.plan.tokens == 1 and self.group.tokens_seen_before > 0
+        return self.group.plan.tokens == 1 and self.group.phase == "decode"
 
     def attend(self, layer: int, queries: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """A decode step: attention of ``queries [B, Hq, 1, D]`` over the slots ``chosen_slots``

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..schedule import Schedule
+from ..schedule import Schedule, step_phase
 
 
 @dataclass
@@ -132,9 +132,10 @@ class SlotLedger:
         """Record a step that brought the request to ``tokens_after`` computed tokens; True when
         it is now due for eviction.
 
-        The schedule runs on the request's own tokens, as ``EvictingCache`` does for a row: the
-        step that completes the prompt (every prefill chunk before it, too) evicts only when the
-        policy compresses long prompts; every later step evicts when ``Schedule.due`` says so.
+        The schedule runs on the request's own tokens, as ``EvictingCache`` does for a row, by
+        ``Schedule.step_due`` and ``step_phase`` (the rules the caches ask): a prefill chunk
+        never evicts, the step that completes the prompt evicts only when the policy compresses
+        long prompts, every later step when ``Schedule.due`` says so.
         """
         state = self.get(req_id)
         before = state.tokens
@@ -149,10 +150,7 @@ class SlotLedger:
         if state.awaiting:  # whether it is due depends on its layer's budget: decided in ``decide``
             state.awaited_steps.append((tokens_after, prompt_len))
             return False
-        # Schedule.due is the one rule, shared with the transformers caches.
-        due = bool(sched.due(state.slots, state.tokens, prompt=before < prompt_len)) and (
-            before >= prompt_len or tokens_after >= prompt_len  # a prompt chunk evicts only once the prompt is in
-        )
+        due = bool(sched.step_due(state.slots, state.tokens, step_phase(before, tokens_after, prompt_len)))
         if state.replay:
             # A replay chunk never crosses an eviction point, and fires exactly at each one.
             point = state.replay[0]
@@ -226,6 +224,42 @@ def kept_held(schedule: Schedule, head_cap: int | None, held: int) -> int:
     if head_cap is None:
         return min(held, schedule.budget)
     return min(held, head_cap)
+
+
+class BlocksDisagree(RuntimeError):
+    """A request's blocks are not what its ledger entry says it holds: the scheduler and a worker
+    disagree (a bug, never a user's error: the engine must stop rather than read wrong slots)."""
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What an eviction does to a request's blocks (``compaction``): ``kept``, its block table
+    after (the fresh blocks, then its own first blocks that were compacted in place); ``freed``,
+    its blocks past the kept slots; ``copied``, its old first blocks whose slots were copied into
+    the fresh ones (released: another reader may still hold them)."""
+
+    kept: list[int]
+    freed: list[int]
+    copied: list[int]
+
+
+def compaction(blocks: list[int], held: int, kept: int, block_size: int, *, fresh: bool, req_id: str) -> Compaction:
+    """The one block-order rule of an eviction, for the scheduler (which frees blocks) and every
+    worker (which moves the kept slots): a request holding ``held`` block-table slots in
+    ``blocks`` keeps ``kept`` (``kept_held``). Under prefix caching its first eviction
+    (``fresh``) writes the kept slots into the ``ceil(kept / block_size)`` fresh blocks the
+    scheduler appended to ``blocks`` (never into old ones, which the prefix cache may share);
+    otherwise they are compacted in place, into its first blocks."""
+    keep, needed = -(-kept // block_size), -(-held // block_size)
+    copies = len(blocks) - needed  # the fresh blocks appended for this eviction
+    expected = keep if fresh else 0
+    if copies != expected:
+        raise BlocksDisagree(
+            f"kvpolicy: request {req_id} holds {len(blocks)} blocks for {held} slots; expected {needed} + "
+            f"{expected} fresh (the scheduler and a worker disagree)"
+        )
+    old, new = blocks[:needed], blocks[needed:]
+    return Compaction(new + old[copies:keep], old[keep:], old[:copies])
 
 
 def replay_boundary(plan: list[int], prompt_len: int, computed: int) -> int | None:

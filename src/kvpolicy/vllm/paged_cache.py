@@ -35,11 +35,13 @@ import torch
 from .. import eviction
 from ..attend import attend_heads
 from ..documents import PolicyError
+from ..heads import own_columns
 from ..policy import Policy, eviction_input
+from ..query_ring import filled, time_order
 from ..schedule import Schedule
 from ..stages.base import EvictionInput, StateField
 from ..stages.model_facts import ModelFacts
-from .ledger import SlotLedger, kept_held
+from .ledger import BlocksDisagree, SlotLedger, compaction, kept_held
 from .paged import KV, compact, gather_paged, slot_address
 from .settings import KVPolicyVLLMError, Resolved, decides_from_prompt, group_head_caps, group_schedules
 
@@ -111,6 +113,18 @@ class RequestQueryRing:
         if row is not None:
             self.free_rows.append(row)
 
+    def read(self, req_ids: list[str], tokens: torch.Tensor, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' last ``window`` queries of ``layers`` after ``tokens [R]`` tokens each, oldest
+        first (``kvpolicy.query_ring.time_order``: a query of token ``t`` sits at ``t % window``), stacked
+        layer-major as an eviction's keys are: ``[Lyr * R, Hq, W, D]``, and which entries hold a query
+        ``[Lyr * R, W]``."""
+        rows = torch.tensor([self.row_of[q] for q in req_ids], dtype=torch.long, device=self.tensor.device)
+        order = time_order(tokens % self.window, self.window, self.tensor.device)  # [R, W]
+        win = self.tensor[rows][:, layers]  # [R, Lyr, W, Hq, D]
+        win = win.gather(2, order[:, None, :, None, None].expand_as(win))
+        valid = filled(tokens.to(self.tensor.device), self.window)
+        return win.permute(1, 0, 3, 2, 4).flatten(0, 1), valid.repeat(win.shape[1], 1)
+
 
 @dataclass(frozen=True)
 class KeptSlots:
@@ -178,6 +192,35 @@ class RequestPolicy:
     policy: Policy | None  # None: the request never evicts
     schedule: Schedule | None = None  # this cache's layers' schedule under it (per-layer budgets: its layer's)
     head_cap: int | None = None  # its per-head bound in this cache's layers (``settings.group_head_caps``)
+
+
+@dataclass
+class RequestRecord:
+    """Everything this worker keeps for one request beside its blocks and its query ring row:
+    made once, when the request is first seen (``PagedCache.record``), and dropped once
+    (``PagedCache.drop``). A preempted request's record is made anew by ``resume``, carrying
+    only its policy, the eviction points its recompute replays and its decided layer schedule."""
+
+    policy: RequestPolicy
+    #: Per-slot fields of its first ``kept.count`` slots (kept at its last eviction, or every slot
+    #: its state was last brought up to date over); None before either.
+    kept: KeptSlots | None = None
+    #: A policy that keeps state: its per-head fields ``[Lyr, Hkv]`` (made on first use), and how
+    #: many of its tokens' queries the state has seen.
+    head_state: dict[str, torch.Tensor] | None = None
+    observed: int = 0
+    #: Per-head budgets (``Policy.per_head``): each head's kept count ``[Lyr, Hkv]`` (host) since its
+    #: last eviction; None: every head holds every slot of the block table.
+    head_counts: torch.Tensor | None = None
+    #: Layer budgets decided from the prompt (CAKE): its layer schedule from its first eviction on
+    #: (kept through preemption, for the replay), and whether its block table keeps the blocks past
+    #: its kept slots until the scheduler, which learns the budget from the step's output, frees them.
+    decided: Schedule | None = None
+    untrimmed: bool = False
+    #: Made by ``resume``: the eviction points its recompute replays, handed to the ledger when the
+    #: request next runs (``tracked`` then).
+    replay: list[int] | None = None
+    tracked: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,28 +309,13 @@ class PagedCache:
         self.resolve = policy_of
         self.ledger = SlotLedger()
         self.policies: dict[str | None, RequestPolicy] = {}  # by resolved policy YAML
-        self.policy_of: dict[str, RequestPolicy] = {}  # by request
+        self.records: dict[str, RequestRecord] = {}  # by request
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
-        self.kept: dict[str, KeptSlots] = {}  # req -> per-slot fields of its kept slots
-        # A policy whose stages keep state (Policy.state_fields): per request, its per-head state
-        # ([Lyr, Hkv] per field), how many of its tokens' queries the state has seen, and this
-        # step's requests whose chunk is longer than their window (seen layer by layer, as the
-        # chunk is computed: LongStep).
-        self.head_state: dict[str, dict[str, torch.Tensor]] = {}
-        self.observed: dict[str, int] = {}
+        # This step's requests whose chunk is longer than their window, under a policy whose state
+        # sees every query (seen layer by layer, as the chunk is computed), and those whose heads
+        # hold different counts (per-head budgets).
         self.long_steps: dict[str, LongStep] = {}
-        self.replays: dict[str, list[int]] = {}  # req -> eviction points its recompute must replay
-        # Per-head budgets (Policy.per_head): each head's kept count [Lyr, Hkv] (host) since the
-        # request's last eviction (absent: every head holds all of the block table's slots), and
-        # this step's requests whose heads hold different counts.
-        self.head_counts: dict[str, torch.Tensor] = {}
         self.head_attention: HeadAttention | None = None
-        # Layer budgets decided from the prompt (CAKE, ``decide_layer_budgets``): each request's
-        # layer schedule from its first eviction on (kept through preemption, for the replay), and
-        # the requests whose block table keeps the blocks past their kept slots until the
-        # scheduler, which learns the budget from the step's output, frees them (``trimmed``).
-        self.decided: dict[str, Schedule] = {}
-        self.untrimmed: set[str] = set()
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace, self.rank, self.saves, self.step = trace, rank, 0, 0
@@ -304,38 +332,46 @@ class PagedCache:
     def drop(self, req_id: str) -> None:
         """Forget a request (finished, or about to be resubmitted under the same id)."""
         self.ledger.reset(req_id)
-        self.kept.pop(req_id, None)
-        self.head_counts.pop(req_id, None)
-        self.head_state.pop(req_id, None)
-        self.observed.pop(req_id, None)
-        self.replays.pop(req_id, None)
-        self.decided.pop(req_id, None)
-        self.untrimmed.discard(req_id)
-        self.policy_of.pop(req_id, None)
-        for ring in self.rings.values():
-            ring.drop(req_id)
+        record = self.records.pop(req_id, None)
+        if record is not None and record.policy.policy is not None:
+            ring = self.rings.get(record.policy.policy.schedule.window)
+            if ring is not None:
+                ring.drop(req_id)
 
     def resume(self, req_id: str) -> list[int] | None:
         """A preempted request, now recomputed into fresh blocks: it replays its evictions (the
-        scheduler ends its steps at the same points), from this worker's own record of them.
-        Returns the eviction points it will replay (None: none recorded)."""
+        scheduler ends its steps at the same points), from this worker's own record of them, and
+        keeps the layer budget its first run decided. Returns the eviction points it will replay
+        (None: none recorded)."""
+        old = self.records.get(req_id)
         plan = self.ledger.replay_plan(req_id)
-        if plan is None:
-            plan = self.replays.get(req_id)  # preempted again before it ran
-        decided = self.decided.get(req_id)  # its recompute keeps the layer budget its first run decided
+        if plan is None and old is not None:
+            plan = old.replay  # preempted again before it ran
         self.drop(req_id)
-        if plan is not None:
-            self.replays[req_id] = plan
-        if decided is not None:
-            self.decided[req_id] = decided
+        if old is not None:
+            self.records[req_id] = RequestRecord(old.policy, decided=old.decided, replay=plan)
         return plan
 
+    def record(self, req_id: str) -> RequestRecord:
+        """The request's record: made (its policy looked up) when first seen, and tracked in the
+        ledger from then on."""
+        record = self.records.get(req_id)
+        if record is not None and record.tracked:
+            return record
+        if record is None:
+            record = self.records[req_id] = RequestRecord(self._policy_plan(self.resolve(req_id)))
+        rp = record.policy
+        self.ledger.resume(req_id, rp.schedule, record.replay, rp.head_cap, from_prompt=decides_from_prompt(rp.policy),
+                           layer_schedule=record.decided)
+        record.replay, record.tracked = None, True
+        return record
+
     def request_policy(self, req_id: str) -> RequestPolicy:
-        """The request's policy (looked up once per request), tracked in the ledger from here on."""
-        known = self.policy_of.get(req_id)
-        if known is not None:
-            return known
-        r = self.resolve(req_id)
+        """The request's policy (``record``)."""
+        return self.record(req_id).policy
+
+    def _policy_plan(self, r: Resolved) -> RequestPolicy:
+        """A resolved policy as this cache runs it, loaded and checked once per distinct policy."""
         rp = self.policies.get(r.policy_yaml)
         if rp is None:
             policy = r.policy()
@@ -346,11 +382,6 @@ class PagedCache:
             caps = group_head_caps(policy, groups, self.kv_heads)
             mine = 0 if groups is None else self.layer_ids[0]
             rp = self.policies[r.policy_yaml] = RequestPolicy(r, policy, schedules[mine], caps[mine])
-        self.policy_of[req_id] = rp
-        if not self.ledger.tracks(req_id):
-            self.ledger.resume(req_id, rp.schedule, self.replays.pop(req_id, None),
-                               rp.head_cap, from_prompt=decides_from_prompt(rp.policy),
-                               layer_schedule=self.decided.get(req_id))
         return rp
 
     def check_policy(self, policy: Policy | None) -> None:
@@ -391,11 +422,10 @@ class PagedCache:
         req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
         if not req_ids:
             return
-        if self.head_counts:
-            self.head_attention = self._plan_head_attention(plan, table)
         # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
         # position t % w, so the ring always holds the request's last w queries.
-        windows = np.array([self._window_size(r) for r in req_ids], dtype=np.int64)
+        windows = np.array([self._window_size(r) for r in req_ids], dtype=np.int64)  # each request's record made
+        self.head_attention = self._plan_head_attention(plan, table)
         ends = np.cumsum(n)
         dev = self.device
         for w in sorted(set(windows.tolist()) - {0}):
@@ -416,18 +446,19 @@ class PagedCache:
         pending: dict[tuple[str, int], list[tuple[int, str]]] = {}
         ends = np.cumsum(n)
         for i, req_id in enumerate(req_ids):
-            rp = self.policy_of[req_id]
+            record = self.records[req_id]
+            rp = record.policy
             if rp.policy is None or not rp.policy.observes_queries:
                 continue
             window, ledger = rp.policy.schedule.window, self.ledger.get(req_id)
             tokens, done = int(n[i]), int(before[i])
-            if eviction.must_observe(done - self.observed.get(req_id, 0), tokens, window):
+            if eviction.must_observe(done - record.observed, tokens, window):
                 pending.setdefault((rp.resolved.policy_yaml or "", ledger.slots), []).append((i, req_id))
             if eviction.is_long_step(tokens, window):
                 self.long_steps[req_id] = LongStep(i, int(ends[i]) - tokens, tokens, done, ledger.offset,
                                                    ledger.slots + tokens)
         for (_, count), group in sorted(pending.items()):
-            self._observe(self.policy_of[group[0][1]], count, group, table)
+            self._observe(self.records[group[0][1]].policy, count, group, table)
 
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer: int, query: torch.Tensor) -> None:
@@ -446,14 +477,16 @@ class PagedCache:
             return
         q = query.view(query.shape[0], self.q_heads, self.head_dim)
         for req_id, step in self.long_steps.items():
-            rp = self.policy_of[req_id]
+            record = self.records[req_id]
+            rp = record.policy
             policy = rp.policy
-            assert policy is not None
+            if policy is None:
+                raise KVPolicyVLLMError(f"request {req_id}: a long step planned for a request that never evicts")
             n = step.slots_after
             keys, values = self._gather(table, torch.tensor([step.row]), n, [layer])
             slots = self._slots(req_id, step.offset, n)
             state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
-            for name, t in self._heads(req_id, policy).items():
+            for name, t in self._heads(record, policy).items():
                 state[name] = t[layer : layer + 1]
             queries = q[step.first : step.first + step.tokens].to(keys.dtype).permute(1, 0, 2)[None]  # [1, Hq, T, D]
             positions = torch.arange(step.before, step.before + step.tokens, device=self.device)[None]
@@ -467,8 +500,8 @@ class PagedCache:
                     full[layer] = t[0]
                     per_slot[name] = full
                 else:
-                    self.head_state[req_id][name][layer] = t[0]
-            self.kept[req_id] = slots.with_state(per_slot)
+                    self._heads(record, policy)[name][layer] = t[0]
+            record.kept = slots.with_state(per_slot)
 
     # -- after the forward ------------------------------------------------------------------
     def end_step(self, table: BlockTable) -> list[Evicted]:
@@ -486,7 +519,7 @@ class PagedCache:
         self.step += 1
         for i, req_id in enumerate(plan.req_ids):
             if req_id in self.long_steps:  # its chunk's queries were seen layer by layer
-                self.observed[req_id] = plan.tokens_after(i)
+                self.records[req_id].observed = plan.tokens_after(i)
         self.long_steps = {}
         due: list[tuple[int, str]] = []
         for i, req_id in enumerate(plan.req_ids):
@@ -502,19 +535,17 @@ class PagedCache:
         groups: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
         groups_w: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
         for i, req_id in due:
-            policy, entry = self.policy_of[req_id].policy, self.ledger.get(req_id)
-            held = entry.held
-            if policy is not None and policy.per_head:  # grouped by its view's width too: its draws are its own
-                key_w = (self.policy_of[req_id].resolved.policy_yaml or "", held, self._head_width(req_id, held))
-                groups_w.setdefault(key_w, []).append((i, req_id))
+            rp, entry = self.records[req_id].policy, self.ledger.get(req_id)
+            held, name = entry.held, rp.resolved.policy_yaml or ""
+            if rp.policy is not None and rp.policy.per_head:  # grouped by its view's width too: its draws are its own
+                groups_w.setdefault((name, held, self._head_width(req_id, held)), []).append((i, req_id))
                 continue
-            key = (self.policy_of[req_id].resolved.policy_yaml or "", held, evicts_to(entry).budget)
-            groups.setdefault(key, []).append((i, req_id))
+            groups.setdefault((name, held, evicts_to(entry).budget), []).append((i, req_id))
         out: list[Evicted] = []
         for (_, count, _), group in sorted(groups.items()):
-            out += self._evict(self.policy_of[group[0][1]], count, group, table)
+            out += self._evict(self.records[group[0][1]].policy, count, group, table)
         for (_, count, _), group in sorted(groups_w.items()):
-            out += self._evict_heads(self.policy_of[group[0][1]], count, group, table)
+            out += self._evict_heads(self.records[group[0][1]].policy, count, group, table)
         return out
 
     def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
@@ -526,21 +557,18 @@ class PagedCache:
         blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
         blocks, which other requests may read or the prefix cache hand out again; the request's
         block table becomes those fresh blocks."""
-        policy = rp.policy
-        assert policy is not None  # the ledger never makes a request without a schedule due
+        policy = _evicting(rp)
         held = self._gather_requests(rp, n, group, table)
         rows, req_ids, states, slots, inp = held.rows, held.req_ids, held.states, held.slots, held.inp
         lyr, r = self.layers, len(group)
         kept = eviction.evict(policy, inp)
-        assert kept.slots is not None  # per-head policies evict through _evict_heads
+        if kept.slots is None:
+            raise KVPolicyVLLMError(f"policy {policy.name!r} kept a count per head: it evicts through _evict_heads")
         if policy.keeps_state:
             slots = self._keep_state(req_ids, slots, kept.state)
-            for req_id, s in zip(req_ids, states, strict=True):
-                self.observed[req_id] = s.tokens
         k = kept.slots.shape[-1]
         per_req = kept.slots.view(lyr, r, self.kv_heads, k)
-        keep_blocks = -(-k // self.block_size)
-        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, k)
                       for j, req_id in enumerate(req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
         gathered = held.gathered
@@ -548,28 +576,33 @@ class PagedCache:
             merged = kept.values.view(lyr, r, *kept.values.shape[1:])
             gathered = [(g[0], merged[i]) for i, g in enumerate(gathered)]
         compact(self.kv, dst, gathered, per_req, self.block_size)
-        out = []
-        for j, req_id in enumerate(req_ids):
-            self.kept[req_id] = slots[j].take(per_req[:, j])
-            self.ledger.evicted(req_id)
-            table.add_row(new_tables[j], int(rows[j]))
-            out.append(Evicted(int(rows[j]), req_id, new_tables[j]))
+        out = [self._evicted(req_id, int(rows[j]), states[j].tokens, slots[j].take(per_req[:, j]), new_tables[j], table)
+               for j, req_id in enumerate(req_ids)]
         if self.trace is not None:
             self._write_trace(rp, req_ids, states, n, inp, kept.slots)
         return out
+
+    def _evicted(self, req_id: str, row: int, tokens: int, kept: KeptSlots, blocks: list[int],
+                 table: BlockTable) -> Evicted:
+        """A request's eviction recorded (both layouts): what it keeps per slot, its state up to
+        date with every query so far, the ledger's count, and its new block table."""
+        record = self.records[req_id]
+        record.kept, record.observed = kept, tokens
+        self.ledger.evicted(req_id)
+        table.add_row(blocks, row)
+        return Evicted(row, req_id, blocks)
 
     def _observe(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> None:
         """Bring the state of ``group``'s requests (batch row, request id; ``n`` slots each) up to
         date with their window's unseen queries, every layer at once, evicting nothing: before
         this step's queries push unseen ones out of the window."""
-        policy = rp.policy
-        assert policy is not None
+        policy = _evicting(rp)
         held = self._gather_requests(rp, n, group, table)
         req_ids, states, slots, inp = held.req_ids, held.states, held.slots, held.inp
         new = eviction.observe(policy, inp)
         for req_id, x, s in zip(req_ids, self._keep_state(req_ids, slots, new), states, strict=True):
-            self.kept[req_id] = x
-            self.observed[req_id] = s.tokens
+            record = self.records[req_id]
+            record.kept, record.observed = x, s.tokens
 
     # -- per-head budgets ---------------------------------------------------------------------
     # A request under a per-head allocation (Ada-KV) holds, after an eviction, each head's own
@@ -580,11 +613,10 @@ class PagedCache:
     def _head_counts(self, req_id: str) -> tuple[torch.Tensor, int]:
         """Each head's kept count ``[Lyr, Hkv]`` and where the appended slots start (0, 0 before
         the first eviction: every head holds every slot)."""
-        counts = self.head_counts.get(req_id)
-        if counts is None:
+        record = self.records[req_id]
+        if record.head_counts is None or record.kept is None:
             return torch.zeros(self.layers, self.kv_heads, dtype=torch.long), 0
-        kept = self.kept[req_id]
-        return counts, kept.count
+        return record.head_counts, record.kept.count
 
     def _head_width(self, req_id: str, n: int) -> int:
         """Slots the fullest head of any layer holds when the request holds ``n`` block-table slots."""
@@ -597,17 +629,14 @@ class PagedCache:
         slots, then those appended since. An empty column points at slot 0 of head 0 (what the
         per-head layout reads there too: flat slot 0), and is invalid."""
         counts, start = self._head_counts(req_id)
-        own = counts + (n - start)  # [Lyr, Hkv]
-        j = torch.arange(width) - (width - own[..., None])  # index among the head's own slots
-        valid = j >= 0
+        j, valid = own_columns(counts + (n - start), width)  # the head's slot j, oldest first
         slot = torch.where(j < counts[..., None], j, start + j - counts[..., None])
         return torch.where(valid, slot, 0), valid
 
     def _gather_heads(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
         """``_gather_requests`` under per-head budgets: every head's own slots, right-aligned in
         the width of the fullest head (the same for the whole group)."""
-        policy = rp.policy
-        assert policy is not None
+        policy = _evicting(rp)
         rows = torch.tensor([i for i, _ in group], dtype=torch.long)
         req_ids = [r for _, r in group]
         width = self._head_width(req_ids[0], n)
@@ -647,14 +676,13 @@ class PagedCache:
         """``_evict`` under per-head budgets: each head's kept slots (its own count) compacted to
         the front of its lane, in the order the policy saw them; the request then holds the room
         the ledger reserves for the fullest head (``ledger.kept_held``), and the blocks past it go."""
-        policy = rp.policy
-        assert policy is not None
+        policy = _evicting(rp)
         held = self._gather_heads(rp, n, group, table)
         rows, req_ids, states, inp = held.rows, held.req_ids, held.states, held.inp
-        assert held.positions is not None
         lyr, r = self.layers, len(group)
         kept = eviction.evict(policy, inp)
-        assert kept.keep is not None and kept.counts is not None  # a per-head policy's eviction
+        if held.positions is None or kept.keep is None or kept.counts is None:
+            raise KVPolicyVLLMError(f"policy {policy.name!r}: a per-head eviction gave no count per head")
         counts = kept.counts.view(lyr, r, self.kv_heads).cpu()
         room = kept_room(states[0], n)
         if int(counts.max()) > room:
@@ -667,8 +695,7 @@ class PagedCache:
         most = int(counts.max())
         # Each head's kept columns first, in column order; the columns after its count are padding.
         order = (~keep).to(torch.uint8).sort(dim=-1, stable=True).indices[..., :most]
-        keep_blocks = -(-room // self.block_size)
-        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, keep_blocks)
+        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, room)
                       for j, req_id in enumerate(req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
         compact(self.kv, dst, held.gathered, order, self.block_size)
@@ -682,23 +709,19 @@ class PagedCache:
                 per_slot[name] = torch.nn.functional.pad(t, (0, room - most))
             else:
                 for j, req_id in enumerate(req_ids):
-                    self.head_state[req_id][name] = t.view(lyr, r, -1)[:, j].clone()
+                    self._heads(self.records[req_id], policy)[name] = t.view(lyr, r, -1)[:, j].clone()
         out = []
         for j, req_id in enumerate(req_ids):
-            self.kept[req_id] = KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()})
-            self.observed[req_id] = states[j].tokens
-            self.head_counts[req_id] = counts[:, j].clone()
-            self.ledger.evicted(req_id)
-            table.add_row(new_tables[j], int(rows[j]))
-            out.append(Evicted(int(rows[j]), req_id, new_tables[j]))
+            self.records[req_id].head_counts = counts[:, j].clone()
+            kept_j = KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()})
+            out.append(self._evicted(req_id, int(rows[j]), states[j].tokens, kept_j, new_tables[j], table))
         if self.trace is not None:
             self._write_trace(rp, req_ids, states, n, inp, kept.keep, counts=kept.counts)
         return out
 
     def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
         """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""
-        rows = [i for i, q in enumerate(plan.req_ids)
-                if q in self.head_counts and bool((self.head_counts[q] < self.kept[q].count).any())]
+        rows = [i for i, q in enumerate(plan.req_ids) if self._uneven(self.records[q])]
         if not rows:
             return None
         ends = np.cumsum(plan.scheduled)
@@ -737,6 +760,12 @@ class PagedCache:
         return HeadAttention(token_idx.to(dev), token_valid.to(dev), blocks.to(dev), (slot % self.block_size).to(dev),
                              heads.to(dev), mask.to(dev))
 
+    @staticmethod
+    def _uneven(record: RequestRecord) -> bool:
+        """Whether the request's heads hold different counts (some head fewer than its room)."""
+        counts, kept = record.head_counts, record.kept
+        return counts is not None and kept is not None and bool((counts < kept.count).any())
+
     def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
         """Layer ``layer``'s attention of this step's requests whose heads hold different counts,
         over each head's own slots only (``kvpolicy.attend.attend_heads``), written over what the
@@ -762,8 +791,7 @@ class PagedCache:
     def _gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
         """What ``group``'s requests (batch row, request id; ``n`` slots each, policy ``rp``)
         hold, and the eviction input of every layer and request, layer-major."""
-        policy = rp.policy
-        assert policy is not None
+        policy = _evicting(rp)
         rows = torch.tensor([i for i, _ in group], dtype=torch.long)
         req_ids = [r for _, r in group]
         gathered = self._gather_layers(table, rows, n)
@@ -792,8 +820,7 @@ class PagedCache:
         draws, as ``EvictingCache`` keys a row's. With ``tokens`` (each request's tokens so far),
         the window's positions and new queries follow ``eviction.new_queries``. ``schedule``: the
         one the eviction keeps (a request's layer budget decided from its prompt); else ``rp``'s."""
-        policy = rp.policy
-        assert policy is not None
+        policy = _evicting(rp)
         lyr = len(layer_ids)
         layer_idx = torch.tensor(layer_ids, dtype=torch.long).repeat_interleave(len(evictions))
         query_positions = query_new = None
@@ -801,7 +828,7 @@ class PagedCache:
             query_valid = torch.ones(keys.shape[0], queries.shape[2], dtype=torch.bool, device=self.device)
         if tokens is not None and req_ids is not None:
             seen = torch.tensor(tokens, dtype=torch.long).repeat(lyr)
-            observed = torch.tensor([self.observed.get(q, 0) for q in req_ids], dtype=torch.long).repeat(lyr)
+            observed = torch.tensor([self.records[q].observed for q in req_ids], dtype=torch.long).repeat(lyr)
             query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
         schedule = schedule or rp.schedule or policy.schedule  # a layer's own budget under per-layer budgets
         return eviction_input(
@@ -823,89 +850,82 @@ class PagedCache:
         blocks, offs = slot_address(table.get_cpu_tensor()[rows].to(self.device), n, self.block_size)
         return [gather_paged(self.kv[i], blocks, offs) for i in (range(self.layers) if layers is None else layers)]
 
-    def _kept_blocks(self, table: BlockTable, row: int, req_id: str, first: bool, n: int, keep: int) -> list[int]:
-        """The blocks a request's ``keep`` blocks of kept slots go to: the fresh blocks appended
-        for its first eviction under prefix caching, then its own first blocks (in place)."""
+    def _kept_blocks(self, table: BlockTable, row: int, req_id: str, first: bool, n: int, kept: int) -> list[int]:
+        """The blocks a request holding ``n`` slots keeps ``kept`` of them in (``ledger.compaction``,
+        the scheduler's rule too)."""
         held = int(table.num_blocks_per_row[row])
         ids = [int(b) for b in table.get_cpu_tensor()[row, :held]]
-        needed = -(-n // self.block_size)
-        if req_id in self.untrimmed:  # compacted in place; the scheduler frees the blocks past them (trimmed)
-            if held < needed:
-                raise KVPolicyVLLMError(f"request {req_id} holds {held} blocks for {n} slots (the scheduler and this "
-                                        "worker disagree)")
+        if self.records[req_id].untrimmed:  # compacted in place; the scheduler frees the blocks past them (trimmed)
+            if held < -(-n // self.block_size):
+                raise BlocksDisagree(f"request {req_id} holds {held} blocks for {n} slots (the scheduler and this "
+                                     "worker disagree)")
             return ids
-        copies = held - needed
-        expected = keep if self.prefix_caching and first else 0
-        if copies != expected:
-            raise KVPolicyVLLMError(
-                f"request {req_id} holds {held} blocks for {n} slots; expected {needed} + {expected} fresh "
-                "(the scheduler and this worker disagree)"
-            )
-        return ids[needed:] + ids[copies:keep]
+        return compaction(ids, n, kept, self.block_size, fresh=self.prefix_caching and first, req_id=req_id).kept
 
     def trimmed(self, req_id: str, ids: list[int], keep: int) -> list[int]:
         """The first ``keep`` of a request's blocks ``ids``: the scheduler freed the blocks past its
         kept slots once it learned the layer budget of its first eviction (``untrimmed``)."""
-        if req_id not in self.untrimmed:
+        record = self.records.get(req_id)
+        if record is None or not record.untrimmed:
             raise KVPolicyVLLMError(f"request {req_id}: the scheduler trimmed blocks this worker did not keep for it")
         need = -(-self.ledger.get(req_id).held // self.block_size) if self.ledger.tracks(req_id) else 0
         if not need <= keep <= len(ids):
             raise KVPolicyVLLMError(f"request {req_id}: the scheduler keeps {keep} of its {len(ids)} blocks, this "
                                     f"worker needs {need} (the scheduler and this worker disagree)")
-        self.untrimmed.discard(req_id)
+        record.untrimmed = False
         return ids[:keep]
 
     def layer_input(self, row: int, req_id: str, table: BlockTable) -> EvictionInput:
         """A due request's eviction input on this cache's one layer (per-layer budgets), as its
         next eviction reads it: what ``decide_layer_budgets`` hands the policy for each layer."""
         entry = self.ledger.get(req_id)
-        return self._gather_requests(self.policy_of[req_id], entry.held, [(row, req_id)], table).inp
+        return self._gather_requests(self.records[req_id].policy, entry.held, [(row, req_id)], table).inp
 
     def decided_here(self, req_id: str, schedule: Schedule) -> None:
         """The request's layer schedule, decided from its prompt at this step's eviction: its
         eviction keeps that budget, and its block table keeps its blocks until ``trimmed``."""
-        self.decided[req_id] = schedule
+        record = self.records[req_id]
+        record.decided, record.untrimmed = schedule, True
         self.ledger.get(req_id).layer_schedule = schedule
-        self.untrimmed.add(req_id)
+
+    def decided_budget(self, req_id: str) -> int:
+        """The layer budget decided for the request from its prompt (``decided_here``); 0: none."""
+        record = self.records.get(req_id)
+        return 0 if record is None or record.decided is None else record.decided.budget
 
     def _window(
         self, w: int, req_ids: list[str], tokens: list[int], keys: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The requests' last ``w`` queries ``[Lyr * R, Hq, W, D]``, layer-major like the keys, oldest
         query first (as ``EvictingCache`` keeps them), and which entries hold a query ``[Lyr * R, W]``."""
-        lyr = self.layers
         if w == 0:
-            return keys.new_zeros(lyr * len(req_ids), self.q_heads, 0, self.head_dim), None
-        ring = self.rings[w]
-        ring_rows = torch.tensor([ring.row_of[q] for q in req_ids], dtype=torch.long, device=self.device)
-        seen = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        steps = torch.arange(w, device=self.device)
-        order = (seen[:, None] + steps) % w
-        win = ring.tensor[ring_rows]  # [R, Lyr, W, Hq, D]
-        win = win.gather(2, order[:, None, :, None, None].expand_as(win))
-        queries = win.permute(1, 0, 3, 2, 4).flatten(0, 1)
-        valid = (seen[:, None] - w + steps) >= 0
-        return queries, valid.repeat(lyr, 1)
+            return keys.new_zeros(self.layers * len(req_ids), self.q_heads, 0, self.head_dim), None
+        return self.window(w, req_ids, torch.tensor(tokens, dtype=torch.long), slice(None))
+
+    def window(self, w: int, req_ids: list[str], tokens: torch.Tensor, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' last ``w`` queries of ``layers`` after ``tokens [R]`` each
+        (``RequestQueryRing.read``: ``[Lyr * R, Hq, W, D]`` oldest first, and ``[Lyr * R, W]``)."""
+        return self.rings[w].read(req_ids, tokens, layers)
 
     def _slots(self, req_id: str, offset: int, n: int) -> KeptSlots:
         """The per-slot fields ``[Lyr, Hkv, N]`` of the request's ``n`` slots: kept, then fresh."""
-        kept = self.kept.get(req_id)
+        record = self.records[req_id]
+        kept = record.kept
         start = 0 if kept is None else kept.count
-        policy = self.policy_of[req_id].policy
+        policy = record.policy.policy
         fields = None if policy is None else {name: spec for name, (_, _, spec) in policy.state_fields.items()}
         fresh = KeptSlots.fresh(start, n, offset, self.layers, self.kv_heads, self.device, fields)
         return KeptSlots.extend(kept, fresh)
 
     # -- a policy's state ---------------------------------------------------------------------
-    def _heads(self, req_id: str, policy: Policy) -> dict[str, torch.Tensor]:
+    def _heads(self, record: RequestRecord, policy: Policy) -> dict[str, torch.Tensor]:
         """The request's per-head state fields, ``[Lyr, Hkv]`` each (initial on first use)."""
-        known = self.head_state.get(req_id)
-        if known is None:
-            known = self.head_state[req_id] = {
+        if record.head_state is None:
+            record.head_state = {
                 name: spec.initial_head_values((self.layers, self.kv_heads), self.device)
                 for name, (_, _, spec) in policy.state_fields.items() if spec.per == "head"
             }
-        return known
+        return record.head_state
 
     def _state_of(self, req_ids: list[str], slots: list[KeptSlots], policy: Policy) -> dict[str, torch.Tensor]:
         """The requests' state, layer-major on the batch axis as the keys are: ``[Lyr * R, Hkv, N]``
@@ -913,19 +933,21 @@ class PagedCache:
         state = {name: torch.stack([x.state[name] for x in slots], dim=1).flatten(0, 1) for name in slots[0].state}
         for name in policy.state_fields:
             if name not in state:
-                state[name] = torch.stack([self._heads(q, policy)[name] for q in req_ids], dim=1).flatten(0, 1)
+                state[name] = torch.stack([self._heads(self.records[q], policy)[name] for q in req_ids], dim=1).flatten(0, 1)
         return state
 
     def _keep_state(self, req_ids: list[str], slots: list[KeptSlots], state: Mapping[str, torch.Tensor]) -> list[KeptSlots]:
-        """Store the requests' new state (as ``_state_of`` lays it out): per-head fields here, and
-        the requests' slots with their new per-slot fields, returned."""
+        """Store the requests' new state (as ``_state_of`` lays it out): per-head fields in their
+        records, and the requests' slots with their new per-slot fields, returned."""
         lyr, r = self.layers, len(req_ids)
         out = []
         for j, (req_id, x) in enumerate(zip(req_ids, slots, strict=True)):
             per_slot = {name: t.view(lyr, r, *t.shape[1:])[:, j] for name, t in state.items() if name in x.state}
+            record = self.records[req_id]
             for name, t in state.items():
                 if name not in x.state:
-                    self.head_state[req_id][name] = t.view(lyr, r, -1)[:, j].clone()
+                    policy = _evicting(record.policy)
+                    self._heads(record, policy)[name] = t.view(lyr, r, -1)[:, j].clone()
             out.append(x.with_state(per_slot))
         return out
 
@@ -933,7 +955,8 @@ class PagedCache:
                      kept: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """``kept``: the kept slots ``[B, Hkv, K]``, or under per-head budgets the kept mask
         ``[B, Hkv, N]`` with each head's ``counts [B, Hkv]``."""
-        assert self.trace is not None
+        if self.trace is None:
+            return
         entry = self.ledger.get(req_ids[0])
         schedule = entry.schedule  # an evicting request's, so never None here
         record = {
@@ -945,7 +968,7 @@ class PagedCache:
             "head_counts": None if counts is None else counts.view(self.layers, len(req_ids), -1).transpose(0, 1).tolist(),
             "tokens": [s.tokens for s in states], "evictions_after": [s.evictions for s in states],
             # what each request's cache holds after this eviction (token index per layer, head and slot)
-            "kept_digest": [_digest(self.kept[q].positions) for q in req_ids],
+            "kept_digest": [_digest(_kept(self.records[q]).positions) for q in req_ids],
         }
         with open(self.trace / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -960,6 +983,19 @@ class PagedCache:
             )
 
 
+def _evicting(rp: RequestPolicy) -> Policy:
+    """The policy of a request that evicts (the ledger never makes one without a schedule due)."""
+    if rp.policy is None:
+        raise KVPolicyVLLMError(f"policy {rp.resolved.source!r} never evicts, yet a request of it was due")
+    return rp.policy
+
+
+def _kept(record: RequestRecord) -> KeptSlots:
+    if record.kept is None:
+        raise KVPolicyVLLMError("a request that evicted has no kept slots recorded")
+    return record.kept
+
+
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
 
@@ -969,7 +1005,8 @@ def evicts_to(state: Any) -> Schedule:
     its own, or at a first eviction that decided its layer budget, that layer's."""
     if state.from_prompt and state.evictions == 0 and state.layer_schedule is not None:
         return state.layer_schedule
-    assert state.schedule is not None
+    if state.schedule is None:
+        raise KVPolicyVLLMError("a request that never evicts was due")
     return state.schedule
 
 
@@ -992,8 +1029,7 @@ def decide_layer_budgets(caches: list[PagedCache], dues: list[list[tuple[int, st
                                     "per layer (a server started with a per-layer policy)")
         if any((row, req_id) not in due for due in dues):  # they all ran the policy's schedule on its tokens
             raise KVPolicyVLLMError(f"request {req_id}: its layers are not all due at its first eviction")
-        policy = first.policy_of[req_id].policy
-        assert policy is not None
+        policy = _evicting(first.records[req_id].policy)
         inputs = [c.layer_input(row, req_id, t) for c, t in zip(caches, tables, strict=True)]
         schedules = policy.prompt_schedules(inputs)
         for cache, schedule in zip(caches, schedules, strict=True):
@@ -1005,5 +1041,6 @@ def decide_layer_budgets(caches: list[PagedCache], dues: list[list[tuple[int, st
 def kept_room(state: Any, n: int) -> int:
     """The block-table slots a request of ``state`` (a ledger entry holding ``n``) keeps through its
     eviction: the room for its fullest head (``kvpolicy.vllm.ledger.kept_held``)."""
-    assert state.schedule is not None
+    if state.schedule is None:
+        raise KVPolicyVLLMError("a request that never evicts was due")
     return kept_held(state.schedule, state.head_cap, n)

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
-from .ledger import SlotLedger, kept_held, peak_slots, prefix_hit_cap, replay_boundary
+from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
 from .settings import (
     KVPolicyVLLMError,
     Resolved,
@@ -416,18 +416,10 @@ class SchedulerEviction:
         blocks = mgr.req_to_blocks.get(req_id)
         if not blocks:
             return
-        keep, needed = cdiv(kept, mgr.block_size), cdiv(held, mgr.block_size)
-        copies = len(blocks) - needed  # fresh blocks allocated for this eviction (copy_blocks)
-        expected = keep if self.prefix_caching and first else 0
-        if copies != expected:
-            raise RuntimeError(
-                f"kvpolicy: request {req_id} holds {len(blocks)} blocks of group {mgr.kv_cache_group_id} for {held} "
-                f"slots; expected {needed} + {expected} fresh"
-            )
-        # The kept slots now live in blocks[needed:] (fresh) + blocks[copies:keep] (compacted in place).
-        old, fresh = blocks[:needed], blocks[needed:]
-        blocks[:] = fresh + old[copies:keep]
-        tail, copied = old[keep:], old[:copies]
+        moved = compaction(blocks, held, kept, mgr.block_size, fresh=self.prefix_caching and first,
+                           req_id=f"{req_id} (group {mgr.kv_cache_group_id})")
+        blocks[:] = moved.kept
+        tail, copied = moved.freed, moved.copied
         if tail:  # freed tail first: vLLM evicts cached blocks from the free queue in that order
             mgr.block_pool.free_blocks(reversed(tail))
         if copied:  # released: each returns to the pool when its last reader lets go

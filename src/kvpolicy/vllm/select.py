@@ -10,13 +10,12 @@ code (``kvpolicy.eviction.choose``, hence ``kvpolicy.selection.choose_pages`` an
 ``score_pages``), read straight from the request's blocks, and the tail. vLLM's blocks are the
 policy's pages: ``settings.page_refusal`` refuses a policy whose page size is not the block size.
 
-The rule of when a request chooses is ``kvpolicy.selection.SelectionState.plan``'s, per request:
-a one-token step after the request's first step, holding more than ``budget`` slots, chooses
-when it has no choice yet or chose ``interval`` or more tokens ago; a multi-token chunk (a
-prompt, a recompute) attends densely (vLLM's own output) and makes the next decode step choose
-anew. Page summaries (each whole block's per-channel minimum and maximum key, per layer and KV
-head) are kept per request, incrementally: a page is reduced once, from the gathered keys, at the
-first choice after it filled (nothing is evicted, so a full page never changes).
+The rule of when a request chooses is the core's, per request (``kvpolicy.selection.choose_now``,
+with ``kvpolicy.schedule.step_phase`` from the request's own prompt length, so a prompt prefilled
+in chunks attends densely to its last chunk, as one prompt step does). Page summaries
+(``kvpolicy.selection.page_bounds``: each whole block's per-channel minimum and maximum key, per
+layer and KV head) are kept per request, incrementally: a page is reduced once, from the gathered
+keys, at the first choice after it filled (nothing is evicted, so a full page never changes).
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ import torch
 from .. import eviction
 from ..attend import attend
 from ..policy import Policy, eviction_input
-from ..selection import page_plan, page_slots
+from ..schedule import step_phase
+from ..selection import choose_now, page_bounds, page_plan, page_slots
 from .paged import gather_paged, slot_address
 from .paged_cache import BlockTable, PagedCache, RequestPolicy, StepRequests
 from .settings import KVPolicyVLLMError, page_refusal, select_refusal
@@ -109,16 +109,14 @@ class BlockSelection:
             choice = self._request(req_id, policy)
             choice.choices += choice.fresh  # the choice of the last step counts
             before, t = int(plan.computed_before[i]), int(plan.scheduled[i])
-            if t != 1 or before == 0:  # a chunk attends densely; the next decode step chooses anew
+            held = before + t  # nothing is evicted: slot s holds token s
+            phase = step_phase(before, held, int(plan.prompt_len[i]))
+            now = choose_now(t, phase, held, choice.chosen_at, policy.schedule)
+            if now is None:  # a chunk attends densely (vLLM's output stands); the next decode step chooses anew
                 choice.chosen_at, choice.fresh = -1, False
                 continue
-            held = before + 1  # nothing is evicted: slot s holds token s
-            schedule = policy.schedule
-            stale = choice.chosen_at < 0 or held - choice.chosen_at >= schedule.interval
-            choice.fresh = held > schedule.budget and stale
-            if choice.fresh:
-                choice.chosen_at = held
-            if held <= schedule.budget:  # it attends every slot: vLLM's output stands
+            choice.chosen_at, choice.fresh = now
+            if held <= policy.schedule.budget:  # it attends every slot: vLLM's output stands
                 continue
             key = (rp.resolved.policy_yaml or "", held, choice.fresh, choice.chosen_at)
             phases.setdefault(key, []).append((i, req_id))
@@ -129,7 +127,7 @@ class BlockSelection:
             req_ids = [r for _, r in members]
             blocks = table.get_cpu_tensor()[rows, : -(-held // paged.block_size)].to(device=device, dtype=torch.long)
             tokens = torch.tensor([int(ends[i]) - 1 for i, _ in members], dtype=torch.long, device=device)
-            self.groups.append(SelectGroup(paged.policy_of[req_ids[0]], held, fresh, chosen_at, req_ids, tokens,
+            self.groups.append(SelectGroup(paged.request_policy(req_ids[0]), held, fresh, chosen_at, req_ids, tokens,
                                            blocks, [self.requests[r] for r in req_ids]))
 
     def _request(self, req_id: str, policy: Policy) -> RequestChoice:
@@ -156,8 +154,9 @@ class BlockSelection:
         ``layer`` under its current choice, ascending (what ``attend`` reads): the chosen pages'
         slots and the tail, or the chosen slots and those appended since the choice."""
         c = self.requests[req_id]
-        policy = self.paged.policy_of[req_id].policy
-        assert policy is not None and c.chosen_at > 0
+        policy = self.paged.request_policy(req_id).policy
+        if policy is None or c.chosen_at <= 0:
+            raise KVPolicyVLLMError(f"request {req_id} has no choice to attend")
         page, s = policy.chooses_pages, policy.schedule
         if page is None:
             since = torch.arange(c.chosen_at, held, device=c.chosen.device)
@@ -179,7 +178,8 @@ class BlockSelection:
         heads = torch.arange(paged.kv_heads, device=paged.device)[None, :, None]
         for group in self.groups:
             policy = group.rp.policy
-            assert policy is not None
+            if policy is None:  # begin_step groups selecting requests only
+                raise KVPolicyVLLMError(f"requests {group.req_ids} attend a selection without a policy")
             if group.fresh:
                 self._choose(layer, group, policy)
             r, schedule = len(group.req_ids), policy.schedule
@@ -247,25 +247,18 @@ class BlockSelection:
             grown = old.new_zeros(*old.shape[:2], max(full, 2 * old.shape[2], 8), *old.shape[3:])
             grown[:, :, : old.shape[2]] = old
             choice.summaries[p] = old = grown
-        pages = keys[:, done * p : full * p].unflatten(1, (full - done, p))  # [Hkv, new, P, D]
-        old[layer, :, done:full, 0] = pages.amin(2)
-        old[layer, :, done:full, 1] = pages.amax(2)
+        low, high = page_bounds(keys[:, done * p : full * p], p)  # [Hkv, new, D] each
+        old[layer, :, done:full, 0] = low
+        old[layer, :, done:full, 1] = high
         choice.summarised[p][layer] = full
 
     def _window(self, w: int, layer: int, group: SelectGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's last ``w`` queries of ``layer`` ``[R, Hq, W, D]``, oldest first (as
         ``PagedCache`` reads an eviction's window), and which entries hold a query ``[R, W]``."""
         paged = self.paged
-        device = paged.device
         r = len(group.req_ids)
         if w == 0:
-            return torch.zeros(r, paged.q_heads, 0, paged.head_dim, dtype=paged.dtype, device=device), \
-                torch.zeros(r, 0, dtype=torch.bool, device=device)
-        ring = paged.rings[w]
-        ring_rows = torch.tensor([ring.row_of[q] for q in group.req_ids], dtype=torch.long, device=device)
-        steps = torch.arange(w, device=device)
-        order = (group.held + steps) % w  # the ring holds this step's query already (captured first)
-        win = ring.tensor[ring_rows, layer]  # [R, W, Hq, D]
-        win = win[:, order]
-        valid = (group.held - w + steps >= 0).expand(r, w)
-        return win.permute(0, 2, 1, 3), valid
+            return torch.zeros(r, paged.q_heads, 0, paged.head_dim, dtype=paged.dtype, device=paged.device), \
+                torch.zeros(r, 0, dtype=torch.bool, device=paged.device)
+        tokens = torch.full((r,), group.held, dtype=torch.long)  # the ring holds this step's query already (captured first)
+        return paged.window(w, group.req_ids, tokens, slice(layer, layer + 1))

@@ -336,7 +336,8 @@ class WorkerEviction:
 
     def layer_budgets(self, req_ids: list[str]) -> dict[str, list[int]]:
         """The layer budgets this worker decided for requests at their first eviction (by layer)."""
-        return {r: [paged.decided[r].budget for paged in self.pageds] for r in req_ids if r in self.pageds[0].decided}
+        return {r: [paged.decided_budget(r) for paged in self.pageds] for r in req_ids
+                if self.pageds[0].decided_budget(r)}
 
     def trim(self, keep: dict[str, list[int]]) -> None:
         """The scheduler freed the blocks past each request's first ``keep[req][group]`` (it learned
