@@ -698,6 +698,35 @@ def test_criticalkv_under_tensor_parallelism_2_keeps_the_single_ranks_slots():
     assert all(p.model_facts.kv_heads_held == 1 for p in engine.pageds)
 
 
+def prefill_in_chunks(chunk: int):
+    """A schedule: every request's prompt in chunks of at most ``chunk`` tokens (vLLM's chunked
+    prefill), the requests side by side, then one token per step, batched together."""
+
+    def schedule(engine: Engine, check_new) -> None:
+        while left := {r: min(chunk, q.prompt - engine.computed[r]) for r, q in engine.requests.items()
+                       if engine.computed[r] < q.prompt}:
+            step_and_check(engine, check_new, left)
+        while decode_one(engine, check_new):
+            pass
+
+    return schedule
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "vase-attnv", "pyramidkv"])
+def test_a_prompt_prefilled_in_chunks_keeps_the_slots_of_a_one_step_prompt(name):
+    """Prompts of 900 and 1,000 tokens prefilled in chunks of 256 (``step_phase``: only the last
+    chunk completes the prompt) keep, at every eviction, the slots ``EvictingCache`` keeps with
+    each prompt as one step. ``h2o``'s state sees each chunk's 256 queries as a long step, and it
+    evicts 15 times after the prompt."""
+    decode = 120 if name == "h2o" else 48
+    requests = [Request("a", resolved(name), 900, 900 + decode), Request("b", resolved(name), 1000, 1000 + decode)]
+    if per_layer(load_policy(requests[0].policy.policy_yaml)):
+        engine = run_and_check_layers(requests, prefill_in_chunks(256))
+    else:
+        engine = run_and_check(requests, prefill_in_chunks(256))
+    assert engine.paged.ledger.get("a").evictions >= (decode // 8 if name == "h2o" else 3)
+
+
 def test_h2o_with_a_16_query_window_and_a_prompt_longer_than_it():
     run_and_check([Request("a", resolved("h2o", window=16, recent=16, budget=32), 40, 90)], decode_all)
 

@@ -126,7 +126,7 @@ class Engine:
         for r, a, t in zip(req_ids, before, n, strict=True):
             while len(self.blocks[r]) * BLOCK < a + t:
                 self.blocks[r].append(self.free.pop())
-        table = Table(len(req_ids), 64)
+        table = Table(len(req_ids), 256)
         for i, r in enumerate(req_ids):
             table.add_row(self.blocks[r], i)
         plan = StepRequests(req_ids, n, before, prompt)
@@ -155,7 +155,7 @@ class Engine:
             self.select.attend(layer, query.flatten(1), output, D**-0.5)
             for i, r in enumerate(req_ids):
                 a, t = int(before[i]), int(n[i])
-                if t == 1 and a > 0:
+                if t == 1 and a >= self.requests[r].prompt:  # a decode step (a prompt's last chunk is not one)
                     out = output[ends[i] - 1].view(HQ, D)
                     choice = self.select.requests.get(r)
                     budget = load_policy(self.requests[r].policy.policy_yaml).budget
@@ -228,6 +228,17 @@ def test_policies_of_both_granularities_in_one_batch_with_a_chunked_prefill():
         Request("pages", resolved(quest_pages()), 64, 120),
     ]
     assert run_and_check(requests, chunked={"pages": 16, "quest": 25}) >= LAYERS * 200
+
+
+def test_quest_at_block_pages_prefilled_in_chunks_of_256_attends_as_a_one_step_prompt():
+    """Prompts of 900 and 1,000 tokens prefilled in chunks of 256, and one of 769 whose last
+    chunk is a single token (``step_phase``: still the prompt, attended densely, as the
+    reference's one-step prompt is), each decode step then attends the reference's blocks. A
+    choice every 8 tokens: a choice made at that last chunk would shift every later one."""
+    pol = resolved(quest_pages(budget=96, recent=16, interval=8))
+    requests = [Request("a", pol, 900, 960), Request("b", pol, 1000, 1040), Request("c", pol, 769, 820)]
+    chunked = {r.req_id: 256 for r in requests}
+    assert run_and_check(requests, chunked=chunked) >= LAYERS * (60 + 40 + 51)
 
 
 # -- what is served and refused --------------------------------------------------------------------
