@@ -7,9 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_util import tiny_qwen3
+from transformers import DynamicCache
 
 from kvpolicy import EvictingCache, load_policy
-from kvpolicy.eval.cost import PolicyTimer, cache_bytes, time_policy
+from kvpolicy.eval.cost import PolicyTimer, cache_bytes, executor_of, runs_policy, time_policy
+from kvpolicy.hf import KVPolicyCache
 
 B, HKV, HQ, D = 1, 2, 4, 8
 
@@ -81,9 +84,38 @@ def test_policy_timer_refuses_misuse_and_a_full_cache_costs_nothing():
     with time_policy(cache, PolicyTimer()), pytest.raises(RuntimeError, match="already has a timer"):
         with time_policy(cache, PolicyTimer()):
             pass
-    with time_policy(SimpleNamespace(layers=[]), PolicyTimer()) as timer:  # no executor: never evicts
+    with time_policy(DynamicCache(), PolicyTimer()) as timer:  # the full cache: no policy, no time in one
         pass
-    assert timer.total == 0.0
+    assert timer.total == 0.0 and not runs_policy(DynamicCache())
+
+
+def test_a_cache_whose_executor_is_not_found_is_an_error_not_a_full_cache():
+    """A renamed attribute must not pass for "no policy" (its time read as 0)."""
+    with pytest.raises(TypeError, match=r"\.evicting\.executor.*\.executor"):
+        executor_of(SimpleNamespace(layers=[]))
+    with pytest.raises(TypeError, match="cannot tell whether a SimpleNamespace runs a policy"):
+        with time_policy(SimpleNamespace(layers=[]), PolicyTimer()):
+            pass
+    with pytest.raises(TypeError, match="DynamicCache has no policy executor"):
+        executor_of(DynamicCache())
+
+    evicting = EvictingCache(_policy("snapkv"), 2)
+    assert executor_of(evicting) is evicting.executor and runs_policy(evicting)
+    del evicting.executor
+    with pytest.raises(TypeError, match=r"EvictingCache\.executor is missing"):
+        with time_policy(evicting, PolicyTimer()):
+            pass
+
+    model = tiny_qwen3(layers=2, vocab=64)
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    assert executor_of(cache) is cache.evicting.executor and runs_policy(cache)
+    cache.evicting = SimpleNamespace(layers=[])  # what a rename of EvictingCache.executor would leave
+    with pytest.raises(TypeError, match=r"KVPolicyCache\.evicting\.executor is missing"):
+        with time_policy(cache, PolicyTimer()):
+            pass
+    del cache.evicting
+    with pytest.raises(TypeError, match=r"KVPolicyCache\.evicting\.executor is missing"):
+        executor_of(cache)
 
 
 def test_cache_bytes_reads_the_policy_cache_or_sums_the_full_caches_tensors():

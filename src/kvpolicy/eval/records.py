@@ -142,7 +142,7 @@ class SampleStore:
 
     def _load(self) -> None:
         assert self.path is not None
-        with _locked(self.path, os.O_RDWR) as fd:
+        with _locked(self.path, os.O_RDONLY) as fd:  # a sound file needs no write permission
             raw = _read_all(fd)
             lines = raw.split(b"\n")
             tail = lines.pop()  # b"" when the file ends with its newline
@@ -163,10 +163,13 @@ class SampleStore:
                     self._records[record_key(record)] = record
                     kept.append(tail + b"\n")
             if not damaged:
-                if tail:  # only a newline missing: add it, so the next append starts a line
-                    os.lseek(fd, 0, os.SEEK_END)
-                    _write_all(fd, b"\n")
-                    os.fsync(fd)
+                if tail:  # only a newline missing: add it (under the lock held), so appends start a line
+                    out = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                    try:
+                        _write_all(out, b"\n")
+                        os.fsync(out)
+                    finally:
+                        os.close(out)
                 return
             aside = set_aside(self.path, damaged)  # safe there before the file loses them
             self._replace(b"".join(kept))
