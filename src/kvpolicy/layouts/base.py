@@ -77,6 +77,7 @@ class GroupState(Protocol):
     plan: StepPlan
     extent_now: int
     tokens_seen_before: int
+    phase: Phase  # the current step's (``kvpolicy.schedule.step_phase``)
 
     @property
     def counts(self) -> torch.Tensor: ...

@@ -1,0 +1,130 @@
+"""A prompt prefilled in chunks evicts as a prompt in one step does (``kvpolicy.schedule.step_phase``,
+the one prompt rule of the caches and vLLM's ledger).
+
+The bundled SmolLM2-135M in float32, greedy, prompts of at least 900 tokens that vLLM prefills in
+chunks of 256 (``max_num_batched_tokens=256``), then 120 new tokens at a budget of 128, so every
+request evicts several times (``h2o``, every 16 tokens, seven times or more): the tokens equal the
+transformers path's (``KVPolicyCache`` + ``generate()``, the prompt in one step) but where both
+engines' top-2 logits are within a rounding tie. One engine serves ``snapkv``, ``h2o``,
+``vase-attnv`` and ``quest`` at block pages per request; a second, with a KV-cache group per
+layer, ``pyramidkv``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt, top2_gap  # noqa: E402
+
+import kvpolicy  # noqa: E402
+from kvpolicy import load_policy  # noqa: E402
+
+NEW = 120
+BLOCK = 32
+CHUNK = 256
+TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
+OVERRIDES = {"budget": 128, "recent": 16, "interval": 16, "window": 16}
+
+
+def _quest_pages() -> dict:
+    data = load_policy("quest", budget=128, recent=32).config.to_dict()
+    return {**data, "name": "quest-pages", "scorer": {**data["scorer"], "page_size": BLOCK, "granularity": "page"}}
+
+
+POLICIES = {
+    "snapkv": {"policy": "snapkv", **OVERRIDES},
+    "h2o": {"policy": "h2o", **OVERRIDES},
+    "vase-attnv": {"policy": "vase-attnv", **OVERRIDES},
+    "quest-pages": {"policy": _quest_pages()},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from kvpolicy.vllm.models import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> list[list[int]]:
+    """Two long prompts of real English (the built-in policies' own descriptions), 900 and 1,000 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    folder = Path(kvpolicy.__file__).parent / "policies"
+    text = "\n\n".join(load_policy(p.stem).config.description or "" for p in sorted(folder.glob("*.yaml")))
+    ids = tokenizer(text).input_ids
+    assert len(ids) >= 2000, len(ids)
+    return [ids[:900], ids[900:1900]]
+
+
+def hf_rows(model_dir, jobs):
+    """``KVPolicyCache`` + ``generate()`` for (policy source, prompt ids) pairs, before any engine
+    starts (CPUs are few): prompt ids, tokens, and each step's top-2 logit gap."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpolicy import KVPolicyCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = []
+    for source, ids in jobs:
+        policy = load_policy(source["policy"], **{k: v for k, v in source.items() if k != "policy"})
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
+                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)
+        top2 = [lg[0].float().topk(2).values for lg in g.logits]
+        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+    del model
+    return rows
+
+
+def agreed_with_generate(rows, outs, names) -> dict[str, int]:
+    """Tokens of each request equal to ``generate()``'s before the first difference, failing on a
+    difference that is not a rounding tie of the top-2 logits in either engine."""
+    agreed = {}
+    for (ids, ref, margins), out, name in zip(rows, outs, names, strict=True):
+        i = first_divergence(list(out.outputs[0].token_ids), ref)
+        agreed[name] = NEW if i is None else i
+        if i is not None:
+            gap = top2_gap(out, i)
+            assert margins[i] < TIE or gap < TIE, (
+                f"{name}, prompt of {len(ids)}: first divergence at token {i} with top-2 gaps {margins[i]:.2e} (hf), "
+                f"{gap:.2e} (vllm)")
+    return agreed
+
+
+def serve(model_dir, server_policy, jobs, names):
+    server = {"policy": server_policy} if server_policy == "none" else {"policy": server_policy, **OVERRIDES}
+    llm = make_llm(model_dir, server, block_size=BLOCK, enable_chunked_prefill=True,
+                   max_num_batched_tokens=CHUNK)
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == CHUNK
+        params = [greedy(NEW, logprobs=2, extra_args={"kvpolicy": source}) for source, _ in jobs]
+        return llm.generate([tokens_prompt(ids) for _, ids in jobs], params, use_tqdm=False)
+    finally:
+        close(llm)
+
+
+def test_prompts_prefilled_in_chunks_of_256_give_generates_tokens(model_dir, prompts):
+    jobs = [(source, ids) for source in POLICIES.values() for ids in prompts]
+    names = [f"{name}@{len(ids)}" for name in POLICIES for ids in prompts]
+    rows = hf_rows(model_dir, jobs)
+    agreed = agreed_with_generate(rows, serve(model_dir, "none", jobs, names), names)
+    # A rounding tie may end the comparison early, never before the first evictions.
+    assert sum(agreed.values()) >= 0.9 * NEW * len(names), agreed
+
+
+def test_pyramidkv_prompts_prefilled_in_chunks_of_256_give_generates_tokens(model_dir, prompts):
+    source = {"policy": "pyramidkv", **OVERRIDES}
+    jobs = [(source, ids) for ids in prompts]
+    names = [f"pyramidkv@{len(ids)}" for ids in prompts]
+    rows = hf_rows(model_dir, jobs)
+    agreed = agreed_with_generate(rows, serve(model_dir, "pyramidkv", jobs, names), names)
+    assert sum(agreed.values()) >= 0.9 * NEW * len(names), agreed
