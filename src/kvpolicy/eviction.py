@@ -177,5 +177,7 @@ def must_observe(unseen: torch.Tensor | int, tokens: torch.Tensor | int, window:
 
 def is_long_step(tokens: int, window: int) -> bool:
     """Whether a step of ``tokens`` holds more queries than a ``window``-query ring keeps: its
-    queries are then seen layer by layer as they are written (``observe_long_step``)."""
+    queries are then seen layer by layer as they are written (``observe_long_step``), so every
+    engine counts the step as observed from its plan on (``LayerGroup`` and vLLM's
+    ``PagedCache.begin_step`` alike): no eviction or update comes between a plan and its forward."""
     return tokens > window

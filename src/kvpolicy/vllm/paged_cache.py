@@ -459,6 +459,8 @@ class PagedCache:
                                                    ledger.slots + tokens)
         for (_, count), group in sorted(pending.items()):
             self._observe(self.records[group[0][1]].policy, count, group, table)
+        for req_id, step in self.long_steps.items():  # seen as planned (``eviction.is_long_step``), as the caches do
+            self.records[req_id].observed = step.before + step.tokens
 
     # -- during the forward -----------------------------------------------------------------
     def capture_queries(self, layer: int, query: torch.Tensor) -> None:
@@ -517,9 +519,6 @@ class PagedCache:
         if plan is None:
             return []
         self.step += 1
-        for i, req_id in enumerate(plan.req_ids):
-            if req_id in self.long_steps:  # its chunk's queries were seen layer by layer
-                self.records[req_id].observed = plan.tokens_after(i)
         self.long_steps = {}
         due: list[tuple[int, str]] = []
         for i, req_id in enumerate(plan.req_ids):
