@@ -72,6 +72,22 @@ class RequestSlots:
         """Slots of the request's block table in use: the mean count and the per-head room."""
         return self.slots + self.reserve
 
+    def evicts_to(self) -> Schedule:
+        """The schedule whose budget the request's next eviction keeps: its own, or at a first
+        eviction that decided its layer budget (``from_prompt``), that layer's."""
+        if self.from_prompt and self.evictions == 0 and self.layer_schedule is not None:
+            return self.layer_schedule
+        if self.schedule is None:
+            raise RuntimeError("kvpolicy: a request that never evicts was due")
+        return self.schedule
+
+    def kept_room(self, held: int) -> int:
+        """The block-table slots the request, holding ``held``, keeps through its next eviction
+        (``kept_held``: under per-head budgets the room for its fullest head)."""
+        if self.schedule is None:
+            raise RuntimeError("kvpolicy: a request that never evicts was due")
+        return kept_held(self.schedule, self.head_cap, held)
+
     @property
     def offset(self) -> int:
         """Tokens evicted so far, less the per-head room: block-table slot ``s`` appended since the
@@ -211,8 +227,8 @@ class SlotLedger:
 
 def _keep(state: RequestSlots) -> None:
     """The slots an eviction leaves: ``budget``, and under per-head budgets the room for the fullest head."""
-    assert state.schedule is not None
-    held = kept_held(state.schedule, state.head_cap, state.held)
+    held = state.kept_room(state.held)
+    assert state.schedule is not None  # kept_room refused one without
     state.slots = min(state.slots, state.schedule.budget)
     state.reserve = held - state.slots
 

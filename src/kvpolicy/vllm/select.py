@@ -255,10 +255,5 @@ class BlockSelection:
     def _window(self, w: int, layer: int, group: SelectGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's last ``w`` queries of ``layer`` ``[R, Hq, W, D]``, oldest first (as
         ``PagedCache`` reads an eviction's window), and which entries hold a query ``[R, W]``."""
-        paged = self.paged
-        r = len(group.req_ids)
-        if w == 0:
-            return torch.zeros(r, paged.q_heads, 0, paged.head_dim, dtype=paged.dtype, device=paged.device), \
-                torch.zeros(r, 0, dtype=torch.bool, device=paged.device)
-        tokens = torch.full((r,), group.held, dtype=torch.long)  # the ring holds this step's query already (captured first)
-        return paged.window(w, group.req_ids, tokens, slice(layer, layer + 1))
+        tokens = torch.full((len(group.req_ids),), group.held, dtype=torch.long)  # this step's query is in (captured first)
+        return self.paged.window(w, group.req_ids, tokens, slice(layer, layer + 1))

@@ -47,7 +47,8 @@ from ..stages.model_facts import ModelFacts, ModelFactsError
 from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
-from .paged_cache import PagedCache, StepRequests, decide_layer_budgets
+from .paged_cache import PagedCache, StepRequests
+from .prompt_budgets import decide_layer_budgets
 from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
