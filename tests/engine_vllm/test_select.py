@@ -5,7 +5,9 @@ granularity, pages of 16), each at budget 128 over prompts plus 256 new tokens. 
 equal ``KVPolicyCache`` + ``generate()`` with the same policy, but where both engines' top-2
 logits are within a rounding tie; the selection changes the tokens (they differ from the full
 cache's), so the engine did attend the chosen blocks. A page choice whose pages are not the
-blocks is refused for that request alone, by name."""
+blocks is refused for that request alone, by name. The engine prefills in chunks of 256
+(``max_num_batched_tokens``): two prompts of 900 and 1,000 tokens under Quest at block pages
+attend as their one-step prompts do in ``generate()`` (``kvpolicy.schedule.step_phase``)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ PROMPTS = [
     "Write a long story about a dragon who learns to code. Once upon a time",
     "List the numbers from one to two hundred: one, two, three,",
 ]
+CHUNK = 256  # the engine's max_num_batched_tokens: longer prompts are prefilled in chunks
+LONG_NEW = 40  # new tokens after the long prompts (select mode chooses at each of them)
 
 
 def _quest_pages(page: int = BLOCK, recent: int = 32) -> dict:
@@ -71,14 +75,38 @@ def hf_refs(model_dir):
             top2 = [lg[0].float().topk(2).values for lg in g.logits]
             rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
         refs[name] = rows
+    rows = []
+    for ids in long_prompts(tokenizer):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=LONG_NEW, min_new_tokens=LONG_NEW,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True,
+                               past_key_values=KVPolicyCache(load_policy(POLICIES["quest-pages"]), model))
+        top2 = [lg[0].float().topk(2).values for lg in g.logits]
+        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+    refs["quest-pages@long"] = rows
     del model
     return refs
+
+
+def long_prompts(tokenizer) -> list[list[int]]:
+    """Two prompts of real English (the built-in policies' own descriptions), 900 and 1,000 tokens."""
+    from pathlib import Path
+
+    import kvpolicy
+
+    folder = Path(kvpolicy.__file__).parent / "policies"
+    text = "\n\n".join(load_policy(p.stem).config.description or "" for p in sorted(folder.glob("*.yaml")))
+    ids = tokenizer(text).input_ids
+    assert len(ids) >= 1900, len(ids)
+    return [ids[:900], ids[900:1900]]
 
 
 def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_refused(model_dir, hf_refs):
     from vllm.exceptions import VLLMValidationError
 
-    llm = make_llm(model_dir, {"policy": "none"}, block_size=BLOCK)
+    llm = make_llm(model_dir, {"policy": "none"}, block_size=BLOCK, enable_chunked_prefill=True,
+                   max_num_batched_tokens=CHUNK)
     try:
         prompts, params, names = [], [], []
         for name, source in POLICIES.items():
@@ -87,6 +115,10 @@ def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_re
                 prompts.append(tokens_prompt(ids))
                 params.append(greedy(NEW, logprobs=2, extra_args=extra))
                 names.append(name)
+        for ids, _, _ in hf_refs["quest-pages@long"]:  # prefilled in chunks
+            prompts.append(tokens_prompt(ids))
+            params.append(greedy(LONG_NEW, logprobs=2, extra_args={"kvpolicy": {"policy": POLICIES["quest-pages"]}}))
+            names.append("quest-pages@long")
         outs = llm.generate(prompts, params, use_tqdm=False)  # every policy in one batch
         with pytest.raises(VLLMValidationError, match="chooses pages of 16 slots .* blocks hold 32"):
             llm.generate([tokens_prompt(hf_refs["none"][0][0])],
@@ -100,7 +132,7 @@ def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_re
     for name, out in zip(names, outs, strict=True):
         got.setdefault(name, []).append(out)
     changed = 0
-    for name in POLICIES:
+    for name in [*POLICIES, "quest-pages@long"]:
         for (ids, ref, margins), out, full in zip(hf_refs[name], got[name], hf_refs["none"], strict=True):
             tokens = list(out.outputs[0].token_ids)
             i = first_divergence(tokens, ref)
@@ -111,7 +143,7 @@ def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_re
                     f"{name}, prompt {ids[:8]}...: first divergence at token {i} with top-2 gaps {margins[i]:.2e} "
                     f"(hf), {gap:.2e} (vllm)"
                 )
-            if name != "none" and ref != full[1]:
+            if name not in ("none", "quest-pages@long") and ref != full[1]:
                 changed += 1
                 print(f"{name}, prompt {ids[:6]}: differs from the full cache from token {first_divergence(ref, full[1])}"
                       f", vLLM equals generate() {'throughout' if i is None else f'up to token {i}'}")
