@@ -70,6 +70,23 @@ def triattention_file() -> dict:
     return {"policy": str(path)}
 
 
+SELECT_BUDGET = 128  # select mode's attended slots (``--select-budget``)
+
+
+def quest_pages_file() -> dict:
+    """The shipped ``quest`` at page granularity over vLLM's blocks of 32, attending
+    ``SELECT_BUDGET`` slots (a recent tail of 64), as a policy file (a server names a file)."""
+    import yaml
+
+    from kvpolicy import load_policy
+
+    data = load_policy("quest", budget=SELECT_BUDGET, recent=64).config.to_dict()
+    data = {**data, "name": "quest-pages", "scorer": {**data["scorer"], "page_size": 32, "granularity": "page"}}
+    path = Path(tempfile.mkdtemp(prefix="kvbench-policy-")) / "quest-pages.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return {"policy": str(path)}
+
+
 POLICIES: dict[str, dict | Callable[[], dict] | None] = {
     "vllm": None,  # kvpolicy not switched on
     "full": {"policy": "none"},
@@ -87,6 +104,8 @@ POLICIES: dict[str, dict | Callable[[], dict] | None] = {
     "pyramidkv": {"policy": "pyramidkv", "budget": 128},
     "ada-vase-attnv": {"policy": "ada-vase-attnv", "budget": 128},
     "quest": {"policy": "quest", "budget": 128},
+    # Quest at block pages (pages = vLLM's blocks of 32): attends only the chosen blocks and the tail
+    "quest-pages": lambda: quest_pages_file(),
     # merges
     "cam": {"policy": "cam", "budget": 128},
     "d2o": {"policy": "d2o", "budget": 128},
@@ -169,16 +188,27 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
         engine.add_request(f"bench-{i}", p, params)
     tokens, decoding, finished = 0, [], 0
     token_ids: dict[str, list[int]] = {}
+    # Decode throughput: from the step after which every request has its first token (every
+    # prompt is in) to the end, the tokens generated in between.
+    produced: dict[str, int] = {}
+    decode_start: tuple[float, int] | None = None
     while finished < len(prompts):
         outs = engine.step()
         # requests that produced a token this step: what the engine actually ran at once
         decoding.append(sum(1 for o in outs if o.outputs and o.outputs[0].token_ids))
         for o in outs:
+            if o.outputs:
+                produced[o.request_id] = len(o.outputs[0].token_ids)
             if o.finished:
                 finished += 1
                 tokens += len(o.outputs[0].token_ids)
                 token_ids[o.request_id] = list(o.outputs[0].token_ids)
+        if decode_start is None and len(produced) == len(prompts) and min(produced.values()) > 0:
+            decode_start = (time.time(), sum(produced.values()))
     wall = time.time() - t0
+    decode_rate = None
+    if decode_start is not None and time.time() > decode_start[0]:
+        decode_rate = round((sum(produced.values()) - decode_start[1]) / (t0 + wall - decode_start[0]), 2)
     steps = []
     for path in trace.glob("scheduler-*.jsonl"):
         steps += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -193,7 +223,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
         "config": name + (" (async)" if async_on else ""), "policy": policy, "async_scheduling": async_on,
         "engine_async": steps[-1].get("async") if steps else None,
         "requests": args.requests, "output_tokens": tokens, "token_ids": token_ids,
-        "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 2), "output_tok_per_s": round(tokens / wall, 2), "decode_tok_per_s": decode_rate,
         "mean_decoding": round(sum(decoding) / len(decoding), 2), "engine_steps": len(decoding),
         "peak_running": max((s["running"] for s in steps), default=None),
         "mean_running": round(sum(s["running"] for s in steps) / len(steps), 2) if steps else None,
@@ -224,8 +254,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
                         help="vLLM's async scheduling for every configuration (both: each runs twice)")
+    parser.add_argument("--select-budget", type=int, default=SELECT_BUDGET,
+                        help="slots select mode attends (quest, quest-pages)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    global SELECT_BUDGET
+    SELECT_BUDGET = args.select_budget
+    POLICIES["quest"] = {"policy": "quest", "budget": SELECT_BUDGET}
     unknown = [c for c in args.configs.split(",") if c not in POLICIES]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; known: {sorted(POLICIES)}")
@@ -257,14 +292,14 @@ def main() -> None:
             if a and b:
                 print(f"{name}: tokens with async scheduling {'identical' if a['token_ids'] == b['token_ids'] else 'DIFFER'}; "
                       f"output tok/s async/sync x{b['output_tok_per_s'] / a['output_tok_per_s']:.2f}")
-    print("\n| config | output tok/s | wall s | engine steps | mean decoding | mean running | peak running "
+    print("\n| config | output tok/s | decode tok/s | wall s | engine steps | mean decoding | mean running | peak running "
           "| peak blocks in use | evictions | prefix hit rate | blocks copied |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
-            print(f"| {r['config']} | refused: {r['error']} |" + " |" * 10)
+            print(f"| {r['config']} | refused: {r['error']} |" + " |" * 11)
         else:
-            cells = [r["output_tok_per_s"], r["wall_s"], r["engine_steps"], r["mean_decoding"], r["mean_running"],
+            cells = [r["output_tok_per_s"], r["decode_tok_per_s"], r["wall_s"], r["engine_steps"], r["mean_decoding"], r["mean_running"],
                      r["peak_running"],
                      f"{r['peak_blocks_in_use']} / {r['kv_blocks']}" if r["peak_blocks_in_use"] else None,
                      r["evictions"], r["prefix_hit_rate"], r["blocks_copied"]]
@@ -273,8 +308,11 @@ def main() -> None:
     if base is not None:
         for r in results:
             if r is not base and "error" not in r:
-                print(f"{r['config']} / vllm: output tok/s x{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}, "
-                      f"mean decoding x{r['mean_decoding'] / base['mean_decoding']:.2f}")
+                decode = ""
+                if r.get("decode_tok_per_s") and base.get("decode_tok_per_s"):
+                    decode = f", decode tok/s x{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}"
+                print(f"{r['config']} / vllm: output tok/s x{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}"
+                      f"{decode}, mean decoding x{r['mean_decoding'] / base['mean_decoding']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps([{k: v for k, v in r.items() if k != "token_ids"} for r in results],
                                              indent=2))

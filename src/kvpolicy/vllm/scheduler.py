@@ -60,15 +60,13 @@ from typing import Any
 
 from ..schedule import Schedule
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
+from .plans import PolicyPlan
 from .settings import (
     KVPolicyVLLMError,
     Resolved,
-    decides_from_prompt,
     evicting_schedule,
     group_head_caps,
     group_schedules,
-    layer_group_refusal,
-    model_refusal,
     per_layer,
     request_policy,
 )
@@ -120,6 +118,8 @@ def cdiv(a: int, b: int) -> int:
 #: Where a preempted request's eviction points wait for its recompute (an attribute of vLLM's
 #: ``Request``: it lives and dies with the request).
 REPLAY_ATTR = "_kvpolicy_replay"
+#: Where a request's ``PolicyPlan`` stays once resolved (likewise).
+PLAN_ATTR = "_kvpolicy_plan"
 #: Where a request's layer budgets decided from its prompt stay (by KV-cache group), for its replays.
 BUDGETS_ATTR = "_kvpolicy_layer_budgets"
 
@@ -143,11 +143,7 @@ class SchedulerEviction:
         self.ledger = self.ledgers[0]
         self.server_per_layer = self.group_layers is not None
         self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)  # what a per-head bound counts
-        self.schedules: dict[str | None, Schedule | None] = {}  # by resolved policy YAML
-        self.group_schedules: dict[str | None, list[Schedule | None]] = {}  # by resolved policy YAML, per group
-        self.sees_every_query: dict[str | None, bool] = {}  # by resolved policy YAML
-        self.head_caps: dict[str | None, list[int | None]] = {}  # by resolved policy YAML, per group (per-head budgets)
-        self.select_budgets: dict[str | None, int | None] = {}  # by resolved policy YAML: select mode's budget
+        self.plans: dict[str | None, PolicyPlan] = {}  # each distinct policy's, by its resolved YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
@@ -163,58 +159,32 @@ class SchedulerEviction:
         self.preempted_after_evicting = 0
         self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
         self.pending_trace: list[Any] = []
-        #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up), and
-        #: by resolved policy YAML why the model cannot serve it (None: it can).
+        #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up).
         self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
-        self.model_refusals: dict[str | None, str | None] = {}
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
         self.awaiting: dict[str, Any] = {}
-        self.from_prompt: dict[str | None, bool] = {}  # by resolved policy YAML
 
-    def _schedule(self, request: Any) -> Schedule | None:
-        r = request_policy(request.sampling_params.extra_args, self.resolved)
-        if r.policy_yaml not in self.schedules:
-            policy = r.policy()
-            self.schedules[r.policy_yaml] = evicting_schedule(policy)  # select mode: every block held
-            self.sees_every_query[r.policy_yaml] = policy is not None and policy.observes_queries
-            self.from_prompt[r.policy_yaml] = decides_from_prompt(policy)
-            self.select_budgets[r.policy_yaml] = policy.budget if policy is not None and policy.mode == "select" else None
-            refusal = layer_group_refusal(policy, self.server_per_layer)
-            self.group_schedules[r.policy_yaml] = [] if refusal is not None else group_schedules(
-                policy, self.group_layers, self.kv_heads)
-            self.head_caps[r.policy_yaml] = [] if refusal is not None else group_head_caps(
-                policy, self.group_layers, self.kv_heads)
-        return self.schedules[r.policy_yaml]
+    def plan(self, request: Any) -> PolicyPlan:
+        """The request's policy as this server runs it: resolved from its sampling parameters once
+        (kept on the request, ``PLAN_ATTR``), planned once per distinct policy (``PolicyPlan``)."""
+        plan = request.__dict__.get(PLAN_ATTR)
+        if plan is None:
+            r = request_policy(request.sampling_params.extra_args, self.resolved)  # raises for unresolved settings
+            plan = self.plans.get(r.policy_yaml)
+            if plan is None:
+                plan = self.plans[r.policy_yaml] = PolicyPlan.build(
+                    r, self.group_layers, self.kv_heads, self.server_per_layer, self.scheduler.vllm_config.model_config,
+                    self.missing_facts)
+            request.__dict__[PLAN_ATTR] = plan
+        return plan
 
     def _group_schedules(self, request: Any) -> list[Schedule | None]:
         """The schedule of each KV-cache group for the request (``settings.group_schedules``)."""
-        self._schedule(request)
-        found = self.group_schedules[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
-        if not found:  # admitted requests never get here (``admit``)
-            raise KVPolicyVLLMError(f"request {request.request_id}: {self._model_refusal(request)}")
-        return found
-
-    def _head_caps(self, request: Any) -> list[int | None]:
-        """The request's policy's per-head bound in each KV-cache group (``settings.group_head_caps``;
-        None: every head keeps the group's budget)."""
-        self._group_schedules(request)
-        return self.head_caps[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
-
-    def _model_refusal(self, request: Any) -> str | None:
-        """Why the workers' model cannot serve the request's policy (a fact it needs is missing)."""
-        r = request_policy(request.sampling_params.extra_args, self.resolved)
-        if r.policy_yaml not in self.model_refusals:
-            policy = r.policy()
-            self.model_refusals[r.policy_yaml] = (
-                model_refusal(policy, self.scheduler.vllm_config.model_config, missing=self.missing_facts)
-                or layer_group_refusal(policy, self.server_per_layer))
-        return self.model_refusals[r.policy_yaml]
-
-    def _sees_every_query(self, request: Any) -> bool:
-        """Whether the request's policy keeps state that must see every query of its tokens."""
-        self._schedule(request)
-        return self.sees_every_query[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        plan = self.plan(request)
+        if not plan.group_schedules:  # admitted requests never get here (``admit``)
+            raise KVPolicyVLLMError(f"request {request.request_id}: {plan.refusal}")
+        return plan.group_schedules
 
     def _tracked(self, req_id: str) -> bool:
         """Track a request the scheduler knows (on its first allocation); False for unknown ids."""
@@ -230,8 +200,8 @@ class SchedulerEviction:
         # The plan stays on the request (replaced at its next preemption): a recompute whose
         # first allocation fails is tracked again later and its prefix hit must stay capped.
         plans = request.__dict__.get(REPLAY_ATTR)
-        caps = self._head_caps(request)
-        from_prompt = self.from_prompt[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        policy_plan = self.plan(request)
+        caps, from_prompt = policy_plan.head_caps, policy_plan.from_prompt
         budgets = request.__dict__.get(BUDGETS_ATTR)  # decided in an earlier run: its replay keeps them
         for g, (ledger, schedule) in enumerate(zip(self.ledgers, self._group_schedules(request), strict=True)):
             layer = None if budgets is None or schedule is None else schedule.model_copy(update={"budget": budgets[g]})
@@ -282,8 +252,7 @@ class SchedulerEviction:
         and its budget in a step of its own, as it decoded it: a recompute after preemption then
         attends the same selections (a chunk would attend densely). Its prompt and the tokens
         before its budget may come in chunks (they attended every slot)."""
-        self._schedule(request)
-        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        budget = self.plan(request).select_budget
         if budget is None:
             return num_new
         end = max(int(request.num_prompt_tokens), budget)
@@ -307,7 +276,7 @@ class SchedulerEviction:
         entry = self.ledgers[group].requests.get(req_id)
         if entry is not None and entry.awaiting:  # it holds every slot until its layer budget is known
             return slots
-        prompt, cap = int(request.num_prompt_tokens), self._head_caps(request)[group]
+        prompt, cap = int(request.num_prompt_tokens), self.plan(request).head_caps[group]
         peak = peak_slots(schedule, prompt, slots, cap)
         if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
             peak = max(peak, peak_slots(entry.layer_schedule, prompt, slots, cap))
@@ -318,14 +287,14 @@ class SchedulerEviction:
         """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
         settings the front end did not resolve, more blocks than the KV pool has, or a policy
         needing a model fact the workers cannot give."""
-        self._schedule(request)  # raises for unresolved settings
-        refusal = self._model_refusal(request)
+        plan = self.plan(request)  # raises for unresolved settings
+        refusal = plan.refusal
         if refusal is None:
             pool = self.scheduler.kv_cache_manager.block_pool
             block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
             refusal = pool_refusal(self._group_schedules(request), int(request.num_prompt_tokens),
                                    int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
-                                   self.prefix_caching, self._head_caps(request))
+                                   self.prefix_caching, plan.head_caps)
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
@@ -354,16 +323,16 @@ class SchedulerEviction:
         request = self.scheduler.requests.get(req_id)
         if request is None:
             return True
-        self._schedule(request)
-        budget = self.select_budgets[request_policy(request.sampling_params.extra_args, self.resolved).policy_yaml]
+        budget = self.plan(request).select_budget
         return budget is None or request.num_computed_tokens < max(int(request.num_prompt_tokens), budget)
 
     def computed_blocks(self, request: Any, found: Any, hit: int, block_size: int) -> tuple[Any, int]:
         """A new request's prefix-cache hit (``found`` blocks per group, ``hit`` tokens), shortened
         where its first eviction needs queries of the hit tokens (``prefix_hit_cap``)."""
-        schedule = self._schedule(request)
+        plan = self.plan(request)
+        schedule = plan.schedule
         cap = prefix_hit_cap(schedule, request.num_prompt_tokens)
-        if self._sees_every_query(request):
+        if plan.sees_every_query:
             # Its state must see every prompt query, and a hit's tokens are never computed: it
             # computes its whole prompt (exact; it still fills the prefix cache for others).
             cap = 0

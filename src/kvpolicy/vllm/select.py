@@ -66,6 +66,7 @@ class SelectGroup:
     held: int
     fresh: bool
     chosen_at: int
+    rows: list[int]  # their rows in the runner's batch
     req_ids: list[str]
     tokens: torch.Tensor  # [R] each request's token in the step's flattened tokens (device)
     blocks: torch.Tensor  # [R, ceil(held / block_size)] each request's block ids (device)
@@ -91,6 +92,12 @@ class BlockSelection:
 
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+
+    def skipped_rows(self) -> list[int]:
+        """The batch rows whose attention this step is ``attend``'s alone: the decode steps that
+        attend a selection. The engine's kernel need not attend them (the worker shortens their
+        attention length to one slot; ``attend`` writes every layer's output for them)."""
+        return [row for group in self.groups for row in group.rows]
 
     def end_step(self) -> None:
         self.groups = []
@@ -127,7 +134,8 @@ class BlockSelection:
             req_ids = [r for _, r in members]
             blocks = table.get_cpu_tensor()[rows, : -(-held // paged.block_size)].to(device=device, dtype=torch.long)
             tokens = torch.tensor([int(ends[i]) - 1 for i, _ in members], dtype=torch.long, device=device)
-            self.groups.append(SelectGroup(paged.request_policy(req_ids[0]), held, fresh, chosen_at, req_ids, tokens,
+            self.groups.append(SelectGroup(paged.request_policy(req_ids[0]), held, fresh, chosen_at,
+                                           [i for i, _ in members], req_ids, tokens,
                                            blocks, [self.requests[r] for r in req_ids]))
 
     def _request(self, req_id: str, policy: Policy) -> RequestChoice:
@@ -208,15 +216,22 @@ class BlockSelection:
         """``group``'s choice on ``layer``: ``eviction.choose`` (select mode's own call) on the
         requests' slots, with their page summaries brought up to the pages filled by now."""
         paged = self.paged
-        n = group.held
-        blocks, offs = slot_address(group.blocks, n, paged.block_size)
-        keys, values = gather_paged(paged.kv[layer], blocks, offs)  # [R, Hkv, n, D]
+        n, r = group.held, len(group.req_ids)
         key_pages = {}
         for p in group.choices[0].summaries:
             for j, c in enumerate(group.choices):
-                self._summarise(c, layer, keys[j], p)
+                self._summarise(c, layer, group.blocks[j], n, p)
             both = torch.stack([c.summaries[p][layer, :, : n // p] for c in group.choices])  # [R, Hkv, pages, 2, D]
             key_pages[p] = (both[..., 0, :], both[..., 1, :])
+        if policy.chooses_pages is not None:
+            # A page choice reads the page summaries and the queries (``Scorer.score_pages``): the
+            # slots are not gathered. NaN placeholders make a scorer that reads keys or values fail
+            # loudly (``guards.run_page_scorer`` refuses non-finite scores) instead of reading zeros.
+            nan = torch.full((), float("nan"), dtype=paged.dtype, device=paged.device)
+            keys = values = nan.expand(r, paged.kv_heads, n, paged.head_dim)
+        else:
+            blocks, offs = slot_address(group.blocks, n, paged.block_size)
+            keys, values = gather_paged(paged.kv[layer], blocks, offs)  # [R, Hkv, n, D]
         queries, query_valid = self._window(policy.schedule.window, layer, group)
         shape = (keys.shape[0], keys.shape[1], n)
         inp = eviction_input(
@@ -235,19 +250,21 @@ class BlockSelection:
         for j, c in enumerate(group.choices):
             c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
 
-    @staticmethod
-    def _summarise(choice: RequestChoice, layer: int, keys: torch.Tensor, p: int) -> None:
+    def _summarise(self, choice: RequestChoice, layer: int, blocks: torch.Tensor, n: int, p: int) -> None:
         """Layer ``layer``'s summaries of pages of ``p`` slots of ``choice`` for every whole page
-        of ``keys [Hkv, n, D]`` (the request's slots), reducing only the pages filled since."""
-        full, done = keys.shape[1] // p, choice.summarised[p][layer]
+        of the request's ``n`` slots (in ``blocks``), gathering and reducing only the pages filled since."""
+        full, done = n // p, choice.summarised[p][layer]
         if full <= done:
             return
+        bs = self.paged.block_size
+        slots = torch.arange(done * p, full * p, device=blocks.device)
+        keys = self.paged.kv[layer][0][blocks[slots // bs], slots % bs].transpose(0, 1)  # [Hkv, new slots, D]
         old = choice.summaries[p]
         if old.shape[2] < full:  # grow geometrically
             grown = old.new_zeros(*old.shape[:2], max(full, 2 * old.shape[2], 8), *old.shape[3:])
             grown[:, :, : old.shape[2]] = old
             choice.summaries[p] = old = grown
-        low, high = page_bounds(keys[:, done * p : full * p], p)  # [Hkv, new, D] each
+        low, high = page_bounds(keys, p)  # [Hkv, new, D] each
         old[layer, :, done:full, 0] = low
         old[layer, :, done:full, 1] = high
         choice.summarised[p][layer] = full

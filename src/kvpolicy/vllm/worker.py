@@ -229,6 +229,11 @@ class WorkerEviction:
         for g, paged in enumerate(self.pageds):
             paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table(g))
         self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+        skipped = self.select.skipped_rows()
+        if skipped:  # their attention is the selection's alone (select.attend): the kernel reads one slot of theirs
+            rows = torch.tensor(skipped, dtype=torch.long)
+            runner.seq_lens[rows.to(runner.seq_lens.device)] = 1
+            runner.optimistic_seq_lens_cpu[rows] = 1
 
     def group_metadata(self, builder: Any, common: Any) -> Any:
         """The common attention metadata a KV-cache group's builder gets: under per-layer budgets,
