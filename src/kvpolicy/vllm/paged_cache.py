@@ -27,6 +27,7 @@ from ..schedule import Schedule
 from ..stages.base import EvictionInput
 from ..stages.model_facts import ModelFacts
 from . import lanes
+from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, RequestSlots, SlotLedger, compaction
 from .paged import KV, compact, gather_paged, slot_address
@@ -46,7 +47,8 @@ from .requests import (
     stacked_state,
     stored_state,
 )
-from .settings import KVPolicyVLLMError, Resolved, decides_from_prompt
+from .settings import Resolved
+from .support import KVPolicyVLLMError
 from .trace import EvictionTrace
 
 __all__ = ["BlockTable", "KeptSlots", "PagedCache", "RequestPolicy", "StepRequests"]

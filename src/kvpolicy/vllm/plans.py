@@ -18,15 +18,9 @@ from typing import Any
 
 from ..policy import Policy
 from ..schedule import Schedule
-from .settings import (
-    Resolved,
-    decides_from_prompt,
-    evicting_schedule,
-    group_head_caps,
-    group_schedules,
-    layer_group_refusal,
-    model_refusal,
-)
+from .budgets import decides_from_prompt, evicting_schedule, group_head_caps, group_schedules
+from .refusals import layer_group_refusal, model_refusal
+from .settings import Resolved
 
 
 @dataclass(frozen=True)

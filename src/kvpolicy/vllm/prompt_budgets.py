@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .settings import KVPolicyVLLMError
+from .support import KVPolicyVLLMError
 
 if TYPE_CHECKING:
     from .paged_cache import PagedCache

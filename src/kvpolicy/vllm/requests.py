@@ -21,8 +21,10 @@ from ..policy import Policy
 from ..query_ring import filled, time_order
 from ..schedule import Schedule
 from ..stages.base import EvictionInput, StateField
+from .budgets import group_head_caps, group_schedules
 from .paged import KV
-from .settings import KVPolicyVLLMError, Resolved, group_head_caps, group_schedules
+from .settings import Resolved
+from .support import KVPolicyVLLMError
 
 
 class BlockTable(Protocol):

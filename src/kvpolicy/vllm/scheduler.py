@@ -59,17 +59,11 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
+from .budgets import evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
 from .plans import PolicyPlan
-from .settings import (
-    KVPolicyVLLMError,
-    Resolved,
-    evicting_schedule,
-    group_head_caps,
-    group_schedules,
-    per_layer,
-    request_policy,
-)
+from .settings import Resolved, request_policy
+from .support import KVPolicyVLLMError
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None

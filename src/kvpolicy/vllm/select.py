@@ -32,7 +32,8 @@ from ..schedule import step_phase
 from ..selection import choose_now, page_bounds, page_plan, page_slots
 from .paged import gather_paged, slot_address
 from .paged_cache import BlockTable, PagedCache, RequestPolicy, StepRequests
-from .settings import KVPolicyVLLMError, page_refusal, select_refusal
+from .refusals import page_refusal, select_refusal
+from .support import KVPolicyVLLMError
 
 
 @dataclass
