@@ -239,6 +239,7 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
 
 
 def main() -> None:
+    global SELECT_BUDGET
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (bundled), qwen3-4b-random, or a folder")
     parser.add_argument("--configs", default="vllm,full,snapkv,streamingllm,rkv")
@@ -258,7 +259,6 @@ def main() -> None:
                         help="slots select mode attends (quest, quest-pages)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    global SELECT_BUDGET
     SELECT_BUDGET = args.select_budget
     POLICIES["quest"] = {"policy": "quest", "budget": SELECT_BUDGET}
     unknown = [c for c in args.configs.split(",") if c not in POLICIES]

@@ -1,4 +1,4 @@
-"""``kvpolicy.vllm.paged_cache.KeptSlots``: the one place a request's per-slot fields live in vLLM
+"""``kvpolicy.vllm.requests.KeptSlots``: the one place a request's per-slot fields live in vLLM
 (positions and a policy's per-slot state), moved together (pure torch, no vLLM)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvpolicy.stages import StateField
-from kvpolicy.vllm.paged_cache import KeptSlots
+from kvpolicy.vllm.requests import KeptSlots
 
 FIELDS = {"stage_a.attention": StateField(torch.float32, 0.0), "stage_a.heads": StateField(torch.float32, 0.0, per="head"),
           "stage_b.last": StateField(torch.int64, -1)}

@@ -34,8 +34,9 @@ from kvpolicy import EvictingCache, load_policy
 from kvpolicy.stages.model_facts import ModelFacts
 from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import kept_held, replay_boundary
-from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
+from kvpolicy.vllm.paged_cache import PagedCache
 from kvpolicy.vllm.prompt_budgets import decide_layer_budgets
+from kvpolicy.vllm.requests import StepRequests
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, per_layer, refuse_unservable
 
 LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4

@@ -19,7 +19,8 @@ import torch
 
 from kvpolicy import EvictingCache, load_policy
 from kvpolicy.attend import attend
-from kvpolicy.vllm.paged_cache import PagedCache, StepRequests
+from kvpolicy.vllm.paged_cache import PagedCache
+from kvpolicy.vllm.requests import StepRequests
 from kvpolicy.vllm.select import BlockSelection
 from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, page_refusal, refuse_unservable
 

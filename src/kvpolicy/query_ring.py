@@ -1,7 +1,7 @@
 """The window of recent post-RoPE queries that attention scorers read: a ring per layer.
 
 ``time_order`` is the one rule of reading a ring oldest first, for a cache's layer group
-(``QueryRing``) and for vLLM's per-request rings (``kvpolicy.vllm.paged_cache.RequestQueryRing``)."""
+(``QueryRing``) and for vLLM's per-request rings (``kvpolicy.vllm.requests.RequestQueryRing``)."""
 
 from __future__ import annotations
 

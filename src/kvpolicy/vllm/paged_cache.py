@@ -51,8 +51,6 @@ from .settings import Resolved
 from .support import KVPolicyVLLMError
 from .trace import EvictionTrace
 
-__all__ = ["BlockTable", "KeptSlots", "PagedCache", "RequestPolicy", "StepRequests"]
-
 
 class PagedCache:
     """Every request's slots in the paged cache of one worker (one tensor-parallel rank).

@@ -31,8 +31,9 @@ from ..policy import Policy, eviction_input
 from ..schedule import step_phase
 from ..selection import choose_now, page_bounds, page_plan, page_slots
 from .paged import gather_paged, slot_address
-from .paged_cache import BlockTable, PagedCache, RequestPolicy, StepRequests
+from .paged_cache import PagedCache
 from .refusals import page_refusal, select_refusal
+from .requests import BlockTable, RequestPolicy, StepRequests
 from .support import KVPolicyVLLMError
 
 

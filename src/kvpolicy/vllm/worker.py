@@ -47,8 +47,9 @@ from ..stages.model_facts import ModelFacts, ModelFactsError
 from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
-from .paged_cache import PagedCache, StepRequests
+from .paged_cache import PagedCache
 from .prompt_budgets import decide_layer_budgets
+from .requests import StepRequests
 from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
 
