@@ -98,7 +98,7 @@ class RequestQueryRing:
         ``[Lyr * R, W]``."""
         rows = torch.tensor([self.row_of[q] for q in req_ids], dtype=torch.long, device=self.tensor.device)
         order = time_order(tokens % self.window, self.window, self.tensor.device)  # [R, W]
-        win = self.tensor[rows][:, layers]  # [R, Lyr, W, Hq, D]
+        win = self.tensor[:, layers][rows]  # [R, Lyr, W, Hq, D]: only the layers read are copied
         win = win.gather(2, order[:, None, :, None, None].expand_as(win))
         valid = filled(tokens.to(self.tensor.device), self.window)
         return win.permute(1, 0, 3, 2, 4).flatten(0, 1), valid.repeat(win.shape[1], 1)
