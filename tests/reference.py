@@ -914,3 +914,38 @@ def d2o_merge(K, V, keep, slot_valid, weight, threshold, evictions, *, ema):
                 out[b, h, t] = torch.tensor([a / total for a in acc], dtype=torch.float64)
                 weight[b, h, t] = total / math.e
     return out, weight, threshold, evictions
+
+
+def cam_bounded_merge(V, keep, slot_valid, positions, attention, mass, draws, *, merge_budget):
+    """``cam``'s bounded rule (``mass: bounded``), float64 loops: each evicted token whose draw is
+    under ``p`` (as ``cam_merge``) hands each of the ``merge_budget`` kept slots after it (by
+    position) the weight ``1 / |window|``; a kept slot becomes ``(mass_t v_t + sum w v_i) /
+    (mass_t + sum w)`` and its mass ``mass_t + sum w``. Returns ``(values, mass)``."""
+    B, H, N, _ = V.shape
+    out, new_mass = V.double().clone(), mass.double().clone()
+    for b in range(B):
+        for h in range(H):
+            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
+            order = [j for _, j in by_pos]
+            got = {}  # kept slot -> [weight, weighted sum of values]
+            for i, e in enumerate(order):
+                if bool(keep[b, h, e]):
+                    continue
+                window = [t for t in order[i + 1:] if bool(keep[b, h, t])][:merge_budget]
+                if not window:
+                    continue
+                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
+                a = float(attention[b, h, e])
+                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
+                if not float(draws[b, h, e]) < p:
+                    continue
+                w = 1.0 / len(window)
+                for t in window:
+                    acc = got.setdefault(t, [0.0, V[b, h, t].double() * 0.0])
+                    acc[0] += w
+                    acc[1] = acc[1] + w * V[b, h, e].double()
+            for t, (w, s) in got.items():
+                m = float(mass[b, h, t])
+                out[b, h, t] = (m * V[b, h, t].double() + s) / (m + w)
+                new_mass[b, h, t] = m + w
+    return out, new_mass

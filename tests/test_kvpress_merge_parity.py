@@ -64,8 +64,8 @@ def test_cam_equals_cam_press_given_its_mask(fx):
     for (layer, budget), case in merges["cam"].items():
         k, v = keys[layer : layer + 1], values[layer : layer + 1]
         hkv, n = k.shape[1], k.shape[2]
-        stage = CamMerge(merge_budget=budget)
-        inp = _input(k, v, state={stage.state_key: {"attention": case["attention"].float()}})
+        stage = CamMerge(merge_budget=budget, mass="faithful")  # CaM's rule, as CAMPress has it
+        inp = _input(k, v, state={stage.attention.state_key: {"attention": case["attention"].float()}})
         keep = torch.zeros(1, hkv, n, dtype=torch.bool)
         keep[..., case["kept"][0]] = True  # kvpress keeps one set for every head
         candidates = case["candidates"][0]

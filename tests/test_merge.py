@@ -6,6 +6,7 @@ layout writing merged values, and the refusals."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import reference as ref
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy import EvictingCache, PolicyError, eviction, load_policy
+from kvpolicy import EvictingCache, PolicyError, PolicyWarning, eviction, load_policy
 from kvpolicy.inputs import eviction_input
 from kvpolicy.stages import CamMerge, D2OMerge, EvictionInput, SimilarMerge
 
@@ -81,8 +82,8 @@ def test_cam_matches_its_reference_given_the_same_draws():
     keep = _keep(g, valid, 10, 2)
     attention = torch.rand(B, HKV, n, generator=g) * 3
     attention[0, 0, :6] = 0.0  # 0 / 0 -> p 0 and x / 0 -> p 1 where a window's attention is all 0
-    stage = CamMerge(merge_budget=budget)
-    inp = _input(keys, values, valid, positions, state={stage.state_key: {"attention": attention}})
+    stage = CamMerge(merge_budget=budget, mass="faithful")
+    inp = _input(keys, values, valid, positions, state={stage.attention.state_key: {"attention": attention}})
     u = torch.rand(B, HKV, n, generator=g, dtype=torch.float64)
     want, p_want = ref.cam_merge(values, keep, valid, positions, attention, u, merge_budget=budget)
     p = stage.merge_probability(inp, keep)
@@ -98,8 +99,8 @@ def test_cam_probability_one_and_zero_merge_all_and_none():
     g, keys, values = _tensors(3, n)
     valid, positions = _layout(n, 3, pad=0)
     keep = _keep(g, valid, 8, 2)
-    stage = CamMerge(merge_budget=4)
-    inp = _input(keys, values, valid, positions, state={stage.state_key: {"attention": torch.ones(B, HKV, n)}})
+    stage = CamMerge(merge_budget=4, mass="faithful")
+    inp = _input(keys, values, valid, positions, state={stage.attention.state_key: {"attention": torch.ones(B, HKV, n)}})
     none = stage.merge_with(inp, keep, torch.zeros(B, HKV, n, dtype=torch.bool))
     assert torch.equal(none, values)
     every = stage.merge_with(inp, keep, torch.ones(B, HKV, n, dtype=torch.bool))
@@ -110,18 +111,23 @@ def test_cam_probability_one_and_zero_merge_all_and_none():
     torch.testing.assert_close(every.double(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_cam_draws_from_the_rows_seeded_streams():
+@pytest.mark.parametrize("mass", ["faithful", "bounded"])
+def test_cam_draws_from_the_rows_seeded_streams(mass):
     n = 16
     g, keys, values = _tensors(4, n)
     valid, positions = _layout(n, 4)
     keep = _keep(g, valid, 8, 2)
-    stage = CamMerge(merge_budget=4)
-    state = {stage.state_key: {"attention": torch.rand(B, HKV, n, generator=g)}}
+    stage = CamMerge(merge_budget=4, mass=mass)
+    state = {stage.attention.state_key: {"attention": torch.rand(B, HKV, n, generator=g)},
+             stage.state_key: {"mass": 1.0 + torch.rand(B, HKV, n, generator=g)}}
     inp = _input(keys, values, valid, positions, state=state)
     got = stage.merge(inp, keep).values
     u = inp.head_uniform(n, stream="cam")
-    assert torch.equal(got, stage.merge_with(inp, keep, u < stage.merge_probability(inp, keep)))
+    draws = u < stage.merge_probability(inp, keep)
+    given = stage.merge_with(inp, keep, draws) if mass == "faithful" else stage.merge_bounded(inp, keep, draws)[0]
+    assert torch.equal(got, given)
     assert torch.equal(got, stage.merge(_input(keys, values, valid, positions, state=state), keep).values)
+    assert 0 < int((draws & ~keep & valid).sum()) < int((~keep & valid).sum()), "some draws merge, some do not"
 
 
 def test_d2o_matches_its_reference_over_repeated_merges():
@@ -149,14 +155,17 @@ def test_d2o_matches_its_reference_over_repeated_merges():
 
 
 # -- properties of every merge, through the eviction core -----------------------------------------
-MERGES = {"similar": {"type": "similar"}, "cam": {"type": "cam", "merge_budget": 3}, "d2o": {"type": "d2o"}}
+MERGES = {"similar": {"type": "similar"}, "cam": {"type": "cam", "merge_budget": 3},
+          "cam-faithful": {"type": "cam", "merge_budget": 3, "mass": "faithful"}, "d2o": {"type": "d2o"}}
 
 
 def _policy(merge: str | None, budget: int = 12, **extra):
     base = load_policy("h2o", budget=budget, recent=3, window=4, interval=4, **extra).config.to_dict()
     if merge is not None:
         base["merge"] = MERGES[merge]
-    return load_policy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)  # cam-faithful's (tested on its own)
+        return load_policy(base)
 
 
 @settings(max_examples=25, deadline=None)
@@ -182,10 +191,15 @@ def test_a_merge_keeps_the_slots_count_and_untouched_values(seed, n, merge):
     valid = torch.ones(B, HKV, n, dtype=torch.bool)
     if merge == "similar":
         want = ref.similar_merge(keys, values, keep, valid)
+    elif merge == "cam-faithful":
+        positions = torch.arange(n).expand(B, HKV, n)
+        want, _ = ref.cam_merge(values, keep, valid, positions, b.state["accumulated_attention.attention"],
+                                inp.head_uniform(n, stream="cam"), merge_budget=3)
     elif merge == "cam":
         positions = torch.arange(n).expand(B, HKV, n)
-        want, _ = ref.cam_merge(values, keep, valid, positions, b.state["cam.attention"],
-                                inp.head_uniform(n, stream="cam"), merge_budget=3)
+        want, mass = ref.cam_bounded_merge(values, keep, valid, positions, b.state["accumulated_attention.attention"],
+                                           torch.ones(B, HKV, n), inp.head_uniform(n, stream="cam"), merge_budget=3)
+        torch.testing.assert_close(b.state["cam.mass"].double(), mass, rtol=1e-5, atol=1e-6)
     else:
         fresh = torch.ones(B, HKV, n), torch.zeros(B, HKV), torch.zeros(B, HKV, dtype=torch.long)
         want, weight, _, _ = ref.d2o_merge(keys, values, keep, valid, *fresh, ema=0.5)

@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any
 
 from .config import PolicyConfig, PolicyError
+from .documents import PolicyWarning
 from .evicting import EvictingCache
 from .hookspecs import PLUGIN_CONTRACT, hookimpl
 from .loading import load_policy
@@ -30,6 +31,7 @@ __all__ = [
     "Policy",
     "PolicyConfig",
     "PolicyError",
+    "PolicyWarning",
     "Reservation",
     "Schedule",
     "Scorer",

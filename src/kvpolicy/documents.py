@@ -34,6 +34,12 @@ class PolicyError(ValueError):
         super().__init__(f"invalid policy {source}:\n{lines}")
 
 
+class PolicyWarning(UserWarning):
+    """A policy that loads and runs, in a setting where it is known to go wrong: the message says
+    what goes wrong there and what to use instead (``cam``'s faithful merge under repeated
+    evictions). Raised at load, once per setting; ``-W error::kvpolicy.PolicyWarning`` refuses it."""
+
+
 
 #: Deepest nesting of mappings and lists a policy file may have (real ones nest under 20 levels;
 #: the bound keeps the YAML composer and the line index far from Python's recursion limit).

@@ -871,6 +871,13 @@ class Merge(Stage):
     and it never changes a key: keys carry their position's RoPE rotation, and a mixture of keys
     rotated for different positions is no key of any position. The default, ``drop``, merges
     nothing and leaves every policy as it was without merging.
+
+    A merge keeps its own state in ``state_fields`` (per-slot weights, moved with their slots)
+    and returns it in ``MergeResult.state``. A merge that reads a scorer's state (``cam`` reads
+    accumulated attention) nests that scorer as a stage-valued field (``ScorerSpec``) and reads
+    ``inp.state_of(nested)``: the policy keeps every nested stage's state, and equal stages share
+    one (``Stage.state_key``), so where the policy's scorer equals the nested one the merge reads
+    the scorer's state and it is accumulated once.
     """
 
     kind: ClassVar[StageKind] = "merge"
