@@ -54,16 +54,15 @@ from pathlib import Path
 
 
 def triattention_file() -> dict:
-    """TriAttention with its bundled calibration (SmolLM2-135M's, named after the GGUF package),
-    accepted for the converted folder served here (``check_name: false``), its recent buffer cut
-    to 32 so that a 128 budget leaves candidates; as a policy file, since a server names a policy
-    or a file (mappings are per request)."""
+    """TriAttention with its bundled calibration (SmolLM2-135M's, which serves the converted folder
+    served here: the same model by its fingerprint), its recent buffer cut to 32 so that a 128
+    budget leaves candidates; as a policy file, since a server names a policy or a file (mappings
+    are per request)."""
     from importlib.resources import files
 
     import yaml
 
     spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
-    spec["scorer"]["check_name"] = False
     spec["schedule"].update(budget=128, recent=32, interval=64)
     path = Path(tempfile.mkdtemp(prefix="kvbench-policy-")) / "triattention.yaml"
     path.write_text(yaml.safe_dump(spec))

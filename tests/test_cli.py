@@ -539,3 +539,39 @@ def test_calibrate_writes_a_file_the_triattention_scorer_loads(capsys, tmp_path,
     assert cal.shape["num_layers"] == 2 and cal.info["tokens"] == "200"
     code, _, err = run(capsys, "calibrate", "--text", str(text), "--tokens", "5000", "-o", str(out))
     assert code == 2 and "--tokens: the text has 460 tokens, fewer than the 5000 asked for" in err
+
+
+def test_calibrate_adds_the_models_fingerprint_to_a_file_measured_before_fingerprints(capsys, tmp_path, monkeypatch):
+    """``--add-fingerprint FILE``: FILE's statistics, with the fingerprint of the model loaded, which
+    then serves that model and refuses another of its shape; a model of another shape is refused."""
+    pytest.importorskip("transformers")
+    from hf_util import tiny_qwen3
+    from safetensors.torch import load_file, save_file
+
+    import kvpolicy.eval.models as models
+    from kvpolicy.hf.facts import model_facts
+
+    model = tiny_qwen3(layers=2, vocab=64)
+    models_by_name = {"tiny": model, "other": tiny_qwen3(layers=2, vocab=64, seed=1), "deep": tiny_qwen3(layers=3, vocab=64)}
+    monkeypatch.setattr(models, "resolve_model", lambda spec: models.ModelSource(spec, tmp_path))
+    monkeypatch.setattr(models, "load_model", lambda src, dtype, device: models_by_name[src.name])
+    from kvpolicy.calibrate import measure_query_calibration
+
+    measured = measure_query_calibration(model, torch.arange(3, 40))
+    measured.save(tmp_path / "new.safetensors")
+    old = tmp_path / "old.safetensors"  # as kvpolicy wrote it before fingerprints
+    save_file({k: t for k, t in load_file(str(tmp_path / "new.safetensors")).items() if not k.startswith("fingerprint")},
+              str(old), metadata={"kvpolicy_calibration": "1", "model": "tiny", "num_layers": "2",
+                                  "num_attention_heads": "4", "num_kv_heads": "2", "head_dim": "16"})
+    out = tmp_path / "stamped.safetensors"
+    code, _, err = run(capsys, "calibrate", "--model", "tiny", "--add-fingerprint", str(old), "-o", str(out))
+    assert code == 0, err
+    stamped = kvpolicy.stages.QueryCalibration.load(out)
+    assert stamped.model == "tiny" and torch.equal(stamped.q_mean, measured.q_mean)
+    assert torch.equal(stamped.q_abs_mean, measured.q_abs_mean)
+    assert torch.equal(stamped.fingerprint.o_proj, measured.fingerprint.o_proj)
+    stamped.check_model(model_facts(model))
+    with pytest.raises(ValueError, match="another model: its weights differ"):
+        stamped.check_model(model_facts(models_by_name["other"]))
+    code, _, err = run(capsys, "calibrate", "--model", "deep", "--add-fingerprint", str(old), "-o", str(out))
+    assert code == 2 and "num_layers = 2, but the model" in err

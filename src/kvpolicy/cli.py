@@ -260,6 +260,7 @@ CALIBRATE_EPILOG = """\
 examples:
   kvpolicy calibrate -o smollm2.safetensors                 # bundled model, bundled prose
   kvpolicy calibrate --model path/to/model --text traces.txt --tokens 32768 --device cuda -o q.safetensors
+  kvpolicy calibrate --model path/to/model --add-fingerprint old.safetensors -o q.safetensors
 then: {type: triattention, calibration: q.safetensors} in a policy file
 """
 
@@ -282,6 +283,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="float32",
                    help="the model's dtype (default: float32); the statistics are computed in float64")
+    p.add_argument("--add-fingerprint", type=Path, metavar="FILE",
+                   help="measure nothing: write FILE, a calibration measured on --model before kvpolicy recorded "
+                        "model fingerprints, with the model's fingerprint added (its statistics unchanged)")
     p.add_argument("--output", "--out", "-o", type=Path, required=True, metavar="FILE",
                    help="the calibration file to write (.safetensors)")
     p.set_defaults(func=cmd_calibrate)
@@ -305,6 +309,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     try:
         source = resolve_model(args.model)
         device = resolve_device(args.device)
+        if args.add_fingerprint is not None:  # no text: nothing is measured
+            return _add_fingerprint(args, source, load_model(source, resolve_dtype(args.dtype, device), device))
         text, text_name = read_text(args.text)
         ids = load_tokenizer(source)(text, add_special_tokens=False)["input_ids"]
         if len(ids) < args.tokens:
@@ -320,6 +326,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     shape = calibration.shape
     print(f"wrote {args.output}: {calibration.model}, {shape['num_layers']} layers x {shape['num_attention_heads']} "
           f"query heads x {shape['head_dim'] // 2} frequency pairs", file=sys.stderr)
+    return 0
+
+
+def _add_fingerprint(args: argparse.Namespace, source: Any, model: Any) -> int:
+    """``kvpolicy calibrate --add-fingerprint FILE``: FILE with the fingerprint of the model loaded."""
+    from .hf.facts import model_facts
+    from .stages.triattention import CalibrationWarning, QueryCalibration
+
+    with warnings.catch_warnings():  # the file lacks the fingerprint: that is why it is given
+        warnings.simplefilter("ignore", CalibrationWarning)
+        old = QueryCalibration.load(args.add_fingerprint)
+    old.with_fingerprint(model_facts(model)).save(args.output)
+    print(f"wrote {args.output}: {args.add_fingerprint} with the fingerprint of {source.name}", file=sys.stderr)
     return 0
 
 

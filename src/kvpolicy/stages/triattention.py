@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -11,6 +12,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from .base import DataFile, EvictionInput, Scorer
+from .fingerprint import FINGERPRINT_FORMAT, ModelFingerprint
 from .model_facts import Fact, ModelFacts
 
 #: The calibration format this kvpolicy reads and writes (``kvpolicy_calibration`` in the file).
@@ -26,6 +28,11 @@ class CalibrationError(ValueError):
     """A query calibration file that cannot be used; the message names the file and the field."""
 
 
+class CalibrationWarning(UserWarning):
+    """A calibration file without the fingerprint of its model: which model it serves is then
+    judged by the model's name alone (``QueryCalibration``)."""
+
+
 class QueryCalibration:
     """Per (layer, query head) statistics of a model's pre-RoPE queries, measured offline
     (``kvpolicy calibrate``), in RoPE's frequency pairs: dimension ``f`` and ``f + D/2`` form the
@@ -34,13 +41,20 @@ class QueryCalibration:
     The file is safetensors: three float32 tensors ``[num_layers, num_attention_heads, D/2]``,
     ``q_mean_real`` and ``q_mean_imag`` (the mean ``E[q_f]``) and ``q_abs_mean`` (``E|q_f|``),
     and string metadata: ``kvpolicy_calibration`` (the format, ``1``), ``model`` (the model's
-    name, the last part of ``ModelFacts.name``; compared case-insensitively, by that part), ``num_layers``, ``num_attention_heads``, ``num_kv_heads``,
-    ``head_dim`` (its shape), and the informative ``method``, ``text`` and ``tokens``.
+    name, the last part of ``ModelFacts.name``: for messages), ``num_layers``,
+    ``num_attention_heads``, ``num_kv_heads``, ``head_dim`` (its shape), and the informative
+    ``method``, ``text`` and ``tokens``. The model's fingerprint (``kvpolicy.stages.fingerprint``),
+    which identifies it: metadata ``fingerprint`` (its format) and ``hidden_size``, float32
+    tensors ``fingerprint_rope`` and ``fingerprint_o_proj``. A file without it (written before
+    kvpolicy recorded one) is read with a ``CalibrationWarning``, and the model is then checked
+    by name, as then.
     """
 
     def __init__(self, model: str, shape: dict[str, int], q_mean: torch.Tensor, q_abs_mean: torch.Tensor,
-                 info: dict[str, str] | None = None, source: str = "<calibration>") -> None:
+                 info: dict[str, str] | None = None, source: str = "<calibration>",
+                 fingerprint: ModelFingerprint | None = None) -> None:
         self.model = model
+        self.fingerprint = fingerprint
         self.shape = dict(shape)
         self.q_mean = q_mean  # [L, Hq, D/2] complex64
         self.q_abs_mean = q_abs_mean  # [L, Hq, D/2] float32
@@ -64,6 +78,14 @@ class QueryCalibration:
                 raise CalibrationError(f"{self.source}: {name}: holds non-finite values")
         if bool((self.q_abs_mean < 0).any()):
             raise CalibrationError(f"{self.source}: q_abs_mean: holds negative values (it is a mean modulus)")
+        fp = self.fingerprint
+        if fp is not None:
+            if fp.first_q_head or fp.o_proj.shape[1] != self.shape["num_attention_heads"]:
+                raise CalibrationError(f"{self.source}: fingerprint_o_proj: must hold every query head's samples")
+            for name in _SHAPE_FIELDS:
+                if fp.named_shape[name] != self.shape[name]:
+                    raise CalibrationError(f"{self.source}: fingerprint: {name} {fp.named_shape[name]}, but the file "
+                                           f"declares {self.shape[name]}")
 
     def __eq__(self, other: object) -> bool:
         # The data only: where it was loaded from does not make it another calibration.
@@ -76,9 +98,29 @@ class QueryCalibration:
 
     @classmethod
     def measured(cls, facts: ModelFacts, q_mean: torch.Tensor, q_abs_mean: torch.Tensor, **info: str) -> QueryCalibration:
+        """The calibration of the model ``facts`` describe, with its fingerprint (``CalibrationWarning``
+        where the model cannot give one: the file is then checked by name)."""
         shape = {name: getattr(facts, name) for name in _SHAPE_FIELDS}
+        fingerprint, why = facts.model_fingerprint()
+        if fingerprint is None:
+            warnings.warn(CalibrationWarning(
+                f"the calibration of {facts.name!r} records no fingerprint of the model ({why or 'not given'}): "
+                "a model is then judged to be the one it was measured on by its name alone"), stacklevel=2)
         # The name's last part: a calibration names the model, not the folder it was loaded from.
-        return cls(Path(facts.name.rstrip("/")).name or facts.name, shape, q_mean.to(torch.complex64), q_abs_mean.float(), info)
+        return cls(Path(facts.name.rstrip("/")).name or facts.name, shape, q_mean.to(torch.complex64),
+                   q_abs_mean.float(), info, fingerprint=fingerprint)
+
+    def with_fingerprint(self, facts: ModelFacts) -> QueryCalibration:
+        """This calibration with the fingerprint of the model ``facts`` describe, its statistics
+        unchanged: for a file measured on that model before kvpolicy recorded fingerprints
+        (``kvpolicy calibrate --add-fingerprint FILE``). Refuses a model of another shape; that the
+        file was measured on this model is the caller's word."""
+        self.check_model(facts, check_model=False)
+        fingerprint, why = facts.model_fingerprint()
+        if fingerprint is None:
+            raise CalibrationError(f"the model {facts.name!r} gives no fingerprint: {why or 'not given'}")
+        return QueryCalibration(self.model, self.shape, self.q_mean, self.q_abs_mean, self.info, self.source,
+                                fingerprint=fingerprint)
 
     @classmethod
     def load(cls, path: str | Path) -> QueryCalibration:
@@ -119,35 +161,89 @@ class QueryCalibration:
         if tensors["q_mean_real"].shape != tensors["q_mean_imag"].shape:
             raise CalibrationError(f"{source}: q_mean_imag: shape differs from q_mean_real's")
         q_mean = torch.complex(tensors["q_mean_real"], tensors["q_mean_imag"])
-        info = {k: v for k, v in meta.items() if k not in (*_SHAPE_FIELDS, "kvpolicy_calibration", "model")}
-        return cls(meta.get("model", ""), shape, q_mean, tensors["q_abs_mean"], info, source)
+        info = {k: v for k, v in meta.items() if k not in (*_SHAPE_FIELDS, *_FINGERPRINT_META, "kvpolicy_calibration", "model")}
+        fingerprint = _read_fingerprint(source, meta, tensors, shape)
+        calibration = cls(meta.get("model", ""), shape, q_mean, tensors["q_abs_mean"], info, source, fingerprint=fingerprint)
+        if fingerprint is None:
+            warnings.warn(CalibrationWarning(
+                f"calibration {source} records no fingerprint of its model (written before kvpolicy recorded one): "
+                f"the model it serves is judged by its name ({meta.get('model', '')!r}) alone; add it with `kvpolicy "
+                "calibrate --model MODEL --add-fingerprint FILE -o OUT` on the model it was measured on"), stacklevel=2)
+        return calibration
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
         meta = {"kvpolicy_calibration": str(CALIBRATION_FORMAT), "model": self.model,
                 **{k: str(v) for k, v in self.shape.items()}, **self.info}
-        save_file({"q_mean_real": self.q_mean.real.contiguous(), "q_mean_imag": self.q_mean.imag.contiguous(),
-                   "q_abs_mean": self.q_abs_mean.contiguous()}, str(path), metadata=meta)
+        tensors = {"q_mean_real": self.q_mean.real.contiguous(), "q_mean_imag": self.q_mean.imag.contiguous(),
+                   "q_abs_mean": self.q_abs_mean.contiguous()}
+        if self.fingerprint is not None:
+            meta.update(fingerprint=str(FINGERPRINT_FORMAT), hidden_size=str(self.fingerprint.named_shape["hidden_size"]))
+            tensors.update(fingerprint_rope=self.fingerprint.rope.contiguous(),
+                           fingerprint_o_proj=self.fingerprint.o_proj.contiguous())
+        save_file(tensors, str(path), metadata=meta)
 
-    def check_model(self, facts: ModelFacts, *, check_name: bool = True) -> None:
-        """``ValueError`` naming the field unless the calibration was measured on this model."""
+    def check_model(self, facts: ModelFacts, *, check_model: bool = True) -> None:
+        """``CalibrationError`` unless the calibration was measured on the model ``facts`` describe:
+        its shape always; with ``check_model``, the model itself, by its fingerprint where the file
+        records one (by name where it does not). Facts that do not know the fingerprint yet (a
+        configuration alone: vLLM's front end) pass on the shape; facts of a model that cannot give
+        one (no RoPE or output projection) are refused: the model measured gave one."""
         for name in _SHAPE_FIELDS:
             if self.shape[name] != getattr(facts, name):
                 raise CalibrationError(
                     f"calibration {self.source}: {name} = {self.shape[name]}, but the model {facts.name!r} has "
                     f"{getattr(facts, name)}: measure one for this model with `kvpolicy calibrate`"
                 )
-        if check_name and _base_name(self.model) != _base_name(facts.name):
+        if not check_model:
+            return
+        escape = "measure one for this model with `kvpolicy calibrate` (or set check_model: false to use it anyway)"
+        if self.fingerprint is None:
+            if _base_name(self.model) != _base_name(facts.name):
+                raise CalibrationError(
+                    f"calibration {self.source}: model = {self.model!r}, but the cache serves {facts.name!r} (the file "
+                    f"records no fingerprint, so the name decides): {escape}"
+                )
+            return
+        live, why = facts.model_fingerprint()
+        if live is None and why is None:
+            return  # not known yet: checked where the weights are loaded
+        difference = why if live is None else self.fingerprint.difference(live)
+        if difference is not None:
             raise CalibrationError(
-                f"calibration {self.source}: model = {self.model!r}, but the cache serves {facts.name!r}: measure one "
-                "for this model with `kvpolicy calibrate` (or set check_name: false for the same model under "
-                "another name)"
+                f"calibration {self.source} was measured on the model {self.model!r}, but the cache serves "
+                f"{facts.name!r}, another model: {difference}; {escape}"
             )
 
 
 def _base_name(name: str) -> str:
     return Path(name.rstrip("/")).name.lower()
+
+
+_FINGERPRINT_META = ("fingerprint", "hidden_size")
+
+
+def _read_fingerprint(source: str, meta: dict[str, str], tensors: dict[str, torch.Tensor],
+                      shape: dict[str, int]) -> ModelFingerprint | None:
+    """The fingerprint a calibration file records (None: none, an older file)."""
+    version = meta.get("fingerprint")
+    if version is None:
+        return None
+    if version != str(FINGERPRINT_FORMAT):
+        raise CalibrationError(f"{source}: fingerprint: format {version!r} is unknown; this kvpolicy reads "
+                               f"{FINGERPRINT_FORMAT} (measure the calibration again with `kvpolicy calibrate`)")
+    hidden = meta.get("hidden_size")
+    if hidden is None or not hidden.isdigit():
+        raise CalibrationError(f"{source}: hidden_size: missing or not a positive int ({hidden!r})")
+    for name in ("fingerprint_rope", "fingerprint_o_proj"):
+        if name not in tensors:
+            raise CalibrationError(f"{source}: {name}: missing tensor (the file declares a fingerprint)")
+    try:
+        return ModelFingerprint((*(shape[n] for n in _SHAPE_FIELDS), int(hidden)), tensors["fingerprint_rope"],
+                                tensors["fingerprint_o_proj"])
+    except ValueError as exc:
+        raise CalibrationError(f"{source}: {exc}") from None
 
 
 def geometric_offsets(largest: int) -> list[int]:
@@ -181,8 +277,24 @@ class TriAttentionScorer(Scorer):
     trig: bool = Field(True, description="Keep the position-dependent (cosine) term; false: the authors' disable_trig.")
     mean_length_residual: bool = Field(
         True, description="The second term weighs E|q| - |E q| (true) or E|q| (false: the authors' disable_mlr).")
-    check_name: bool = Field(True, description="Refuse a calibration whose model name differs from the model's.")
+    check_model: bool = Field(
+        True, description="Refuse a calibration measured on another model (by its fingerprint; by name where the "
+        "file records none). check_name, its former name, is read as it, with a FutureWarning.")
     _calibration: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "check_name" in data:
+            data = dict(data)
+            value = data.pop("check_name")
+            if "check_model" in data:
+                raise ValueError("check_name: the former name of check_model; give check_model alone")
+            warnings.warn(FutureWarning(
+                "triattention: check_name is now check_model (the model is identified by its fingerprint, not its "
+                "name); check_name will be refused in a later kvpolicy"), stacklevel=2)
+            data["check_model"] = value
+        return data
 
     @model_validator(mode="after")
     def _load(self) -> TriAttentionScorer:
@@ -197,7 +309,7 @@ class TriAttentionScorer(Scorer):
         return True
 
     def check_model_facts(self, facts: ModelFacts) -> None:
-        self._calibration.check_model(facts, check_name=self.check_name)
+        self._calibration.check_model(facts, check_model=self.check_model)
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         facts = inp.facts(self)

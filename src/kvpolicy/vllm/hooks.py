@@ -366,9 +366,10 @@ def _install_engine_core() -> None:
         def initialize_from_config(self, *args: Any, **kwargs: Any):
             original(self, *args, **kwargs)
             if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
-                from .worker import missing_facts
+                from .worker import missing_facts, model_fingerprint
 
                 sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
+                sched_mod.set_model_fingerprints(self.collective_rpc(model_fingerprint))
                 sched_mod.set_executor(self)  # the scheduler asks the workers for CAKE's layer budgets
 
         return initialize_from_config

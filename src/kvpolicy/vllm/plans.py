@@ -12,7 +12,7 @@ and why this server cannot serve it. The workers run the same rules on their own
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +39,14 @@ class PolicyPlan:
 
     @staticmethod
     def build(resolved: Resolved, group_layers: list[int] | None, kv_heads: int, server_per_layer: bool,
-              model_config: Any, missing: Mapping[str, str]) -> PolicyPlan:
+              model_config: Any, missing: Mapping[str, str],
+              fingerprints: Sequence[Mapping[str, Any] | None] = ()) -> PolicyPlan:
         """Plan ``resolved`` on a server of ``group_layers`` (None: one KV-cache group for every
-        layer) with ``kv_heads`` KV heads per rank, whose workers cannot give the ``missing`` facts."""
+        layer) with ``kv_heads`` KV heads per rank, whose workers cannot give the ``missing`` facts
+        and hold models of these ``fingerprints`` (each rank's)."""
         policy = resolved.policy()
         groups = layer_group_refusal(policy, server_per_layer)
-        refusal = model_refusal(policy, model_config, missing=missing) or groups
+        refusal = model_refusal(policy, model_config, missing=missing, fingerprints=fingerprints) or groups
         return PolicyPlan(
             resolved, policy, evicting_schedule(policy),
             [] if groups is not None else group_schedules(policy, group_layers, kv_heads),

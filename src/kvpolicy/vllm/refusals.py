@@ -7,7 +7,7 @@ Nothing here imports vLLM at import time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..policy import Policy
@@ -216,25 +216,32 @@ def shard_refusal(policy: Policy | None, tensor_parallel_size: int) -> str | Non
     )
 
 
-def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str, str] | None = None) -> str | None:
+def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str, str] | None = None,
+                  fingerprints: Sequence[Mapping[str, Any] | None] = ()) -> str | None:
     """Why the served model cannot run ``policy`` (None: it can): a stage that reads the model
     and cannot serve this one (``Stage.check_model_facts``: TriAttention's calibration file
     measured on another model), or a fact it reads that the loaded model cannot give
     (``missing``: fact -> why, as the workers found), in ``KVPolicyCache``'s words. Asked in the
-    front end from the model's configuration and name, before any worker loads it; in the
-    engine core with the workers' missing facts, per request; each worker checks the facts it
-    builds again (``PagedCache.check_policy``)."""
+    front end from the model's configuration and name, before any worker loads it (a
+    calibration's model fingerprint is not known there: its shape is checked); in the engine
+    core with the workers' missing facts and each rank's fingerprint (``fingerprints``:
+    ``ModelFingerprint.to_dict``, None where a rank has none), per request; each worker checks
+    the facts it builds again (``PagedCache.check_policy``)."""
     if policy is None or not policy.needs_model or model_config is None:
         return None
     from ..engine_facts import ModelShape
+    from ..stages.fingerprint import ModelFingerprint
     from ..stages.model_facts import lacking, stage_problems
 
-    facts = ModelShape.of_config(model_config.hf_text_config, str(model_config.model)).facts(
-        rope_fn=None, output_projection_fn=None, missing=dict(missing or {}))
-    problems = lacking(policy.stages, facts.name, missing or {}) + stage_problems(policy.stages, facts)
+    shape = ModelShape.of_config(model_config.hf_text_config, str(model_config.model))
+    problems = lacking(policy.stages, shape.name, missing or {})
+    for given in fingerprints or [None]:
+        facts = shape.facts(rope_fn=None, output_projection_fn=None, missing=dict(missing or {}),
+                            fingerprint=None if given is None else ModelFingerprint.from_dict(dict(given)))
+        problems += [p for p in stage_problems(policy.stages, facts) if p not in problems]
     if not problems:
         return None
-    return f"policy {policy.name!r} cannot serve the model {facts.name!r}: " + "; ".join(problems)
+    return f"policy {policy.name!r} cannot serve the model {shape.name!r}: " + "; ".join(problems)
 
 
 def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:

@@ -82,6 +82,17 @@ def set_missing_facts(per_rank: list[dict[str, str]]) -> None:
             _MISSING_FACTS.setdefault(fact, why)
 
 
+#: Each rank's model fingerprint (``set_model_fingerprints``: ``ModelFingerprint.to_dict``, None: none).
+_FINGERPRINTS: list[dict[str, Any] | None] = []
+
+
+def set_model_fingerprints(per_rank: list[dict[str, Any] | None]) -> None:
+    """Each rank's fingerprint of the model's heads it holds (``kvpolicy.vllm.worker.model_fingerprint``):
+    asked when the workers start evicting, before the scheduler exists, so that a request whose
+    calibration was measured on another model is refused alone (``refusals.model_refusal``)."""
+    _FINGERPRINTS[:] = list(per_rank)
+
+
 #: The engine core's executor (``set_executor``): how the scheduler asks the workers for the layer
 #: budgets they decided (``worker.reported_layer_budgets``).
 _EXECUTOR: Any = None
@@ -155,6 +166,7 @@ class SchedulerEviction:
         self.pending_trace: list[Any] = []
         #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up).
         self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
+        self.fingerprints: list[dict[str, Any] | None] = list(_FINGERPRINTS)
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
         self.awaiting: dict[str, Any] = {}
@@ -169,7 +181,7 @@ class SchedulerEviction:
             if plan is None:
                 plan = self.plans[r.policy_yaml] = PolicyPlan.build(
                     r, self.group_layers, self.kv_heads, self.server_per_layer, self.scheduler.vllm_config.model_config,
-                    self.missing_facts)
+                    self.missing_facts, self.fingerprints)
             request.__dict__[PLAN_ATTR] = plan
         return plan
 

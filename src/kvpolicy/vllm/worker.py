@@ -446,5 +446,17 @@ def missing_facts(worker: Any) -> dict[str, str]:
     return {} if state is None else dict(state.model_facts.missing)
 
 
+def model_fingerprint(worker: Any) -> dict[str, Any] | None:
+    """The fingerprint of the model's heads this rank's worker holds (``ModelFacts.model_fingerprint``,
+    as ``ModelFingerprint.to_dict``), None where it has none or does not evict. Called on every rank
+    by the engine core at start-up (``collective_rpc``), so that a request whose calibration was
+    measured on another model is refused alone, before it runs."""
+    state = runner_eviction(worker.model_runner)
+    if state is None:
+        return None
+    fingerprint, _ = state.model_facts.model_fingerprint()  # where it has none, the missing facts say why
+    return None if fingerprint is None else fingerprint.to_dict()
+
+
 def active() -> WorkerEviction | None:
     return _ACTIVE
