@@ -83,7 +83,7 @@ def _install_test_switches() -> None:
 def _install_frontend() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from . import settings
+    from . import contract, settings
 
     def make(original):
         def create_engine_config(self, *args: Any, **kwargs: Any):
@@ -96,6 +96,7 @@ def _install_frontend() -> None:
             resolved = settings.resolve(entry)
             self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
             config = original(self, *args, **kwargs)
+            contract.check_config(config)  # every attribute the integration reads, by name
             settings.check_config(config, resolved)
             return config
 
@@ -104,11 +105,12 @@ def _install_frontend() -> None:
     _wrap(EngineArgs, "create_engine_config", make)
 
     from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
     def make_process(original):
         def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
-            extra = getattr(params, "extra_args", None)
+            extra = params.extra_args if isinstance(params, SamplingParams) else None  # PoolingParams carry none
             try:
                 resolved_args = settings.resolve_request(extra)
                 if resolved_args is not None and settings.Resolved.from_additional_config(
@@ -186,8 +188,8 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
 
     server = settings.Resolved.from_additional_config(vllm_config.additional_config)
     blocks = vllm_config.cache_config.num_gpu_blocks
-    params = getattr(request, "sampling_params", None)
-    prompt = getattr(request, "prompt_token_ids", None)
+    params = request.sampling_params  # contract.ENGINE_CORE_REQUEST: None for pooling, prompt ids None for embeddings
+    prompt = request.prompt_token_ids
     if server is None or not blocks or params is None or prompt is None:
         return None
     r = settings.request_policy(resolved_args, server)
@@ -224,11 +226,14 @@ def _install_scheduler() -> None:
     from vllm.v1.core import single_type_kv_cache_manager as stm
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from . import contract, settings
     from . import scheduler as sched_mod
 
     def make_init(original):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
+            if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
+                contract.check_scheduler(self)  # every attribute the scheduler side reads, by name
             sched_mod.init_scheduler(self)
 
         return __init__
@@ -334,8 +339,8 @@ def _install_scheduler() -> None:
 def _install_engine_core() -> None:
     from vllm.v1.engine import core
 
+    from . import contract, settings
     from . import scheduler as sched_mod
-    from . import settings
 
     def make_preprocess(original):
         # Every request enters the engine core here, whichever client sent it: one that does not
@@ -344,8 +349,9 @@ def _install_engine_core() -> None:
             out = original(self, request, *args, **kwargs)
             state = sched_mod.state_of(self.scheduler)
             if state is not None:
+                contract.check_once(out[0], contract.REQUEST)
                 state.admit(out[0])
-            elif settings.REQUEST_KEY in (getattr(out[0].sampling_params, "extra_args", None) or {}):
+            elif out[0].sampling_params is not None and settings.REQUEST_KEY in (out[0].sampling_params.extra_args or {}):
                 raise settings.KVPolicyVLLMError(
                     f"request {out[0].request_id} names a kvpolicy policy, but this engine runs without kvpolicy"
                 )
@@ -405,21 +411,27 @@ def _install_engine_core() -> None:
 
 
 def _install_worker() -> None:
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from . import facts, settings, worker
+    from . import contract, facts, settings, worker
+
+    def _checked(layer: Any) -> Any:
+        contract.check_once(layer, contract.LINEAR_LAYER)
+        return layer
+
+    def _kvpolicy_loading() -> bool:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        return config is not None and settings.Resolved.from_additional_config(config.additional_config) is not None
 
     def make_process_weights(original):
         def process_weights_after_loading(self, layer):
             # vLLM's CPU backend packs the weight for oneDNN and drops `weight`: the output
             # projections' are kept (not copied) for the model facts of policies that read them.
-            if str(getattr(layer, "prefix", "")).endswith(".o_proj"):
-                from vllm.config import get_current_vllm_config_or_none
-
-                config = get_current_vllm_config_or_none()
-                if config is not None and settings.Resolved.from_additional_config(config.additional_config) is not None:
-                    facts.keep_weight(layer)
+            if isinstance(layer, LinearBase) and _kvpolicy_loading() and _checked(layer).prefix.endswith(".o_proj"):
+                facts.keep_weight(layer)
             return original(self, layer)
 
         return process_weights_after_loading
@@ -540,8 +552,7 @@ def install_backend(impl_cls: type) -> None:
         return do_kv_cache_update
 
     _wrap(impl_cls, "forward", make_forward)
-    if hasattr(impl_cls, "do_kv_cache_update"):
-        _wrap(impl_cls, "do_kv_cache_update", make_kv_update)
+    _wrap(impl_cls, "do_kv_cache_update", make_kv_update)  # contract.ATTENTION_IMPL: the layout check lives there
 
 
 def install_builder(builder_cls: type) -> None:

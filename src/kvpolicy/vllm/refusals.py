@@ -154,7 +154,7 @@ def refusals(vllm_config: Any) -> list[str]:
         out.append("speculative decoding is not supported (rejected draft tokens would desynchronise evictions)")
     if pc.data_parallel_size > 1:
         out.append("data parallelism is not supported (data_parallel_size must be 1)")
-    if getattr(pc, "decode_context_parallel_size", 1) > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
+    if pc.decode_context_parallel_size > 1 or pc.prefill_context_parallel_size > 1:  # contract.PARALLEL_CONFIG
         out.append("context parallelism is not supported")
     if vllm_config.kv_transfer_config is not None:
         out.append("KV transfer / offloading connectors are not supported")

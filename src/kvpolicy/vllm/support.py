@@ -12,3 +12,12 @@ class KVPolicyVLLMError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"kvpolicy[vllm]: {message}")
+
+
+class KVPolicyInvariantError(RuntimeError):
+    """An invariant the integration's memory accounting relies on is broken (a bug, not a setting):
+    raised, never asserted, so that ``python -O`` keeps it; the step stops instead of reading or
+    writing blocks that another request holds."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"kvpolicy[vllm] internal invariant broken: {message}")

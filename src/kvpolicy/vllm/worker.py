@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..stages.model_facts import ModelFacts, ModelFactsError
+from . import contract
 from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
@@ -52,6 +53,7 @@ from .prompt_budgets import decide_layer_budgets
 from .requests import StepRequests
 from .select import BlockSelection
 from .settings import KVPolicyVLLMError, Resolved, request_policy
+from .support import KVPolicyInvariantError
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +66,19 @@ class WorkerEviction:
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 
+        from .layer_spec import LayerKVCacheSpec
+
         self.runner = runner
         self.resolved = resolved  # the server's policy: requests naming none run it
+        # Every vLLM attribute read below and at each step, refused by name if this release lacks one.
+        contract.check_all([(runner, contract.MODEL_RUNNER), (runner.input_batch, contract.INPUT_BATCH),
+                            (runner.vllm_config.cache_config, contract.CACHE_CONFIG)])
         groups = runner.kv_cache_config.kv_cache_groups
+        contract.check_all((g, contract.KV_CACHE_GROUP) for g in groups)
         # One KV-cache group for every layer, or (a server under per-layer budgets:
         # ``kvpolicy.vllm.layer_spec``) one group per layer, each with its own block table.
         self.per_layer = len(groups) > 1
-        if self.per_layer and any(len(g.layer_names) != 1 or getattr(g.kv_cache_spec, "kvpolicy_layer", None) is None
+        if self.per_layer and any(len(g.layer_names) != 1 or not isinstance(g.kv_cache_spec, LayerKVCacheSpec)
                                   for g in groups):
             raise KVPolicyVLLMError(f"expected one KV cache group (full attention everywhere) or one per layer "
                                     f"(per-layer budgets), got {len(groups)}")
@@ -79,6 +87,8 @@ class WorkerEviction:
         names = sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
         ctx = runner.compilation_config.static_forward_context
         check_layer_names(names, ctx)
+        contract.check_all((ctx[n], contract.ATTENTION_LAYER) for n in names)
+        contract.check_all((ctx[n].impl, contract.ATTENTION_IMPL) for n in names)
         self.layer_of = {name: i for i, name in enumerate(names)}
         #: by the index of a layer in ``names``: its KV-cache group and its index among the group's layers
         if self.per_layer:  # each group holds one layer (checked above)
@@ -108,6 +118,7 @@ class WorkerEviction:
         # Under per-layer budgets each group's attention length is its own (``group_metadata``).
         self.builder_classes = {ctx[n].attn_backend.get_builder_cls() for n in names} if self.per_layer else set()
         self.group_seq_lens: dict[int, tuple[torch.Tensor, int]] = {}  # this step's, by group (per-layer budgets)
+        self.builders_checked: set[type] = set()  # metadata builders exist per group: checked at their first build
         self.device = caches[0].device
         self.held_generators: dict[int, torch.Generator] = {}  # see _hold_generators
         self.layout_checked = False
@@ -164,7 +175,7 @@ class WorkerEviction:
 
     def _layer(self, layer: Any) -> int:
         """The index of an attention layer of the model, by the name vLLM gives it."""
-        name = getattr(layer, "layer_name", None)
+        name = layer.layer_name  # the contract's (checked at start-up)
         index = self.layer_of.get(name)
         if index is None:
             raise KVPolicyVLLMError(
@@ -241,10 +252,16 @@ class WorkerEviction:
         its own attention length (``seq_lens``: its slots, not group 0's); else unchanged."""
         if not self.group_seq_lens:
             return common
-        names = getattr(builder, "layer_names", None) or []
+        if type(builder) not in self.builders_checked:
+            contract.check(builder, contract.METADATA_BUILDER)
+            self.builders_checked.add(type(builder))
+        names = list(builder.layer_names)
         index = self.layer_of.get(names[0]) if len(names) == 1 else None
-        if index is None:
-            return common
+        if index is None:  # every group holds one known layer (checked at start-up): group 0's length would be wrong
+            raise KVPolicyInvariantError(
+                f"a metadata builder of layers {names[:4]} is not one KV-cache group's single attention layer: "
+                "its attention length would be another layer's"
+            )
         found = self.group_seq_lens.get(self.group_of[index][0])
         if found is None:  # group 0: the runner's own
             return common
@@ -272,9 +289,9 @@ class WorkerEviction:
         would stop the engine. Held back, the generator draws nothing for the discarded sample,
         which is what the rewind is for: the request samples as if the chunk had not happened."""
         self.held_generators = {}
-        mask = getattr(self.runner, "discard_request_mask", None)
+        mask = self.runner.discard_request_mask  # the contract's (checked at start-up)
         gens = self.runner.input_batch.generators
-        if mask is None or not gens:
+        if not gens:
             return
         for i in np.flatnonzero(mask.np[:num_reqs]).tolist():
             if i in gens:
@@ -338,8 +355,12 @@ class WorkerEviction:
         for g, (paged, due) in enumerate(zip(self.pageds, dues, strict=True)):
             for ev in paged.evict_due(due, tables[g]):
                 state = self.runner.requests.get(ev.req_id)
-                if state is not None:
-                    state.block_ids[g][:] = ev.blocks
+                if state is None:  # its block ids would keep blocks the scheduler has freed
+                    raise KVPolicyInvariantError(
+                        f"request {ev.req_id} evicted in KV-cache group {g}, but the model runner holds no record "
+                        "of it: its block ids could not follow the eviction"
+                    )
+                state.block_ids[g][:] = ev.blocks
 
     def layer_budgets(self, req_ids: list[str]) -> dict[str, list[int]]:
         """The layer budgets this worker decided for requests at their first eviction (by layer)."""
@@ -375,14 +396,14 @@ def per_head_refusal(impl: Any) -> str | None:
     """Why ``kvpolicy.attend.attend_heads`` cannot stand in for this attention backend's kernel
     for requests whose heads hold different counts (None: it can): it computes plain scaled
     softmax attention, without ALiBi, logit soft-capping, attention sinks or a sliding window."""
-    extras = []
-    if getattr(impl, "alibi_slopes", None) is not None:
+    extras = []  # each may be None, but vLLM 0.32's impls set all four (the worker checks ATTENTION_IMPL first)
+    if impl.alibi_slopes is not None:
         extras.append("ALiBi")
-    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
+    if impl.logits_soft_cap not in (None, 0, 0.0):
         extras.append("logit soft-capping")
-    if getattr(impl, "sinks", None) is not None:
+    if impl.sinks is not None:
         extras.append("attention sinks")
-    if getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+    if impl.sliding_window not in (None, -1, (-1, -1)):
         extras.append("a sliding window")
     if not extras:
         return None
@@ -393,11 +414,12 @@ def check_layer_names(names: list[str], ctx: Any) -> None:
     """Refuse, at start-up, attention layers the worker could not name while they run: the
     attention hooks find a layer by its ``layer_name``, and a layer without it (or with another
     name than the KV cache's) would leave its query window empty without a word."""
-    wrong = [n for n in names if getattr(ctx[n], "layer_name", None) != n]
+    contract.check_all((ctx[n], contract.ATTENTION_LAYER.only("layer_name")) for n in names)
+    wrong = [n for n in names if ctx[n].layer_name != n]
     if wrong:
         raise KVPolicyVLLMError(
-            f"attention layer(s) {wrong[:4]} do not carry their own name as `layer_name` (vLLM renamed the "
-            "attribute?): kvpolicy finds a layer's query window by it, and refuses to run without it"
+            f"attention layer(s) {wrong[:4]} do not carry their own name as `layer_name`: kvpolicy finds a "
+            "layer's query window by it, and refuses to run without it"
         )
 
 
@@ -426,14 +448,14 @@ def reported_layer_budgets(worker: Any, req_ids: list[str]) -> dict[str, list[in
     """The layer budgets this rank's worker decided for ``req_ids`` at their first eviction
     (``WorkerEviction.layer_budgets``). Called by the scheduler (``collective_rpc``) once the step
     that decided them has run."""
-    state = runner_eviction(getattr(worker, "model_runner", None))
+    state = runner_eviction(worker.model_runner)
     return {} if state is None else state.layer_budgets(req_ids)
 
 
 def trim_blocks(worker: Any, keep: dict[str, list[int]]) -> None:
     """The scheduler's trim of requests whose layer budgets it just learned (``WorkerEviction.trim``),
     called (``collective_rpc``) before it schedules another step."""
-    state = runner_eviction(getattr(worker, "model_runner", None))
+    state = runner_eviction(worker.model_runner)
     if state is not None:
         state.trim(keep)
 
@@ -442,7 +464,7 @@ def missing_facts(worker: Any) -> dict[str, str]:
     """The model facts this rank's worker cannot give, with the reason (``ModelFacts.missing``);
     empty where it does not evict. Called on every rank by the engine core at start-up
     (``collective_rpc``), so a request needing one is refused alone, before it runs."""
-    state = runner_eviction(getattr(worker, "model_runner", None))
+    state = runner_eviction(worker.model_runner)
     return {} if state is None else dict(state.model_facts.missing)
 
 
