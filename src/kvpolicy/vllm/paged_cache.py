@@ -58,20 +58,20 @@ class PagedCache:
     Args:
         kv: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views).
         layer_ids: the model's index of each layer of ``kv`` (what keys per-layer draws).
-        q_heads, head_dim, block_size: the attention's query heads on this rank, head size, block slots.
+        q_heads: the attention's query heads on this rank.
+        head_dim: the attention's head size.
+        block_size: slots per block.
         head_offset: the model's index of this rank's first KV head (tensor parallelism).
         prefix_caching: whether vLLM's prefix cache may share a request's blocks (then a first
             eviction writes into fresh blocks, never into shared ones).
         policy_of: a request's resolved policy (its own, else the server's), asked once per request.
-        trace, rank: a folder receiving every eviction (``kvpolicy.vllm.trace``); this worker's rank.
-        model_facts: the facts of this rank's share of the model (``kvpolicy.vllm.facts``), handed
-            to every eviction of a policy that reads the model; each policy is checked against
-            them when first loaded (``check_policy``), with ``KVPolicyCache``'s errors.
-        per_head_refusal: why this engine's attention cannot attend heads of uneven counts (a
-            per-head policy is then refused when first loaded); None: it can.
-        model_layers: set when this cache serves one KV-cache group of a server under per-layer
-            budgets: its one layer (``layer_ids[0]`` of ``model_layers``) runs that layer's schedule
-            (``settings.group_schedules``) in a block table of its own. None: every layer, one table.
+        trace: a folder receiving every eviction (``kvpolicy.vllm.trace``).
+        rank: this worker's tensor-parallel rank.
+        model_facts: this rank's share of the model's facts, for policies that read the model;
+            each policy is checked against them when first loaded (``check_policy``).
+        per_head_refusal: why this engine cannot attend heads of uneven counts (None: it can).
+        model_layers: set when this cache serves one KV-cache group of a per-layer server: its one
+            layer (``layer_ids[0]`` of ``model_layers``) runs that layer's schedule; else None.
     """
 
     def __init__(
