@@ -147,6 +147,18 @@ def test_a_group_metadata_builder_not_of_one_known_layer_raises():
         fresh.group_metadata(SimpleNamespace(names=[names[1]], build=None), common)
 
 
+def test_a_request_the_runner_does_not_hold_is_not_given_the_servers_policy():
+    from kvpolicy.vllm.settings import Resolved, resolve, resolve_request
+
+    server = Resolved(None, "none", 0)
+    own = resolve_request({"kvpolicy": {"policy": "snapkv", "budget": 128}})
+    runner = SimpleNamespace(requests={"a": SimpleNamespace(sampling_params=SimpleNamespace(extra_args=own))})
+    worker = _worker(runner=runner, resolved=server)
+    assert worker._resolve("a") == resolve({"policy": "snapkv", "budget": 128}, per_request=True)
+    with pytest.raises(KVPolicyInvariantError, match="request b runs.*no record"):
+        worker._resolve("b")
+
+
 def test_an_eviction_the_runner_cannot_follow_raises():
     from kvpolicy.vllm.worker import WorkerEviction
 

@@ -162,7 +162,10 @@ class WorkerEviction:
 
     def _resolve(self, req_id: str) -> Resolved:
         state = self.runner.requests.get(req_id)
-        params = None if state is None else state.sampling_params
+        if state is None:  # the server's policy would stand in for the request's own, and its ledger differ
+            raise KVPolicyInvariantError(f"request {req_id} runs, but the model runner holds no record of it: "
+                                         "its kvpolicy settings cannot be read")
+        params = state.sampling_params
         return request_policy(None if params is None else params.extra_args, self.resolved)
 
     def _block_table(self, group: int = 0) -> Any:
