@@ -228,8 +228,7 @@ class SlotLedger:
 def _keep(state: RequestSlots) -> None:
     """The slots an eviction leaves: ``budget``, and under per-head budgets the room for the fullest head."""
     held = state.kept_room(state.held)
-    assert state.schedule is not None  # kept_room refused one without
-    state.slots = min(state.slots, state.schedule.budget)
+    state.slots = min(state.slots, state.evicts_to().budget)
     state.reserve = held - state.slots
 
 

@@ -426,9 +426,7 @@ class SchedulerEviction:
             if not self.ledger.tracks(req_id):
                 continue
             for ledger, mgr, budget in zip(self.ledgers, managers, budgets, strict=True):
-                entry = ledger.get(req_id)
-                assert entry.schedule is not None
-                held, kept = ledger.decide(req_id, entry.schedule.model_copy(update={"budget": budget}))
+                held, kept = ledger.decide(req_id, ledger.get(req_id).evicts_to().model_copy(update={"budget": budget}))
                 self._trim(mgr, req_id, held, kept, first=False)
             keep[req_id] = [len(mgr.req_to_blocks.get(req_id, ())) for mgr in managers]
         if keep:
