@@ -18,7 +18,7 @@ from .spec import ScorerSpec
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-_BOUNDED = {"mass": StateField(torch.float32, 1.0)}  # tokens each slot stands for (1: never merged into)
+_BOUNDED = {"mass": StateField(torch.float32, 1.0)}  # 1, plus the weight of every share received
 
 
 class CamMerge(Merge):
