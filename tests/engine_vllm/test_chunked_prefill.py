@@ -12,6 +12,7 @@ select-mode engine (``test_select.py``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,6 @@ pytest.importorskip("vllm")
 
 from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt, top2_gap  # noqa: E402
 
-import kvpolicy  # noqa: E402
 from kvpolicy import load_policy  # noqa: E402
 
 NEW = 64
@@ -41,17 +41,16 @@ def model_dir():
     return smollm2_folder()
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir) -> list[list[int]]:
-    """Two long prompts of real English (the built-in policies' own descriptions), 900 and 1,000 tokens."""
-    from transformers import AutoTokenizer
+#: Two prompts of real English, 900 and 1,000 tokens of SmolLM2's tokenizer (the built-in policies'
+#: descriptions, frozen: an edited description must not change what the engine tests run).
+LONG_PROMPTS = Path(__file__).parents[1] / "fixtures" / "long_prompts.json"
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    folder = Path(kvpolicy.__file__).parent / "policies"
-    text = "\n\n".join(load_policy(p.stem).config.description or "" for p in sorted(folder.glob("*.yaml")))
-    ids = tokenizer(text).input_ids
-    assert len(ids) >= 2000, len(ids)
-    return [ids[:900], ids[900:1900]]
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    data = json.loads(LONG_PROMPTS.read_text())["prompts"]
+    assert [len(p) for p in data] == [900, 1000]
+    return data
 
 
 def hf_rows(model_dir, jobs):

@@ -90,16 +90,11 @@ def hf_refs(model_dir):
 
 
 def long_prompts(tokenizer) -> list[list[int]]:
-    """Two prompts of real English (the built-in policies' own descriptions), 900 and 1,000 tokens."""
+    """Two prompts of real English, 900 and 1,000 tokens, frozen (``test_chunked_prefill.LONG_PROMPTS``)."""
+    import json
     from pathlib import Path
 
-    import kvpolicy
-
-    folder = Path(kvpolicy.__file__).parent / "policies"
-    text = "\n\n".join(load_policy(p.stem).config.description or "" for p in sorted(folder.glob("*.yaml")))
-    ids = tokenizer(text).input_ids
-    assert len(ids) >= 1900, len(ids)
-    return [ids[:900], ids[900:1900]]
+    return json.loads((Path(__file__).parents[1] / "fixtures" / "long_prompts.json").read_text())["prompts"]
 
 
 def test_select_mode_tokens_equal_generates_and_a_page_size_not_the_blocks_is_refused(model_dir, hf_refs):
