@@ -25,12 +25,30 @@ fuses ``q/k/v`` and shards its embedding by vocabulary, which no rank could read
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .model_facts import ModelFacts
+
+class FingerprintSource(Protocol):
+    """What ``measure_fingerprint`` reads of a model's facts (``ModelFacts``, which imports this
+    module: named by what is read, so the two never import each other)."""
+
+    @property
+    def available(self) -> frozenset[str]: ...
+    @property
+    def hidden_size(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def kv_head_offset(self) -> int: ...
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def why_missing(self, fact: str) -> str: ...
+    def output_projection(self, layer: int) -> torch.Tensor: ...
 
 #: The fingerprint's definition; a file records it, and a fingerprint of another is not compared.
 FINGERPRINT_FORMAT = 1
@@ -131,7 +149,7 @@ class ModelFingerprint:
         return None
 
 
-def measure_fingerprint(facts: ModelFacts) -> ModelFingerprint:
+def measure_fingerprint(facts: FingerprintSource) -> ModelFingerprint:
     """The fingerprint of the model (or rank's share) ``facts`` describe; needs their RoPE and
     output projection (``ValueError`` naming the one missing otherwise)."""
     for fact in ("rope", "output_projection"):

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
 from ..documents import PolicyError
-
-if TYPE_CHECKING:
-    from .fingerprint import ModelFingerprint
+from .fingerprint import ModelFingerprint, measure_fingerprint
 
 #: The facts a stage may declare in ``Stage.needs_model``.
 Fact = Literal["rope", "output_projection"]
@@ -122,8 +120,6 @@ class ModelFacts:
         model cannot give one (a reason recorded in ``missing`` for ``fingerprint``, ``rope``
         or ``output_projection``); ``(None, None)`` where it is not known yet (facts of a
         configuration alone, as vLLM's front end has before any worker loads the weights)."""
-        from .fingerprint import measure_fingerprint
-
         if self.fingerprint is not None:
             return self.fingerprint, None
         if {"rope", "output_projection"} <= self.available:
