@@ -60,19 +60,64 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 # -- policies -----------------------------------------------------------------------------------
+def _policy_rows(out: str) -> dict[str, list[str]]:
+    """The policies list's rows by name (``name plugin mode budget summary...``)."""
+    table = out.split("\nScorers")[0].splitlines()[3:]  # title, header, rule; "random" is also a scorer
+    return {line.split()[0]: line.split(maxsplit=4) for line in table if line.strip()}
+
+
 def test_policies_lists_builtins_with_their_plugin(capsys):
     code, out, _ = run(capsys, "policies")
     assert code == 0
-    policies_table = out.split("Scorers")[0]  # "random" is a policy and a scorer type
-    rows = {line.split("│")[1].strip(): line for line in policies_table.splitlines() if line.count("│") >= 4}
+    rows = _policy_rows(out)
     for name in BUILTIN_POLICIES:
         assert name in rows, name
-        cells = [c.strip() for c in rows[name].split("│")]
-        assert cells[2] == "kvpolicy"
-        assert cells[3] == str(kvpolicy.load_policy(name).budget)
-        assert cells[4]  # a description
+        policy = kvpolicy.load_policy(name)
+        assert rows[name][1:4] == ["kvpolicy", policy.mode, str(policy.budget)]
+        assert rows[name][4]  # a summary
     for title in ("Policies", "Scorers", "Reservations", "Selectors"):
         assert title in out
+
+
+def test_policies_is_a_line_a_policy_within_80_columns(capsys, monkeypatch):
+    """31 policies used to take 437 lines at 80 columns (each description wrapped)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "policies")
+    assert code == 0
+    assert all(len(line) <= 80 for line in out.splitlines())
+    table = out.split("\nScorers")[0].splitlines()
+    names = get_registry().policies
+    assert len(table) == 3 + len(names)  # title, header, rule, then a line each
+    assert sorted(_policy_rows(out)) == sorted(names)
+    long = max(names, key=lambda n: len(kvpolicy.load_policy(n).config.description or ""))
+    assert "…" in _policy_rows(out)[long][4]  # cut, not wrapped: `show` has the whole text
+    code, shown, _ = run(capsys, "show", long)
+    assert code == 0 and (kvpolicy.load_policy(long).config.description or "")[-20:].strip() in " ".join(shown.split())
+
+
+@pytest.mark.parametrize("flags,keep", [
+    (["--mode", "select"], lambda p, plugin: p.mode == "select"),
+    (["--mode", "evict"], lambda p, plugin: p.mode == "evict"),
+    (["--needs", "model-facts"], lambda p, plugin: p.needs_model),
+    (["--needs", "state"], lambda p, plugin: p.keeps_state),
+    (["--source", "kvpolicy"], lambda p, plugin: plugin == "kvpolicy"),
+    (["--source", "keydiff", "--mode", "evict"], lambda p, plugin: plugin == "keydiff" and p.mode == "evict"),
+])
+def test_policies_filters_by_source_mode_and_needs(capsys, flags, keep):
+    code, out, _ = run(capsys, "policies", *flags)
+    assert code == 0
+    registry = get_registry()
+    want = sorted(n for n, r in registry.policies.items() if keep(kvpolicy.load_policy(n), r.plugin))
+    assert want and sorted(_policy_rows(out)) == want
+    assert "Scorers" not in out  # a filtered list is of policies only
+
+
+def test_policies_refuses_an_unknown_filter_naming_the_valid_ones(capsys):
+    code, _, err = run(capsys, "policies", "--source", "no-such-plugin")
+    assert code != 0 and "kvpolicy" in err and "keydiff" in err
+    with pytest.raises(SystemExit):
+        run(capsys, "policies", "--mode", "fast")
+    assert "evict" in capsys.readouterr().err
 
 
 def test_policies_lists_every_stage(capsys):
@@ -81,7 +126,7 @@ def test_policies_lists_every_stage(capsys):
     registry = get_registry()
     for table in registry.stages.values():
         for type_name, registered in table.items():
-            line = next(ln for ln in out.splitlines() if ln.startswith(f"│ {type_name} "))
+            line = next(ln for ln in out.splitlines() if ln.startswith(f"{type_name} "))
             assert registered.plugin in line
 
 
@@ -358,7 +403,7 @@ def test_runtime_plugin_appears_in_schema_and_cli(capsys):
     assert policy.select(keys, keys, torch.zeros(1, 1, 0, 4)).shape == (1, 1, 8)
     code, out, _ = run(capsys, "policies")
     assert code == 0
-    assert any(ln.startswith("│ every_other_test ") and "every-other" in ln for ln in out.splitlines())
+    assert any(ln.startswith("every_other_test ") and "every-other" in ln for ln in out.splitlines())
 
 
 # -- eval wiring --------------------------------------------------------------------------------

@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("policies", help="list registered policies and stages, with their plugins")
+    p = sub.add_parser("policies", help="list registered policies and stages, a line each (full text: show NAME)")
+    p.add_argument("--source", metavar="PLUGIN", help="only the policies of this plugin (kvpolicy: the built-ins)")
+    p.add_argument("--mode", choices=("evict", "select"), help="only the policies of this mode")
+    p.add_argument("--needs", choices=NEEDS, help="only the policies that need this (model facts, per-token state)")
     p.set_defaults(func=cmd_policies)
 
     p = sub.add_parser("show", help="print a policy resolved, as YAML (defaults and overrides applied)")
@@ -99,35 +102,67 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- commands -------------------------------------------------------------------------------------
+#: What ``kvpolicy policies --needs`` filters by: the model's facts (``Policy.needs_model``: RoPE, the
+#: output projection, a calibration), per-token state kept across evictions (``Policy.keeps_state``).
+NEEDS = ("model-facts", "state")
+
+
+def first_clause(text: str | None) -> str:
+    """A description's summary for ``kvpolicy policies``: its first sentence, up to a semicolon,
+    and past a short heading (``"H2O (Heavy-Hitter Oracle): keep ..."`` gives ``"keep ..."``)."""
+    sentence = first_sentence(text).split(";")[0].strip()
+    head, colon, rest = sentence.partition(": ")
+    return rest.strip() if colon and len(head) <= 40 and rest.strip() else sentence
+
+
+def _print_lines(title: str, header: list[str], rows: list[list[str]], width: int) -> None:
+    """``rows`` under ``title`` a line each, the columns padded to their widest cell and the
+    last one cut to the terminal's ``width`` (an ellipsis where cut)."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)][:-1]
+    room = max(16, width - sum(widths) - 2 * len(widths))
+    print(title)
+    for i, row in enumerate([header, *rows]):
+        last = row[-1] if len(row[-1]) <= room else row[-1][: room - 1] + "…"
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)), last]).rstrip())
+        if i == 0:
+            print("-" * min(width, sum(widths) + 2 * len(widths) + room))
+    print()
+
+
 def cmd_policies(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    import shutil
 
     registry = get_registry()
-    console = Console()
-    table = Table(title="Policies", title_justify="left")
-    table.add_column("name", no_wrap=True, style="bold")
-    table.add_column("plugin", no_wrap=True)
-    table.add_column("budget", justify="right", no_wrap=True)
-    table.add_column("description")
+    sources = sorted({r.plugin for r in registry.policies.values()})
+    if args.source is not None and args.source not in sources:
+        raise CommandError(f"--source {args.source!r}: no policy comes from it; sources: {', '.join(sources)}")
+    width = shutil.get_terminal_size((100, 24)).columns  # COLUMNS when set
+    # One line a policy, the description's summary cut to the terminal: the whole text is in
+    # `kvpolicy show NAME`.
+    rows = []
     for name, registered in sorted(registry.policies.items()):
+        if args.source is not None and registered.plugin != args.source:
+            continue
         try:
             policy = load_policy(name)
         except (PolicyError, UnknownStageError) as exc:
+            if args.mode is not None or args.needs is not None:
+                continue
             first = exc.problems[0] if isinstance(exc, PolicyError) and exc.problems else str(exc)
-            table.add_row(name, registered.plugin, "-", f"[red]invalid: {_escape(first)}[/red]")
+            rows.append([name, registered.plugin, "-", "-", f"invalid: {first}"])
             continue
-        summary = first_sentence(policy.config.description)
-        table.add_row(name, registered.plugin, str(policy.budget), _escape(summary))
-    console.print(table)
+        if args.mode is not None and policy.mode != args.mode:
+            continue
+        if args.needs == "model-facts" and not policy.needs_model or args.needs == "state" and not policy.keeps_state:
+            continue
+        rows.append([name, registered.plugin, policy.mode, str(policy.budget), first_clause(policy.config.description)])
+    _print_lines("Policies (the whole text: kvpolicy show NAME)", ["name", "plugin", "mode", "budget", "summary"],
+                 rows, width)
+    if args.source is not None or args.mode is not None or args.needs is not None:
+        return 0  # a filtered list is of policies only
     for kind in STAGE_KINDS:
-        table = Table(title=f"{kind.capitalize()}s", title_justify="left")
-        table.add_column("type", no_wrap=True, style="bold")
-        table.add_column("plugin", no_wrap=True)
-        table.add_column("description")
-        for type_name, registered in sorted(registry.stages[kind].items()):
-            table.add_row(type_name, registered.plugin, _escape(first_sentence(registered.obj.__doc__)))
-        console.print(table)
+        stages = [[type_name, r.plugin, first_sentence(r.obj.__doc__)] for type_name, r in sorted(registry.stages[kind].items())]
+        _print_lines(f"{kind.capitalize()}s", ["type", "plugin", "description"], stages, width)
     return 0
 
 
