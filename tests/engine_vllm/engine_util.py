@@ -124,3 +124,21 @@ def generate_in_subprocess(
     if proc.returncode != 0:
         raise RuntimeError(f"engine process failed ({proc.returncode}); its log ends:\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
+
+
+def serve_beside_a_refused_request(llm, bad_extra: dict, new: int) -> dict:
+    """Serve a plain request ("good") beside one whose kvpolicy settings the engine core refuses
+    ("bad", ``bad_extra`` its ``extra_args``), ``new`` tokens each: checks the refused one failed
+    alone (``finish_reason`` ``"error"``, no token) and the other got all its tokens; returns the
+    finished outputs by name."""
+    eng = llm.llm_engine
+    eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(new))
+    eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(new, extra_args=bad_extra))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id.split("-")[0]] = out
+    assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
+    assert len(done["good"].outputs[0].token_ids) == new
+    return done

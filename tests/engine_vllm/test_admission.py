@@ -14,7 +14,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt  # noqa: E402
+from engine_util import (  # noqa: E402
+    close,
+    first_divergence,
+    greedy,
+    make_llm,
+    read_jsonl,
+    serve_beside_a_refused_request,
+    tokens_prompt,
+)
 
 from kvpolicy.vllm.models import tiny_qwen3_folder  # noqa: E402
 
@@ -142,16 +150,7 @@ def test_a_request_needing_a_model_fact_the_workers_lack_fails_alone(tmp_path):
     requests are served and the server goes on."""
     llm = make_llm(_tiny_gpt_neox(tmp_path / "neox"), POLICY, block_size=BLOCK, max_num_seqs=4)
     try:
-        eng = llm.llm_engine
-        eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(80))
-        eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(80, extra_args={"kvpolicy": "criticalkv"}))
-        done = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id.split("-")[0]] = out
-        assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
-        assert len(done["good"].outputs[0].token_ids) == 80
+        serve_beside_a_refused_request(llm, {"kvpolicy": "criticalkv"}, 80)
         out = llm.generate([tokens_prompt(list(range(10, 40)))], greedy(8), use_tqdm=False)  # still serving
         assert len(out[0].outputs[0].token_ids) == 8
     finally:

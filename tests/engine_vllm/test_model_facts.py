@@ -24,6 +24,7 @@ from engine_util import (  # noqa: E402
     generate_in_subprocess,
     greedy,
     make_llm,
+    serve_beside_a_refused_request,
     tokens_prompt,
     top2_gap,
 )
@@ -278,16 +279,7 @@ def test_a_request_whose_calibration_is_another_same_shape_models_fails_alone(tm
     fingerprint, refuses it alone, and the server goes on."""
     llm = make_llm(_random_smollm2(tmp_path / "smollm2-f32"), {"policy": "none"}, block_size=BLOCK, max_num_seqs=4)
     try:
-        eng = llm.llm_engine
-        eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(16))
-        eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(16, extra_args={"kvpolicy": "triattention"}))
-        done = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id.split("-")[0]] = out
-        assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
-        assert len(done["good"].outputs[0].token_ids) == 16
+        serve_beside_a_refused_request(llm, {"kvpolicy": "triattention"}, 16)
     finally:
         close(llm)
 
