@@ -132,7 +132,11 @@ class QueryCalibration:
         from safetensors.torch import load_file
 
         source = str(path)
-        if not Path(path).is_file():
+        try:
+            is_file = Path(path).is_file()
+        except (OSError, ValueError) as exc:  # a name too long for the OS, a NUL byte
+            raise CalibrationError(f"no such calibration file: {source} ({exc.__class__.__name__})") from None
+        if not is_file:
             raise CalibrationError(f"no such calibration file: {source} (measure one with `kvpolicy calibrate`)")
         try:
             with safe_open(source, framework="pt") as f:
