@@ -14,7 +14,9 @@ import yaml
 from helpers import Contract2Plugin
 
 import kvpolicy
-from kvpolicy.cli import locate_problem, main, parse_overrides
+from kvpolicy.cli import NEEDS, POLICY_MODES, first_clause, locate_problem, main, parse_overrides
+from kvpolicy.config import SUMMARY_MAX
+from kvpolicy.documents import PolicyError
 from kvpolicy.registry import get_registry, reset_registry
 from kvpolicy.schema import UNION_DEFS, first_sentence, policy_json_schema
 from kvpolicy.stages import Selector
@@ -47,7 +49,7 @@ BUILTIN_POLICIES = [
 
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # rich tables wide enough not to fold names
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough that no summary is cut
     reset_registry()
     yield
     reset_registry()
@@ -61,9 +63,23 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 # -- policies -----------------------------------------------------------------------------------
 def _policy_rows(out: str) -> dict[str, list[str]]:
-    """The policies list's rows by name (``name plugin mode budget summary...``)."""
-    table = out.split("\nScorers")[0].splitlines()[3:]  # title, header, rule; "random" is also a scorer
+    """The policies list's rows by name (``name source mode budget summary...``)."""
+    table = out.split("\nScorers")[0].strip("\n").splitlines()[3:]  # title, header, rule; "random" is also a scorer
     return {line.split()[0]: line.split(maxsplit=4) for line in table if line.strip()}
+
+
+def _config_stages(config) -> list:
+    """Every stage of a policy config, nested ones included, read from the config itself."""
+    tops = [config.scorer, *config.reservations, config.selector, config.allocation, config.merge]
+    return [s for top in tops if top is not None for s in top.walk()]
+
+
+#: What each ``--needs`` value means, from the stages' own declarations (not from the command).
+NEEDED = {
+    "model-facts": lambda config: any(s.needs_model for s in _config_stages(config)),
+    "state": lambda config: any(s.state_fields for s in _config_stages(config)),
+    "calibration": lambda config: any(s.data_files for s in _config_stages(config)),
+}
 
 
 def test_policies_lists_builtins_with_their_plugin(capsys):
@@ -74,50 +90,133 @@ def test_policies_lists_builtins_with_their_plugin(capsys):
         assert name in rows, name
         policy = kvpolicy.load_policy(name)
         assert rows[name][1:4] == ["kvpolicy", policy.mode, str(policy.budget)]
-        assert rows[name][4]  # a summary
+        assert rows[name][4] == (policy.config.summary or first_clause(policy.config.description))
     for title in ("Policies", "Scorers", "Reservations", "Selectors"):
         assert title in out
 
 
+class LongWinded(Contract2Plugin):
+    """A plugin policy with a long name and a long description, no summary."""
+
+    DESCRIPTION = ("Long-winded: keeps what a very long explanation says it keeps, " * 6).strip()
+
+    @kvpolicy.hookimpl
+    def kvpolicy_policies(self):
+        return {"a-policy-with-a-rather-long-name": {
+            "name": "a-policy-with-a-rather-long-name", "description": self.DESCRIPTION,
+            "schedule": {"budget": 64, "recent": 8}, "scorer": "random", "selector": "greedy"}}
+
+
 def test_policies_is_a_line_a_policy_within_80_columns(capsys, monkeypatch):
-    """31 policies used to take 437 lines at 80 columns (each description wrapped)."""
-    monkeypatch.setenv("COLUMNS", "80")
+    """31 policies used to take 437 lines at 80 columns (each description wrapped, names lost)."""
+    from rich.cells import cell_len
+
+    monkeypatch.setenv("COLUMNS", "80")  # the width rich's Console and shutil both read
+    get_registry().register_plugin(LongWinded(), name="long-winded-plugin")
     code, out, _ = run(capsys, "policies")
     assert code == 0
-    assert all(len(line) <= 80 for line in out.splitlines())
-    table = out.split("\nScorers")[0].splitlines()
+    assert max(cell_len(line) for line in out.splitlines()) <= 80  # the stage lists too
+    table = out.split("\nScorers")[0].strip("\n").splitlines()
     names = get_registry().policies
     assert len(table) == 3 + len(names)  # title, header, rule, then a line each
-    assert sorted(_policy_rows(out)) == sorted(names)
-    long = max(names, key=lambda n: len(kvpolicy.load_policy(n).config.description or ""))
-    assert "…" in _policy_rows(out)[long][4]  # cut, not wrapped: `show` has the whole text
-    code, shown, _ = run(capsys, "show", long)
-    assert code == 0 and (kvpolicy.load_policy(long).config.description or "")[-20:].strip() in " ".join(shown.split())
+    rows = _policy_rows(out)
+    assert sorted(rows) == sorted(names)  # every name whole
+    long_name = "a-policy-with-a-rather-long-name"
+    assert rows[long_name][1] == "long-winded-plugin"
+    cut = rows[long_name][4]
+    assert cut.endswith("…") and first_clause(LongWinded.DESCRIPTION).startswith(cut[:-1])
+    for name in names:  # a summary shorter than its room is shown whole
+        config = kvpolicy.load_policy(name).config
+        assert rows[name][4] == config.summary or rows[name][4].endswith("…") or name == long_name
+    code, shown, _ = run(capsys, "show", long_name)
+    assert code == 0 and yaml.safe_load(shown)["description"] == LongWinded.DESCRIPTION  # the whole text
 
 
-@pytest.mark.parametrize("flags,keep", [
-    (["--mode", "select"], lambda p, plugin: p.mode == "select"),
-    (["--mode", "evict"], lambda p, plugin: p.mode == "evict"),
-    (["--needs", "model-facts"], lambda p, plugin: p.needs_model),
-    (["--needs", "state"], lambda p, plugin: p.keeps_state),
-    (["--source", "kvpolicy"], lambda p, plugin: plugin == "kvpolicy"),
-    (["--source", "keydiff", "--mode", "evict"], lambda p, plugin: plugin == "keydiff" and p.mode == "evict"),
-])
+def test_summary_field_is_optional_one_line_and_short(tmp_path):
+    base = {"name": "p", "description": "Words.", "schedule": {"budget": 16, "recent": 4}, "scorer": "random",
+            "selector": "greedy"}
+    plain = kvpolicy.load_policy(base)
+    assert plain.config.summary == "" and "summary" not in plain.config.to_dict()  # files without it keep their form
+    summed = kvpolicy.load_policy({**base, "summary": "a few words"})
+    assert summed.config.to_dict()["summary"] == "a few words"
+    assert kvpolicy.load_policy(summed.to_yaml()).config == summed.config
+    with pytest.raises(PolicyError, match=rf"summary: String should have at most {SUMMARY_MAX}"):
+        kvpolicy.load_policy({**base, "summary": "x" * (SUMMARY_MAX + 1)})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**base, "summary": "two\nlines"}))
+    with pytest.raises(PolicyError, match=r"line \d+: summary: one line only"):
+        kvpolicy.load_policy(tmp_path / "p.yaml")
+    assert "summary" in policy_json_schema()["properties"]
+
+
+def test_first_clause():
+    assert first_clause("H2O (Heavy-Hitter Oracle): keep the heavy hitters; and more. Next.") == "keep the heavy hitters"
+    assert first_clause("Scores (mean: over the window; then pooled) by attention. More.") == \
+        "Scores (mean: over the window; then pooled) by attention."
+    assert first_clause("A heading that runs on for well over forty characters: the rest") == \
+        "A heading that runs on for well over forty characters: the rest"
+    assert first_clause(None) == "" and first_clause("Only: ") == "Only:"
+
+
+def _filter_cases() -> list:
+    cases = [(["--mode", mode], lambda config, plugin, mode=mode: config.mode == mode) for mode in POLICY_MODES]
+    cases += [(["--needs", need], lambda config, plugin, need=need: NEEDED[need](config)) for need in NEEDS]
+    cases += [
+        (["--source", "kvpolicy"], lambda config, plugin: plugin == "kvpolicy"),
+        (["--source", "builtin"], lambda config, plugin: plugin == "kvpolicy"),
+        (["--source", "builtin", "--mode", "select"], lambda config, plugin: plugin == "kvpolicy" and config.mode == "select"),
+        (["--needs", "state", "--mode", "evict"], lambda config, plugin: NEEDED["state"](config) and config.mode == "evict"),
+    ]
+    return cases
+
+
+def test_needs_filters_are_the_ones_tested():
+    assert set(NEEDS) == set(NEEDED)
+    assert set(POLICY_MODES) == {"evict", "select"}  # a new mode: give it a policy and a case here
+
+
+@pytest.mark.parametrize("flags,keep", _filter_cases(), ids=lambda c: " ".join(c) if isinstance(c, list) else "")
 def test_policies_filters_by_source_mode_and_needs(capsys, flags, keep):
+    registry = get_registry()
+    want = sorted(n for n, r in registry.policies.items() if keep(kvpolicy.load_policy(n).config, r.plugin))
+    assert want and len(want) < len(registry.policies)  # the filter selects something, not everything
     code, out, _ = run(capsys, "policies", *flags)
     assert code == 0
-    registry = get_registry()
-    want = sorted(n for n, r in registry.policies.items() if keep(kvpolicy.load_policy(n), r.plugin))
-    assert want and sorted(_policy_rows(out)) == want
+    assert sorted(_policy_rows(out)) == want
     assert "Scorers" not in out  # a filtered list is of policies only
+    code, out, _ = run(capsys, "policies", "--json", *flags)
+    assert code == 0
+    entries = json.loads(out)
+    assert [e["name"] for e in entries] == want
+    for entry in entries:
+        config = kvpolicy.load_policy(entry["name"]).config
+        assert entry["description"] == config.description and entry["mode"] == config.mode
+        assert entry["budget"] == config.schedule.budget
+        assert entry["needs"] == [need for need in NEEDS if NEEDED[need](config)]
 
 
 def test_policies_refuses_an_unknown_filter_naming_the_valid_ones(capsys):
     code, _, err = run(capsys, "policies", "--source", "no-such-plugin")
-    assert code != 0 and "kvpolicy" in err and "keydiff" in err
-    with pytest.raises(SystemExit):
-        run(capsys, "policies", "--mode", "fast")
-    assert "evict" in capsys.readouterr().err
+    assert code == 2
+    for source in ["builtin", *{r.plugin for r in get_registry().policies.values()}]:
+        assert source in err
+    for flag, valid in (("--mode", POLICY_MODES), ("--needs", tuple(NEEDS))):
+        with pytest.raises(SystemExit) as exc:
+            run(capsys, "policies", flag, "no-such-value")
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "no-such-value" in err and all(v in err for v in valid)
+
+
+def test_policies_says_an_invalid_policy_is_left_out_of_a_filtered_list(capsys):
+    class Broken(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_policies(self):
+            return {"broken-one": {"name": "broken-one", "schedule": {"budget": 0}, "selector": "greedy"}}
+
+    get_registry().register_plugin(Broken(), name="broken-plugin")
+    code, out, err = run(capsys, "policies", "--mode", "evict")
+    assert code == 0 and "broken-one" not in out
+    assert "broken-one" in err and "invalid" in err
 
 
 def test_policies_lists_every_stage(capsys):

@@ -12,16 +12,19 @@ import argparse
 import json
 import re
 import sys
+import typing
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from . import __version__
+from .config import PolicyConfig
 from .documents import PolicyError, load_yaml
 from .loading import load_policy
+from .policy import Policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
 from .schema import first_sentence, policy_json_schema
 from .stages.base import STAGE_KINDS
@@ -64,10 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvpolicy {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("policies", help="list registered policies and stages, a line each (full text: show NAME)")
-    p.add_argument("--source", metavar="PLUGIN", help="only the policies of this plugin (kvpolicy: the built-ins)")
-    p.add_argument("--mode", choices=("evict", "select"), help="only the policies of this mode")
-    p.add_argument("--needs", choices=NEEDS, help="only the policies that need this (model facts, per-token state)")
+    p = sub.add_parser(
+        "policies",
+        help="list registered policies and stages, a line each (the whole text: show NAME)",
+        description="List the registered policies, a line each (name, source plugin, mode, budget, summary), "
+        "then the stages. A filter lists the matching policies only.",
+        epilog="--needs:\n" + "\n".join(f"  {need:<12} {text}" for need, (text, _) in NEEDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", metavar="PLUGIN",
+                   help="only the policies of this plugin package (builtin: those kvpolicy ships)")
+    p.add_argument("--mode", choices=POLICY_MODES, help="only the policies of this mode")
+    p.add_argument("--needs", choices=tuple(NEEDS), help="only the policies that need this (see below)")
+    p.add_argument("--json", action="store_true",
+                   help="print the (filtered) policies as a JSON list, whole descriptions included")
     p.set_defaults(func=cmd_policies)
 
     p = sub.add_parser("show", help="print a policy resolved, as YAML (defaults and overrides applied)")
@@ -102,28 +115,67 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- commands -------------------------------------------------------------------------------------
-#: What ``kvpolicy policies --needs`` filters by: the model's facts (``Policy.needs_model``: RoPE, the
-#: output projection, a calibration), per-token state kept across evictions (``Policy.keeps_state``).
-NEEDS = ("model-facts", "state")
+#: The modes a policy file may name (``PolicyConfig.mode``): ``kvpolicy policies --mode`` offers these.
+POLICY_MODES: tuple[str, ...] = typing.get_args(PolicyConfig.model_fields["mode"].annotation)
+
+#: ``kvpolicy policies --needs``: what a policy needs besides the cache's tensors, as its stages
+#: declare it (nested stages included), and a line on each for ``--help``.
+NEEDS: dict[str, tuple[str, Callable[[Policy], bool]]] = {
+    "model-facts": ("facts of the model: RoPE, the output projection (Stage.needs_model)",
+                    lambda policy: bool(policy.needs_model)),
+    "state": ("per-token state kept across evictions (Stage.state_fields)", lambda policy: policy.keeps_state),
+    "calibration": ("a data file measured on a model: a query calibration, a head profile (Stage.data_files)",
+                    lambda policy: bool(policy.data_files)),
+}
+
+#: ``--source builtin`` names the policies kvpolicy ships, registered under the plugin name ``kvpolicy``.
+BUILTIN_SOURCE = ("builtin", "kvpolicy")
+
+
+def policy_summary(config: PolicyConfig) -> str:
+    """A policy's few words for ``kvpolicy policies``: its ``summary``, else its description's
+    first clause (``first_clause``)."""
+    return config.summary or first_clause(config.description)
 
 
 def first_clause(text: str | None) -> str:
-    """A description's summary for ``kvpolicy policies``: its first sentence, up to a semicolon,
-    and past a short heading (``"H2O (Heavy-Hitter Oracle): keep ..."`` gives ``"keep ..."``)."""
-    sentence = first_sentence(text).split(";")[0].strip()
-    head, colon, rest = sentence.partition(": ")
-    return rest.strip() if colon and len(head) <= 40 and rest.strip() else sentence
+    """A description's first clause: its first sentence, up to a semicolon, and past a short
+    heading (``"H2O (Heavy-Hitter Oracle): keep ..."`` gives ``"keep ..."``); semicolons and
+    colons inside brackets do not count."""
+    sentence = first_sentence(text)
+    depth, head_end = 0, -1
+    for i, char in enumerate(sentence):
+        depth += (char in "([{") - (char in ")]}")
+        if depth == 0 and char == ";":
+            sentence = sentence[:i]
+            break
+        if depth == 0 and head_end < 0 and sentence.startswith(": ", i):
+            head_end = i
+    rest = sentence[head_end + 2 :].strip() if 0 <= head_end <= 40 else ""
+    return rest or sentence.strip()
+
+
+def _cut(text: str, room: int) -> str:
+    """``text`` in at most ``room`` terminal cells, an ellipsis where cut."""
+    from rich.cells import cell_len, set_cell_size
+
+    if cell_len(text) <= room:
+        return text
+    return set_cell_size(text, room - 1) + "…" if room > 0 else ""
 
 
 def _print_lines(title: str, header: list[str], rows: list[list[str]], width: int) -> None:
     """``rows`` under ``title`` a line each, the columns padded to their widest cell and the
-    last one cut to the terminal's ``width`` (an ellipsis where cut)."""
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)][:-1]
-    room = max(16, width - sum(widths) - 2 * len(widths))
+    last one cut to the terminal's ``width`` (an ellipsis where cut), never wrapped. The other
+    columns are never cut: a name stays whole, so only names too long for the width overflow it."""
+    from rich.cells import cell_len, set_cell_size
+
+    widths = [max(cell_len(cell) for cell in column) for column in zip(header, *rows, strict=True)][:-1]
+    room = max(0, width - sum(widths) - 2 * len(widths))
     print(title)
     for i, row in enumerate([header, *rows]):
-        last = row[-1] if len(row[-1]) <= room else row[-1][: room - 1] + "…"
-        print("  ".join([*(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)), last]).rstrip())
+        cells = [set_cell_size(cell, w) for cell, w in zip(row[:-1], widths, strict=True)]
+        print("  ".join([*cells, _cut(row[-1], room)]).rstrip())
         if i == 0:
             print("-" * min(width, sum(widths) + 2 * len(widths) + room))
     print()
@@ -134,35 +186,50 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
     registry = get_registry()
     sources = sorted({r.plugin for r in registry.policies.values()})
-    if args.source is not None and args.source not in sources:
-        raise CommandError(f"--source {args.source!r}: no policy comes from it; sources: {', '.join(sources)}")
-    width = shutil.get_terminal_size((100, 24)).columns  # COLUMNS when set
-    # One line a policy, the description's summary cut to the terminal: the whole text is in
-    # `kvpolicy show NAME`.
-    rows = []
+    source = BUILTIN_SOURCE[1] if args.source == BUILTIN_SOURCE[0] else args.source
+    if source is not None and source not in sources:
+        raise CommandError(f"--source {args.source!r}: no policy comes from it; sources: "
+                           f"{', '.join([BUILTIN_SOURCE[0], *sources])} ({BUILTIN_SOURCE[0]} = {BUILTIN_SOURCE[1]})")
+    filtered = source is not None or args.mode is not None or args.needs is not None
+    # One line a policy, its summary cut to the terminal: the whole text is `kvpolicy show NAME`'s.
+    rows: list[list[str]] = []
+    entries: list[dict[str, Any]] = []  # for --json
     for name, registered in sorted(registry.policies.items()):
-        if args.source is not None and registered.plugin != args.source:
+        if source is not None and registered.plugin != source:
             continue
         try:
             policy = load_policy(name)
         except (PolicyError, UnknownStageError) as exc:
-            if args.mode is not None or args.needs is not None:
-                continue
             first = exc.problems[0] if isinstance(exc, PolicyError) and exc.problems else str(exc)
+            if args.mode is not None or args.needs is not None:  # what it is cannot be known: said, not hidden
+                print(f"kvpolicy: warning: policy {name!r} is invalid, left out of the filtered list: {first}",
+                      file=sys.stderr)
+                continue
             rows.append([name, registered.plugin, "-", "-", f"invalid: {first}"])
+            entries.append({"name": name, "source": registered.plugin, "invalid": first})
             continue
         if args.mode is not None and policy.mode != args.mode:
             continue
-        if args.needs == "model-facts" and not policy.needs_model or args.needs == "state" and not policy.keeps_state:
+        needs = [need for need, (_, needed) in NEEDS.items() if needed(policy)]
+        if args.needs is not None and args.needs not in needs:
             continue
-        rows.append([name, registered.plugin, policy.mode, str(policy.budget), first_clause(policy.config.description)])
-    _print_lines("Policies (the whole text: kvpolicy show NAME)", ["name", "plugin", "mode", "budget", "summary"],
+        summary = policy_summary(policy.config)
+        rows.append([name, registered.plugin, policy.mode, str(policy.budget), summary])
+        entries.append({"name": name, "source": registered.plugin, "mode": policy.mode, "budget": policy.budget,
+                        "needs": needs, "summary": summary, "description": policy.config.description,
+                        "reference": policy.config.reference})
+    if args.json:
+        sys.stdout.write(json.dumps(entries, indent=2) + "\n")
+        return 0
+    width = shutil.get_terminal_size((100, 24)).columns  # COLUMNS when set
+    _print_lines("Policies (the whole text: kvpolicy show NAME)", ["name", "source", "mode", "budget", "summary"],
                  rows, width)
-    if args.source is not None or args.mode is not None or args.needs is not None:
+    if filtered:
         return 0  # a filtered list is of policies only
     for kind in STAGE_KINDS:
-        stages = [[type_name, r.plugin, first_sentence(r.obj.__doc__)] for type_name, r in sorted(registry.stages[kind].items())]
-        _print_lines(f"{kind.capitalize()}s", ["type", "plugin", "description"], stages, width)
+        stages = [[type_name, r.plugin, first_sentence(r.obj.__doc__)]
+                  for type_name, r in sorted(registry.stages[kind].items())]
+        _print_lines(f"{kind.capitalize()}s", ["type", "source", "description"], stages, width)
     return 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import documents
 from .documents import PolicyError, read_policy_text, read_source
@@ -30,6 +30,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 has it in importlib.abc only
     from importlib.abc import Traversable
 
+#: Longest ``summary``: a few words; `kvpolicy policies` cuts what its line cannot hold.
+SUMMARY_MAX = 60
+
 #: Largest ``seed``: seeds travel as int64 tensors (per layer and row), so they must fit one.
 SEED_MAX = 2**63 - 1
 
@@ -41,6 +44,12 @@ class PolicyConfig(BaseModel):
 
     name: str = Field(..., min_length=1)
     description: str = ""
+    summary: str = Field(
+        "",
+        max_length=SUMMARY_MAX,
+        description=f"A few words on one line (at most {SUMMARY_MAX} characters) for `kvpolicy policies`; "
+        "default: the description's first clause.",
+    )
     reference: str = Field("", description="Paper or code the policy reproduces.")
     seed: int | None = Field(
         0,
@@ -69,6 +78,13 @@ class PolicyConfig(BaseModel):
         description="What becomes of the tokens an eviction drops (default: drop; cam, similar, d2o fold their "
         "values into kept slots' values, never keys, never changing how many slots are kept).",
     )
+
+    @field_validator("summary")
+    @classmethod
+    def _one_line(cls, summary: str) -> str:
+        if summary and summary.splitlines() != [summary]:
+            raise ValueError("one line only, without line breaks")
+        return summary
 
     @model_validator(mode="after")
     def _check_composition(self) -> PolicyConfig:
@@ -164,6 +180,7 @@ class PolicyConfig(BaseModel):
         data = {
             "name": self.name,
             "description": self.description,
+            **({"summary": self.summary} if self.summary else {}),  # files without it keep their form
             "reference": self.reference,
             "seed": self.seed,
             "mode": self.mode,
