@@ -37,7 +37,6 @@ from .model_facts import ModelFacts
 from .normalized import NormalizedScorer
 from .output_norm import OutputValueNormScorer
 from .product import Factor, ProductScorer
-from .prompt import PromptReservation
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
@@ -77,7 +76,6 @@ BUILTIN_STAGES = (
     ArrivalScoreScorer,
     SinksReservation,
     TopScoresReservation,
-    PromptReservation,
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
@@ -134,7 +132,6 @@ __all__ = [
     "ModelFacts",
     "OutputValueNormScorer",
     "ProductScorer",
-    "PromptReservation",
     "QueryCalibration",
     "NormalizedScorer",
     "SharedHeadsScorer",
