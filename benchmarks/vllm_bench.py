@@ -95,6 +95,9 @@ POLICIES: dict[str, dict | Callable[[], dict] | None] = {
     "vase-attnv": {"policy": "vase-attnv", "budget": 128},
     "h2o": {"policy": "h2o", "budget": 128},  # stages that keep state, carried per request
     "gkv": {"policy": "gkv", "budget": 128},
+    # no score at all: the prompt kept, the rest random per head (Random Attention), and the ablation
+    "random-prompt": {"policy": "random-prompt", "budget": 128},
+    "random": {"policy": "random", "budget": 128},
     # policies that read the model (RoPE, each layer's o_proj)
     "criticalkv": {"policy": "criticalkv", "budget": 128},
     "expected-attention": {"policy": "expected-attention", "budget": 128},

@@ -130,6 +130,16 @@ def facts_for(policy, layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 8):
     return facts
 
 
+def prompt_for(policy):
+    """Each row's prompt length for a policy whose stages read it (``needs_prompt``), else None:
+    4 tokens, or as many as the budget holds beside the recent buffer and the other reservations."""
+    if not policy.needs_prompt:
+        return None
+    s = policy.schedule
+    room = s.budget - s.recent - sum(r.reserved_count(s.budget) for r in policy.config.reservations)
+    return max(0, min(4, room))
+
+
 def random_steps(batch: int, hkv: int, hq: int, d: int, prompt: int, n: int, seed: int, pads=None):
     """A prompt of ``prompt`` tokens, then ``n`` single tokens: ``(k, v, q, valid)`` per step,
     float64, row ``r`` of the prompt left-padded with ``pads[r]`` invalid tokens."""

@@ -106,6 +106,7 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
                     view.keys, view.values, window, slot_valid=view.valid, query_valid=wvalid,
                     positions=view.positions, layer_idx=layer, evictions=view.evictions, streams=view.streams,
                     budget=cache.schedules[layer].budget, state=view.state, query_new=view.window_new, model=facts,
+                    prompt_lengths=view.prompt_lengths,
                 )
                 expected[layer] = _held(view.positions, keep)
         for layer in range(2):
@@ -143,7 +144,7 @@ def test_a_reservation_only_attention_reader_sees_the_query_window(qwen3):
 
 
 # -- 2. reset is fresh; seeded runs reproduce; padded rows equal rows alone ----------------------------
-@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random", "curdkv"])
+@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random", "random-prompt", "curdkv"])
 def test_a_reset_cache_decodes_exactly_as_a_fresh_one(qwen3, name):
     model = _fresh(qwen3)
     ids, mask = _prompt(seed=5)
@@ -156,7 +157,7 @@ def test_a_reset_cache_decodes_exactly_as_a_fresh_one(qwen3, name):
     assert torch.equal(first, again) and torch.equal(again, fresh)
 
 
-@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random"])
+@pytest.mark.parametrize("name", ["vase-attnv", "vase-dkv", "random", "random-prompt"])
 @pytest.mark.parametrize("pad", [3, 8])
 def test_stochastic_padded_rows_decode_as_alone(qwen3, name, pad):
     """Each row draws from its own stream (keyed by its layer and its own evictions), so a

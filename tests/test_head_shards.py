@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import facts_for, make_tensors
+from helpers import facts_for, make_tensors, prompt_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +74,8 @@ def test_shards_of_the_heads_keep_what_all_heads_keep(name, data):
     policy = kvpolicy.load_policy(name, budget=32, recent=recent, window=4, seed=seed)
     keys, values, queries = make_tensors(b=2, hkv=hkv, hq=hkv * group, n=n, d=8, w=4, seed=seed % 1000)
     # Policies that read the model (CriticalKV's output projection) read each shard's heads' slice.
-    args = dict(layer_idx=3, evictions=evictions, model=facts_for(policy, 4, hkv, hkv * group))
+    args = dict(layer_idx=3, evictions=evictions, model=facts_for(policy, 4, hkv, hkv * group),
+                prompt_lengths=prompt_for(policy))
     # A threshold (dms) keeps a count of its own per head, each head alone: a keep mask.
     select = (lambda *a, **kw: policy.select_heads(*a, **kw)[0]) if policy.per_head else policy.select
     whole = select(keys, values, queries, **args)

@@ -12,6 +12,7 @@ from helpers import (
     left_padding,
     make_input,
     make_tensors,
+    prompt_for,
 )
 
 import kvpolicy
@@ -53,6 +54,8 @@ def protected_mask(policy: kvpolicy.Policy, b: int, hkv: int, n: int) -> torch.T
     for r in policy.config.reservations:
         if r.type_name == "sinks" and n > policy.budget:
             mask[..., : r.n] = True
+        if r.type_name == "prompt" and n > policy.budget:
+            mask[..., : prompt_for(policy)] = True
     return mask
 
 
@@ -70,21 +73,22 @@ def test_every_policy_end_to_end(name, shape):
     k, v, q = make_tensors(b=b, hkv=hkv, hq=hq, n=n, d=8, w=8, seed=n)
     facts = facts_for(policy, 1, hkv, hq)
     k_keep = min(n, budget)
+    prompt = prompt_for(policy)
     if policy.per_head:  # heads keep different counts: a keep mask and counts
-        keep, counts = policy.select_heads(k, v, q, seed=0, model=facts)
+        keep, counts = policy.select_heads(k, v, q, seed=0, model=facts, prompt_lengths=prompt)
         assert torch.equal(keep.sum(-1), counts)
         if policy.config.selector.sets_counts:  # a threshold: each head at most the budget
             assert bool((counts <= k_keep).all())
         else:  # a per-head allocation shares the layer's slots
             assert bool((counts.sum(-1) == hkv * k_keep).all())
         assert not bool((protected_mask(policy, b, hkv, n) & ~keep).any()), "protected slots dropped"
-        assert torch.equal(keep, policy.select_heads(k, v, q, seed=0, model=facts)[0])
+        assert torch.equal(keep, policy.select_heads(k, v, q, seed=0, model=facts, prompt_lengths=prompt)[0])
         return
-    kept = policy.select(k, v, q, seed=0, model=facts)
+    kept = policy.select(k, v, q, seed=0, model=facts, prompt_lengths=prompt)
     assert_valid_selection(kept, n, k_keep, protected_mask(policy, b, hkv, n))
     if n <= budget:
         assert torch.equal(kept, torch.arange(n).expand(b, hkv, n))
-    again = policy.select(k, v, q, seed=0, model=facts)
+    again = policy.select(k, v, q, seed=0, model=facts, prompt_lengths=prompt)
     assert torch.equal(kept, again)
 
 

@@ -43,6 +43,7 @@ BUILTIN_POLICIES = {
     "oracle-topk",
     "quest",
     "random",
+    "random-prompt",
     "rkv",
     "snapkv",
     "snapkv-paper",
@@ -135,7 +136,7 @@ def test_builtins_by_kind():
         "triattention",
         "value_magnitude",
     }
-    assert set(registry.stages["reservation"]) == {"sinks", "top_scores"}
+    assert set(registry.stages["reservation"]) == {"prompt", "sinks", "top_scores"}
     assert set(registry.stages["selector"]) == {"chunks", "greedy", "keep_protected", "stochastic", "threshold"}
     assert set(registry.stages["allocation"]) == {"uniform", "pyramid", "layers", "adaptive", "profile", "duo", "cake"}
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import Contract2Plugin, assert_valid_selection, facts_for, make_input, make_tensors
+from helpers import Contract2Plugin, assert_valid_selection, facts_for, make_input, make_tensors, prompt_for
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -396,7 +396,7 @@ def test_select_keeps_its_promises_or_says_why(case):
         model = facts_for(policy, 1, hkv, hkv * g, d)
     try:
         kept = policy.select(named["keys"], named["values"], named["queries"], slot_valid=slot_valid, query_valid=qv,
-                             model=model)
+                             model=model, prompt_lengths=prompt_for(policy))
     except ValueError as exc:
         assert isinstance(exc, SelectionError), exc
         message = str(exc)
@@ -420,6 +420,9 @@ def test_select_keeps_its_promises_or_says_why(case):
         if any(r.type_name == "sinks" for r in policy.config.reservations):
             positions = slot_valid.long().cumsum(-1) - 1
             protected |= ((positions < 4) & slot_valid)[:, None, :]
+        if any(r.type_name == "prompt" for r in policy.config.reservations):
+            positions = slot_valid.long().cumsum(-1) - 1
+            protected |= ((positions < prompt_for(policy)) & slot_valid)[:, None, :]
     assert kept.shape == (b, hkv, k_keep)
     assert_valid_selection(kept, n, k_keep, protected)
     # padding is never kept while a valid slot is not
@@ -447,7 +450,8 @@ def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name
     policy = POLICIES[name].with_overrides(seed=seed)
     keys, values, queries = make_tensors(b=2, hkv=2, hq=4, n=30, d=8, w=4, seed=data_seed)
     model = facts_for(policy, 41, 2, 4, 8)  # layers up to 40
-    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream, model=model)
+    kept = [policy.select(keys, values, queries, layer_idx=layer, evictions=evictions, streams=stream, model=model,
+                          prompt_lengths=prompt_for(policy))
             for evictions, stream in calls]
     if not policy.stochastic:
         assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)

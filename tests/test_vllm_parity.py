@@ -91,9 +91,12 @@ def shape_for(name: str) -> Shape:
 
 
 def overrides(name: str) -> dict[str, int]:
-    """``OVERRIDES``, less what a policy file derives itself (StreamingLLM's recent: budget - 4)."""
+    """``OVERRIDES``, less what a policy file derives itself (StreamingLLM's recent: budget - 4)
+    or keeps by its rule (``random-prompt``'s recent buffer of 0: the 21-token prompt then fits)."""
     if name == "streamingllm":
         return {k: v for k, v in OVERRIDES.items() if k not in ("recent", "window")}
+    if name == "random-prompt":
+        return {k: v for k, v in OVERRIDES.items() if k != "recent"}
     return dict(OVERRIDES)
 
 

@@ -385,6 +385,12 @@ class LayerView:
         return self._group().rows.streams.clone()
 
     @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """``[B]`` long: each row's prompt tokens, the real tokens of the cache's first step (what
+        ``Policy.select(prompt_lengths=...)`` takes)."""
+        return self._group().rows.prompt.clone()
+
+    @property
     def eviction_due(self) -> bool:
         group = self.group
         return group is not None and group.written(self.layer_idx) and group.any_due

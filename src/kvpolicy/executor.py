@@ -137,7 +137,7 @@ class Executor:
         device) on every layer of ``group`` stacked layer-major on the batch axis (an eviction),
         or on one ``layer`` (select mode's choice, a long step): their ``held`` slots (the
         layout's), the query window, the schedule's budget, and each stacked row's layer, draw
-        count and stream (its seeds), read off the group's counters and handed to
+        count, stream (its seeds) and prompt length, read off the group's counters and handed to
         ``kvpolicy.policy.eviction_input``.
 
         For a policy that keeps state, the input carries it (the fields of ``held`` stored under
@@ -145,11 +145,12 @@ class Executor:
         has not seen (``eviction.new_queries``). ``window``: ``(queries, valid, positions)`` to read
         instead of the ring (a long step's queries, ``observe_step``)."""
         draws, streams = group.layout.draw_counts()[rows], group.rows.streams[rows]
+        prompts = group.rows.prompt[rows]
         layer_idx: int | torch.Tensor
         if layer is None:
             layers, n_layers = slice(None), group.layer_ids.numel()
             layer_idx = group.layer_ids.repeat_interleave(rows.numel())
-            draws, streams = draws.repeat(n_layers), streams.repeat(n_layers)
+            draws, streams, prompts = draws.repeat(n_layers), streams.repeat(n_layers), prompts.repeat(n_layers)
         else:
             i = group.member[layer]
             layers, layer_idx = slice(i, i + 1), layer
@@ -172,4 +173,5 @@ class Executor:
             seed=self.seed, slot_valid=held.valid, query_valid=query_valid, positions=held.fields["positions"],
             layer_idx=layer_idx, evictions=draws, streams=streams, key_pages=key_pages,
             query_positions=query_positions, query_new=query_new, state=state, model=self.model_facts,
+            prompt_lengths=prompts,
         )

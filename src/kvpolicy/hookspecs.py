@@ -47,7 +47,9 @@ CONTRACTS: dict[int, str] = {
     "inp.query_positions always given (never None: EvictionInput fills their defaults), and state "
     'stored under stable names ("<type_name>.<field>", Policy.state_fields), which are what a '
     "cache stores and a user reads, not what a stage reads: stages read their own fields by their "
-    "own names (inp.state_of), so contract 3 and contract 2 plugins load unchanged",
+    "own names (inp.state_of), and each row's prompt length (inp.prompt_lengths, inp.prompt_mask), "
+    "which a stage declares in Stage.needs_prompt, and Reservation.prompt_refusal, so contract 3 "
+    "and contract 2 plugins load unchanged",
 }
 
 

@@ -35,6 +35,7 @@ def eviction_input(
     query_new: torch.Tensor | None = None,
     state: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     model: ModelFacts | None = None,
+    prompt_lengths: int | torch.Tensor | None = None,
 ) -> EvictionInput:
     """Assemble the ``EvictionInput`` of one eviction: the one place that does, for
     ``Policy.select`` and the executor alike.
@@ -43,7 +44,8 @@ def eviction_input(
     ``0 .. N-1``, ``[B, N]`` masks broadcast over heads) and derives each row's seeds from
     ``seed``, ``layer_idx``, ``evictions`` and ``streams`` (ints, or ``[B]`` tensors). Inputs are not checked
     here: ``Policy.select`` checks them first. ``query_positions`` and ``query_new`` default as
-    ``EvictionInput`` fills them.
+    ``EvictionInput`` fills them. ``prompt_lengths``: each row's prompt tokens (an int or ``[B]``;
+    None: not known), refused if negative.
     """
     b, hkv, n, _ = keys.shape
     device = keys.device
@@ -61,6 +63,12 @@ def eviction_input(
         raise ValueError(f"seed must lie in [0, 2**63 - 1], got {seed}")
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or not 0 <= head_offset <= MAX_HEAD_OFFSET:
         raise ValueError(f"head_offset must be an int in [0, {MAX_HEAD_OFFSET}], got {head_offset!r}")
+    prompts = None
+    if prompt_lengths is not None:
+        prompts = _per_row(prompt_lengths, b, "prompt_lengths")
+        if bool((prompts < 0).any()):
+            raise ValueError(f"prompt_lengths must be >= 0, got {prompts.tolist()}")
+        prompts = prompts.to(device)
     key = seeds.SeedKey(
         seed, _per_row(layer_idx, b, "layer_idx"), _per_row(streams, b, "streams"), _per_row(evictions, b, "evictions")
     )
@@ -81,6 +89,7 @@ def eviction_input(
         query_new=query_new,  # type: ignore[arg-type]
         state=state,
         model=model,
+        prompt_lengths=prompts,
     )
 
 

@@ -130,6 +130,37 @@ class Policy:
         included): what a cache must be given (``check_model_facts``)."""
         return frozenset().union(*(s.needs_model for s in self.stages))
 
+    @cached_property
+    def needs_prompt(self) -> bool:
+        """Whether a stage reads each row's prompt length (``Stage.needs_prompt``, nested stages
+        included): ``select`` then needs ``prompt_lengths=``."""
+        return any(s.needs_prompt for s in self.stages)
+
+    def _check_prompt_lengths(self, prompt_lengths: int | torch.Tensor | None) -> None:
+        if prompt_lengths is None and self.needs_prompt:
+            names = ", ".join(f"{s.kind} {s.type_name!r}" for s in self.stages if s.needs_prompt)
+            raise ValueError(
+                f"policy {self.name!r} reads each row's prompt length ({names}): pass prompt_lengths= "
+                "(an int, or [B] ints: the real tokens of each row's prompt)"
+            )
+
+    def prompt_refusal(self, prompt_len: int, new_tokens: int | None = None) -> str | None:
+        """Why a request whose prompt has ``prompt_len`` tokens cannot be served (a reservation
+        that keeps the whole prompt, ``Reservation.prompt_refusal``, and a budget that cannot hold
+        it beside the recent buffer and the other reservations), or None. ``new_tokens``: the most
+        it generates; a request that never grows past the budget never evicts and is served.
+        Asked by vLLM's front end before admission; a cache refuses at the eviction instead."""
+        s = self.schedule
+        if new_tokens is not None and prompt_len + new_tokens <= s.budget:
+            return None
+        reservations = self.config.reservations
+        for r in reservations:
+            room = s.budget - s.recent - sum(o.reserved_count(s.budget) for o in reservations if o is not r)
+            why = r.prompt_refusal(prompt_len, room)
+            if why is not None:
+                return why
+        return None
+
     def check_model_facts(
         self, facts: ModelFacts | None, *, num_layers: int | None = None, num_kv_heads: int | None = None,
         head_dim: int | None = None, head_offset: int | None = None, q_heads: int | None = None,
@@ -249,6 +280,7 @@ class Policy:
         state: Mapping[str, torch.Tensor] | None = None,
         query_new: torch.Tensor | None = None,
         model: ModelFacts | None = None,
+        prompt_lengths: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One eviction: the slots to keep among the ``N`` cached ones.
 
@@ -280,6 +312,10 @@ class Policy:
                 (``needs_model``: RoPE, the output projection); checked before any work.
                 ``positions`` are then the keys' RoPE positions, and the window's queries are
                 taken for the latest tokens (see ``eviction_input``'s ``query_positions``).
+            prompt_lengths: each row's prompt tokens (an int or ``[B]``): the slots whose
+                ``positions`` are below it hold the prompt. Required by a policy whose stages
+                read it (``needs_prompt``, the ``prompt`` reservation); a cache gives its first
+                step's real tokens per row (``LayerView.prompt_lengths``).
 
         Returns:
             ``[B, Hkv, K]`` long, ``K = min(N, budget)``: ascending slot indices, no duplicates,
@@ -295,6 +331,7 @@ class Policy:
         check_tensors(keys, values, queries, slot_valid, query_valid, positions)
         b, hkv, n, _ = keys.shape
         self._check_facts_for_heads(model, head_offset, hkv, queries.shape[1], keys.shape[3])
+        self._check_prompt_lengths(prompt_lengths)
         if n <= self.budget:
             return torch.arange(n, device=keys.device).expand(b, hkv, n).clone()
         inp = eviction_input(
@@ -303,6 +340,7 @@ class Policy:
             seed=self.resolve_seed(seed), layer_idx=layer_idx, evictions=evictions, streams=streams,
             head_offset=head_offset, query_new=query_new,
             state=self._given_state(state, b, hkv, n, keys.device, slot_valid, positions), model=model,
+            prompt_lengths=prompt_lengths,
         )
         return self.select_from(self.observe(inp)[0])
 
@@ -442,6 +480,7 @@ class Policy:
         b, hkv, n, _ = keys.shape
         self._check_facts_for_heads(kwargs.get("model"), kwargs.get("head_offset", 0), hkv, queries.shape[1],
                                     keys.shape[3])
+        self._check_prompt_lengths(kwargs.get("prompt_lengths"))
         budget = self.budget if budget is None else budget
         seed = self.resolve_seed(kwargs.pop("seed", None))
         state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device, slot_valid, positions)

@@ -38,6 +38,7 @@ class RowCounters:
         self.observed = zeros.clone()  # real tokens whose queries the policy's state has seen
         self._observed_alike: int | None = 0  # ... as one int while every row has the same
         self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
+        self.prompt = zeros.clone()  # real tokens of each row's prompt (the group's first step)
 
     # -- reading ------------------------------------------------------------------------------
     def _rows(self) -> None:
@@ -147,7 +148,7 @@ class RowCounters:
 
     def select_rows(self, host: torch.Tensor) -> None:
         self._rows()
-        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "observed", "_due"):
+        for name in ("_counts", "_counts_before", "_tokens", "stored", "evictions", "streams", "observed", "prompt", "_due"):
             setattr(self, name, getattr(self, name)[host])
         if self._observed_alike is None and host.numel() and bool((self.observed == self.observed[0]).all()):
             self._observed_alike = int(self.observed[0])

@@ -86,6 +86,7 @@ class LayerGroup:
         self.rows = RowCounters(b)
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         added = _added(token_valid, b, t)
+        self.rows.prompt = added.clone()  # the first step is the prompt (step_phase's rule), per row
         #: Runs the policy over the group's slots (``kvpolicy.executor.Executor``).
         self.executor = layout.executor
         self.layout: SlotLayout = layout.build(self, keys, values, int(added.max()))

@@ -37,6 +37,7 @@ from .model_facts import ModelFacts
 from .normalized import NormalizedScorer
 from .output_norm import OutputValueNormScorer
 from .product import Factor, ProductScorer
+from .prompt import PromptReservation
 from .pyramid import PyramidAllocation
 from .quest import QuestScorer
 from .random_score import RandomScorer
@@ -76,6 +77,7 @@ BUILTIN_STAGES = (
     ArrivalScoreScorer,
     SinksReservation,
     TopScoresReservation,
+    PromptReservation,
     GreedySelector,
     StochasticSelector,
     KeepProtectedSelector,
@@ -132,6 +134,7 @@ __all__ = [
     "ModelFacts",
     "OutputValueNormScorer",
     "ProductScorer",
+    "PromptReservation",
     "QueryCalibration",
     "NormalizedScorer",
     "SharedHeadsScorer",

@@ -216,6 +216,11 @@ class EvictionInput:
             ``Stage.needs_model``; None where unknown (a policy needing them is then refused
             before any work). ``positions`` and ``query_positions`` are the RoPE positions when
             the model numbers its tokens among each row's real ones (what ``generate()`` does).
+        prompt_lengths: ``[B]`` long on the keys' device, each row's prompt tokens (real ones):
+            the slots whose ``positions`` are below it hold the prompt. A cache's prompt is its
+            first step, vLLM's each request's own; ``Policy.select`` takes it as
+            ``prompt_lengths=``. None where not given: read it through ``prompt_mask``, which
+            refuses then, and declare ``Stage.needs_prompt`` so the policy is refused first.
     """
 
     keys: torch.Tensor
@@ -241,6 +246,7 @@ class EvictionInput:
     query_new: torch.Tensor = None  # type: ignore[assignment]
     state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
     model: ModelFacts | None = None
+    prompt_lengths: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # Frozen: fill the defaults the class docstring gives in place, once.
@@ -329,6 +335,18 @@ class EvictionInput:
         rest = math.prod(shape)
         full = (self.num_kv_heads, *shape)
         return seeds.normal(seed, full, stream, self.keys.device, start=self.head_offset * rest)
+
+    def prompt_mask(self, stage: Stage) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the valid slots holding a prompt token of their row (position
+        below the row's ``prompt_lengths``), for ``stage`` (which declares ``needs_prompt``); a
+        clear error where the input carries no prompt lengths."""
+        if self.prompt_lengths is None:
+            raise KeyError(
+                f"{stage.kind} {stage.type_name!r} reads each row's prompt length, which this input does not "
+                "carry: pass prompt_lengths= to Policy.select (caches and vLLM give it)"
+            )
+        lengths = self.prompt_lengths.to(self.positions.device)
+        return self.slot_valid & (self.positions >= 0) & (self.positions < lengths[:, None, None])
 
     @property
     def layer_index(self) -> torch.Tensor:
@@ -465,6 +483,9 @@ class Stage(BaseModel, ABC):
     #: cannot give them (``Policy.check_model_facts``). A nesting stage need not repeat its
     #: children's: the policy collects them from every stage, nested ones included.
     needs_model: ClassVar[frozenset[Fact]] = frozenset()
+    #: True when the stage reads each row's prompt length (``inp.prompt_mask``): ``Policy.select``
+    #: then refuses a call without ``prompt_lengths=`` before any work (caches and vLLM give it).
+    needs_prompt: ClassVar[bool] = False
 
     def walk(self) -> Iterator[Stage]:
         """This stage, then every stage nested anywhere in its fields (a reservation's scorer, a
@@ -701,6 +722,13 @@ class Reservation(Stage):
         None for it).
         """
         return 0
+
+    def prompt_refusal(self, prompt_len: int, room: int) -> str | None:
+        """Why a request whose prompt has ``prompt_len`` tokens cannot be served, where ``room``
+        slots of the budget are left beside the recent buffer and the other reservations'
+        declared counts (None, the default: it can). An engine that admits requests asks it up
+        front (``Policy.prompt_refusal``) instead of failing at an eviction."""
+        return None
 
 
 class Selector(Stage):

@@ -227,9 +227,13 @@ def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor
         out[field] = t
     if bad_any and bool(torch.stack([b.any() for _, b in bad_any]).any()):
         field, bad = next((f, b) for f, b in bad_any if bool(b.any()))
+        # The inputs were refused first if not finite (Policy.observe), so this is the update's own
+        # arithmetic: say so, as a scorer's non-finite scores do.
+        largest = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in (inp.keys, inp.values, inp.queries))
         raise SelectionError(
             f"{name} state field {field!r} holds {int(bad.sum())} non-finite values (NaN or inf), the first at "
-            f"index {bad.nonzero()[0].tolist()}: state must stay finite; the cache keeps the state it had"
+            f"index {bad.nonzero()[0].tolist()}, from finite inputs (entries up to {largest:.3g}): the update "
+            "overflowed float32 or divided 0 by 0; state must stay finite; the cache keeps the state it had"
         )
     return out
 

@@ -7,11 +7,11 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | process | class.method (vllm 0.32) | what kvpolicy adds |
 | --- | --- | --- |
 | front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, refuse what cannot run |
-| front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one fails that request (``VLLMValidationError``: HTTP 400) |
+| front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one, or a prompt its policy must keep whole and cannot (``Policy.prompt_refusal``), fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
 | engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``); the executor kept for the scheduler, which asks the workers for the layer budgets they decided (CAKE) |
-| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, or whose policy needs a model fact the workers cannot give, fails alone |
+| engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, whose prompt its policy cannot keep whole, or whose policy needs a model fact the workers cannot give, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
@@ -136,7 +136,8 @@ def _install_frontend() -> None:
             if resolved_args is not None:
                 # The request's private copy of its params: the caller's object is not changed.
                 request.sampling_params.extra_args = resolved_args
-            refusal = _pool_refusal(self.vllm_config, request, resolved_args)
+            refusal = (_prompt_refusal(self.vllm_config, request, resolved_args)
+                       or _pool_refusal(self.vllm_config, request, resolved_args))
             if refusal is not None:
                 raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
             return request
@@ -179,6 +180,27 @@ def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
     except settings.KVPolicyVLLMError as exc:
         return str(exc).removeprefix("kvpolicy[vllm]: ")
     return None
+
+
+_PROMPT_POLICIES: dict[tuple[str | None, str | None], Any] = {}  # front end: by request and server policy YAML
+
+
+def _prompt_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
+    """Why a request's prompt cannot be served by its policy (one that keeps the whole prompt,
+    with a budget too small for it: ``Policy.prompt_refusal``), before it runs."""
+    from . import settings
+
+    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
+    params, prompt = request.sampling_params, request.prompt_token_ids
+    if server is None or params is None or prompt is None:
+        return None
+    r = settings.request_policy(resolved_args, server)
+    key = (r.policy_yaml, server.policy_yaml)
+    if key not in _PROMPT_POLICIES:
+        _PROMPT_POLICIES[key] = r.policy()
+    policy = _PROMPT_POLICIES[key]
+    new_tokens = None if params.max_tokens is None else int(params.max_tokens)
+    return None if policy is None else policy.prompt_refusal(len(prompt), new_tokens)
 
 
 def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:

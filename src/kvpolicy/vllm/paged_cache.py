@@ -194,6 +194,8 @@ class PagedCache:
         # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
         # position t % w, so the ring always holds the request's last w queries.
         windows = np.array([self.request_policy(r).window for r in req_ids], dtype=np.int64)  # each record made
+        for req_id, prompt_len in zip(req_ids, plan.prompt_len, strict=True):
+            self.records[req_id].prompt_len = int(prompt_len)
         self.head_attention = self._plan_head_attention(plan, table)
         ends = np.cumsum(n)
         dev = self.device
@@ -262,7 +264,7 @@ class PagedCache:
             queries = q[step.first : step.first + step.tokens].to(keys.dtype).permute(1, 0, 2)[None]  # [1, Hq, T, D]
             positions = torch.arange(step.before, step.before + step.tokens, device=self.device)[None]
             inp = self._input(rp, keys, values, queries[:, :, :0], None, slots.positions[layer : layer + 1],
-                              [self.layer_ids[layer]], evictions=[0], state=state)
+                              [self.layer_ids[layer]], evictions=[0], state=state, req_ids=[req_id])
             new = eviction.observe_long_step(policy, inp, queries, positions, torch.ones_like(positions, dtype=torch.bool))
             per_slot = {}
             for name, t in new.items():
@@ -512,13 +514,18 @@ class PagedCache:
             observed = torch.tensor([self.records[q].observed for q in req_ids], dtype=torch.long).repeat(lyr)
             query_positions, query_new = eviction.new_queries(policy, query_valid, seen, observed)
         schedule = schedule or rp.schedule or policy.schedule  # a layer's own budget under per-layer budgets
+        prompt_lengths = None
+        if req_ids is not None:
+            prompts = [self.records[q].prompt_len for q in req_ids]
+            if all(p is not None for p in prompts):
+                prompt_lengths = torch.tensor(prompts, dtype=torch.long).repeat(lyr)
         return eviction_input(
             keys, values, queries, budget=schedule.budget, recent=schedule.recent,
             seed=policy.resolve_seed(rp.resolved.seed), slot_valid=slot_valid, query_valid=query_valid, positions=positions,
             layer_idx=layer_idx, evictions=torch.tensor(evictions, dtype=torch.long).repeat(lyr),
             head_offset=self.head_offset, query_positions=query_positions, query_new=query_new,
             state=None if state is None or not policy.keeps_state else policy.nest_state(state),
-            model=self.model_facts if policy.needs_model else None,
+            model=self.model_facts if policy.needs_model else None, prompt_lengths=prompt_lengths,
         )
 
     def _gather_layers(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int] | None = None) -> list[KV]:

@@ -217,6 +217,9 @@ class RequestRecord:
     #: request next runs (``tracked`` then).
     replay: list[int] | None = None
     tracked: bool = False
+    #: The request's prompt tokens (vLLM's ``num_prompt_tokens``), set by every step that runs it
+    #: (``PagedCache.begin_step``): what a stage reading the prompt gets (``prompt_lengths``).
+    prompt_len: int | None = None
 
     def head_fields(self, layers: int, kv_heads: int, device: torch.device) -> dict[str, torch.Tensor]:
         """The request's per-head state fields, ``[Lyr, Hkv]`` each (initial on first use)."""

@@ -291,10 +291,15 @@ class SchedulerEviction:
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
         """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
-        settings the front end did not resolve, more blocks than the KV pool has, or a policy
-        needing a model fact the workers cannot give."""
+        settings the front end did not resolve, more blocks than the KV pool has, a policy
+        needing a model fact the workers cannot give, or a prompt its policy must keep whole and
+        its budget cannot hold (``Policy.prompt_refusal``)."""
         plan = self.plan(request)  # raises for unresolved settings
         refusal = plan.refusal
+        if refusal is None and plan.policy is not None:  # a policy keeping the whole prompt, a budget too small for it
+            max_tokens = request.sampling_params.max_tokens
+            refusal = plan.policy.prompt_refusal(int(request.num_prompt_tokens),
+                                                 None if max_tokens is None else int(max_tokens))
         if refusal is None:
             pool = self.scheduler.kv_cache_manager.block_pool
             block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size

@@ -244,6 +244,7 @@ class BlockSelection:
             layer_idx=paged.layer_ids[layer], evictions=torch.tensor([c.choices for c in group.choices]),
             head_offset=paged.head_offset, key_pages=key_pages,
             model=paged.model_facts if policy.needs_model else None,
+            prompt_lengths=self._prompt_lengths(group),
         )
         kept = eviction.choose(policy, inp)
         chosen = kept.pages if kept.pages is not None else kept.slots
@@ -251,6 +252,11 @@ class BlockSelection:
             raise KVPolicyVLLMError(f"policy {policy.name!r} chose a count per head, which vLLM does not serve")
         for j, c in enumerate(group.choices):
             c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
+
+    def _prompt_lengths(self, group: SelectGroup) -> torch.Tensor | None:
+        """The group's requests' prompt tokens (``RequestRecord.prompt_len``), None if one is unknown."""
+        prompts = [self.paged.records[q].prompt_len for q in group.req_ids]
+        return None if any(p is None for p in prompts) else torch.tensor(prompts, dtype=torch.long)
 
     def _summarise(self, choice: RequestChoice, layer: int, blocks: torch.Tensor, n: int, p: int) -> None:
         """Layer ``layer``'s summaries of pages of ``p`` slots of ``choice`` for every whole page
