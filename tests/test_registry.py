@@ -118,6 +118,7 @@ def test_builtins_by_kind():
         "arrival_score",
         "attention",
         "cake_attention",
+        "landmark",
         "combination",
         "current_attention",
         "expected_attention",

@@ -24,6 +24,7 @@ from .stages.base import declared_for
 from .stages.merge_drop import DropMerge
 from .stages.spec import AllocationSpec, MergeSpec, ReservationSpec, ScorerSpec, SelectorSpec
 from .stages.uniform import UniformAllocation
+from .tiers.config import RecallConfig
 
 if sys.version_info >= (3, 11):
     from importlib.resources.abc import Traversable
@@ -77,6 +78,12 @@ class PolicyConfig(BaseModel):
         default_factory=DropMerge,
         description="What becomes of the tokens an eviction drops (default: drop; cam, similar, d2o fold their "
         "values into kept slots' values, never keys, never changing how many slots are kept).",
+    )
+    recall: RecallConfig | None = Field(
+        None,
+        description="Two tiers: evicted tokens go, in pages, to a slow tier, and the best pages come back into a "
+        "recall buffer that attention reads beside the kept slots (budget, page_size, interval, scorer, "
+        "capacity, drop). Evict mode only.",
     )
 
     @field_validator("summary")
@@ -147,6 +154,8 @@ class PolicyConfig(BaseModel):
         for stage in [self.scorer, *self.reservations, self.selector, self.merge]:
             for s in stage.walk() if stage is not None else ():  # nested stages checked too
                 s.validate_schedule(sched)
+        if self.recall is not None:
+            self.recall.check_policy(self.mode, sched, self.allocation, self.selector, self.merge)
         return self
 
     def _check_page_choice(self, page: int) -> None:
@@ -194,6 +203,8 @@ class PolicyConfig(BaseModel):
             data["allocation"] = self.allocation.describe()
         if self.merge.merges:  # drop is the default: files without the field keep their form
             data["merge"] = self.merge.describe()
+        if self.recall is not None:
+            data["recall"] = {**self.recall.model_dump(exclude={"scorer"}), "scorer": self.recall.scorer.describe()}
         return data
 
     def to_yaml(self) -> str:

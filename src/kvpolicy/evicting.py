@@ -21,6 +21,7 @@ from .policy import Policy
 from .selection import SELECT_GROWTH, check_select_growth
 from .stages.model_facts import ModelFacts
 from .state import CacheStateError, EvictionStats, LayerGroup
+from .tiers import TierStats
 
 
 class EvictingCache:
@@ -214,6 +215,19 @@ class EvictingCache:
         windows and per-head state whole. Under a threshold (``dms``) or a per-head allocation
         heads hold different counts, and this is what they hold; ``memory_bytes`` is the room."""
         return sum(g.held_bytes() for g in self._unique_groups())
+
+    def tier_stats(self) -> TierStats | None:
+        """A two-tier policy's tiers (``PolicyConfig.recall``), summed over the layer groups:
+        bytes held in each tier (the fast tier's counting the recall buffer and the slow tier's
+        summaries; ``memory_bytes`` is the fast tier and the query windows), bytes moved each way
+        and recall hits since the start (a step's: the difference of two readings). None for a
+        policy without a ``recall`` block; all zero before the first append."""
+        if self.policy.config.recall is None:
+            return None
+        total = TierStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        for group in self._unique_groups():
+            total = total + group.layout.tier_stats()  # type: ignore[attr-defined]  # TwoTierRows's
+        return total
 
     def head_counts(self, layer_idx: int = 0) -> torch.Tensor:
         """``[B, Hkv]`` long (host): slots each KV head of each row holds on ``layer_idx`` now

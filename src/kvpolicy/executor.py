@@ -25,9 +25,11 @@ import torch
 
 from . import eviction
 from .layouts.base import HeldSlots
-from .policy import Policy, eviction_input
+from .policy import Policy, eviction_input, keep_top
+from .stages import guards
 from .stages.base import EvictionInput
 from .stages.model_facts import ModelFacts
+from .stages.recall import RecallInput
 from .state import LayerGroup
 
 __all__ = ["Executor"]
@@ -127,6 +129,16 @@ class Executor:
         with self._timed("select"):
             inp = self.group_input(group, rows, row_sel, held, layer=layer, key_pages=key_pages)
             return eviction.choose(self.policy, inp)
+
+    def recall(self, group: LayerGroup, layer: int, inp: RecallInput, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A two-tier policy's recall on ``layer`` (``kvpolicy.layouts.TwoTierRows``): the recall
+        scorer's page scores ``[R, Hkv, Np]`` (checked: ``guards.run_recall_scorer``; -inf on empty
+        page slots) and the ``k`` best page slots ``[R, Hkv, k]``, ranked by ``keep_top`` (greedy)."""
+        recall = self.policy.config.recall
+        assert recall is not None  # only a two-tier layout asks
+        with self._timed("select"):
+            scores = guards.run_recall_scorer(recall.scorer, inp)
+            return keep_top(scores, min(k, scores.shape[-1])), scores
 
     def group_input(
         self, group: LayerGroup, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots, *,

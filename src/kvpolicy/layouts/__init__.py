@@ -4,6 +4,8 @@
 - ``HeadRuns``: heads of a row hold different counts after an eviction, each row's slots read
   as one flat run, head after head (per-head allocations: Ada-KV, head profiles).
 - ``SelectRows``: select mode: every token kept, each decode step attends the policy's choice.
+- ``TwoTierRows``: even rows whose evicted tokens go to a slow tier, recalled by the policy's
+  ``recall`` block (``kvpolicy.tiers``).
 
 Each implements ``SlotLayout``: how a step's slots are written, how the buffers grow, what
 attention reads, how an eviction compacts, how rows are reordered, the bytes held. ``layout_for``
@@ -33,6 +35,7 @@ from .base import (
 from .even import EvenRows
 from .head_runs import HeadRuns
 from .select import Chooser, RowPhase, SelectRows
+from .two_tier import Recaller, TwoTierRows
 
 __all__ = [
     "CacheStateError",
@@ -49,6 +52,8 @@ __all__ = [
     "SelectRows",
     "SlotLayout",
     "SlotView",
+    "Recaller",
+    "TwoTierRows",
     "layout_for",
 ]
 
@@ -70,12 +75,15 @@ class LayoutChoice:
 
 
 def layout_for(policy: Policy, executor: GroupRunner, select_growth: float = SELECT_GROWTH) -> LayoutChoice:
-    """The layout of ``policy``'s groups: select mode's, per-head runs for a per-head
-    allocation, else even rows."""
+    """The layout of ``policy``'s groups: select mode's, two tiers for a ``recall`` block,
+    per-head runs for a per-head allocation, else even rows."""
     if policy.config.mode == "select":
         options = {"page_sizes": policy.key_page_sizes, "per_head": policy.per_head, "growth": select_growth,
                    "choose": executor.choose, "page_choice": policy.chooses_pages}
         return LayoutChoice(SelectRows, executor, options)
+    recall = policy.config.recall
+    if recall is not None:  # evict mode, even rows (the config refuses the rest)
+        return LayoutChoice(TwoTierRows, executor, {"recall": recall, "rank": executor.recall})
     if policy.per_head:
         return LayoutChoice(HeadRuns, executor)
     return LayoutChoice(EvenRows, executor)

@@ -11,11 +11,13 @@ import torch
 from ..eviction import Kept
 from ..heads import HeadLayout
 from ..policy import Policy
+from ..query_ring import QueryRing
 from ..rows import RowCounters
 from ..schedule import Phase, Schedule
 from ..selection import SelectionState
 from ..slots import SlotBuffers, StepPlan
 from ..stages.base import StateField
+from ..stages.recall import RecallInput
 
 
 class CacheStateError(RuntimeError):
@@ -74,6 +76,7 @@ class GroupState(Protocol):
     member: dict[int, int]  # layer index -> buffer index
     layer_ids: torch.Tensor
     rows: RowCounters
+    ring: QueryRing  # the window of queries (a two-tier layout's recall reads the step's)
     plan: StepPlan
     extent_now: int
     tokens_seen_before: int
@@ -98,7 +101,7 @@ class GroupState(Protocol):
 class GroupRunner(Protocol):
     """What a group asks of the executor that runs its policy (``kvpolicy.executor.Executor``):
     the policy, a long step's update as a layer is written, select mode's choice (handed to
-    ``SelectRows``). Layouts never call it: the executor calls them."""
+    ``SelectRows``), a two-tier policy's recall (handed to ``TwoTierRows``). Layouts never call it: the executor calls them."""
 
     policy: Policy
 
@@ -110,6 +113,8 @@ class GroupRunner(Protocol):
         self, group: Any, layer: int, rows: torch.Tensor, row_sel: slice | torch.Tensor, held: HeldSlots,
         key_pages: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
     ) -> Kept: ...
+
+    def recall(self, group: Any, layer: int, inp: RecallInput, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class SlotLayout(ABC):

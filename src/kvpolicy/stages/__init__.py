@@ -27,6 +27,7 @@ from .head_profile import ProfileAllocation
 from .keep_protected import KeepProtectedSelector
 from .key_norm import KeyNormScorer
 from .lag import LagScorer
+from .landmark import LandmarkScorer
 from .layer_list import LayerListAllocation
 from .leverage import LeverageScorer
 from .merge_cam import CamMerge
@@ -59,6 +60,7 @@ BUILTIN_STAGES = (
     SmoothedAttentionScorer,
     CurrentAttentionScorer,
     QuestScorer,
+    LandmarkScorer,
     RedundancyScorer,
     LeverageScorer,
     ValueMagnitudeScorer,
@@ -129,6 +131,7 @@ __all__ = [
     "KeepProtectedSelector",
     "KeyNormScorer",
     "LagScorer",
+    "LandmarkScorer",
     "QuestScorer",
     "LeverageScorer",
     "ModelFacts",

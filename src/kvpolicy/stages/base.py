@@ -27,6 +27,7 @@ from .model_facts import Fact, ModelFacts
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
+    from .recall import RecallInput
 
 #: The kinds of stage. This is the one list of them: ``STAGE_KINDS``, ``STAGE_BASES`` (below), the
 #: registry's tables, the JSON schema and ``kvpolicy policies`` all follow it, in this order.
@@ -680,6 +681,19 @@ class Scorer(Stage):
         (``kvpolicy.stages.guards.run_page_scorer``): another shape, dtype or device, or NaN/inf,
         is a ``SelectionError`` naming the scorer."""
         raise NotImplementedError(f"scorer {self.type_name!r} declares choice_page_size but no score_pages")
+
+    #: The page summaries (``kvpolicy.stages.recall.SUMMARIES``) this scorer reads when it ranks a
+    #: slow tier's pages as a recall scorer (``PolicyConfig.recall``); empty, the default: it
+    #: cannot serve as one (refused at load, naming ``recall.scorer``).
+    recall_summaries: ClassVar[frozenset[str]] = frozenset()
+
+    def score_summaries(self, inp: RecallInput) -> torch.Tensor:
+        """``[B, Hkv, Np]`` float32: each slow-tier page's score from its summaries alone
+        (``inp.summaries``, the kinds ``recall_summaries`` declares); higher is recalled first.
+        Entries of empty page slots (``inp.page_valid`` False) are never read. Checked at every
+        call (``kvpolicy.stages.guards.run_recall_scorer``): another shape, dtype or device, or
+        NaN/inf on a page, is a ``SelectionError`` naming the scorer."""
+        raise NotImplementedError(f"scorer {self.type_name!r} declares recall_summaries but no score_summaries")
 
 
 class Reservation(Stage):

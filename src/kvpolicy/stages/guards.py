@@ -20,6 +20,7 @@ from .base import Reservation
 
 if TYPE_CHECKING:
     from .base import Allocation, EvictionInput, Merge, Scorer, Selector, Stage
+    from .recall import RecallInput
 
 #: Largest finite float32: scores and priorities are float32, and protected slots rank at +inf,
 #: strictly above every candidate's priority (clamped to this).
@@ -183,6 +184,37 @@ def run_page_scorer(scorer: Scorer, inp: EvictionInput, page_size: int) -> torch
             "finite as they entered the cache)"
         )
     return scores.float()
+
+
+def run_recall_scorer(scorer: Scorer, inp: RecallInput) -> torch.Tensor:
+    """``scorer.score_summaries(inp)`` as checked ``[B, Hkv, Np]`` float32 page scores (a
+    two-tier policy's recall), ``-inf`` on empty page slots. One synchronisation.
+
+    Refuses (``SelectionError`` naming the scorer) a result that is not a floating tensor of
+    that shape on the queries' device, or that holds NaN or inf on a page that holds one."""
+    name = f"recall scorer {scorer.type_name!r} score_summaries"
+    expected = tuple(inp.page_valid.shape)
+    scores = scorer.score_summaries(inp)
+    if not isinstance(scores, torch.Tensor):
+        raise SelectionError(f"{name} returned {type(scores).__name__}, expected a [B, Hkv, Np] = {expected} tensor")
+    if tuple(scores.shape) != expected:
+        raise SelectionError(
+            f"{name} returned page scores of shape {tuple(scores.shape)}, expected [B, Hkv, Np] = {expected} "
+            "(one score per row, KV head and slow-tier page slot)"
+        )
+    if not scores.is_floating_point():
+        raise SelectionError(f"{name} returned page scores of dtype {scores.dtype}, expected a floating dtype (float32)")
+    if scores.device != inp.queries.device:
+        raise SelectionError(f"{name} returned page scores on {scores.device}, expected the queries' device {inp.queries.device}")
+    scores = scores.float().masked_fill(~inp.page_valid, float("-inf"))
+    bad = ~torch.isfinite(scores) & inp.page_valid
+    if bool(bad.any()):
+        raise SelectionError(
+            f"{name} produced non-finite page scores (NaN or inf) for {int(bad.sum())} page(s), the first at "
+            f"[row, head, page] = {bad.nonzero()[0].tolist()}: float32 overflowed (the inputs were checked "
+            "finite as they entered the cache)"
+        )
+    return scores
 
 
 def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from .current_attention import newest_query
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
+    from .recall import RecallInput
 
 
 def side_by_side(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
@@ -66,6 +67,17 @@ class QuestScorer(Scorer):
         "mode attends whole pages, the best (budget - recent) / page_size of them by their bound, plus "
         "the recent buffer and the candidates' last, short page (Quest's own rule).",
     )
+
+    recall_summaries: ClassVar[frozenset[str]] = frozenset({"key_min", "key_max"})
+
+    def score_summaries(self, inp: RecallInput) -> torch.Tensor:
+        """As a recall scorer: each slow-tier page's bound ``q+ . max + q- . min`` (scaled by
+        ``inp.scaling``), reduced over the query heads of a KV head with ``group_reduce``."""
+        q = inp.queries.float()
+        signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, Hkv, G, 2D]
+        both = torch.cat([inp.summaries["key_min"], inp.summaries["key_max"]], dim=-1)  # [B, Hkv, Np, 2D]
+        bounds = (signed @ both.masked_fill(~inp.page_valid[..., None], 0.0).transpose(-1, -2)) * inp.scaling
+        return bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
 
     def validate_schedule(self, schedule: Schedule) -> None:
         if self.granularity != "page":

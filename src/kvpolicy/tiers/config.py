@@ -1,0 +1,120 @@
+"""A two-tier policy's ``recall`` block: the slow tier's pages, and how they come back."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..stages.quest import QuestScorer
+from ..stages.recall import KEY_BOUNDS, SUMMARIES
+from ..schedule import Schedule
+from ..stages.base import Allocation, Merge, Selector
+from ..stages.spec import ScorerSpec
+
+
+class RecallConfig(BaseModel):
+    """What eviction drops goes, in pages, to a slow tier, and the best pages come back.
+
+    Written beside an evicting policy's stages::
+
+        recall: {budget: 64, page_size: 16, interval: 1, scorer: {type: quest}}
+
+    Eviction still decides what leaves the fast tier. Each eviction's evicted tokens go, per KV
+    head, in pages of ``page_size`` (in position order; an eviction's last page may be short) to
+    the slow tier, and each page leaves its summaries in the fast tier: its key bounds, and what
+    the ``scorer`` declares it reads (``Scorer.recall_summaries``). Every ``interval`` decode
+    tokens the scorer ranks the slow tier's pages against the step's query from the summaries
+    alone, and the best ``budget // page_size`` pages (greedy) are brought into the recall
+    buffer; attention reads the kept slots and the recall buffer.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget: int = Field(
+        ..., ge=0, description="Slots per KV head of the recall buffer, in whole pages (0: the slow tier is "
+        "kept but nothing comes back, so the policy attends what its eviction keeps).",
+    )
+    page_size: int = Field(16, ge=1, le=4096, description="Evicted tokens per page (a page is recalled whole).")
+    interval: int = Field(1, ge=1, description="Recall at every decode token whose count is a multiple of this.")
+    scorer: ScorerSpec = Field(
+        default_factory=QuestScorer,
+        description="Ranks the slow tier's pages from their summaries (a scorer that declares recall_summaries: "
+        "quest, landmark); default quest (key bounds).",
+    )
+    summaries: list[str] = Field(
+        default_factory=list,
+        description="Summary kinds to keep beyond the key bounds and what the scorer reads (key_mean).",
+    )
+    capacity: int | None = Field(
+        None, ge=1, description="Slow-tier slots per KV head, in whole pages (null: unbounded). When an eviction "
+        "brings more, `drop` decides which pages go for good.",
+    )
+    drop: Literal["oldest", "lowest"] = Field(
+        "oldest", description="Which pages a full slow tier drops: the oldest written, or the lowest scored at the "
+        "last recall (pages not yet scored count as highest).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RecallConfig:
+        p = self.page_size
+        if 0 < self.budget < p:
+            raise ValueError(f"recall.budget {self.budget} has no room for one page of {p} slots (recall.page_size)")
+        if self.budget % p:
+            raise ValueError(f"recall.budget {self.budget} must be whole pages of recall.page_size {p}")
+        if self.capacity is not None:
+            if self.capacity % p:
+                raise ValueError(f"recall.capacity {self.capacity} must be whole pages of recall.page_size {p}")
+            if self.capacity < self.budget:
+                raise ValueError(f"recall.capacity {self.capacity} is below recall.budget {self.budget}: the "
+                                 "recall buffer could never fill")
+        unknown = sorted(set(self.summaries) - set(SUMMARIES))
+        if unknown:
+            raise ValueError(f"recall.summaries: unknown kind(s) {unknown}; known: {sorted(SUMMARIES)}")
+        reads = self.scorer.recall_summaries
+        if not reads:
+            raise ValueError(
+                f"recall.scorer {self.scorer.type_name!r} cannot rank slow-tier pages: it declares no "
+                "recall_summaries (use quest or landmark)"
+            )
+        missing = sorted(reads - set(SUMMARIES))
+        if missing:
+            raise ValueError(
+                f"recall.scorer {self.scorer.type_name!r} reads summaries {missing} that no slow tier holds "
+                f"(known: {sorted(SUMMARIES)})"
+            )
+        return self
+
+    @property
+    def kept_summaries(self) -> frozenset[str]:
+        """Every summary kind the slow tier keeps: the key bounds, the scorer's and the extra ones."""
+        return KEY_BOUNDS | self.scorer.recall_summaries | frozenset(self.summaries)
+
+    def check_policy(self, mode: str, sched: Schedule, allocation: Allocation, selector: Selector, merge: Merge) -> None:
+        """Refuse, naming the field, a policy (its ``mode``, schedule and stages) this recall
+        cannot serve (``PolicyConfig`` calls it)."""
+        if mode == "select":
+            raise ValueError("recall: select mode keeps every token and evicts nothing to recall; use mode: evict")
+        if self.budget > sched.budget:
+            raise ValueError(
+                f"recall.budget {self.budget} is larger than the fast tier's kept slots (schedule.budget "
+                f"{sched.budget})"
+            )
+        if sched.interval % self.page_size:
+            raise ValueError(
+                f"recall.page_size {self.page_size} must divide schedule.interval {sched.interval}: each eviction "
+                "after the prompt evicts that many tokens per head, in whole pages"
+            )
+        if sched.window < 1:
+            raise ValueError("recall reads each step's query: set schedule.window to at least 1")
+        if allocation.per_head or selector.sets_counts:
+            name = allocation.type_name if allocation.per_head else selector.type_name
+            raise ValueError(
+                f"recall with {name!r}, whose heads keep different counts: not served yet (the slow tier pages "
+                "each head's evictions alike); use a uniform or per-layer allocation"
+            )
+        if merge.merges:
+            raise ValueError(
+                f"recall with merge {merge.type_name!r}: a merged value already stands for the tokens it "
+                "absorbed, and recalling them would count them twice; use merge: drop"
+            )

@@ -1,0 +1,133 @@
+"""The recall buffer: the slow tier's pages brought back into the fast tier, and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .slow import SlowTier
+
+
+def recall_due(tokens: torch.Tensor, interval: int) -> torch.Tensor:
+    """``[B]`` bool: which rows recall at a decode step after which they have seen ``tokens [B]``
+    real tokens: every ``interval``-th token (each row by its own count, so a row recalls in a
+    padded batch when it would alone). The one rule of when a recall happens."""
+    return tokens % interval == 0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A two-tier cache's tiers, summed over its layer groups (``EvictingCache.tier_stats``).
+
+    Bytes held are the buffers' room. The fast tier holds the kept slots (``fast_bytes`` is the
+    whole fast tier: kept slots, recall buffer and summaries), the slow tier the evicted pages.
+    The counters run from the cache's start (``reset`` starts them again): a step's figures are
+    the difference of two readings."""
+
+    fast_bytes: int
+    recall_bytes: int  # the recall buffer (in fast_bytes)
+    summary_bytes: int  # the slow tier's summaries and page bookkeeping (in fast_bytes)
+    slow_bytes: int
+    moved_bytes: int  # copied from the slow tier into the recall buffer
+    written_bytes: int  # copied from the fast tier into the slow tier (evicted pages)
+    pages_recalled: int  # pages chosen by recalls, hits included
+    hits: int  # chosen pages that were in the recall buffer already (nothing moved)
+    pages_dropped: int  # pages a full slow tier let go for good
+
+    def __add__(self, other: TierStats) -> TierStats:
+        return TierStats(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
+    def astuple(self) -> tuple[int, ...]:
+        return (self.fast_bytes, self.recall_bytes, self.summary_bytes, self.slow_bytes, self.moved_bytes,
+                self.written_bytes, self.pages_recalled, self.hits, self.pages_dropped)
+
+
+class RecallBuffer:
+    """Per layer, row and KV head, ``budget // P`` page slots of recalled tokens (``keys [Lyr, B,
+    Hkv, budget, D]``, ``values``, ``positions``: -1 where none), in the fast tier, and which
+    slow-tier page slot each holds (``pages [Lyr, B, Hkv, budget // P]``, -1: none).
+
+    A recall keeps the pages it chooses again where they are (a hit moves nothing) and copies
+    only the others in, into the slots of the pages it let go."""
+
+    def __init__(
+        self, layers: int, batch: int, kv_heads: int, budget: int, page_size: int, keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        self.page_size = page_size
+        dev = keys.device
+        self.keys = keys.new_zeros(layers, batch, kv_heads, budget, keys.shape[-1])
+        self.values = values.new_zeros(layers, batch, kv_heads, budget, values.shape[-1])
+        self.positions = torch.full((layers, batch, kv_heads, budget), -1, dtype=torch.long, device=dev)
+        self.pages = torch.full((layers, batch, kv_heads, budget // page_size), -1, dtype=torch.long, device=dev)
+        self.moved_bytes = 0
+        self.pages_recalled = 0
+        self.hits = 0
+        #: Whether any page was ever recalled (before that, attention skips the empty buffer).
+        self.filled = False
+
+    @property
+    def page_slots(self) -> int:
+        return self.pages.shape[-1]
+
+    def load(self, layer: int, rows: slice | torch.Tensor, chosen: torch.Tensor, slow: SlowTier) -> None:
+        """Hold the slow tier's page slots ``chosen [R, Hkv, k]`` (-1: none) for ``rows`` of ``layer``."""
+        prev = self.pages[layer, rows]  # [R, Hkv, n]
+        n, p = self.page_slots, self.page_size
+        if chosen.shape[-1] < n:  # fewer pages than the buffer holds: the rest stays empty
+            chosen = torch.nn.functional.pad(chosen, (0, n - chosen.shape[-1]), value=-1)
+        same = (chosen[..., :, None] == prev[..., None, :]) & (chosen[..., :, None] >= 0)  # [R, Hkv, n, n]
+        hit = same.any(-1)  # chosen pages already held
+        stays = same.any(-2)  # held pages chosen again
+        incoming = (chosen >= 0) & ~hit
+        # The j-th incoming page goes into the j-th slot that does not stay (stable sorts: in order).
+        take = torch.sort((~incoming).to(torch.uint8), dim=-1, stable=True).indices  # incoming first
+        into = torch.sort(stays.to(torch.uint8), dim=-1, stable=True).indices  # free slots first
+        pair = torch.arange(n, device=chosen.device) < incoming.sum(-1, keepdim=True)  # [R, Hkv, n]
+        new_pages = torch.where(stays, prev, -1)
+        new_pages.scatter_(-1, into, torch.where(pair, chosen.gather(-1, take), new_pages.gather(-1, into)))
+        self.pages[layer, rows] = new_pages
+        self.pages_recalled += int((chosen >= 0).sum())
+        self.hits += int(hit.sum())
+        self.filled = True
+        # Slots let go and not refilled hold no token.
+        positions = self.positions[layer, rows].unflatten(-1, (n, p))
+        positions.masked_fill_((new_pages < 0)[..., None], -1)
+        self.positions[layer, rows] = positions.flatten(-2)
+        if not bool(pair.any()):
+            return
+        r_idx, h_idx, j = pair.nonzero(as_tuple=True)
+        src_page = chosen.gather(-1, take)[r_idx, h_idx, j]
+        dst_slot = into[r_idx, h_idx, j]
+        row_ids = torch.arange(slow.page_valid.shape[1], device=chosen.device)[rows][r_idx]
+        lyr, b, h = slow.page_valid.shape[:3]
+        flat = ((layer * b + row_ids) * h + h_idx) * slow.page_slots + src_page
+        keys, values, pos = slow.gather(flat)
+        dev = self.keys.device
+        nonblocking = keys.is_pinned()
+        dest = ((layer * b + row_ids) * h + h_idx) * n + dst_slot
+        self.keys.view(-1, p, keys.shape[-1]).index_copy_(0, dest, keys.to(dev, non_blocking=nonblocking))
+        self.values.view(-1, p, values.shape[-1]).index_copy_(0, dest, values.to(dev, non_blocking=nonblocking))
+        self.positions.view(-1, p).index_copy_(0, dest, pos.to(dev, non_blocking=nonblocking))
+        self.moved_bytes += sum(t.numel() * t.element_size() for t in (keys, values, pos))
+
+    def forget(self, dropped: torch.Tensor) -> None:
+        """Let go of the pages a full slow tier dropped (``dropped [Lyr, B, Hkv, Np]`` bool)."""
+        held = self.pages >= 0
+        gone = dropped.gather(-1, self.pages.clamp(min=0)) & held
+        if not bool(gone.any()):
+            return
+        self.pages.masked_fill_(gone, -1)
+        self.positions.masked_fill_(gone.repeat_interleave(self.page_size, dim=-1), -1)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s recalled ``keys [B, Hkv, budget, D]``, ``values`` and ``valid`` (bool)."""
+        return self.keys[layer], self.values[layer], self.positions[layer] >= 0
+
+    def select_rows(self, dev: torch.Tensor) -> None:
+        self.keys, self.values, self.positions, self.pages = (
+            t.index_select(1, dev) for t in (self.keys, self.values, self.positions, self.pages))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.pages))

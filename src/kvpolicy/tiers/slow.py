@@ -1,0 +1,203 @@
+"""The slow tier: pages of evicted tokens, kept apart, with their summaries in the fast tier."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..stages.recall import SUMMARIES
+
+#: When the slow tier's page slots do not hold an eviction's pages, they grow to this many times
+#: the pages needed (amortised copies, as select mode's buffers).
+SLOW_GROWTH = 1.5
+
+
+class SlowTier:
+    """One layer group's slow tier: per layer, row and KV head, ``Np`` page slots of ``P`` tokens.
+
+    Storage (``keys [Lyr, B, Hkv, Np, P, D]``, ``values``, ``positions [Lyr, B, Hkv, Np, P]``, -1
+    for a slot without a token) lives on ``device``: host memory, pinned when the cache is on a
+    GPU. What the recall reads lives in the fast tier (``fast``): each page slot's summaries
+    (``summaries[kind] [Lyr, B, Hkv, Np, D]``, the keys' dtype), whether it holds a page (``page_valid``),
+    when it was written (``page_age``) and its score at the last recall (``page_score``, +inf until
+    scored). A page never changes once written; under a ``capacity`` (page slots per head) a full
+    tier drops pages for good, the ``drop`` rule deciding which (``oldest`` or ``lowest``).
+
+    Heads of a row hold the same number of pages (every head evicts the same count), though not the
+    same tokens; rows hold their own numbers.
+    """
+
+    def __init__(
+        self, layers: int, batch: int, kv_heads: int, page_size: int, keys: torch.Tensor, values: torch.Tensor,
+        summaries: frozenset[str], capacity_pages: int | None = None, drop: str = "oldest",
+        device: torch.device | None = None,
+    ) -> None:
+        self.page_size = page_size
+        self.capacity_pages = capacity_pages
+        self.drop = drop
+        self.fast = keys.device
+        self.device = device if device is not None else (torch.device("cpu") if keys.is_cuda else keys.device)
+        self._pin = keys.is_cuda and self.device.type == "cpu"
+        self._shape = (layers, batch, kv_heads)
+        self._dims = (keys.shape[-1], values.shape[-1], keys.dtype)
+        self.kinds = tuple(sorted(summaries))
+        self.pages_held = torch.zeros(batch, dtype=torch.long)  # host: pages each row holds (per head)
+        self.writes = 0  # evictions written (a page's age)
+        #: Bytes written to the slow tier, and pages dropped from it for good, since the start.
+        self.bytes_written = 0
+        self.pages_dropped = 0
+        self._alloc(0)
+
+    def _alloc(self, np_: int) -> None:
+        lyr, b, h = self._shape
+        d, dv, dtype = self._dims
+        p = self.page_size
+
+        def slow(*shape: int, dtype: torch.dtype, fill: float | int = 0) -> torch.Tensor:
+            t = torch.full(shape, fill, dtype=dtype, device=self.device)
+            return t.pin_memory() if self._pin else t
+
+        self.keys = slow(lyr, b, h, np_, p, d, dtype=dtype)
+        self.values = slow(lyr, b, h, np_, p, dv, dtype=dtype)
+        self.positions = slow(lyr, b, h, np_, p, dtype=torch.long, fill=-1)
+        self.page_valid = torch.zeros(lyr, b, h, np_, dtype=torch.bool, device=self.fast)
+        self.page_age = torch.zeros(lyr, b, h, np_, dtype=torch.long, device=self.fast)
+        self.page_score = torch.full((lyr, b, h, np_), float("inf"), device=self.fast)
+        # In the keys' dtype: min and max are keys, exact in it; a mean rounds as a key would.
+        self.summaries = {k: torch.zeros(lyr, b, h, np_, d, dtype=dtype, device=self.fast) for k in self.kinds}
+
+    @property
+    def page_slots(self) -> int:
+        return self.page_valid.shape[3]
+
+    def _grow(self, np_: int) -> None:
+        old = (self.keys, self.values, self.positions, self.page_valid, self.page_age, self.page_score,
+               dict(self.summaries))
+        n = self.page_slots
+        self._alloc(np_)
+        for new, was in zip((self.keys, self.values, self.positions, self.page_valid, self.page_age, self.page_score),
+                            old[:6], strict=True):
+            new[:, :, :, :n] = was
+        for k, was in old[6].items():
+            self.summaries[k][:, :, :, :n] = was
+
+    # -- writing --------------------------------------------------------------------------------
+    def append(
+        self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Write one eviction's evicted tokens of ``rows`` (host ``[R]``): ``keys [Lyr, R, Hkv, E, D]``,
+        ``values``, ``positions [Lyr, R, Hkv, E]`` (ascending per head), as ``ceil(E / P)`` pages per
+        head. Returns the page slots dropped for good to make room, ``[Lyr, B, Hkv, Np]`` bool (the
+        recall buffer lets go of them), or None when none was."""
+        e, p = keys.shape[3], self.page_size
+        if e == 0:
+            return None
+        n_new = -(-e // p)
+        pad = n_new * p - e
+        if pad:
+            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+            positions = torch.nn.functional.pad(positions, (0, pad), value=-1)
+        lyr, r, h = keys.shape[:3]
+        keys, values = keys.unflatten(3, (n_new, p)), values.unflatten(3, (n_new, p))
+        positions = positions.unflatten(3, (n_new, p))
+        if self.capacity_pages is not None and n_new > self.capacity_pages:
+            # An eviction larger than the whole tier (a long prompt's): its newest pages stay.
+            cut = n_new - self.capacity_pages
+            keys, values, positions = keys[:, :, :, cut:], values[:, :, :, cut:], positions[:, :, :, cut:]
+            self.pages_dropped += cut * lyr * h * r
+            n_new = self.capacity_pages
+        dropped = self._make_room(rows, n_new)
+        fast_rows = rows.to(self.fast)
+        free = ~self.page_valid[:, fast_rows]  # [Lyr, R, Hkv, Np]
+        # The first n_new free page slots of each head, ascending (a stable sort puts free ones first).
+        target = torch.sort((~free).to(torch.uint8), dim=-1, stable=True).indices[..., :n_new]
+        flat = self._flat(fast_rows, target)
+        slow_flat = flat.to(self.device)
+        self.keys.view(-1, p, keys.shape[-1]).index_copy_(0, slow_flat, keys.flatten(0, 3).to(self.device))
+        self.values.view(-1, p, values.shape[-1]).index_copy_(0, slow_flat, values.flatten(0, 3).to(self.device))
+        self.positions.view(-1, p).index_copy_(0, slow_flat, positions.flatten(0, 3).to(self.device))
+        valid = positions >= 0  # [Lyr, R, Hkv, n_new, P]
+        for kind in self.kinds:
+            summary = SUMMARIES[kind](keys, valid)  # [Lyr, R, Hkv, n_new, D]
+            into = self.summaries[kind]
+            into.view(-1, summary.shape[-1]).index_copy_(0, flat, summary.flatten(0, 3).to(into.dtype))
+        self.page_valid.view(-1)[flat] = True
+        self.page_age.view(-1)[flat] = self.writes
+        self.page_score.view(-1)[flat] = float("inf")
+        self.writes += 1
+        self.pages_held[rows] += n_new
+        self.bytes_written += sum(t.numel() * t.element_size() for t in (keys, values, positions))
+        return dropped
+
+    def _flat(self, fast_rows: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+        """Flat indices into ``[Lyr * B * Hkv * Np]`` of ``page [Lyr, R, Hkv, n]`` of ``fast_rows``."""
+        lyr, b, h = self._shape
+        np_ = self.page_slots
+        layer = torch.arange(lyr, device=self.fast)[:, None, None, None]
+        head = torch.arange(h, device=self.fast)[None, None, :, None]
+        return (((layer * b + fast_rows[None, :, None, None]) * h + head) * np_ + page).flatten()
+
+    def _make_room(self, rows: torch.Tensor, n_new: int) -> torch.Tensor | None:
+        """Grow (unbounded, or up to the capacity) or drop pages until each head of ``rows`` has
+        ``n_new`` free page slots; the dropped page slots, or None."""
+        held = int(self.pages_held[rows].max())
+        needed = held + n_new
+        if needed > self.page_slots:
+            grown = max(needed, int(self.page_slots * SLOW_GROWTH))
+            if self.capacity_pages is not None:
+                grown = min(grown, self.capacity_pages)
+            if grown > self.page_slots:
+                self._grow(grown)
+        over = (self.pages_held[rows] + n_new - self.page_slots).clamp(min=0)  # [R] pages to drop per head
+        if not bool((over > 0).any()):
+            return None
+        fast_rows = rows.to(self.fast)
+        valid = self.page_valid[:, fast_rows]
+        # Lowest priority goes first: the oldest written, or the lowest scored at the last recall.
+        priority = (self.page_age.float() if self.drop == "oldest" else self.page_score)[:, fast_rows]
+        priority = priority.masked_fill(~valid, float("inf"))
+        order = priority.argsort(dim=-1, stable=True)  # [Lyr, R, Hkv, Np], lowest first
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=self.fast).expand_as(order))
+        gone_rows = valid & (rank < over.to(self.fast)[None, :, None, None])
+        dropped = torch.zeros_like(self.page_valid)
+        dropped[:, fast_rows] = gone_rows
+        self.page_valid &= ~dropped
+        self.pages_held[rows] -= over
+        self.pages_dropped += int(gone_rows.sum())
+        return dropped
+
+    # -- reading --------------------------------------------------------------------------------
+    def read_summaries(self, layer: int, rows: slice | torch.Tensor, kinds: frozenset[str]) -> Mapping[str, torch.Tensor]:
+        return {k: self.summaries[k][layer, rows].float() for k in kinds}
+
+    def gather(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pages at flat page-slot indices ``flat [n]`` (``_flat``'s), on the slow device:
+        ``keys [n, P, D]``, ``values [n, P, Dv]``, ``positions [n, P]``."""
+        p = self.page_size
+        where = flat.to(self.device)
+        return (self.keys.view(-1, p, self.keys.shape[-1]).index_select(0, where),
+                self.values.view(-1, p, self.values.shape[-1]).index_select(0, where),
+                self.positions.view(-1, p).index_select(0, where))
+
+    def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        slow = host.to(self.device)
+        self.keys, self.values, self.positions = (t.index_select(1, slow) for t in (self.keys, self.values, self.positions))
+        if self._pin:
+            self.keys, self.values, self.positions = (t.pin_memory() for t in (self.keys, self.values, self.positions))
+        self.page_valid, self.page_age, self.page_score = (
+            t.index_select(1, dev) for t in (self.page_valid, self.page_age, self.page_score))
+        self.summaries = {k: t.index_select(1, dev) for k, t in self.summaries.items()}
+        self.pages_held = self.pages_held[host]
+        self._shape = (self._shape[0], host.numel(), self._shape[2])
+
+    # -- bytes ----------------------------------------------------------------------------------
+    def slow_bytes(self) -> int:
+        """Bytes the slow tier's storage takes (its whole room)."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+
+    def summary_bytes(self) -> int:
+        """Bytes of what the slow tier keeps in the fast tier: summaries and page bookkeeping."""
+        fast = [*self.summaries.values(), self.page_valid, self.page_age, self.page_score]
+        return sum(t.numel() * t.element_size() for t in fast)
