@@ -39,11 +39,8 @@ def _key_mean(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 #: Every summary kind a slow tier can keep, by name: ``key_min`` and ``key_max`` (per-channel key
 #: bounds: Quest's and ArkVale's digest), ``key_mean`` (the page's mean key: ShadowKV's landmark).
-#: Each is ``[D]`` float32 per page. A slow tier always keeps the key bounds.
+#: Each is ``[D]`` per page. A slow tier keeps the kinds its recall scorer reads.
 SUMMARIES: Mapping[str, SummaryFn] = {"key_min": _key_min, "key_max": _key_max, "key_mean": _key_mean}
-
-#: What every slow tier keeps, whatever its scorer reads.
-KEY_BOUNDS = frozenset({"key_min", "key_max"})
 
 
 @dataclass(frozen=True)

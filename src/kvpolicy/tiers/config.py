@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..stages.quest import QuestScorer
-from ..stages.recall import KEY_BOUNDS, SUMMARIES
 from ..schedule import Schedule
 from ..stages.base import Allocation, Merge, Selector
+from ..stages.quest import QuestScorer
+from ..stages.recall import SUMMARIES
 from ..stages.spec import ScorerSpec
 
 
@@ -22,8 +22,9 @@ class RecallConfig(BaseModel):
 
     Eviction still decides what leaves the fast tier. Each eviction's evicted tokens go, per KV
     head, in pages of ``page_size`` (in position order; an eviction's last page may be short) to
-    the slow tier, and each page leaves its summaries in the fast tier: its key bounds, and what
-    the ``scorer`` declares it reads (``Scorer.recall_summaries``). Every ``interval`` decode
+    the slow tier, and each page leaves its summaries in the fast tier: what the ``scorer``
+    declares it reads (``Scorer.recall_summaries``: key bounds for ``quest``, the mean key for
+    ``landmark``) and any ``summaries`` named besides. Every ``interval`` decode
     tokens the scorer ranks the slow tier's pages against the step's query from the summaries
     alone, and the best ``budget // page_size`` pages (greedy) are brought into the recall
     buffer; attention reads the kept slots and the recall buffer.
@@ -44,7 +45,7 @@ class RecallConfig(BaseModel):
     )
     summaries: list[str] = Field(
         default_factory=list,
-        description="Summary kinds to keep beyond the key bounds and what the scorer reads (key_mean).",
+        description="Summary kinds to keep beyond what the scorer reads (key_min, key_max, key_mean).",
     )
     capacity: int | None = Field(
         None, ge=1, description="Slow-tier slots per KV head, in whole pages (null: unbounded). When an eviction "
@@ -87,8 +88,10 @@ class RecallConfig(BaseModel):
 
     @property
     def kept_summaries(self) -> frozenset[str]:
-        """Every summary kind the slow tier keeps: the key bounds, the scorer's and the extra ones."""
-        return KEY_BOUNDS | self.scorer.recall_summaries | frozenset(self.summaries)
+        """Every summary kind the slow tier keeps: the scorer's and the extra ones (``summaries``).
+        Key bounds are not kept unless one of them reads them: they count in the fast tier's
+        bytes, and a landmark recall would pay twice its own summaries for them."""
+        return self.scorer.recall_summaries | frozenset(self.summaries)
 
     def check_policy(self, mode: str, sched: Schedule, allocation: Allocation, selector: Selector, merge: Merge) -> None:
         """Refuse, naming the field, a policy (its ``mode``, schedule and stages) this recall
