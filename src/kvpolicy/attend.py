@@ -8,11 +8,13 @@ order, not by slot index.
   ``[B, 1, T, L]`` mask the step's plan holds (shared by every layer and head, since rows are
   packed), or none; select mode attends the slots it gathered, with a mask per KV head. It is
   also what transformers' attention function, the evaluation harness and the docs examples call.
+- ``attend_split``: one decode query over two sets of slots held apart (a two-tier cache's
+  recall buffer and its kept slots), without copying them into one.
 - ``attend_heads``: per-head runs (heads of a row holding different counts), read in place
   through an index per head (``HeadLayout.band``): it gathers each head's own slots, then
   attends them in one call.
 
-Both compute exact softmax attention over the slots they are given; they differ in how the
+All compute exact softmax attention over the slots they are given; they differ in how the
 slots are addressed.
 """
 
@@ -114,3 +116,38 @@ def attend_heads(
         mask = mask[:, :, None].expand(b, hkv, g, t, width).reshape(b, hkv, g * t, width)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     return out.view(b, hq, t, v.shape[-1])
+
+
+def attend_split(
+    query: torch.Tensor,
+    first: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    second: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    *,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention of one decode query per row over two sets of slots, as if they were one.
+
+    Args:
+        query: ``[B, Hq, 1, D]``; query head ``h*G + g`` reads KV head ``h``.
+        first, second: ``(keys [B, Hkv, L, D], values [B, Hkv, L, Dv], valid)``, ``valid``
+            ``[B, Hkv or 1, L]`` bool or None (every slot). Each row must hold at least one valid
+            slot in one of them.
+
+    Returns ``[B, Hq, 1, Dv]``: one softmax over both sets (their logits share one maximum), in
+    float32, without concatenating them (the kept slots are not copied each step).
+    """
+    b, hq, t, d = query.shape
+    if t != 1:
+        raise ValueError(f"attend_split attends one decode query per row, got {t}")
+    hkv = first[0].shape[1]
+    scale = d**-0.5 if scaling is None else scaling
+    q = query.reshape(b, hkv, hq // hkv, d)
+    logits = []
+    for keys, _, valid in (first, second):
+        s = (q @ keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+        logits.append(s if valid is None else s.masked_fill(~valid[:, :, None, :], float("-inf")))
+    top = torch.maximum(logits[0].amax(-1, keepdim=True), logits[1].amax(-1, keepdim=True))
+    weights = [torch.exp(s - top) for s in logits]
+    total = weights[0].sum(-1, keepdim=True) + weights[1].sum(-1, keepdim=True)
+    out = weights[0].to(first[1].dtype) @ first[1] + weights[1].to(second[1].dtype) @ second[1]
+    return (out.float() / total).to(query.dtype).reshape(b, hq, 1, -1)

@@ -7,12 +7,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ..attend import attend
+from ..attend import attend, attend_split
 from ..eviction import Kept
 from ..slots import gather_slots
 from ..stages.base import StateField
 from ..stages.recall import RecallInput
 from ..tiers import RecallBuffer, RecallConfig, SlowTier, TierStats, recall_due
+from ..tiers.slow import similar_key_order
 from .base import GroupState, HeldSlots, SlotView
 from .even import EvenRows
 
@@ -82,7 +83,13 @@ class TwoTierRows(EvenRows):
         evicted = (~keep).nonzero()[:, -1].view(*kept.slots.shape[:2], count - kept.slots.shape[-1])
         lead = (self.buffers.keys.shape[0], rows.numel())
         out = [gather_slots(fields[name], evicted).unflatten(0, lead) for name in ("keys", "values")]
-        positions = fields["positions"].gather(-1, evicted).unflatten(0, lead)
+        positions = fields["positions"].gather(-1, evicted)
+        if self.recall.pages == "similar_keys" and evicted.shape[-1]:
+            keys = out[0].flatten(0, 2)  # [Lyr * R * Hkv, E, D]
+            order = similar_key_order(keys, self.recall.page_size).view(*evicted.shape)
+            out = [gather_slots(x, order.unflatten(0, lead)) for x in out]
+            positions = positions.gather(-1, order)
+        positions = positions.unflatten(0, lead)
         kept_count = super().compact(rows, row_sel, count, held, kept)
         dropped = self.slow.append(rows, out[0], out[1], positions)
         if dropped is not None:
@@ -122,16 +129,18 @@ class TwoTierRows(EvenRows):
         self._recall(layer, queries[:, :, -1], scaling)
         if not self.buffer.filled:
             return super().attend(layer, queries, scaling)
-        keys, values, valid = self._with_recalled(layer)
         b, hq, t, _ = queries.shape
+        if t == 1:  # a decode step: the recall buffer and the kept slots, each read where it is
+            plan_mask = self.group.plan.mask  # [B, 1, 1, L], or None: every kept slot real
+            kept = (*self._held(layer), None if plan_mask is None else plan_mask[:, :, 0])
+            return attend_split(queries, self.buffer.view(self.group.member[layer]), kept, scaling=scaling)
+        keys, values, valid = self._with_recalled(layer)
         hkv = keys.shape[1]
         fast = self._fast_mask(layer, t)  # [B or 1, 1, T, L]
         recalled = valid[:, :, : self.buffer.keys.shape[3]]  # [B, Hkv, Rb]
-        if t == 1:
-            mask = torch.cat([recalled[:, :, None, :], fast.expand(b, hkv, 1, -1)], dim=-1)
-        else:  # one mask per query head: the recalled slots' validity differs by KV head
-            per_head = recalled.repeat_interleave(hq // hkv, dim=1)[:, :, None, :].expand(b, hq, t, -1)
-            mask = torch.cat([per_head, fast.expand(b, hq, t, -1)], dim=-1)
+        # One mask per query head: the recalled slots' validity differs by KV head.
+        per_head = recalled.repeat_interleave(hq // hkv, dim=1)[:, :, None, :].expand(b, hq, t, -1)
+        mask = torch.cat([per_head, fast.expand(b, hq, t, -1)], dim=-1)
         return attend(queries, keys, values, scaling=scaling, mask=mask)
 
     def _fast_mask(self, layer: int, t: int) -> torch.Tensor:

@@ -207,8 +207,8 @@ def run_recall_scorer(scorer: Scorer, inp: RecallInput) -> torch.Tensor:
     if scores.device != inp.queries.device:
         raise SelectionError(f"{name} returned page scores on {scores.device}, expected the queries' device {inp.queries.device}")
     scores = scores.float().masked_fill(~inp.page_valid, float("-inf"))
-    bad = ~torch.isfinite(scores) & inp.page_valid
-    if bool(bad.any()):
+    if not bool((torch.isfinite(scores) | ~inp.page_valid).all()):
+        bad = ~torch.isfinite(scores) & inp.page_valid
         raise SelectionError(
             f"{name} produced non-finite page scores (NaN or inf) for {int(bad.sum())} page(s), the first at "
             f"[row, head, page] = {bad.nonzero()[0].tolist()}: float32 overflowed (the inputs were checked "

@@ -75,8 +75,11 @@ class QuestScorer(Scorer):
         ``inp.scaling``), reduced over the query heads of a KV head with ``group_reduce``."""
         q = inp.queries.float()
         signed = torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)  # [B, Hkv, G, 2D]
-        both = torch.cat([inp.summaries["key_min"], inp.summaries["key_max"]], dim=-1)  # [B, Hkv, Np, 2D]
-        bounds = (signed @ both.masked_fill(~inp.page_valid[..., None], 0.0).transpose(-1, -2)) * inp.scaling
+        lo, hi = inp.summaries["key_min"], inp.summaries["key_max"]
+        both = side_by_side(lo, hi)  # a view where the tier keeps them side by side
+        if both is None:
+            both = torch.cat([lo, hi], dim=-1)  # [B, Hkv, Np, 2D]
+        bounds = (signed @ both.transpose(-1, -2)) * inp.scaling
         return bounds.amax(2) if self.group_reduce == "max" else bounds.mean(2)
 
     def validate_schedule(self, schedule: Schedule) -> None:

@@ -47,6 +47,12 @@ class RecallConfig(BaseModel):
         default_factory=list,
         description="Summary kinds to keep beyond what the scorer reads (key_min, key_max, key_mean).",
     )
+    pages: Literal["position", "similar_keys"] = Field(
+        "position",
+        description="How an eviction's evicted tokens of a head are cut into pages: in position order, or "
+        "similar keys together (median splits along the keys' principal direction), which tightens each "
+        "page's summaries.",
+    )
     capacity: int | None = Field(
         None, ge=1, description="Slow-tier slots per KV head, in whole pages (null: unbounded). When an eviction "
         "brings more, `drop` decides which pages go for good.",

@@ -62,8 +62,7 @@ class RecallBuffer:
         self.positions = torch.full((layers, batch, kv_heads, budget), -1, dtype=torch.long, device=dev)
         self.pages = torch.full((layers, batch, kv_heads, budget // page_size), -1, dtype=torch.long, device=dev)
         self.moved_bytes = 0
-        self.pages_recalled = 0
-        self.hits = 0
+        self._counts = torch.zeros(2, dtype=torch.long, device=dev)  # pages recalled, hits
         #: Whether any page was ever recalled (before that, attention skips the empty buffer).
         self.filled = False
 
@@ -77,40 +76,49 @@ class RecallBuffer:
         n, p = self.page_slots, self.page_size
         if chosen.shape[-1] < n:  # fewer pages than the buffer holds: the rest stays empty
             chosen = torch.nn.functional.pad(chosen, (0, n - chosen.shape[-1]), value=-1)
-        same = (chosen[..., :, None] == prev[..., None, :]) & (chosen[..., :, None] >= 0)  # [R, Hkv, n, n]
-        hit = same.any(-1)  # chosen pages already held
-        stays = same.any(-2)  # held pages chosen again
-        incoming = (chosen >= 0) & ~hit
+        valid = chosen >= 0
+        same = (chosen[..., :, None] == prev[..., None, :]) & valid[..., :, None]  # [R, Hkv, n, n]
+        hit, stays = same.any(-1), same.any(-2)  # chosen pages already held; held pages chosen again
+        incoming = valid & ~hit
+        self._counts += torch.stack([valid.sum(), hit.sum()])  # no synchronisation
+        self.filled = True
+        if not bool((incoming | ((prev >= 0) & ~stays)).any()):  # the buffer holds just the choice
+            return
         # The j-th incoming page goes into the j-th slot that does not stay (stable sorts: in order).
         take = torch.sort((~incoming).to(torch.uint8), dim=-1, stable=True).indices  # incoming first
         into = torch.sort(stays.to(torch.uint8), dim=-1, stable=True).indices  # free slots first
         pair = torch.arange(n, device=chosen.device) < incoming.sum(-1, keepdim=True)  # [R, Hkv, n]
+        source = chosen.gather(-1, take)
         new_pages = torch.where(stays, prev, -1)
-        new_pages.scatter_(-1, into, torch.where(pair, chosen.gather(-1, take), new_pages.gather(-1, into)))
+        new_pages.scatter_(-1, into, torch.where(pair, source, new_pages.gather(-1, into)))
         self.pages[layer, rows] = new_pages
-        self.pages_recalled += int((chosen >= 0).sum())
-        self.hits += int(hit.sum())
-        self.filled = True
         # Slots let go and not refilled hold no token.
         positions = self.positions[layer, rows].unflatten(-1, (n, p))
         positions.masked_fill_((new_pages < 0)[..., None], -1)
         self.positions[layer, rows] = positions.flatten(-2)
-        if not bool(pair.any()):
-            return
         r_idx, h_idx, j = pair.nonzero(as_tuple=True)
-        src_page = chosen.gather(-1, take)[r_idx, h_idx, j]
-        dst_slot = into[r_idx, h_idx, j]
+        if not r_idx.numel():
+            return
         row_ids = torch.arange(slow.page_valid.shape[1], device=chosen.device)[rows][r_idx]
-        lyr, b, h = slow.page_valid.shape[:3]
-        flat = ((layer * b + row_ids) * h + h_idx) * slow.page_slots + src_page
+        b, h = slow.page_valid.shape[1:3]
+        flat = ((layer * b + row_ids) * h + h_idx) * slow.page_slots + source[r_idx, h_idx, j]
         keys, values, pos = slow.gather(flat)
-        dev = self.keys.device
-        nonblocking = keys.is_pinned()
-        dest = ((layer * b + row_ids) * h + h_idx) * n + dst_slot
+        dev, nonblocking = self.keys.device, keys.is_pinned()
+        dest = ((layer * b + row_ids) * h + h_idx) * n + into[r_idx, h_idx, j]
         self.keys.view(-1, p, keys.shape[-1]).index_copy_(0, dest, keys.to(dev, non_blocking=nonblocking))
         self.values.view(-1, p, values.shape[-1]).index_copy_(0, dest, values.to(dev, non_blocking=nonblocking))
         self.positions.view(-1, p).index_copy_(0, dest, pos.to(dev, non_blocking=nonblocking))
         self.moved_bytes += sum(t.numel() * t.element_size() for t in (keys, values, pos))
+
+    @property
+    def pages_recalled(self) -> int:
+        """Pages chosen by recalls, hits included."""
+        return int(self._counts[0])
+
+    @property
+    def hits(self) -> int:
+        """Chosen pages that were in the buffer already."""
+        return int(self._counts[1])
 
     def forget(self, dropped: torch.Tensor) -> None:
         """Let go of the pages a full slow tier dropped (``dropped [Lyr, B, Hkv, Np]`` bool)."""

@@ -13,6 +13,35 @@ from ..stages.recall import SUMMARIES
 SLOW_GROWTH = 1.5
 
 
+def similar_key_order(keys: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[N, E]`` long: an order of each of ``N`` runs of ``E`` keys (``keys [N, E, D]``) whose
+    consecutive pages of ``page_size`` hold similar keys, so that a page's summaries (its bounds,
+    its mean) describe each of its keys closely.
+
+    Each run is split at the median of its projection onto its keys' principal direction, and the
+    halves again, while a half still holds whole pages of an even count (``E = P * 2^k`` splits
+    down to single pages); a part that cannot be halved so is ordered along its own principal
+    direction. Deterministic: ``eigh`` of each part's covariance, ties by index (a stable sort)."""
+    n, e, d = keys.shape
+    order = torch.arange(e, device=keys.device).expand(n, e).clone()
+    x = keys.float()
+    parts = 1
+    while True:
+        size = e // parts
+        halve = size % (2 * page_size) == 0
+        if size <= page_size:
+            return order
+        seg = torch.gather(x, 1, order[..., None].expand(n, e, d)).view(n * parts, size, d)
+        centred = seg - seg.mean(1, keepdim=True)
+        direction = torch.linalg.eigh(centred.transpose(1, 2) @ centred).eigenvectors[..., -1]  # [n * parts, D]
+        projection = (centred @ direction[..., None]).squeeze(-1)  # [n * parts, size]
+        within = torch.sort(projection, dim=-1, stable=True).indices
+        order = torch.gather(order.view(n * parts, size), 1, within).view(n, e)
+        if not halve:
+            return order
+        parts *= 2
+
+
 class SlowTier:
     """One layer group's slow tier: per layer, row and KV head, ``Np`` page slots of ``P`` tokens.
 
@@ -66,6 +95,12 @@ class SlowTier:
         self.page_score = torch.full((lyr, b, h, np_), float("inf"), device=self.fast)
         # In the keys' dtype: min and max are keys, exact in it; a mean rounds as a key would.
         self.summaries = {k: torch.zeros(lyr, b, h, np_, d, dtype=dtype, device=self.fast) for k in self.kinds}
+        if {"key_min", "key_max"} <= set(self.kinds):  # side by side: Quest reads them in one product
+            self._side_by_side(torch.zeros(lyr, b, h, np_, 2, d, dtype=dtype, device=self.fast))
+
+    def _side_by_side(self, bounds: torch.Tensor) -> None:
+        self._bounds = bounds
+        self.summaries["key_min"], self.summaries["key_max"] = bounds[..., 0, :], bounds[..., 1, :]
 
     @property
     def page_slots(self) -> int:
@@ -189,6 +224,8 @@ class SlowTier:
         self.page_valid, self.page_age, self.page_score = (
             t.index_select(1, dev) for t in (self.page_valid, self.page_age, self.page_score))
         self.summaries = {k: t.index_select(1, dev) for k, t in self.summaries.items()}
+        if {"key_min", "key_max"} <= set(self.kinds):
+            self._side_by_side(self._bounds.index_select(1, dev))
         self.pages_held = self.pages_held[host]
         self._shape = (self._shape[0], host.numel(), self._shape[2])
 
