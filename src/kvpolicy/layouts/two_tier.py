@@ -49,7 +49,8 @@ class TwoTierRows(EvenRows):
         self.rank = rank
         capacity = None if recall.capacity is None else recall.capacity // recall.page_size
         self.slow = SlowTier(layers, b, h, recall.page_size, keys, values, recall.kept_summaries, capacity, recall.drop)
-        self.buffer = RecallBuffer(layers, b, h, recall.budget, recall.page_size, keys, values)
+        self.slots_recalled = recall.slots(group.schedule)
+        self.buffer = RecallBuffer(layers, b, h, self.slots_recalled, recall.page_size, keys, values)
         self._recalling: torch.Tensor | None = None  # host [R]: rows recalling at this step
         self._recalled: set[int] = set()  # buffer indices of the layers that recalled at this step
 
@@ -58,7 +59,7 @@ class TwoTierRows(EvenRows):
         super().begin_step(t)
         self._recalled.clear()
         self._recalling = None
-        if not self.recall.budget or t != 1 or self.group.phase != "decode":
+        if not self.slots_recalled or t != 1 or self.group.phase != "decode":
             return
         due = recall_due(self.group.rows.seen(), self.recall.interval) & (self.slow.pages_held > 0)
         if bool(due.any()):
@@ -68,7 +69,7 @@ class TwoTierRows(EvenRows):
         """Even rows' count, and 1 once some row holds slow-tier pages (each token then recalls on
         its own query: only a one-token chunk attends as token by token does)."""
         base = super().tokens_to_next_eviction()
-        if self.recall.budget and bool((self.slow.pages_held > 0).any()):
+        if self.slots_recalled and bool((self.slow.pages_held > 0).any()):
             return min(base, 1)
         return base
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,9 +32,11 @@ class RecallConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    budget: int = Field(
-        ..., ge=0, description="Slots per KV head of the recall buffer, in whole pages (0: the slow tier is "
-        "kept but nothing comes back, so the policy attends what its eviction keeps).",
+    budget: Annotated[int, Field(ge=0)] | Literal["schedule"] = Field(
+        ..., description="Slots per KV head of the recall buffer, in whole pages (0: the slow tier is kept but "
+        "nothing comes back, so the policy attends what its eviction keeps), or `schedule`: as many as "
+        "schedule.budget keeps (the policy then attends twice its budget, and an overridden budget carries "
+        "the recall with it).",
     )
     page_size: int = Field(16, ge=1, le=4096, description="Evicted tokens per page (a page is recalled whole).")
     interval: int = Field(1, ge=1, description="Recall at every decode token whose count is a multiple of this.")
@@ -64,17 +66,10 @@ class RecallConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RecallConfig:
-        p = self.page_size
-        if 0 < self.budget < p:
-            raise ValueError(f"recall.budget {self.budget} has no room for one page of {p} slots (recall.page_size)")
-        if self.budget % p:
-            raise ValueError(f"recall.budget {self.budget} must be whole pages of recall.page_size {p}")
-        if self.capacity is not None:
-            if self.capacity % p:
-                raise ValueError(f"recall.capacity {self.capacity} must be whole pages of recall.page_size {p}")
-            if self.capacity < self.budget:
-                raise ValueError(f"recall.capacity {self.capacity} is below recall.budget {self.budget}: the "
-                                 "recall buffer could never fill")
+        if isinstance(self.budget, int):
+            self._check_slots(self.budget)
+        if self.capacity is not None and self.capacity % self.page_size:
+            raise ValueError(f"recall.capacity {self.capacity} must be whole pages of recall.page_size {self.page_size}")
         unknown = sorted(set(self.summaries) - set(SUMMARIES))
         if unknown:
             raise ValueError(f"recall.summaries: unknown kind(s) {unknown}; known: {sorted(SUMMARIES)}")
@@ -92,6 +87,20 @@ class RecallConfig(BaseModel):
             )
         return self
 
+    def _check_slots(self, slots: int) -> None:
+        p = self.page_size
+        if 0 < slots < p:
+            raise ValueError(f"recall.budget {slots} has no room for one page of {p} slots (recall.page_size)")
+        if slots % p:
+            raise ValueError(f"recall.budget {slots} must be whole pages of recall.page_size {p}")
+        if self.capacity is not None and self.capacity < slots:
+            raise ValueError(f"recall.capacity {self.capacity} is below recall.budget {slots}: the recall buffer "
+                             "could never fill")
+
+    def slots(self, schedule: Schedule) -> int:
+        """The recall buffer's slots per KV head under ``schedule`` (a layer's, under an allocation)."""
+        return schedule.budget if self.budget == "schedule" else self.budget
+
     @property
     def kept_summaries(self) -> frozenset[str]:
         """Every summary kind the slow tier keeps: the scorer's and the extra ones (``summaries``).
@@ -104,7 +113,9 @@ class RecallConfig(BaseModel):
         cannot serve (``PolicyConfig`` calls it)."""
         if mode == "select":
             raise ValueError("recall: select mode keeps every token and evicts nothing to recall; use mode: evict")
-        if self.budget > sched.budget:
+        if self.budget == "schedule":
+            self._check_slots(sched.budget)
+        elif self.budget > sched.budget:
             raise ValueError(
                 f"recall.budget {self.budget} is larger than the fast tier's kept slots (schedule.budget "
                 f"{sched.budget})"
