@@ -186,6 +186,12 @@ class TwoTierRows(EvenRows):
         """The fast tier: the slot buffers, the recall buffer and the slow tier's summaries."""
         return super().nbytes() + self.buffer.nbytes() + self.slow.summary_bytes()
 
+    def held_bytes(self) -> int:
+        """The kept slots held (as even rows count them), the recall buffer and the summaries of
+        the pages the slow tier holds: the fast tier as the policy uses it."""
+        return self.buffers.held_bytes(sum(int(self.held_counts(layer).sum()) for layer in self.group.member)) + (
+            self.buffer.nbytes() + self.slow.held_summary_bytes())
+
     def tier_stats(self) -> TierStats:
         buffer, slow = self.buffer, self.slow
         return TierStats(

@@ -235,6 +235,15 @@ class SlowTier:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
 
     def summary_bytes(self) -> int:
-        """Bytes of what the slow tier keeps in the fast tier: summaries and page bookkeeping."""
+        """Bytes of what the slow tier keeps in the fast tier, its whole room: summaries and page
+        bookkeeping of every page slot."""
+        return self.page_slots * self._page_fast_bytes() * self._shape[0] * self._shape[1] * self._shape[2]
+
+    def held_summary_bytes(self) -> int:
+        """``summary_bytes`` of the pages held only (each row's, on every layer and head)."""
+        return int(self.pages_held.sum()) * self._page_fast_bytes() * self._shape[0] * self._shape[2]
+
+    def _page_fast_bytes(self) -> int:
+        """Fast-tier bytes of one page slot of one layer and head: its summaries and bookkeeping."""
         fast = [*self.summaries.values(), self.page_valid, self.page_age, self.page_score]
-        return sum(t.numel() * t.element_size() for t in fast)
+        return sum(t.element_size() * (t.shape[-1] if t.dim() == 5 else 1) for t in fast)
