@@ -48,7 +48,8 @@ class TwoTierRows(EvenRows):
         self.recall = recall
         self.rank = rank
         capacity = None if recall.capacity is None else recall.capacity // recall.page_size
-        self.slow = SlowTier(layers, b, h, recall.page_size, keys, values, recall.kept_summaries, capacity, recall.drop)
+        self.slow = SlowTier(layers, b, h, recall.page_size, keys, values, recall.kept_summaries, capacity, recall.drop,
+                             precision=recall.summary_precision)
         self.slots_recalled = recall.slots(group.schedule)
         self.buffer = RecallBuffer(layers, b, h, self.slots_recalled, recall.page_size, keys, values)
         self._recalling: torch.Tensor | None = None  # host [R]: rows recalling at this step

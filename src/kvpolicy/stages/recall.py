@@ -42,6 +42,13 @@ def _key_mean(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 #: Each is ``[D]`` per page. A slow tier keeps the kinds its recall scorer reads.
 SUMMARIES: Mapping[str, SummaryFn] = {"key_min": _key_min, "key_max": _key_max, "key_mean": _key_mean}
 
+#: How each summary kind rounds when a tier stores it in fewer bits (``recall.summary_precision``,
+#: ``kvpolicy.tiers.slow.quantise``): a lower bound down, an upper bound up (so Quest's bound stays
+#: a bound), a mean to nearest.
+ROUNDING: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "key_min": torch.floor, "key_max": torch.ceil, "key_mean": torch.round,
+}
+
 
 @dataclass(frozen=True)
 class RecallInput:

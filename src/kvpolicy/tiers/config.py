@@ -55,6 +55,12 @@ class RecallConfig(BaseModel):
         "similar keys together (median splits along the keys' principal direction), which tightens each "
         "page's summaries.",
     )
+    summary_precision: Literal["keys", "int8"] = Field(
+        "keys",
+        description="How summaries are stored in the fast tier: in the keys' dtype, or int8 with one float32 "
+        "scale per page and kind (a quarter of float32's bytes; bounds rounded outward, so Quest's bound "
+        "stays a bound).",
+    )
     capacity: int | None = Field(
         None, ge=1, description="Slow-tier slots per KV head, in whole pages (null: unbounded). When an eviction "
         "brings more, `drop` decides which pages go for good.",

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..stages.recall import SUMMARIES
+from ..stages.recall import ROUNDING, SUMMARIES
 
 #: When the slow tier's page slots do not hold an eviction's pages, they grow to this many times
 #: the pages needed (amortised copies, as select mode's buffers).
@@ -42,13 +42,28 @@ def similar_key_order(keys: torch.Tensor, page_size: int) -> torch.Tensor:
         parts *= 2
 
 
+def quantise(summary: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summary [n, D]`` float32 as int8 values ``[n, D]`` (in a float tensor) and one scale per
+    row ``[n]``, rounded as ``ROUNDING[kind]`` says: a lower bound's dequantised value ``q * scale``
+    is at most the bound, an upper bound's at least it, exactly as the reader computes it (the
+    rounding is corrected by one step where float arithmetic crossed it; the scale leaves one
+    step of headroom, so no value is clamped)."""
+    scale = summary.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 126
+    q = ROUNDING[kind](summary / scale[:, None])
+    if kind == "key_max":
+        q = q + (q * scale[:, None] < summary).float()
+    elif kind == "key_min":
+        q = q - (q * scale[:, None] > summary).float()
+    return q.clamp(-127, 127), scale
+
+
 class SlowTier:
     """One layer group's slow tier: per layer, row and KV head, ``Np`` page slots of ``P`` tokens.
 
     Storage (``keys [Lyr, B, Hkv, Np, P, D]``, ``values``, ``positions [Lyr, B, Hkv, Np, P]``, -1
     for a slot without a token) lives on ``device``: host memory, pinned when the cache is on a
     GPU. What the recall reads lives in the fast tier (``fast``): each page slot's summaries
-    (``summaries[kind] [Lyr, B, Hkv, Np, D]``, the keys' dtype), whether it holds a page (``page_valid``),
+    (``summaries[kind] [Lyr, B, Hkv, Np, D]``, the keys' dtype, or int8 with ``scales[kind]``), whether it holds a page (``page_valid``),
     when it was written (``page_age``) and its score at the last recall (``page_score``, +inf until
     scored). A page never changes once written; under a ``capacity`` (page slots per head) a full
     tier drops pages for good, the ``drop`` rule deciding which (``oldest`` or ``lowest``).
@@ -60,7 +75,7 @@ class SlowTier:
     def __init__(
         self, layers: int, batch: int, kv_heads: int, page_size: int, keys: torch.Tensor, values: torch.Tensor,
         summaries: frozenset[str], capacity_pages: int | None = None, drop: str = "oldest",
-        device: torch.device | None = None,
+        device: torch.device | None = None, precision: str = "keys",
     ) -> None:
         self.page_size = page_size
         self.capacity_pages = capacity_pages
@@ -71,6 +86,8 @@ class SlowTier:
         self._shape = (layers, batch, kv_heads)
         self._dims = (keys.shape[-1], values.shape[-1], keys.dtype)
         self.kinds = tuple(sorted(summaries))
+        #: int8: each summary stored as int8 with one float32 scale per page (``scales``).
+        self.int8 = precision == "int8"
         self.pages_held = torch.zeros(batch, dtype=torch.long)  # host: pages each row holds (per head)
         self.writes = 0  # evictions written (a page's age)
         #: Bytes written to the slow tier, and pages dropped from it for good, since the start.
@@ -91,8 +108,13 @@ class SlowTier:
         self.values = slow(lyr, b, h, np_, p, dv, dtype=dtype)
         self.positions = slow(lyr, b, h, np_, p, dtype=torch.long, fill=-1)
         self.page_valid = torch.zeros(lyr, b, h, np_, dtype=torch.bool, device=self.fast)
-        self.page_age = torch.zeros(lyr, b, h, np_, dtype=torch.long, device=self.fast)
+        self.page_age = torch.zeros(lyr, b, h, np_, dtype=torch.int32, device=self.fast)
         self.page_score = torch.full((lyr, b, h, np_), float("inf"), device=self.fast)
+        if self.int8:
+            self.summaries = {k: torch.zeros(lyr, b, h, np_, d, dtype=torch.int8, device=self.fast) for k in self.kinds}
+            self.scales = {k: torch.zeros(lyr, b, h, np_, device=self.fast) for k in self.kinds}
+            return
+        self.scales = {}
         # In the keys' dtype: min and max are keys, exact in it; a mean rounds as a key would.
         self.summaries = {k: torch.zeros(lyr, b, h, np_, d, dtype=dtype, device=self.fast) for k in self.kinds}
         if {"key_min", "key_max"} <= set(self.kinds):  # side by side: Quest reads them in one product
@@ -107,15 +129,17 @@ class SlowTier:
         return self.page_valid.shape[3]
 
     def _grow(self, np_: int) -> None:
-        old = (self.keys, self.values, self.positions, self.page_valid, self.page_age, self.page_score,
-               dict(self.summaries))
+        old = (self.keys, self.values, self.positions, self.page_valid, self.page_age, self.page_score)
+        summaries, scales = dict(self.summaries), dict(self.scales)
         n = self.page_slots
         self._alloc(np_)
         for new, was in zip((self.keys, self.values, self.positions, self.page_valid, self.page_age, self.page_score),
-                            old[:6], strict=True):
+                            old, strict=True):
             new[:, :, :, :n] = was
-        for k, was in old[6].items():
+        for k, was in summaries.items():
             self.summaries[k][:, :, :, :n] = was
+        for k, was in scales.items():
+            self.scales[k][:, :, :, :n] = was
 
     # -- writing --------------------------------------------------------------------------------
     def append(
@@ -155,9 +179,12 @@ class SlowTier:
         self.positions.view(-1, p).index_copy_(0, slow_flat, positions.flatten(0, 3).to(self.device))
         valid = positions >= 0  # [Lyr, R, Hkv, n_new, P]
         for kind in self.kinds:
-            summary = SUMMARIES[kind](keys, valid)  # [Lyr, R, Hkv, n_new, D]
+            summary = SUMMARIES[kind](keys, valid).flatten(0, 3)  # [Lyr * R * Hkv * n_new, D]
             into = self.summaries[kind]
-            into.view(-1, summary.shape[-1]).index_copy_(0, flat, summary.flatten(0, 3).to(into.dtype))
+            if self.int8:
+                summary, scale = quantise(summary, kind)
+                self.scales[kind].view(-1).index_copy_(0, flat, scale)
+            into.view(-1, summary.shape[-1]).index_copy_(0, flat, summary.to(into.dtype))
         self.page_valid.view(-1)[flat] = True
         self.page_age.view(-1)[flat] = self.writes
         self.page_score.view(-1)[flat] = float("inf")
@@ -205,6 +232,8 @@ class SlowTier:
 
     # -- reading --------------------------------------------------------------------------------
     def read_summaries(self, layer: int, rows: slice | torch.Tensor, kinds: frozenset[str]) -> Mapping[str, torch.Tensor]:
+        if self.int8:
+            return {k: self.summaries[k][layer, rows].float() * self.scales[k][layer, rows][..., None] for k in kinds}
         return {k: self.summaries[k][layer, rows].float() for k in kinds}
 
     def gather(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,7 +253,8 @@ class SlowTier:
         self.page_valid, self.page_age, self.page_score = (
             t.index_select(1, dev) for t in (self.page_valid, self.page_age, self.page_score))
         self.summaries = {k: t.index_select(1, dev) for k, t in self.summaries.items()}
-        if {"key_min", "key_max"} <= set(self.kinds):
+        self.scales = {k: t.index_select(1, dev) for k, t in self.scales.items()}
+        if not self.int8 and {"key_min", "key_max"} <= set(self.kinds):
             self._side_by_side(self._bounds.index_select(1, dev))
         self.pages_held = self.pages_held[host]
         self._shape = (self._shape[0], host.numel(), self._shape[2])
@@ -245,5 +275,5 @@ class SlowTier:
 
     def _page_fast_bytes(self) -> int:
         """Fast-tier bytes of one page slot of one layer and head: its summaries and bookkeeping."""
-        fast = [*self.summaries.values(), self.page_valid, self.page_age, self.page_score]
+        fast = [*self.summaries.values(), *self.scales.values(), self.page_valid, self.page_age, self.page_score]
         return sum(t.element_size() * (t.shape[-1] if t.dim() == 5 else 1) for t in fast)
