@@ -7,6 +7,9 @@ benchmarks:
   ``KVPolicyCache``; the grown key/value tensors of a ``DynamicCache``);
 - ``cache_held_bytes``: of those, the bytes holding tokens (``KVPolicyCache.held_bytes``: under a
   threshold or a per-head allocation heads hold fewer slots than the room they have);
+- ``cache_tier_stats`` / ``TierCost``: a two-tier policy's tiers (``kvpolicy.tiers.TierStats``),
+  read at the same points as the bytes held: the most each tier held, the bytes moved from the
+  slow tier to the fast one per decoded token, the recall hit rate (None for any other cache);
 - ``reset_peak_memory`` / ``peak_memory_mib``: the CUDA allocator's peak on a GPU, the process's
   resident high-water mark on the CPU;
 - ``PolicyTimer`` / ``time_policy``: seconds spent in the policy's work, through the executor's
@@ -30,6 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..executor import Executor
+    from ..tiers import TierStats
 
 KINDS = ("evict", "select")
 
@@ -55,6 +59,76 @@ def cache_held_bytes(cache: Any) -> int:
     if hasattr(cache, "held_bytes"):
         return int(cache.held_bytes())
     return cache_bytes(cache)
+
+
+def cache_tier_stats(cache: Any) -> TierStats | None:
+    """A two-tier policy's tiers now (``tier_stats()`` of a ``KVPolicyCache`` or an
+    ``EvictingCache``); None for a policy without a ``recall`` block and for the full cache."""
+    read = getattr(cache, "tier_stats", None)
+    return None if read is None else read()
+
+
+@dataclass
+class TierCost:
+    """What a two-tier cache's tiers cost over a batch or a run, from ``TierStats`` readings
+    taken where the memory figures are read: the most bytes each tier held at once (the fast
+    tier: kept slots, recall buffer and summaries), and the counters (bytes moved each way, pages
+    recalled, hits, pages dropped) with the decoded tokens they were spent on, summed."""
+
+    fast_bytes: int = 0  # the most held at once
+    slow_bytes: int = 0
+    moved_bytes: int = 0  # slow tier -> recall buffer
+    written_bytes: int = 0  # evicted pages, fast tier -> slow tier
+    pages_recalled: int = 0  # hits included
+    hits: int = 0
+    pages_dropped: int = 0
+    decode_tokens: int = 0  # row-tokens decoded one at a time (what the moved bytes are per)
+
+    def held(self, now: TierStats | None) -> None:
+        """Raise the peaks to a reading ``now``."""
+        if now is not None:
+            self.fast_bytes = max(self.fast_bytes, now.fast_bytes)
+            self.slow_bytes = max(self.slow_bytes, now.slow_bytes)
+
+    def spent(self, now: TierStats, since: TierStats | None, decode_tokens: int) -> None:
+        """Add the counters between two readings (``since`` None: the cache's start) and the
+        ``decode_tokens`` decoded between them."""
+        for name in ("moved_bytes", "written_bytes", "pages_recalled", "hits", "pages_dropped"):
+            before = 0 if since is None else getattr(since, name)
+            setattr(self, name, getattr(self, name) + getattr(now, name) - before)
+        self.decode_tokens += decode_tokens
+
+    def add(self, other: TierCost) -> None:
+        self.fast_bytes = max(self.fast_bytes, other.fast_bytes)
+        self.slow_bytes = max(self.slow_bytes, other.slow_bytes)
+        for name in ("moved_bytes", "written_bytes", "pages_recalled", "hits", "pages_dropped", "decode_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def moved_per_token(self) -> float:
+        """Bytes moved from the slow tier to the fast one per decoded token (NaN: none decoded)."""
+        return self.moved_bytes / self.decode_tokens if self.decode_tokens else float("nan")
+
+    @property
+    def hit_rate(self) -> float:
+        """Recalled pages that were in the recall buffer already (NaN: no page recalled)."""
+        return self.hits / self.pages_recalled if self.pages_recalled else float("nan")
+
+    def values(self, prefix: str = "") -> dict[str, float | int]:
+        """The figures a run reports (``prefix`` + ``fast_mib``, ``slow_mib``, ``moved_kib_tok``,
+        ``hit_rate``: the tier columns; the counters beside them)."""
+        return {
+            f"{prefix}fast_mib": self.fast_bytes / 2**20,
+            f"{prefix}slow_mib": self.slow_bytes / 2**20,
+            f"{prefix}moved_kib_tok": self.moved_per_token / 2**10,
+            f"{prefix}hit_rate": self.hit_rate,
+            f"{prefix}moved_bytes": self.moved_bytes,
+            f"{prefix}written_bytes": self.written_bytes,
+            f"{prefix}pages_recalled": self.pages_recalled,
+            f"{prefix}recall_hits": self.hits,
+            f"{prefix}pages_dropped": self.pages_dropped,
+            f"{prefix}decode_tokens": self.decode_tokens,
+        }
 
 
 def reset_peak_memory(device: str) -> None:
@@ -206,6 +280,17 @@ class BatchStats:
     kv_bytes: int = 0  # the most room the cache had at once (cache_bytes)
     held_bytes: int = 0  # the most it held at once (cache_held_bytes), at the same points
     evictions: int = 0
+    tiers: TierCost | None = None  # a two-tier policy's (cache_tier_stats), at the same points
+
+    def hold(self, cache: Any) -> None:
+        """Raise the most bytes held (the room, what is held, each tier's) to the cache's now."""
+        self.kv_bytes = max(self.kv_bytes, cache_bytes(cache))
+        self.held_bytes = max(self.held_bytes, cache_held_bytes(cache))
+        now = cache_tier_stats(cache)
+        if now is not None:
+            if self.tiers is None:
+                self.tiers = TierCost()
+            self.tiers.held(now)
 
     def add(self, other: BatchStats) -> None:
         self.rows += other.rows
@@ -217,6 +302,10 @@ class BatchStats:
         self.kv_bytes = max(self.kv_bytes, other.kv_bytes)
         self.held_bytes = max(self.held_bytes, other.held_bytes)
         self.evictions += other.evictions
+        if other.tiers is not None:
+            if self.tiers is None:
+                self.tiers = TierCost()
+            self.tiers.add(other.tiers)
 
 
 @dataclass
@@ -234,8 +323,9 @@ class CostTracker:
         self.total.add(stats)
 
     def summary(self) -> dict[str, float | None]:
+        """The run's cost; a two-tier policy's tier figures too (``TierCost.values``)."""
         t = self.total
-        return {
+        out: dict[str, float | None] = {
             "tokens_per_s": t.new_tokens / t.seconds if t.seconds > 0 else float("nan"),
             "peak_mib": peak_memory_mib(str(self.device)),
             "kv_mib": t.kv_bytes / 2**20,
@@ -244,3 +334,6 @@ class CostTracker:
             "new_tokens": t.new_tokens,
             "seconds": t.seconds,
         }
+        if t.tiers is not None:
+            out.update(t.tiers.values())
+        return out

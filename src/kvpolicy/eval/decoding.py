@@ -13,8 +13,8 @@ Two ways in, one decoding loop (``decode``) and one sampling path (:mod:`.sampli
   way ``model.generate`` does (2-D padding mask, position ids counted from each row's first real
   token). Finished rows leave the batch (``cache.batch_select_indices``), so a batch of long
   reasoning traces does not keep decoding padding for the rows that stopped early; its cost
-  (wall time, time in due evictions, the most KV bytes held) is measured as it runs
-  (:mod:`.cost`).
+  (wall time, time in due evictions, the most KV bytes held; a two-tier policy's tiers and the
+  bytes it moved) is measured as it runs (:mod:`.cost`).
 
 Per step, ``decode`` picks every active row's token (``next_tokens``: greedy, or seeded per
 sample), asks the ``StopRule`` which rows are done, drops them, and feeds the rest one token.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from ..policy import Policy
-from .cost import BatchStats, PolicyTimer, cache_bytes, cache_held_bytes, sync, time_policy
+from .cost import BatchStats, PolicyTimer, cache_tier_stats, sync, time_policy
 from .sampling import SamplingParams, StopRule, next_tokens
 
 if TYPE_CHECKING:
@@ -283,8 +283,7 @@ class _Batch:
         return out.logits[:, -1, :]
 
     def keep(self, index: torch.Tensor) -> None:
-        self.stats.kv_bytes = max(self.stats.kv_bytes, cache_bytes(self.cache))
-        self.stats.held_bytes = max(self.stats.held_bytes, cache_held_bytes(self.cache))
+        self.stats.hold(self.cache)  # the most held, before rows leave
         self.cache.batch_select_indices(index)
         self.mask, self.next_pos = self.mask[index], self.next_pos[index]
 
@@ -322,24 +321,27 @@ def generate_batch(
     positions = (mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
     keys = torch.tensor([p.key for p in prompts], dtype=torch.long, device=device)
     stats = BatchStats(rows=b, prompt_tokens=sum(len(p.ids) for p in prompts))
+    tiers_before = cache_tier_stats(cache)  # a two-tier policy's counters (None: one tier)
 
     with time_policy(cache, PolicyTimer(device, kinds=("evict",))) as timer:
         sync(device)
         start = time.perf_counter()
         out = model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
                     use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
-        stats.kv_bytes, stats.held_bytes = cache_bytes(cache), cache_held_bytes(cache)
+        stats.hold(cache)
         sync(device)
         stats.prefill_seconds = time.perf_counter() - start
         rows = _Batch(model, cache, mask, positions[:, -1] + 1, width, stats)
         gens = decode(rows, out.logits[:, -1, :], params, keys, StopRule(tokenizer, eos_ids, params),
                       [p.thinking for p in prompts], start=start, on_finish=on_finish)
-        stats.kv_bytes = max(stats.kv_bytes, cache_bytes(cache))
-        stats.held_bytes = max(stats.held_bytes, cache_held_bytes(cache))
+        stats.hold(cache)
         sync(device)
         stats.seconds = time.perf_counter() - start
     stats.evict_seconds = timer.seconds["evict"]
     stats.new_tokens = sum(len(g.tokens) for g in gens)
+    tiers_now = cache_tier_stats(cache)
+    if stats.tiers is not None and tiers_now is not None:  # each row fed all its tokens but its last
+        stats.tiers.spent(tiers_now, tiers_before, stats.new_tokens - len(gens))
     if hasattr(cache, "stats"):
         stats.evictions = sum(s.evictions for s in cache.stats())
     return gens, stats

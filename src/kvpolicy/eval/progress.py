@@ -5,6 +5,9 @@ these lines, each complete on its own, with a rate and an ETA::
 
     kvpolicy: [2/6] snapkv@512 done in 4m12s; elapsed 8m30s, ETA 17m00s
     kvpolicy: snapkv@512 gsm8k: 40/120 samples, 212.4 tok/s, elapsed 3m02s, ETA 6m04s
+    kvpolicy: snapkv-recall@512 gsm8k: 40/120 samples, 198.0 tok/s, moved 1.2 GiB (41.3 KiB/tok), ...
+
+(the second: a two-tier policy, with the bytes its recalls moved from the slow tier to the fast one).
 
 The ETA of a run's pairs (``PairEta``) weighs each pair by what pairs like it took: a selection
 pair runs the policy at every decoded token and costs several evicting pairs.
@@ -32,6 +35,14 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def format_bytes(n: float) -> str:
+    """``512 B``, ``41.3 KiB``, ``1.2 GiB``."""
+    units, i = ("B", "KiB", "MiB", "GiB"), 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
 class LineProgress:
     """Counts finished items and prints a line every ``every`` items (and at the last one).
 
@@ -57,10 +68,15 @@ class LineProgress:
         self.skipped = done  # already done before this run (resumed): no time spent on them
         self.done = done
         self.tokens = 0
+        self.moved: int | None = None  # bytes a two-tier policy moved (slow tier -> fast); None: one tier
 
-    def update(self, n: int = 1, tokens: int = 0) -> None:
+    def update(self, n: int = 1, tokens: int = 0, moved: int | None = None) -> None:
+        """``n`` more items done, ``tokens`` more generated, and (a two-tier policy) ``moved``
+        more bytes moved from the slow tier to the fast one."""
         self.done += n
         self.tokens += tokens
+        if moved is not None:
+            self.moved = (self.moved or 0) + moved
         last = self.total is not None and self.done >= self.total
         if last or (self.every and (self.done - self.skipped) % self.every == 0):
             self.print()
@@ -71,6 +87,9 @@ class LineProgress:
         parts = [f"{PREFIX} {self.label}: {count} {self.unit}"]
         if self.tokens and elapsed > 0:
             parts.append(f"{self.tokens / elapsed:.1f} tok/s")
+        if self.moved is not None:
+            per = f" ({format_bytes(self.moved / self.tokens)}/tok)" if self.tokens else ""
+            parts.append(f"moved {format_bytes(self.moved)}{per}")
         parts.append(f"elapsed {format_duration(elapsed)}")
         ran = self.done - self.skipped
         if self.total is not None and ran > 0 and self.done < self.total:

@@ -62,9 +62,18 @@ class _EtaColumn(ProgressColumn):
         return Text(f"ETA {eta}" if eta else "", style="progress.remaining")
 
 
+def shown_columns(cols: Sequence[Column], rows: list[dict]) -> list[Column]:
+    """``cols`` without the optional ones (``Column.optional``: a two-tier policy's tiers) that no
+    row reports: a run without such a policy shows no empty column for them."""
+    return [c for c in cols if not c.optional or any(c.key in r["values"] for r in rows)]
+
+
 def build_table(cols: Sequence[Column], rows: list[dict], title: str | None = None):
-    """A rich table of ``cols``: one row per (policy, budget) plus the full cache; best per budget in bold."""
+    """A rich table of ``cols`` (``shown_columns``): one row per (policy, budget) plus the full
+    cache; best per budget in bold."""
     from rich.table import Table
+
+    cols = shown_columns(cols, rows)
 
     table = Table(title=title, title_justify="left")
     table.add_column("policy", no_wrap=True, style="bold")
@@ -104,6 +113,8 @@ def _best_per_budget(cols, rows) -> dict[tuple[Any, str], str]:
 
 
 def markdown_table(cols: Sequence[Column], rows: list[dict]) -> str:
+    """``table.md``: ``cols`` (``shown_columns``), one row per (policy, budget) plus the full cache."""
+    cols = shown_columns(cols, rows)
     head = ["policy", "budget", *[c.label for c in cols]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -122,7 +133,7 @@ def _line_style(i: int) -> dict:
 
 
 def write_plots(folder: Path, cols: Sequence[Column], rows: list[dict]) -> list[Path]:
-    """``<key>.png`` per reported number: value against budget, one line per policy, the full
+    """``<key>.png`` per reported number (``shown_columns``): value against budget, one line per policy, the full
     cache as a dashed horizontal line.
 
     When a few policies lie far from the rest (an ablation such as ``random`` on perplexity), one
@@ -133,6 +144,7 @@ def write_plots(folder: Path, cols: Sequence[Column], rows: list[dict]) -> list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cols = shown_columns(cols, rows)
     folder.mkdir(parents=True, exist_ok=True)
     full = next((r for r in rows if r["policy"] == FULL), None)
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != FULL))

@@ -31,7 +31,7 @@ from .models import (
     resolve_model,
 )
 from .progress import PairEta
-from .report import progress_bar, ranking_markdown, write_plots
+from .report import progress_bar, ranking_markdown, shown_columns, write_plots
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -266,7 +266,7 @@ class RunFolder:
             "columns": [
                 {"key": c.key, "label": c.label, "better": c.better, "metric": metric.name}
                 for metric in plan.metrics
-                for c in metric.columns
+                for c in shown_columns(metric.columns, rows)
             ],
             "rows": rows,
         }

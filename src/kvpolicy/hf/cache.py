@@ -14,7 +14,7 @@ Usage::
 
     cache = KVPolicyCache("vase-attnv", model)              # model now uses attn "kvpolicy"
     out = model.generate(**inputs, cache=cache, max_new_tokens=4096)   # or past_key_values=cache
-    cache.stats(), cache.memory_bytes()
+    cache.stats(), cache.memory_bytes()   # cache.tier_stats(): a two-tier policy's tiers
 
 Supported: greedy and sampled decoding, left-padded batches, ``num_return_sequences > 1``, beam
 search (rows are reordered in the static buffers), a second turn reusing the cache, models split
@@ -35,6 +35,7 @@ from ..evicting import EvictingCache, LayerView
 from ..loading import load_policy
 from ..policy import Policy
 from ..state import SELECT_GROWTH, EvictionStats
+from ..tiers import TierStats
 from .attention import ATTN_IMPLEMENTATION, KVPOLICY_KV_OFFSET, record_replaced, register, tag_keys
 from .facts import model_facts
 
@@ -224,6 +225,12 @@ class KVPolicyCache(Cache):
         """Bytes of the slots held now, per head (``EvictingCache.held_bytes``): at most
         ``memory_bytes``, less under a threshold whose heads keep fewer than the budget."""
         return self.evicting.held_bytes()
+
+    def tier_stats(self) -> TierStats | None:
+        """A two-tier policy's tiers (``EvictingCache.tier_stats``): bytes held in the fast and
+        slow tiers, bytes moved each way and recall hits since the start; None for a policy
+        without a ``recall`` block."""
+        return self.evicting.tier_stats()
 
     def stats(self) -> list[EvictionStats]:
         """Per layer: evictions, tokens seen, slots held, slots evicted, slots held per head."""

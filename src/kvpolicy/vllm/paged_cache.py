@@ -31,6 +31,7 @@ from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, RequestSlots, SlotLedger, compaction
 from .paged import KV, compact, gather_paged, slot_address
+from .refusals import recall_refusal
 from .requests import (
     BlockTable,
     Evicted,
@@ -161,7 +162,11 @@ class PagedCache:
     def check_policy(self, policy: Policy | None) -> None:
         """Refuse a policy whose stages read model facts these cannot give, for this rank's KV heads
         (``Policy.check_model_facts``'s message), and a per-head policy where heads of uneven counts
-        cannot be attended here (``per_head_refusal``)."""
+        cannot be attended here (``per_head_refusal``); a two-tier policy (``recall_refusal``: the
+        front end refuses it, and a worker never serves its eviction alone in its place)."""
+        recall = recall_refusal(policy)
+        if recall is not None:
+            raise KVPolicyVLLMError(recall)
         if policy is not None and policy.per_head and self.per_head_refusal is not None:
             raise KVPolicyVLLMError(f"policy {policy.name!r} keeps a count of its own per head, which this model's "
                                     f"attention cannot serve: {self.per_head_refusal}")

@@ -1,5 +1,5 @@
 """What the vLLM integration refuses, by name and with the reason: a policy it cannot serve
-exactly (``refuse_unservable``, ``select_refusal``, ``page_refusal``, ``layer_group_refusal``,
+exactly (``refuse_unservable``, ``recall_refusal``, ``select_refusal``, ``page_refusal``, ``layer_group_refusal``,
 ``shard_refusal``, ``model_refusal``), a vLLM version (``check_version``) or an engine
 configuration (``refusals``, ``per_layer_refusals``, ``check_config``) it does not support.
 Nothing here imports vLLM at import time.
@@ -24,7 +24,13 @@ def refuse_unservable(policy: Policy) -> None:
     allocation, DuoAttention's head shares, a threshold selector: ``head_cap``,
     ``layer_head_caps``), room for that bound in every head (the paged cache keeps each head's
     own count, and attends each head's own slots).
+
+    Two tiers (a ``recall`` block) are refused first, by name: not served yet (the design:
+    ``docs/vllm.md``, "Two tiers in vLLM (not served yet)").
     """
+    why = recall_refusal(policy)
+    if why is not None:
+        raise KVPolicyVLLMError(why)
     allocation = policy.config.allocation
     if policy.per_head and _bounds_heads(policy):
         what = (f"allocation {allocation.type_name!r}" if allocation.per_head
@@ -58,6 +64,22 @@ def refuse_unservable(policy: Policy) -> None:
         raise KVPolicyVLLMError(
             f"policy {policy.name!r} runs in {policy.mode!r} mode; vLLM serves evict and select modes only"
         )
+
+
+def recall_refusal(policy: Policy | None) -> str | None:
+    """Why vLLM cannot serve a two-tier policy (a ``recall`` block: evicted pages kept in a slow
+    tier and recalled into the fast one), None for any other: not served yet. Its blocks would
+    have to leave the request's table for a host pool and come back into reserved slots of it
+    before attention (the design: ``docs/vllm.md``, "Two tiers in vLLM (not served yet)")."""
+    if policy is None or policy.config.recall is None:
+        return None
+    return (
+        f"policy {policy.name!r} has a `recall` block (two tiers: evicted pages kept in a slow tier and recalled "
+        "into the fast one), which vLLM does not serve yet: no recalled block can enter a request's block table "
+        "(docs/vllm.md, \"Two tiers in vLLM (not served yet)\"). Run it with the transformers integration "
+        "(EvictingCache, or KVPolicyCache under generate()), or serve its eviction alone (the policy without "
+        "`recall`)"
+    )
 
 
 def layer_group_refusal(policy: Policy | None, server_per_layer: bool) -> str | None:

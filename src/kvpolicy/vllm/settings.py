@@ -54,6 +54,7 @@ from .refusals import layer_group_refusal as layer_group_refusal
 from .refusals import model_refusal as model_refusal
 from .refusals import page_refusal as page_refusal
 from .refusals import per_layer_refusals as per_layer_refusals
+from .refusals import recall_refusal as recall_refusal
 from .refusals import refusals as refusals
 from .refusals import refuse_unservable
 from .refusals import select_refusal as select_refusal

@@ -39,9 +39,9 @@ from lm_eval.api.registry import register_model
 
 from ...loading import load_policy
 from ...policy import Policy
-from ..cost import CostTracker
+from ..cost import CostTracker, cache_tier_stats
 from ..decoding import Generation, Prompt, Stream, generate_batch, input_device, new_cache, stop_token_ids
-from ..progress import LineProgress, format_duration
+from ..progress import LineProgress, format_bytes, format_duration
 from ..reasoning import find_loop, repeated_ngram_share, strip_thinking
 from ..records import SampleStore, prompt_hash
 from ..sampling import SamplingParams, sample_key
@@ -377,15 +377,21 @@ class KVPolicyLM(TemplateLM):
         prompts = [Prompt(it.ids, sample_key(self.seed, it.task, it.doc_id, it.sample, it.hash), it.thinking)
                    for it in batch]
 
+        cache = self._new_cache(sample)
+        moved = [0]  # bytes the cache had moved (slow tier -> fast) at the last finished row
+
         def finish(gen: Generation) -> None:
             it = batch[gen.index]
             record = self._record(it, gen)
             self.store.add(record)
             results[it.index] = record["response"]
             self.cache_hook.add_partial("generate_until", (it.context, it.gen_kwargs), record["response"])
-            progress.update(1, tokens=len(gen.tokens))
+            tiers = cache_tier_stats(cache)  # a two-tier policy's: the progress line shows the bytes moved
+            if tiers is not None:
+                tiers_moved, moved[0] = tiers.moved_bytes - moved[0], tiers.moved_bytes
+            progress.update(1, tokens=len(gen.tokens), moved=None if tiers is None else tiers_moved)
 
-        _, stats = generate_batch(self.model, self._new_cache(sample), self.tokenizer, prompts, params, self.eos_ids,
+        _, stats = generate_batch(self.model, cache, self.tokenizer, prompts, params, self.eos_ids,
                                   pad_id=self.pad_id, on_finish=finish)
         self.cost.add(stats)
 
@@ -412,9 +418,16 @@ class KVPolicyLM(TemplateLM):
         if not c["new_tokens"]:
             return f"kvpolicy: {self.key}: nothing generated (every sample was already recorded)"
         evict = c["evict_share"]
-        return (f"kvpolicy: {self.key}: {c['new_tokens']} new tokens in {format_duration(float(c['seconds'] or 0))} "
+        line = (f"kvpolicy: {self.key}: {c['new_tokens']} new tokens in {format_duration(float(c['seconds'] or 0))} "
                 f"({c['tokens_per_s']:.1f} tok/s at batch {self.batch_size}), peak {c['peak_mib']:.0f} MiB, "
                 f"KV cache {c['kv_mib']:.2f} MiB" + ("" if evict is None else f", evicting {evict:.1%} of the time"))
+        tiers = self.cost.total.tiers
+        if tiers is not None:  # a two-tier policy
+            per = "" if not tiers.decode_tokens else f" ({format_bytes(tiers.moved_per_token)}/tok)"
+            hits = "" if not tiers.pages_recalled else f", recall hits {tiers.hit_rate:.0%}"
+            line += (f"; fast tier {format_bytes(tiers.fast_bytes)}, slow tier {format_bytes(tiers.slow_bytes)}, "
+                     f"moved {format_bytes(tiers.moved_bytes)}{per}{hits}")
+        return line
 
     # -- scoring ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -28,11 +28,23 @@ class Column:
     fmt: str = "{:.3f}"
     better: str = ""  # "higher", "lower" or "" (informational)
     ranked: bool = False  # a quality measure in the ranking (``ranking.md``); not cost, not a raw figure
+    optional: bool = False  # shown only where some row reports it (a two-tier policy's tiers)
 
     def format(self, value: Any) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)):
             return "-"
         return self.fmt.format(value)
+
+
+def tier_columns(prefix: str = "") -> list[Column]:
+    """A two-tier policy's tier figures (``kvpolicy.eval.cost.TierCost.values``), beside a
+    metric's memory figures: optional columns, which a run without such a policy never shows."""
+    return [
+        Column(f"{prefix}fast_mib", "fast MiB", "{:.2f}", "lower", optional=True),
+        Column(f"{prefix}slow_mib", "slow MiB", "{:.2f}", "", optional=True),
+        Column(f"{prefix}moved_kib_tok", "moved KiB/tok", "{:.1f}", "lower", optional=True),
+        Column(f"{prefix}hit_rate", "recall hits", "{:.2f}", "", optional=True),
+    ]
 
 
 @dataclass

@@ -12,8 +12,10 @@ samples per problem (the task's ``repeats``). Each sample is then graded on its 
 Reported per pair: pass@1 (mean correctness over all samples), pass@k (unbiased estimator, mean
 over problems), mean generated tokens, the share that ended by themselves, the share ending in
 a loop, the repeated 4-gram share, and the cost (output tokens/s at the batch size run, peak
-memory, the most KV bytes a batch held, the share of time spent evicting); also per task, and
-lm-eval's own task metrics as ``harness/<task>/<metric>``. Every sample is recorded in
+memory, the most KV bytes a batch held, the share of time spent evicting; for a two-tier policy
+its tiers: the most bytes the fast and slow tiers held, KiB moved from the slow tier per decoded
+token, the recall hit rate); also per task, and lm-eval's own task metrics as
+``harness/<task>/<metric>``. Every sample is recorded in
 ``samples.jsonl`` (the resume point) as it finishes; graded per-sample rows go to
 ``predictions.jsonl`` when the pair finishes.
 """
@@ -28,7 +30,7 @@ from typing import Any, ClassVar
 
 from .. import reasoning
 from ..config import EvalConfig, EvalError, LMSettings
-from .base import Column, Metric, MetricResult, mean
+from .base import Column, Metric, MetricResult, mean, tier_columns
 
 MATH_PREFIXES = ("gsm", "minerva_math", "hendrycks_math", "math", "aime", "amc", "hmmt", "olympiad", "mgsm",
                  "asdiv", "svamp")
@@ -71,6 +73,7 @@ class LMTasks(Metric):
             Column("lm_kv_mib", "KV MiB", "{:.1f}", "lower"),
             Column("lm_peak_mib", "peak MiB", "{:.0f}", "lower"),
             Column("evict_share", "evict %", "{:.1%}", "lower"),
+            *tier_columns("lm_"),
         ]
         self._lm: Any = None
 
@@ -278,6 +281,9 @@ def grade(results: dict, tasks: dict[str, Any], lm: Any, s: LMSettings) -> Metri
     values.update({"lm_tok_s": cost["tokens_per_s"], "lm_peak_mib": cost["peak_mib"], "lm_kv_mib": cost["kv_mib"],
                    "evict_share": cost["evict_share"], "lm_new_tokens": cost["new_tokens"],
                    "lm_decode_seconds": cost["seconds"], "batch_size": s.batch_size})
+    tiers = lm.cost.total.tiers
+    if tiers is not None:  # a two-tier policy
+        values.update(tiers.values("lm_"))
     return MetricResult(values, predictions)
 
 

@@ -1,5 +1,9 @@
 """``speed``: decode throughput once the cache is in steady state, peak memory and KV-cache bytes
 (the room the cache has, ``kv_mib``, and what it holds, ``kv_held_mib``: less under a threshold).
+A two-tier policy (a ``recall`` block) also reports its tiers (``kvpolicy.eval.cost.TierCost``):
+the most bytes the fast tier (kept slots, recall buffer, summaries) and the slow tier held, the
+KiB moved from the slow tier to the fast one per decoded token, and the recall hit rate; other
+policies report none of these, and the report shows no column for them.
 
 With ``speed.batch`` 1, one sequence: ``context`` tokens fed (evicting as decoding would), then
 ``new_tokens`` greedy steps timed. Above 1, the throughput setting: ``batch`` rows of the same
@@ -13,10 +17,17 @@ from typing import Any
 
 import torch
 
-from ..cost import cache_bytes, cache_held_bytes, peak_memory_mib, reset_peak_memory
+from ..cost import (
+    TierCost,
+    cache_bytes,
+    cache_held_bytes,
+    cache_tier_stats,
+    peak_memory_mib,
+    reset_peak_memory,
+)
 from ..decoding import Prompt, generate_batch, new_cache
 from ..sampling import SamplingParams
-from .base import Column, Metric, MetricResult, need_text
+from .base import Column, Metric, MetricResult, need_text, tier_columns
 
 
 class Speed(Metric):
@@ -29,6 +40,7 @@ class Speed(Metric):
         Column("kv_mib", "KV MiB", "{:.2f}", "lower"),
         Column("kv_held_mib", "KV MiB held", "{:.2f}", "lower"),
         Column("peak_mib", "peak MiB", "{:.0f}", "lower"),
+        *tier_columns(),
     ]
 
     def prepare(self, tokenizer, text, policies):
@@ -45,6 +57,7 @@ class Speed(Metric):
         prefill = min(64, len(self.ids) - 1)
         stream.feed(self.ids[:prefill])
         logits = stream.feed(self.ids[prefill:])
+        tiers_before = cache_tier_stats(stream.cache)
         tokens, seconds = stream.generate(logits, SamplingParams(max_new_tokens=s.new_tokens))
         forwards = max(len(tokens) - 1, 1)
         values = {
@@ -53,6 +66,13 @@ class Speed(Metric):
             "kv_held_mib": cache_held_bytes(stream.cache) / 2**20,
             "peak_mib": peak_memory_mib(ctx.device),
         }
+        tiers_now = cache_tier_stats(stream.cache)
+        if tiers_now is not None:  # one row, whose tiers only grow: the last reading holds the most
+            tiers = TierCost()
+            tiers.held(tiers_before)
+            tiers.held(tiers_now)
+            tiers.spent(tiers_now, tiers_before, len(tokens) - 1)  # the timed decode steps
+            values.update(tiers.values())
         return MetricResult(values)
 
     def _run_batched(self, ctx, policy):
@@ -81,4 +101,6 @@ class Speed(Metric):
             "peak_mib": peak_memory_mib(ctx.device),
             "evict_share": stats.evict_seconds / decode if decode > 0 else None,
         }
+        if stats.tiers is not None:
+            values.update(stats.tiers.values())
         return MetricResult(values)
