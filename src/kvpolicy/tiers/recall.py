@@ -108,6 +108,7 @@ class RecallBuffer:
         self.keys.view(-1, p, keys.shape[-1]).index_copy_(0, dest, keys.to(dev, non_blocking=nonblocking))
         self.values.view(-1, p, values.shape[-1]).index_copy_(0, dest, values.to(dev, non_blocking=nonblocking))
         self.positions.view(-1, p).index_copy_(0, dest, pos.to(dev, non_blocking=nonblocking))
+        slow.copied_out()
         self.moved_bytes += sum(t.numel() * t.element_size() for t in (keys, values, pos))
 
     @property

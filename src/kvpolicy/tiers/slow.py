@@ -83,6 +83,8 @@ class SlowTier:
         self.fast = keys.device
         self.device = device if device is not None else (torch.device("cpu") if keys.is_cuda else keys.device)
         self._pin = keys.is_cuda and self.device.type == "cpu"
+        self._staging: tuple[torch.Tensor, ...] | None = None  # pinned gather buffers (a GPU cache's)
+        self._staging_copied: torch.cuda.Event | None = None  # recorded after copies out of them
         self._shape = (layers, batch, kv_heads)
         self._dims = (keys.shape[-1], values.shape[-1], keys.dtype)
         self.kinds = tuple(sorted(summaries))
@@ -241,9 +243,28 @@ class SlowTier:
         ``keys [n, P, D]``, ``values [n, P, Dv]``, ``positions [n, P]``."""
         p = self.page_size
         where = flat.to(self.device)
-        return (self.keys.view(-1, p, self.keys.shape[-1]).index_select(0, where),
-                self.values.view(-1, p, self.values.shape[-1]).index_select(0, where),
-                self.positions.view(-1, p).index_select(0, where))
+        sources = (self.keys.view(-1, p, self.keys.shape[-1]), self.values.view(-1, p, self.values.shape[-1]),
+                   self.positions.view(-1, p))
+        if not self._pin:
+            return tuple(t.index_select(0, where) for t in sources)  # type: ignore[return-value]
+        # Gathered into pinned staging buffers, so the copy to the GPU can be asynchronous.
+        n = where.numel()
+        if self._staging_copied is not None:  # the last copies out of the staging buffers are done
+            self._staging_copied.synchronize()
+            self._staging_copied = None
+        if self._staging is None or self._staging[0].shape[0] < n:
+            self._staging = tuple(torch.empty((max(n, 64), *t.shape[1:]), dtype=t.dtype).pin_memory() for t in sources)
+        out = tuple(buf[:n] for buf in self._staging)
+        for t, buf in zip(sources, out, strict=True):
+            torch.index_select(t, 0, where, out=buf)
+        return out  # type: ignore[return-value]
+
+    def copied_out(self) -> None:
+        """The pages ``gather`` gave were copied out on the current stream (asynchronously, from
+        pinned staging buffers): the next ``gather`` waits for those copies before reusing them."""
+        if self._pin:
+            self._staging_copied = torch.cuda.Event()
+            self._staging_copied.record()
 
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         slow = host.to(self.device)
