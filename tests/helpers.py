@@ -35,6 +35,33 @@ class Contract2Plugin:
         return 2
 
 
+def load_fitting(name: str | dict, **overrides: Any) -> kvpolicy.Policy:
+    """``load_policy(name, **overrides)``; a two-tier policy whose pages these overrides cannot
+    hold (a budget or interval that is not whole pages) with pages small enough to fit (a page
+    size dividing the interval and the recall budget), or else without its ``recall`` block: what
+    ``Policy.select`` and an eviction keep is the same with or without it."""
+    try:
+        return kvpolicy.load_policy(name, **overrides)
+    except kvpolicy.PolicyError:
+        config = kvpolicy.load_policy(name).config
+        if config.recall is None:
+            raise
+        data = config.to_dict()
+        recall = data.pop("recall")
+        interval = overrides.get("interval", config.schedule.interval)
+        budget = overrides.get("budget", config.schedule.budget)
+        slots = budget if recall["budget"] == "schedule" else recall["budget"]
+        for page in range(min(recall["page_size"], interval), 0, -1):
+            if interval % page == 0 and slots % page == 0:
+                scorer = {**recall["scorer"], **({"page_size": page} if "page_size" in recall["scorer"] else {})}
+                try:
+                    return kvpolicy.load_policy({**data, "recall": {**recall, "page_size": page, "scorer": scorer}},
+                                                **overrides)
+                except kvpolicy.PolicyError:
+                    break
+        return kvpolicy.load_policy(data, **overrides)
+
+
 def make_tensors(b=2, hkv=2, hq=4, n=24, d=8, w=4, seed=0, dtype=torch.float32):
     """Random keys, values and queries with the library's shapes."""
     g = torch.Generator().manual_seed(seed)

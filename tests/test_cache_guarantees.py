@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from helpers import facts_for  # noqa: E402
+from helpers import facts_for, load_fitting  # noqa: E402
 from hf_util import CACHE_ARG, assert_rows_decode_as_alone, fresh, left_padded_prompt, tiny_qwen3  # noqa: E402
 from hf_util import generate as _generate  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_cache_keeps_what_select_chooses_on_its_state(source):
     name = source if isinstance(source, str) else source["name"]
     over = {"budget": 16, "recent": 12, "interval": 4} if name == "streamingllm" else {
         "budget": 16, "recent": 4, "interval": 4, "window": 4}
-    policy = load_policy(source, seed=3, **over)
+    policy = load_fitting(source, seed=3, **over)
     facts = facts_for(policy, 2, 2, 4)
     cache = EvictingCache(policy, num_layers=2, independent_rows=name == "random", model_facts=facts)
     checked = 0

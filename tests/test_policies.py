@@ -10,6 +10,7 @@ from helpers import (
     assert_valid_selection,
     facts_for,
     left_padding,
+    load_fitting,
     make_input,
     make_tensors,
     prompt_for,
@@ -29,11 +30,13 @@ SHAPES = [  # (B, Hkv, Hq, N, budget)
 
 
 def small(name: str, budget: int) -> kvpolicy.Policy:
-    """The policy at a small budget, with VaSE-style buffers scaled down where they are 64."""
+    """The policy at a small budget, with VaSE-style buffers scaled down where they are 64 (a
+    two-tier policy without its recall where the small budget cannot hold its pages:
+    ``helpers.load_fitting``)."""
     try:
-        return kvpolicy.load_policy(name, budget=budget, recent=8, window=8, interval=8)
+        return load_fitting(name, budget=budget, recent=8, window=8, interval=8)
     except PolicyError:  # e.g. streamingllm (recent = budget - 4) or a plugin's own constraints
-        return kvpolicy.load_policy(name, budget=budget)
+        return load_fitting(name, budget=budget)
 
 
 def fits(policy: kvpolicy.Policy, layers: int, hkv: int, hq: int | None = None, d: int = 8) -> bool:

@@ -24,6 +24,9 @@ from kvpolicy.stages import BUILTIN_STAGES, Scorer
 BUILTIN_POLICIES = {
     "ada-snapkv",
     "ada-vase-attnv",
+    "arkvale",
+    "snapkv-recall",
+    "vase-attnv-recall",
     "cake",
     "cam",
     "d2o",

@@ -12,7 +12,15 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import Contract2Plugin, assert_valid_selection, facts_for, make_input, make_tensors, prompt_for
+from helpers import (
+    Contract2Plugin,
+    assert_valid_selection,
+    facts_for,
+    load_fitting,
+    make_input,
+    make_tensors,
+    prompt_for,
+)
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -300,9 +308,9 @@ def test_selection_error_is_a_value_error():
 # -- the property: every built-in policy, any input ---------------------------------------------
 def _load_small(name: str) -> kvpolicy.Policy:
     try:
-        return kvpolicy.load_policy(name, budget=16, recent=4, interval=4, window=4)
+        return load_fitting(name, budget=16, recent=4, interval=4, window=4)
     except kvpolicy.PolicyError:  # streamingllm: recent is budget - 4
-        return kvpolicy.load_policy(name, budget=16, interval=4, window=4)
+        return load_fitting(name, budget=16, interval=4, window=4)
 
 
 @pytest.mark.parametrize("name", ["oracle-topk", "quest", "snapkv"])
