@@ -118,7 +118,8 @@ class TwoTierRows(EvenRows):
             scaling=d**-0.5 if scaling is None else scaling,
         )
         pages, scores = self.rank(self.group, layer, inp, min(self.buffer.page_slots, slow.page_slots))
-        slow.page_score[i, row_sel] = scores
+        if slow.drop == "lowest":  # what a full tier drops first (``drop: lowest``)
+            slow.page_score[i, row_sel] = scores
         chosen = torch.where(page_valid.gather(-1, pages), pages, -1)
         self.buffer.load(i, row_sel, chosen, slow)
 
