@@ -105,6 +105,8 @@ def served_policies() -> list[str]:
     (select-mode ones evict nothing: ``tests/test_vllm_select.py``)."""
     names = []
     for name in kvpolicy.available_policies():
+        if load_policy(name).config.recall is not None:  # two tiers: refused by name (test_vllm_served)
+            continue
         try:
             policy = load_policy(name, **overrides(name))
             refuse_unservable(policy)
