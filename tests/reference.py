@@ -949,3 +949,50 @@ def cam_bounded_merge(V, keep, slot_valid, positions, attention, mass, draws, *,
                 out[b, h, t] = (m * V[b, h, t].double() + s) / (m + w)
                 new_mass[b, h, t] = m + w
     return out, new_mass
+
+
+def cam_attention_merge(V, keep, slot_valid, positions, attention, absorbed, draws, *, merge_budget,
+                        num_candidates, max_absorbed):
+    """``cam``'s attention rule (``mass: attention``), float64 loops, written from its statement:
+    the window of an evicted token is the ``merge_budget`` kept slots after it (by position) among
+    slots ``0 .. num_candidates - 1`` (never the recent buffer); it merges iff ``draws < p``, ``p =
+    clamp(A_i / mean A over that window, 0, 1)`` (NaN 0, inf 1), and then gives each window slot
+    the weight ``A_i / |window|``. A kept slot ``t`` takes at most ``max_absorbed * A_t - M_t`` of
+    what it receives (its shares scaled down alike), and becomes ``((A_t + M_t) v_t + sum w v_i)
+    / (A_t + M_t + sum w)``, ``M_t`` (``absorbed``) growing by ``sum w``. Returns ``(values,
+    absorbed)``."""
+    B, H, N, _ = V.shape
+    out, new_absorbed = V.double().clone(), absorbed.double().clone()
+    for b in range(B):
+        for h in range(H):
+            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
+            order = [j for _, j in by_pos]
+            got = {}  # window slot -> [weight, weighted sum of values]
+            for i, e in enumerate(order):
+                if bool(keep[b, h, e]):
+                    continue
+                window = [t for t in order[i + 1:] if bool(keep[b, h, t]) and t < num_candidates][:merge_budget]
+                if not window:
+                    continue
+                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
+                a = float(attention[b, h, e])
+                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
+                if not float(draws[b, h, e]) < p:
+                    continue
+                w = a / len(window)
+                for t in window:
+                    acc = got.setdefault(t, [0.0, [0.0] * V.shape[-1]])
+                    acc[0] += w
+                    acc[1] = [s + w * x for s, x in zip(acc[1], V[b, h, e].double().tolist(), strict=True)]
+            for t, (w, s) in got.items():
+                own, m = float(attention[b, h, t]), float(absorbed[b, h, t])
+                room = max(max_absorbed * own - m, 0.0)
+                scale = min(1.0, room / w) if w > 0 else 0.0
+                w, s = w * scale, [x * scale for x in s]
+                if w <= 0:
+                    continue
+                vt = V[b, h, t].double().tolist()
+                out[b, h, t] = torch.tensor([((own + m) * x + y) / (own + m + w) for x, y in zip(vt, s, strict=True)],
+                                            dtype=torch.float64)
+                new_absorbed[b, h, t] = m + w
+    return out, new_absorbed

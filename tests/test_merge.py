@@ -111,7 +111,7 @@ def test_cam_probability_one_and_zero_merge_all_and_none():
     torch.testing.assert_close(every.double(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mass", ["faithful", "bounded"])
+@pytest.mark.parametrize("mass", ["faithful", "bounded", "attention"])
 def test_cam_draws_from_the_rows_seeded_streams(mass):
     n = 16
     g, keys, values = _tensors(4, n)
@@ -119,12 +119,13 @@ def test_cam_draws_from_the_rows_seeded_streams(mass):
     keep = _keep(g, valid, 8, 2)
     stage = CamMerge(merge_budget=4, mass=mass)
     state = {stage.attention.state_key: {"attention": torch.rand(B, HKV, n, generator=g)},
-             stage.state_key: {"mass": 1.0 + torch.rand(B, HKV, n, generator=g)}}
+             stage.state_key: {"mass": 1.0 + torch.rand(B, HKV, n, generator=g), "absorbed": torch.zeros(B, HKV, n)}}
     inp = _input(keys, values, valid, positions, state=state)
     got = stage.merge(inp, keep).values
     u = inp.head_uniform(n, stream="cam")
     draws = u < stage.merge_probability(inp, keep)
-    given = stage.merge_with(inp, keep, draws) if mass == "faithful" else stage.merge_bounded(inp, keep, draws)[0]
+    given = {"faithful": lambda: stage.merge_with(inp, keep, draws), "bounded": lambda: stage.merge_bounded(inp, keep, draws)[0],
+             "attention": lambda: stage.merge_attention(inp, keep, draws)[0]}[mass]()
     assert torch.equal(got, given)
     assert torch.equal(got, stage.merge(_input(keys, values, valid, positions, state=state), keep).values)
     assert 0 < int((draws & ~keep & valid).sum()) < int((~keep & valid).sum()), "some draws merge, some do not"
@@ -155,7 +156,8 @@ def test_d2o_matches_its_reference_over_repeated_merges():
 
 
 # -- properties of every merge, through the eviction core -----------------------------------------
-MERGES = {"similar": {"type": "similar"}, "cam": {"type": "cam", "merge_budget": 3},
+MERGES = {"similar": {"type": "similar"}, "cam": {"type": "cam", "merge_budget": 3, "max_absorbed": 0.5},
+          "cam-bounded": {"type": "cam", "merge_budget": 3, "mass": "bounded"},
           "cam-faithful": {"type": "cam", "merge_budget": 3, "mass": "faithful"}, "d2o": {"type": "d2o"}}
 
 
@@ -195,7 +197,13 @@ def test_a_merge_keeps_the_slots_count_and_untouched_values(seed, n, merge):
         positions = torch.arange(n).expand(B, HKV, n)
         want, _ = ref.cam_merge(values, keep, valid, positions, b.state["accumulated_attention.attention"],
                                 inp.head_uniform(n, stream="cam"), merge_budget=3)
-    elif merge == "cam":
+    elif merge == "cam":  # mass: attention, the default
+        positions = torch.arange(n).expand(B, HKV, n)
+        want, absorbed = ref.cam_attention_merge(
+            values, keep, valid, positions, b.state["accumulated_attention.attention"], torch.zeros(B, HKV, n),
+            inp.head_uniform(n, stream="cam"), merge_budget=3, num_candidates=inp.num_candidates, max_absorbed=0.5)
+        torch.testing.assert_close(b.state["cam.absorbed"].double(), absorbed, rtol=1e-5, atol=1e-6)
+    elif merge == "cam-bounded":
         positions = torch.arange(n).expand(B, HKV, n)
         want, mass = ref.cam_bounded_merge(values, keep, valid, positions, b.state["accumulated_attention.attention"],
                                            torch.ones(B, HKV, n), inp.head_uniform(n, stream="cam"), merge_budget=3)
@@ -275,6 +283,8 @@ def test_select_mode_refuses_a_merge_naming_the_field():
 
 @pytest.mark.parametrize(("merge", "field"), [
     ({"type": "cam", "merge_budget": 0}, "merge_budget"),
+    ({"type": "cam", "max_absorbed": 0.0}, "max_absorbed"),
+    ({"type": "cam", "max_absorbed": math.inf}, "max_absorbed"),
     ({"type": "similar", "similarity_threshold": 1.5}, "similarity_threshold"),
     ({"type": "similar", "merge_fraction": 0.0}, "merge_fraction"),
     ({"type": "d2o", "ema": 1.0}, "ema"),

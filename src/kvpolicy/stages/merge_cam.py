@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..schedule import Schedule
 
 _BOUNDED = {"mass": StateField(torch.float32, 1.0)}  # 1, plus the weight of every share received
+_ATTENTION = {"absorbed": StateField(torch.float32, 0.0)}  # the attention mass of every share received
 
 
 class CamMerge(Merge):
@@ -29,12 +30,22 @@ class CamMerge(Merge):
     attention each token has accumulated, the state of the nested ``attention`` scorer; NaN
     counts as 0, inf as 1). What it merges depends on ``mass``:
 
+    - ``attention`` (the default; a departure from CaM): shares weigh what attention weighs. The
+      window holds kept slots outside the recent buffer only (slots ``[0, num_candidates)``: a
+      recent slot's ``A`` counts the few queries since it arrived, not comparable with an older
+      token's). Token ``i`` gives each slot of its window the weight ``s = A_i / |window|``; a slot
+      ``t`` carries the attention mass it has absorbed, ``M_t`` (state ``absorbed``, 0 for a fresh
+      token), weighs ``A_t + M_t`` (its own accumulated attention plus that) and becomes ``((A_t
+      + M_t) v_t + sum s v_i) / (A_t + M_t + sum s)``, with ``M_t`` growing by ``sum s``. What a
+      slot absorbs is capped: ``M_t <= max_absorbed * A_t`` (the shares it receives are scaled down
+      to the room left). A heavy hitter, attended for its own key, so keeps dominating its value,
+      and every value stays a convex combination of what it absorbed.
     - ``faithful`` (CaM's rule, kvpress's ``CAMPress``): ``v_i / |window|`` is added to every
       value of the window. Nothing renormalises it, so under eviction every ``interval`` tokens a
       kept slot receives shares at every eviction and its value grows with their number; loading
       it warns (``PolicyWarning``).
-    - ``bounded`` (the default; a departure from CaM): each slot carries its mass ``m`` (state
-      ``mass``: 1 for a fresh token, plus the weight of every share it has received). As in CaM,
+    - ``bounded`` (the default until 2026-12-05; a departure from CaM): each slot carries its mass
+      ``m`` (state ``mass``: 1 for a fresh token, plus the weight of every share it has received). As in CaM,
       token ``i``'s value goes out with a total weight of 1, split evenly over its window (``w =
       1 / |window|`` to each slot); a slot ``t`` becomes ``(m_t v_t + sum w v_i) / (m_t + sum w)``
       and its mass ``m_t + sum w``. Every value stays a convex combination of the values it
@@ -42,6 +53,10 @@ class CamMerge(Merge):
       token weighs 1 however much it had absorbed (what it absorbed is already inside its value):
       carrying its mass along instead moves the mass of long chains of merges into the slots
       after them, which measured worse (perplexity ratio 1.77 against 1.32 at budget 128, eight seeds).
+
+    On the ranking protocol every rule here is behind ``h2o``'s eviction without a merge, and the
+    less a rule merges the nearer it comes (``docs/findings.md``): ``attention``'s cap keeps
+    ``cam`` near ``h2o`` while it still merges.
 
     ``A`` is read from ``attention`` (default ``accumulated_attention`` with ``group_reduce:
     sum``, H2O's scorer as the ``h2o`` and ``cam`` policies write it). Equal stages of a policy
@@ -67,10 +82,16 @@ class CamMerge(Merge):
     state_updates: ClassVar[Literal["every_query", "eviction"]] = "eviction"
 
     merge_budget: int = Field(32, ge=1, le=1 << 20, description="Kept slots each evicted token merges into (>= 1).")
-    mass: Literal["bounded", "faithful"] = Field(
-        "bounded",
-        description="bounded: each value a mass-weighted mean of what it absorbed (the default); faithful: CaM's "
-        "v_t += v_i / |window|, which grows under repeated evictions.",
+    mass: Literal["attention", "bounded", "faithful"] = Field(
+        "attention",
+        description="attention (the default): each value the attention-mass-weighted mean of its own and what it "
+        "absorbed, windows outside the recent buffer, the absorbed mass capped by max_absorbed; bounded: the "
+        "token-count-weighted mean; faithful: CaM's v_t += v_i / |window|, which grows under repeated evictions.",
+    )
+    max_absorbed: float = Field(
+        0.02, gt=0.0, le=1e6, allow_inf_nan=False,
+        description="mass: attention only: the attention mass a kept slot may absorb, as a fraction of its own "
+        "accumulated attention (0.02: at most 1/51 of a value comes from evicted tokens' shares at a merge).",
     )
     attention: ScorerSpec = Field(
         default_factory=AccumulatedAttentionScorer,
@@ -88,7 +109,7 @@ class CamMerge(Merge):
 
     @property
     def state_fields(self) -> Mapping[str, StateField]:
-        return _BOUNDED if self.mass == "bounded" else {}
+        return {"attention": _ATTENTION, "bounded": _BOUNDED}.get(self.mass, {})
 
     def update_state(self, inp: EvictionInput) -> Mapping[str, torch.Tensor]:
         return dict(inp.state_of(self))  # the mass changes only when tokens merge (``merge``)
@@ -100,7 +121,8 @@ class CamMerge(Merge):
                 f"{schedule.interval} slots past the budget of {schedule.budget}) and nothing renormalises them: "
                 "under decode-time eviction each kept slot absorbs shares again and again and its value grows with "
                 "the number of evictions (perplexity ratios of 60-3,300 over 4,096 tokens on the bundled model). "
-                "Use mass: bounded (the default) for decoding; faithful is for parity with CaM and kvpress's CAMPress.",
+                "Use mass: attention (the default) for decoding; faithful is for parity with CaM and kvpress's "
+                "CAMPress.",
                 PolicyWarning, stacklevel=2,
             )
 
@@ -113,6 +135,9 @@ class CamMerge(Merge):
         draws = u < self.merge_probability(inp, keep)
         if self.mass == "faithful":
             return MergeResult(self.merge_with(inp, keep, draws), {})
+        if self.mass == "attention":
+            values, absorbed = self.merge_attention(inp, keep, draws)
+            return MergeResult(values, {"absorbed": absorbed})
         values, mass = self.merge_bounded(inp, keep, draws)
         return MergeResult(values, {"mass": mass})
 
@@ -136,15 +161,36 @@ class CamMerge(Merge):
         out = torch.where(hit[..., None], (mass[..., None] * v + num) / (mass + den)[..., None], v)
         return out.float(), torch.where(hit, mass + den, mass).float()
 
+    def merge_attention(
+        self, inp: EvictionInput, keep: torch.Tensor, draws: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention rule given the draws (as ``merge_with``): ``(values [B, Hkv, N, Dv]
+        float32, absorbed [B, Hkv, N] float32)``. Each merging token gives each slot of its window
+        (kept slots outside the recent buffer) ``A_i / |window|``; a slot's receipts are scaled
+        down to its room ``max_absorbed * A_t - M_t``, and it becomes the mean of its value
+        (weight ``A_t + M_t``) and the shares, its ``M_t`` growing by what it took."""
+        a = inp.state_of(self.attention)["attention"].double()
+        absorbed = inp.state_of(self)["absorbed"].double()
+        v = inp.values.double()
+        num, den, hit = self._spread(inp, keep, draws, a)  # each token gives A_i in all
+        room = (self.max_absorbed * a - absorbed).clamp_min(0.0)
+        scale = torch.where(den > room, room / den.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
+        num, den = num * scale[..., None], den * scale
+        own = a + absorbed
+        took = hit & (den > 0)
+        out = torch.where(took[..., None], (own[..., None] * v + num) / torch.where(took, own + den, 1.0)[..., None], v)
+        return out.float(), torch.where(took, absorbed + den, absorbed).float()
+
     def _spread(
         self, inp: EvictionInput, keep: torch.Tensor, draws: torch.Tensor, weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each merging token ``i`` (evicted, with a window, drawn) gives every slot of its window
         ``weight_i / |window|``: per slot ``(sum of share * v_i [B, Hkv, N, Dv], sum of shares [B,
-        Hkv, N], hit [B, Hkv, N] bool)`` in ``weight``'s dtype, ``hit`` True on kept slots that
+        Hkv, N], hit [B, Hkv, N] bool)`` in ``weight``'s dtype, ``hit`` True on window slots that
         received a share (counted, not summed, so exact)."""
         b, h, n, dv = inp.values.shape
         start, width, _, order = self._windows(inp, keep)
+        targets = self._targets(inp, keep)
         merging = inp.slot_valid & ~keep & (width > 0) & draws
         share = torch.where(merging, weight / width.clamp_min(1).to(weight.dtype), 0.0)  # [B, Hkv, N]
         v = inp.values.to(weight.dtype)
@@ -157,10 +203,10 @@ class CamMerge(Merge):
         delta.scatter_add_(2, hi[..., None].expand(b, h, n, dv + 1), -shared)
         count = torch.zeros(b, h, n + 1, dtype=torch.int32, device=v.device)
         count.scatter_add_(2, lo, merging.int()).scatter_add_(2, hi, -merging.int())
-        added, touched = delta.cumsum(2)[:, :, :n], count.cumsum(2)[:, :, :n] > 0  # by kept rank
-        rank = self._kept_rank(inp, keep, order)  # [B, Hkv, N] each kept slot's rank (0 elsewhere)
+        added, touched = delta.cumsum(2)[:, :, :n], count.cumsum(2)[:, :, :n] > 0  # by target rank
+        rank = self._kept_rank(inp, targets, order)  # [B, Hkv, N] each target's rank (0 elsewhere)
         got = added.gather(2, rank[..., None].expand(b, h, n, dv + 1))
-        hit = keep & touched.gather(2, rank)
+        hit = targets & touched.gather(2, rank)
         return got[..., :dv], got[..., dv], hit
 
     @staticmethod
@@ -170,14 +216,22 @@ class CamMerge(Merge):
         rank = torch.empty_like(rank_s).scatter_(-1, order, rank_s)
         return torch.where(keep, rank, 0)
 
+    def _targets(self, inp: EvictionInput, keep: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, N]`` bool: the kept slots a window may hold (under ``attention``, not the
+        recent buffer's: slots ``[num_candidates, N)``)."""
+        if self.mass != "attention":
+            return keep
+        return keep & (torch.arange(inp.num_slots, device=keep.device) < inp.num_candidates)
+
     def _windows(self, inp: EvictionInput, keep: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(start, width, p, order)`` ``[B, Hkv, N]`` in slot order: the rank among the kept (in
-        position order) of the first kept slot after each slot, its window's size, its merge
-        probability (evicted slots; 0 elsewhere), and the slots sorted by position (padding last)."""
+        """``(start, width, p, order)`` ``[B, Hkv, N]`` in slot order: the rank among the window
+        slots (``_targets``, in position order) of the first one after each slot, its window's
+        size, its merge probability (evicted slots; 0 elsewhere), and the slots sorted by position
+        (padding last)."""
         valid, n = inp.slot_valid, inp.num_slots
         pos = torch.where(valid, inp.positions, torch.iinfo(torch.long).max)
         order = pos.argsort(dim=-1, stable=True)
-        keep_s = keep.gather(-1, order)
+        keep_s = self._targets(inp, keep).gather(-1, order)
         start_s = keep_s.long().cumsum(-1) - keep_s.long()  # kept slots before each sorted slot
         width_s = (keep_s.sum(-1, keepdim=True) - start_s).clamp(0, self.merge_budget)
         # Mean accumulated attention over each window, from prefix sums over the kept ranks (float64).
