@@ -133,8 +133,9 @@ def attend_split(
             ``[B, Hkv or 1, L]`` bool or None (every slot). Each row must hold at least one valid
             slot in one of them.
 
-    Returns ``[B, Hq, 1, Dv]``: one softmax over both sets (their logits share one maximum), in
-    float32, without concatenating them (the kept slots are not copied each step).
+    Returns ``[B, Hq, 1, Dv]``: one softmax over both sets' logits side by side, in float32, and
+    each set's values read where they are (the kept slots are not copied each step: only the
+    logits, ``L1 + L2`` per query head, are joined).
     """
     b, hq, t, d = query.shape
     if t != 1:
@@ -142,12 +143,11 @@ def attend_split(
     hkv = first[0].shape[1]
     scale = d**-0.5 if scaling is None else scaling
     q = query.reshape(b, hkv, hq // hkv, d)
-    logits = []
-    for keys, _, valid in (first, second):
-        s = (q @ keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
-        logits.append(s if valid is None else s.masked_fill(~valid[:, :, None, :], float("-inf")))
-    top = torch.maximum(logits[0].amax(-1, keepdim=True), logits[1].amax(-1, keepdim=True))
-    weights = [torch.exp(s - top) for s in logits]
-    total = weights[0].sum(-1, keepdim=True) + weights[1].sum(-1, keepdim=True)
-    out = weights[0].to(first[1].dtype) @ first[1] + weights[1].to(second[1].dtype) @ second[1]
-    return (out.float() / total).to(query.dtype).reshape(b, hq, 1, -1)
+    split = first[0].shape[2]
+    logits = torch.cat([q @ first[0].transpose(-1, -2), q @ second[0].transpose(-1, -2)], dim=-1).float()  # [B, Hkv, G, L1 + L2]
+    for part, (_, _, valid) in zip((logits[..., :split], logits[..., split:]), (first, second), strict=True):
+        if valid is not None:
+            part.masked_fill_(~valid[:, :, None, :], float("-inf"))
+    weights = torch.softmax(logits * scale, dim=-1)
+    out = weights[..., :split].to(first[1].dtype) @ first[1] + weights[..., split:].to(second[1].dtype) @ second[1]
+    return out.to(query.dtype).reshape(b, hq, 1, -1)

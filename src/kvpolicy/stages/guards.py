@@ -206,8 +206,9 @@ def run_recall_scorer(scorer: Scorer, inp: RecallInput) -> torch.Tensor:
         raise SelectionError(f"{name} returned page scores of dtype {scores.dtype}, expected a floating dtype (float32)")
     if scores.device != inp.queries.device:
         raise SelectionError(f"{name} returned page scores on {scores.device}, expected the queries' device {inp.queries.device}")
-    scores = scores.float().masked_fill(~inp.page_valid, float("-inf"))
-    if not bool((torch.isfinite(scores) | ~inp.page_valid).all()):
+    empty = ~inp.page_valid
+    scores = scores.float().masked_fill(empty, float("-inf"))
+    if not bool((torch.isfinite(scores) | empty).all()):
         bad = ~torch.isfinite(scores) & inp.page_valid
         raise SelectionError(
             f"{name} produced non-finite page scores (NaN or inf) for {int(bad.sum())} page(s), the first at "

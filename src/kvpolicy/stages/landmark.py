@@ -62,5 +62,6 @@ class LandmarkScorer(Scorer):
         return out
 
     def score_summaries(self, inp: RecallInput) -> torch.Tensor:
-        means = inp.summaries["key_mean"].masked_fill(~inp.page_valid[..., None], 0.0)
+        # Empty page slots' scores are never read (the guard sets them to -inf): no mask here.
+        means = inp.summaries["key_mean"]
         return self._reduce(inp.queries.float() @ means.transpose(-1, -2) * inp.scaling)

@@ -62,7 +62,8 @@ class RecallBuffer:
         self.positions = torch.full((layers, batch, kv_heads, budget), -1, dtype=torch.long, device=dev)
         self.pages = torch.full((layers, batch, kv_heads, budget // page_size), -1, dtype=torch.long, device=dev)
         self.moved_bytes = 0
-        self._counts = torch.zeros(2, dtype=torch.long, device=dev)  # pages recalled, hits
+        self.pages_recalled = 0  # pages chosen by recalls, hits included
+        self.hits = 0  # chosen pages that were in the buffer already (nothing moved)
         #: Whether any page was ever recalled (before that, attention skips the empty buffer).
         self.filled = False
 
@@ -80,46 +81,43 @@ class RecallBuffer:
         same = (chosen[..., :, None] == prev[..., None, :]) & valid[..., :, None]  # [R, Hkv, n, n]
         hit, stays = same.any(-1), same.any(-2)  # chosen pages already held; held pages chosen again
         incoming = valid & ~hit
-        self._counts += torch.stack([valid.sum(), hit.sum()])  # no synchronisation
+        let_go = (prev >= 0) & ~stays
+        # One synchronisation: the counters, and whether anything changes at all.
+        chosen_n, hits_n, incoming_n, let_go_n = torch.stack([valid.sum(), hit.sum(), incoming.sum(), let_go.sum()]).tolist()
+        self.pages_recalled += chosen_n
+        self.hits += hits_n
         self.filled = True
-        if not bool((incoming | ((prev >= 0) & ~stays)).any()):  # the buffer holds just the choice
+        if not incoming_n and not let_go_n:  # the buffer holds just the choice
             return
-        # The j-th incoming page goes into the j-th slot that does not stay (stable sorts: in order).
-        take = torch.sort((~incoming).to(torch.uint8), dim=-1, stable=True).indices  # incoming first
-        into = torch.sort(stays.to(torch.uint8), dim=-1, stable=True).indices  # free slots first
-        pair = torch.arange(n, device=chosen.device) < incoming.sum(-1, keepdim=True)  # [R, Hkv, n]
-        source = chosen.gather(-1, take)
+        # The j-th incoming page of a head goes into its j-th slot that does not stay: both
+        # ``nonzero`` lists run head by head in slot order, and hold as many entries per head.
+        free = ~stays
+        into = free & (free.cumsum(-1) <= incoming.sum(-1, keepdim=True))
         new_pages = torch.where(stays, prev, -1)
-        new_pages.scatter_(-1, into, torch.where(pair, source, new_pages.gather(-1, into)))
+        source = chosen[incoming]  # [M] slow-tier page slots, head by head
+        new_pages[into] = source
         self.pages[layer, rows] = new_pages
         # Slots let go and not refilled hold no token.
-        positions = self.positions[layer, rows].unflatten(-1, (n, p))
-        positions.masked_fill_((new_pages < 0)[..., None], -1)
-        self.positions[layer, rows] = positions.flatten(-2)
-        r_idx, h_idx, j = pair.nonzero(as_tuple=True)
-        if not r_idx.numel():
+        if let_go_n:
+            positions = self.positions[layer, rows].unflatten(-1, (n, p))
+            positions.masked_fill_((new_pages < 0)[..., None], -1)
+            self.positions[layer, rows] = positions.flatten(-2)
+        if not incoming_n:
             return
-        row_ids = torch.arange(slow.page_valid.shape[1], device=chosen.device)[rows][r_idx]
+        r_idx, h_idx, slot = into.nonzero(as_tuple=True)
+        if isinstance(rows, torch.Tensor):
+            r_idx = rows[r_idx]
         b, h = slow.page_valid.shape[1:3]
-        flat = ((layer * b + row_ids) * h + h_idx) * slow.page_slots + source[r_idx, h_idx, j]
-        keys, values, pos = slow.gather(flat)
+        head = (layer * b + r_idx) * h + h_idx  # [M] flat (layer, row, head)
+        keys, values, pos = slow.gather(head * slow.page_slots + source)
         dev, nonblocking = self.keys.device, keys.is_pinned()
-        dest = ((layer * b + row_ids) * h + h_idx) * n + into[r_idx, h_idx, j]
+        dest = head * n + slot
         self.keys.view(-1, p, keys.shape[-1]).index_copy_(0, dest, keys.to(dev, non_blocking=nonblocking))
         self.values.view(-1, p, values.shape[-1]).index_copy_(0, dest, values.to(dev, non_blocking=nonblocking))
         self.positions.view(-1, p).index_copy_(0, dest, pos.to(dev, non_blocking=nonblocking))
         slow.copied_out()
-        self.moved_bytes += sum(t.numel() * t.element_size() for t in (keys, values, pos))
-
-    @property
-    def pages_recalled(self) -> int:
-        """Pages chosen by recalls, hits included."""
-        return int(self._counts[0])
-
-    @property
-    def hits(self) -> int:
-        """Chosen pages that were in the buffer already."""
-        return int(self._counts[1])
+        self.moved_bytes += incoming_n * p * (keys.shape[-1] * keys.element_size()
+                                              + values.shape[-1] * values.element_size() + pos.element_size())
 
     def forget(self, dropped: torch.Tensor) -> None:
         """Let go of the pages a full slow tier dropped (``dropped [Lyr, B, Hkv, Np]`` bool)."""
