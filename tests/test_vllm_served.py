@@ -98,8 +98,9 @@ def test_a_two_tier_policy_is_refused_by_name_at_start_up_per_request_and_in_a_w
         assert "vLLM does not serve yet" in why and "EvictingCache" in why and "generate()" in why
         assert "Two tiers in vLLM (not served yet)" in why
     policy = kvpolicy.load_policy(TWO_TIER_SPEC)
+    rank = SimpleNamespace(per_head_refusal=None, model_facts=None, head_dim=64, kv_heads=3, head_offset=0, q_heads=9)
     with pytest.raises(KVPolicyVLLMError, match="has a `recall` block"):
-        PagedCache.check_policy(SimpleNamespace(per_head_refusal=None), policy)  # the worker's own check
+        PagedCache.check_policy(rank, policy)  # the worker's own check
     evicting = {k: v for k, v in TWO_TIER_SPEC.items() if k != "recall"}
     assert recall_refusal(kvpolicy.load_policy(evicting)) is None and recall_refusal(None) is None
     assert resolve_request({"kvpolicy": {"policy": evicting}}) is not None

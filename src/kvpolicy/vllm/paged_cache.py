@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from .. import eviction
-from ..documents import PolicyError
 from ..policy import Policy, eviction_input
 from ..schedule import Schedule
 from ..stages.base import EvictionInput
@@ -31,7 +30,7 @@ from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, RequestSlots, SlotLedger, compaction
 from .paged import KV, compact, gather_paged, slot_address
-from .refusals import recall_refusal
+from .refusals import worker_refusal
 from .requests import (
     BlockTable,
     Evicted,
@@ -160,23 +159,11 @@ class PagedCache:
         return rp
 
     def check_policy(self, policy: Policy | None) -> None:
-        """Refuse a policy whose stages read model facts these cannot give, for this rank's KV heads
-        (``Policy.check_model_facts``'s message), and a per-head policy where heads of uneven counts
-        cannot be attended here (``per_head_refusal``); a two-tier policy (``recall_refusal``: the
-        front end refuses it, and a worker never serves its eviction alone in its place)."""
-        recall = recall_refusal(policy)
-        if recall is not None:
-            raise KVPolicyVLLMError(recall)
-        if policy is not None and policy.per_head and self.per_head_refusal is not None:
-            raise KVPolicyVLLMError(f"policy {policy.name!r} keeps a count of its own per head, which this model's "
-                                    f"attention cannot serve: {self.per_head_refusal}")
-        if policy is None or not policy.needs_model:
-            return
-        try:
-            policy.check_model_facts(self.model_facts, head_dim=self.head_dim, num_kv_heads=self.kv_heads,
-                                     head_offset=self.head_offset, q_heads=self.q_heads)
-        except PolicyError as exc:
-            raise KVPolicyVLLMError(f"policy {policy.name!r} cannot serve this model:\n{exc}") from None
+        """Refuse a policy this rank cannot serve (``refusals.worker_refusal``'s reason)."""
+        why = worker_refusal(policy, self.model_facts, head_dim=self.head_dim, kv_heads=self.kv_heads,
+                             head_offset=self.head_offset, q_heads=self.q_heads, per_head=self.per_head_refusal)
+        if why is not None:
+            raise KVPolicyVLLMError(why)
 
     def _ring(self, window: int) -> RequestQueryRing:
         ring = self.rings.get(window)

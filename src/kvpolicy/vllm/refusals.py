@@ -1,6 +1,6 @@
 """What the vLLM integration refuses, by name and with the reason: a policy it cannot serve
-exactly (``refuse_unservable``, ``recall_refusal``, ``select_refusal``, ``page_refusal``, ``layer_group_refusal``,
-``shard_refusal``, ``model_refusal``), a vLLM version (``check_version``) or an engine
+exactly (``refuse_unservable``, ``recall_refusal``, ``worker_refusal``, ``select_refusal``,
+``page_refusal``, ``layer_group_refusal``, ``shard_refusal``, ``model_refusal``), a vLLM version (``check_version``) or an engine
 configuration (``refusals``, ``per_layer_refusals``, ``check_config``) it does not support.
 Nothing here imports vLLM at import time.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..documents import PolicyError
 from ..policy import Policy
+from ..stages.model_facts import ModelFacts
 from .budgets import _bounds_heads, decides_from_prompt, layer_schedules, per_layer
 from .support import SUPPORTED_VLLM, SUPPORTED_VLLM_TEXT, KVPolicyVLLMError
 
@@ -248,7 +250,7 @@ def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str
     calibration's model fingerprint is not known there: its shape is checked); in the engine
     core with the workers' missing facts and each rank's fingerprint (``fingerprints``:
     ``ModelFingerprint.to_dict``, None where a rank has none), per request; each worker checks
-    the facts it builds again (``PagedCache.check_policy``)."""
+    the facts it builds again (``worker_refusal``)."""
     if policy is None or not policy.needs_model or model_config is None:
         return None
     from ..engine_facts import ModelShape
@@ -264,6 +266,29 @@ def model_refusal(policy: Policy | None, model_config: Any, missing: Mapping[str
     if not problems:
         return None
     return f"policy {policy.name!r} cannot serve the model {shape.name!r}: " + "; ".join(problems)
+
+
+def worker_refusal(
+    policy: Policy | None, facts: ModelFacts | None, *, head_dim: int, kv_heads: int, head_offset: int, q_heads: int,
+    per_head: str | None,
+) -> str | None:
+    """Why a worker's paged cache cannot serve ``policy`` (None: it can), checked when it first
+    loads it: a two-tier policy (``recall_refusal``: the front end refuses it, and a worker never
+    serves its eviction alone in its place), a per-head policy where heads of uneven counts cannot
+    be attended (``per_head``: why not; None: they can), or stages that read model facts
+    ``facts`` (this rank's share) cannot give (``Policy.check_model_facts``'s message)."""
+    recall = recall_refusal(policy)
+    if recall is not None or policy is None:
+        return recall
+    if policy.per_head and per_head is not None:
+        return f"policy {policy.name!r} keeps a count of its own per head, which this model's attention cannot serve: {per_head}"
+    if not policy.needs_model:
+        return None
+    try:
+        policy.check_model_facts(facts, head_dim=head_dim, num_kv_heads=kv_heads, head_offset=head_offset, q_heads=q_heads)
+    except PolicyError as exc:
+        return f"policy {policy.name!r} cannot serve this model:\n{exc}"
+    return None
 
 
 def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
