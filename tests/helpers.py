@@ -207,3 +207,35 @@ def assert_state_rows_alone(policy, steps, slot_fields, head_fields=()) -> Any:
             for name in head_fields:
                 assert torch.equal(view.state[name][r], mine.state[name][0]), name
     return batch
+
+
+def assert_padded_row_merges_alone(policy, g: torch.Generator, pad: int, steps: int = 30, *, batch: int = 2,
+                                   hkv: int, hq: int, d: int, state_fields=()) -> Any:
+    """A 10-token prompt then ``steps`` single tokens (drawn from ``g``) through one-layer
+    ``EvictingCache``s, as a batch whose row 1 is left-padded by ``pad`` and as that row alone:
+    after every step the row holds the same count, keys, merged values and ``state_fields``, bit
+    for bit. Returns the cache of the row alone."""
+    from kvpolicy import EvictingCache
+
+    def draw(t: int, b: int = batch) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g),
+                torch.randn(b, hq, t, d, generator=g))
+
+    prompt = draw(10)
+    token_valid = torch.ones(batch, 10, dtype=torch.bool)
+    token_valid[1, :pad] = False
+    padded, alone = EvictingCache(policy, num_layers=1), EvictingCache(policy, num_layers=1)
+    padded.step(0, *prompt, token_valid)
+    alone.step(0, *(t[1:2, :, pad:] for t in prompt))
+    for _ in range(steps):
+        k, v, q = draw(1)
+        padded.step(0, k, v, q)
+        alone.step(0, k[1:2], v[1:2], q[1:2])
+        row, mine = padded.layers[0], alone.layers[0]
+        count = row.counts[1]
+        assert count == mine.counts[0]
+        assert torch.equal(row.keys[1, :, :count], mine.keys[0])
+        assert torch.equal(row.values[1, :, :count], mine.values[0]), "merged values differ"
+        for name in state_fields:
+            assert torch.equal(row.state[name][1, :, :count], mine.state[name][0]), name
+    return alone

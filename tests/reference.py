@@ -851,6 +851,35 @@ def similar_merge(K, V, keep, slot_valid, *, similarity_threshold=0.0, merge_fra
     return out
 
 
+def _cam_receipts(V, keep, slot_valid, positions, attention, draws, b, h, *, merge_budget, weight, window_of=None):
+    """CaM's walk over row ``b``, head ``h``, float64: the valid slots by position; each evicted
+    token ``e`` has a window, the ``merge_budget`` kept slots after it (those ``window_of(t)``
+    allows, if given), and merges iff ``draws < p``, ``p = clamp(A_e / mean A over the window, 0,
+    1)`` (NaN 0, inf 1); then each window slot receives ``weight(A_e, |window|) * v_e``. Returns
+    ``({slot: [total weight, weighted sum of values]}, {e: p})``."""
+    N = V.shape[2]
+    order = [j for _, j in sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))]
+    got, prob = {}, {}
+    for i, e in enumerate(order):
+        if bool(keep[b, h, e]):
+            continue
+        window = [t for t in order[i + 1:] if bool(keep[b, h, t]) and (window_of is None or window_of(t))]
+        window = window[:merge_budget]
+        if not window:
+            continue
+        mean = sum(float(attention[b, h, t]) for t in window) / len(window)
+        a = float(attention[b, h, e])
+        prob[e] = p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
+        if not float(draws[b, h, e]) < p:
+            continue
+        w = weight(a, len(window))
+        for t in window:
+            acc = got.setdefault(t, [0.0, torch.zeros(V.shape[-1], dtype=torch.float64)])
+            acc[0] += w
+            acc[1] = acc[1] + w * V[b, h, e].double()
+    return got, prob
+
+
 def cam_merge(V, keep, slot_valid, positions, attention, draws, *, merge_budget):
     """Spec 14 (CaM): each evicted token whose draw says so adds ``v / |window|`` to each of the
     ``merge_budget`` kept slots after it (by position). ``draws [B, Hkv, N]`` float: the token
@@ -861,25 +890,12 @@ def cam_merge(V, keep, slot_valid, positions, attention, draws, *, merge_budget)
     prob = torch.zeros(B, H, N, dtype=torch.float64)
     for b in range(B):
         for h in range(H):
-            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
-            order = [j for _, j in by_pos]
-            add = {}
-            for i, e in enumerate(order):
-                if bool(keep[b, h, e]):
-                    continue
-                window = [t for t in order[i + 1:] if bool(keep[b, h, t])][:merge_budget]
-                if not window:
-                    continue
-                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
-                a = float(attention[b, h, e])
-                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
+            got, ps = _cam_receipts(V, keep, slot_valid, positions, attention, draws, b, h,
+                                    merge_budget=merge_budget, weight=lambda a, size: 1.0 / size)
+            for e, p in ps.items():
                 prob[b, h, e] = p
-                if float(draws[b, h, e]) < p:
-                    for t in window:
-                        add.setdefault(t, [0.0] * V.shape[-1])
-                        add[t] = [s + x / len(window) for s, x in zip(add[t], V[b, h, e].double().tolist(), strict=True)]
-            for t, a in add.items():
-                out[b, h, t] = V[b, h, t].double() + torch.tensor(a, dtype=torch.float64)
+            for t, (_, added) in got.items():
+                out[b, h, t] = V[b, h, t].double() + added
     return out, prob
 
 
@@ -925,25 +941,8 @@ def cam_bounded_merge(V, keep, slot_valid, positions, attention, mass, draws, *,
     out, new_mass = V.double().clone(), mass.double().clone()
     for b in range(B):
         for h in range(H):
-            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
-            order = [j for _, j in by_pos]
-            got = {}  # kept slot -> [weight, weighted sum of values]
-            for i, e in enumerate(order):
-                if bool(keep[b, h, e]):
-                    continue
-                window = [t for t in order[i + 1:] if bool(keep[b, h, t])][:merge_budget]
-                if not window:
-                    continue
-                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
-                a = float(attention[b, h, e])
-                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
-                if not float(draws[b, h, e]) < p:
-                    continue
-                w = 1.0 / len(window)
-                for t in window:
-                    acc = got.setdefault(t, [0.0, V[b, h, t].double() * 0.0])
-                    acc[0] += w
-                    acc[1] = acc[1] + w * V[b, h, e].double()
+            got, _ = _cam_receipts(V, keep, slot_valid, positions, attention, draws, b, h,
+                                   merge_budget=merge_budget, weight=lambda a, size: 1.0 / size)
             for t, (w, s) in got.items():
                 m = float(mass[b, h, t])
                 out[b, h, t] = (m * V[b, h, t].double() + s) / (m + w)
@@ -965,34 +964,15 @@ def cam_attention_merge(V, keep, slot_valid, positions, attention, absorbed, dra
     out, new_absorbed = V.double().clone(), absorbed.double().clone()
     for b in range(B):
         for h in range(H):
-            by_pos = sorted((int(positions[b, h, j]), j) for j in range(N) if bool(slot_valid[b, h, j]))
-            order = [j for _, j in by_pos]
-            got = {}  # window slot -> [weight, weighted sum of values]
-            for i, e in enumerate(order):
-                if bool(keep[b, h, e]):
-                    continue
-                window = [t for t in order[i + 1:] if bool(keep[b, h, t]) and t < num_candidates][:merge_budget]
-                if not window:
-                    continue
-                mean = sum(float(attention[b, h, t]) for t in window) / len(window)
-                a = float(attention[b, h, e])
-                p = (0.0 if a == 0 else 1.0) if mean == 0 else min(max(a / mean, 0.0), 1.0)
-                if not float(draws[b, h, e]) < p:
-                    continue
-                w = a / len(window)
-                for t in window:
-                    acc = got.setdefault(t, [0.0, [0.0] * V.shape[-1]])
-                    acc[0] += w
-                    acc[1] = [s + w * x for s, x in zip(acc[1], V[b, h, e].double().tolist(), strict=True)]
+            got, _ = _cam_receipts(V, keep, slot_valid, positions, attention, draws, b, h, merge_budget=merge_budget,
+                                   weight=lambda a, size: a / size, window_of=lambda t: t < num_candidates)
             for t, (w, s) in got.items():
                 own, m = float(attention[b, h, t]), float(absorbed[b, h, t])
                 room = max(max_absorbed * own - m, 0.0)
                 scale = min(1.0, room / w) if w > 0 else 0.0
-                w, s = w * scale, [x * scale for x in s]
+                w, s = w * scale, s * scale
                 if w <= 0:
                     continue
-                vt = V[b, h, t].double().tolist()
-                out[b, h, t] = torch.tensor([((own + m) * x + y) / (own + m + w) for x, y in zip(vt, s, strict=True)],
-                                            dtype=torch.float64)
+                out[b, h, t] = ((own + m) * V[b, h, t].double() + s) / (own + m + w)
                 new_absorbed[b, h, t] = m + w
     return out, new_absorbed

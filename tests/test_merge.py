@@ -11,6 +11,7 @@ import warnings
 import pytest
 import reference as ref
 import torch
+from helpers import assert_padded_row_merges_alone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -217,31 +218,11 @@ def test_a_merge_keeps_the_slots_count_and_untouched_values(seed, n, merge):
     assert torch.equal(b.values[untouched], values[untouched]), "values nothing merged into are unchanged"
 
 
-def _steps(seed: int, t: int, b: int = B):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(b, HKV, 1, D, generator=g), torch.randn(b, HKV, 1, D, generator=g),
-             torch.randn(b, HQ, 1, D, generator=g)) for _ in range(t)]
-
-
 @pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("pad", [2, 5])
 def test_a_padded_row_merges_exactly_as_it_would_alone(merge, pad):
-    policy = _policy(merge)
-    g = torch.Generator().manual_seed(9)
-    prompt = (torch.randn(B, HKV, 10, D, generator=g), torch.randn(B, HKV, 10, D, generator=g),
-              torch.randn(B, HQ, 10, D, generator=g))
-    token_valid = torch.ones(B, 10, dtype=torch.bool)
-    token_valid[1, :pad] = False
-    batch, alone = EvictingCache(policy, num_layers=1), EvictingCache(policy, num_layers=1)
-    batch.step(0, *prompt, token_valid)
-    alone.step(0, *(t[1:, :, pad:] for t in prompt))
-    for k, v, q in _steps(10, 30):
-        batch.step(0, k, v, q)
-        alone.step(0, k[1:], v[1:], q[1:])
-        count = batch.layers[0].counts[1]
-        assert count == alone.layers[0].counts[0]
-        assert torch.equal(batch.layers[0].keys[1, :, :count], alone.layers[0].keys[0])
-        assert torch.equal(batch.layers[0].values[1, :, :count], alone.layers[0].values[0]), "merged values differ"
+    alone = assert_padded_row_merges_alone(_policy(merge), torch.Generator().manual_seed(9), pad, batch=B,
+                                           hkv=HKV, hq=HQ, d=D)
     assert alone.layers[0].stats.evictions >= 3
 
 

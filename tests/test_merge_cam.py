@@ -15,6 +15,7 @@ import warnings
 import pytest
 import reference as ref
 import torch
+from helpers import assert_padded_row_merges_alone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -255,26 +256,8 @@ def test_bounded_values_stay_within_what_they_absorbed(seed, merge_budget, inter
 def test_a_padded_row_merges_as_it_would_alone(seed, pad, merge_budget):
     """``mass: attention`` through the cache: a left-padded row of a batch holds, after every
     step, exactly the keys and merged values (and the absorbed mass) it holds alone."""
-    policy = _cam(merge_budget=merge_budget)
-    g = torch.Generator().manual_seed(seed)
-    prompt = (torch.randn(2, HKV, 10, D, generator=g), torch.randn(2, HKV, 10, D, generator=g),
-              torch.randn(2, HQ, 10, D, generator=g))
-    token_valid = torch.ones(2, 10, dtype=torch.bool)
-    token_valid[1, :pad] = False
-    batch, alone = EvictingCache(policy, num_layers=1), EvictingCache(policy, num_layers=1)
-    batch.step(0, *prompt, token_valid)
-    alone.step(0, *(t[1:, :, pad:] for t in prompt))
-    for _ in range(30):
-        k, v, q = torch.randn(2, HKV, 1, D, generator=g), torch.randn(2, HKV, 1, D, generator=g), \
-            torch.randn(2, HQ, 1, D, generator=g)
-        batch.step(0, k, v, q)
-        alone.step(0, k[1:], v[1:], q[1:])
-        count = batch.layers[0].counts[1]
-        assert count == alone.layers[0].counts[0]
-        assert torch.equal(batch.layers[0].keys[1, :, :count], alone.layers[0].keys[0])
-        assert torch.equal(batch.layers[0].values[1, :, :count], alone.layers[0].values[0]), "merged values differ"
-        assert torch.equal(batch.layers[0].state["cam.absorbed"][1, :, :count],
-                           alone.layers[0].state["cam.absorbed"][0])
+    alone = assert_padded_row_merges_alone(_cam(merge_budget=merge_budget), torch.Generator().manual_seed(seed), pad,
+                                           hkv=HKV, hq=HQ, d=D, state_fields=("cam.absorbed",))
     assert alone.layers[0].stats.evictions >= 3
 
 
