@@ -347,8 +347,11 @@ def _token_bytes(dtype: torch.dtype = torch.float32) -> int:
 
 def _assert_buffer_consistent(layout: TwoTierRows, i: int, budget: int) -> None:
     """The recall buffer of layer index ``i`` references only pages the slow tier holds, each
-    holding that page's positions; no page twice per head; at most ``budget`` slots per head."""
+    holding that page's positions; no page twice per head; at most ``budget`` slots per head;
+    where it says every slot holds a token (attention then masks none), every slot does."""
     buffer, slow, p = layout.buffer, layout.slow, layout.buffer.page_size
+    if buffer.view(i)[2] is None:
+        assert bool((buffer.positions[i] >= 0).all()), "a slot without a token read as full"
     for r in range(buffer.pages.shape[1]):
         for h in range(HKV):
             pages = buffer.pages[i, r, h].tolist()

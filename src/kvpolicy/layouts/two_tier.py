@@ -54,12 +54,14 @@ class TwoTierRows(EvenRows):
         self.buffer = RecallBuffer(layers, b, h, self.slots_recalled, recall.page_size, keys, values)
         self._recalling: torch.Tensor | None = None  # host [R]: rows recalling at this step
         self._recalled: set[int] = set()  # buffer indices of the layers that recalled at this step
+        self._fewest_pages: int | None = None  # host: fewest pages a recalling row holds (None: not read yet)
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin_step(self, t: int) -> None:
         super().begin_step(t)
         self._recalled.clear()
         self._recalling = None
+        self._fewest_pages = None
         if not self.slots_recalled or t != 1 or self.group.phase != "decode":
             return
         due = recall_due(self.group.rows.seen(), self.recall.interval) & (self.slow.pages_held > 0)
@@ -93,6 +95,7 @@ class TwoTierRows(EvenRows):
             positions = positions.gather(-1, order)
         positions = positions.unflatten(0, lead)
         kept_count = super().compact(rows, row_sel, count, held, kept)
+        self._fewest_pages = None
         dropped = self.slow.append(rows, out[0], out[1], positions)
         if dropped is not None:
             self.buffer.forget(dropped)
@@ -117,11 +120,15 @@ class TwoTierRows(EvenRows):
             page_valid=page_valid,
             scaling=d**-0.5 if scaling is None else scaling,
         )
-        pages, scores = self.rank(self.group, layer, inp, min(self.buffer.page_slots, slow.page_slots))
+        k = min(self.buffer.page_slots, slow.page_slots)
+        pages, scores = self.rank(self.group, layer, inp, k)
         if slow.drop == "lowest":  # what a full tier drops first (``drop: lowest``)
             slow.page_score[i, row_sel] = scores
-        chosen = torch.where(page_valid.gather(-1, pages), pages, -1)
-        self.buffer.load(i, row_sel, chosen, slow)
+        if self._fewest_pages is None:
+            self._fewest_pages = int(slow.pages_held[rows].min())
+        if self._fewest_pages < k:  # a row with fewer pages than k: its top k hold empty slots (-inf)
+            pages = torch.where(page_valid.gather(-1, pages), pages, -1)
+        self.buffer.load(i, row_sel, pages, slow)
 
     def _newest_query(self, layer: int) -> torch.Tensor:
         """``layer``'s newest ring entry ``[B, Hq, D]`` (the step's query, once the layer wrote it)."""
@@ -162,6 +169,8 @@ class TwoTierRows(EvenRows):
         ``valid [B, Hkv, Rb + L]``."""
         i = self.group.member[layer]
         rk, rv, rvalid = self.buffer.view(i)
+        if rvalid is None:
+            rvalid = torch.ones(rk.shape[:3], dtype=torch.bool, device=rk.device)
         view = self.slots(layer)
         return (torch.cat([rk, view.keys], dim=2), torch.cat([rv, view.values], dim=2),
                 torch.cat([rvalid, view.valid], dim=2))
@@ -181,6 +190,7 @@ class TwoTierRows(EvenRows):
     # -- rows and bytes -------------------------------------------------------------------------
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         super().select_rows(host, dev)
+        self._fewest_pages = None
         self.slow.select_rows(host, dev)
         self.buffer.select_rows(dev)
 

@@ -208,7 +208,7 @@ def run_recall_scorer(scorer: Scorer, inp: RecallInput) -> torch.Tensor:
         raise SelectionError(f"{name} returned page scores on {scores.device}, expected the queries' device {inp.queries.device}")
     empty = ~inp.page_valid
     scores = scores.float().masked_fill(empty, float("-inf"))
-    if not bool((torch.isfinite(scores) | empty).all()):
+    if not bool(torch.isfinite(scores).logical_or_(empty).all()):
         bad = ~torch.isfinite(scores) & inp.page_valid
         raise SelectionError(
             f"{name} produced non-finite page scores (NaN or inf) for {int(bad.sum())} page(s), the first at "

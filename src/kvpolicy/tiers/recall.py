@@ -66,6 +66,8 @@ class RecallBuffer:
         self.hits = 0  # chosen pages that were in the buffer already (nothing moved)
         #: Whether any page was ever recalled (before that, attention skips the empty buffer).
         self.filled = False
+        #: Per layer: whether every slot of every row holds a token (attention then masks none).
+        self.full = [False] * layers
 
     @property
     def page_slots(self) -> int:
@@ -83,10 +85,12 @@ class RecallBuffer:
         incoming = valid & ~hit
         let_go = (prev >= 0) & ~stays
         # One synchronisation: the counters, and whether anything changes at all.
-        chosen_n, hits_n, incoming_n, let_go_n = torch.stack([valid.sum(), hit.sum(), incoming.sum(), let_go.sum()]).tolist()
+        chosen_n, hits_n, incoming_n, let_go_n = torch.stack([valid, hit, incoming, let_go]).flatten(1).sum(1).tolist()
         self.pages_recalled += chosen_n
         self.hits += hits_n
         self.filled = True
+        # While the slow tier holds whole pages only, a slot holds a token iff its page slot does.
+        self.full[layer] = isinstance(rows, slice) and chosen_n == valid.numel() and slow.whole_pages
         if not incoming_n and not let_go_n:  # the buffer holds just the choice
             return
         # The j-th incoming page of a head goes into its j-th slot that does not stay: both
@@ -97,8 +101,9 @@ class RecallBuffer:
         source = chosen[incoming]  # [M] slow-tier page slots, head by head
         new_pages[into] = source
         self.pages[layer, rows] = new_pages
-        # Slots let go and not refilled hold no token.
-        if let_go_n:
+        # Slots let go and not refilled hold no token (after the load a head holds as many pages as
+        # it chose, so some slot is empty only where fewer pages were chosen than the buffer holds).
+        if let_go_n and chosen_n < valid.numel():
             positions = self.positions[layer, rows].unflatten(-1, (n, p))
             positions.masked_fill_((new_pages < 0)[..., None], -1)
             self.positions[layer, rows] = positions.flatten(-2)
@@ -125,14 +130,17 @@ class RecallBuffer:
         gone = dropped.gather(-1, self.pages.clamp(min=0)) & held
         if not bool(gone.any()):
             return
+        self.full = [False] * len(self.full)
         self.pages.masked_fill_(gone, -1)
         self.positions.masked_fill_(gone.repeat_interleave(self.page_size, dim=-1), -1)
 
-    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``layer``'s recalled ``keys [B, Hkv, budget, D]``, ``values`` and ``valid`` (bool)."""
-        return self.keys[layer], self.values[layer], self.positions[layer] >= 0
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``layer``'s recalled ``keys [B, Hkv, budget, D]``, ``values`` and ``valid`` (bool; None:
+        every slot holds a token)."""
+        return self.keys[layer], self.values[layer], None if self.full[layer] else self.positions[layer] >= 0
 
     def select_rows(self, dev: torch.Tensor) -> None:
+        self.full = [False] * len(self.full)
         self.keys, self.values, self.positions, self.pages = (
             t.index_select(1, dev) for t in (self.keys, self.values, self.positions, self.pages))
 

@@ -95,6 +95,8 @@ class SlowTier:
         #: Bytes written to the slow tier, and pages dropped from it for good, since the start.
         self.bytes_written = 0
         self.pages_dropped = 0
+        #: Whether every page ever written was whole (``P`` tokens): eviction counts divisible by ``P``.
+        self.whole_pages = True
         self._alloc(0)
 
     def _alloc(self, np_: int) -> None:
@@ -157,6 +159,7 @@ class SlowTier:
         n_new = -(-e // p)
         pad = n_new * p - e
         if pad:
+            self.whole_pages = False
             keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
             values = torch.nn.functional.pad(values, (0, 0, 0, pad))
             positions = torch.nn.functional.pad(positions, (0, pad), value=-1)
@@ -235,7 +238,8 @@ class SlowTier:
     # -- reading --------------------------------------------------------------------------------
     def read_summaries(self, layer: int, rows: slice | torch.Tensor, kinds: frozenset[str]) -> Mapping[str, torch.Tensor]:
         if self.int8:
-            return {k: self.summaries[k][layer, rows].float() * self.scales[k][layer, rows][..., None] for k in kinds}
+            # int8 times the float32 scale: one product, promoted to float32 (exact as .float() first).
+            return {k: self.summaries[k][layer, rows] * self.scales[k][layer, rows][..., None] for k in kinds}
         return {k: self.summaries[k][layer, rows].float() for k in kinds}
 
     def gather(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
