@@ -197,7 +197,7 @@ def test_the_walk_sees_the_package(package_graph):
     graph, _ = package_graph
     assert set(PRIMITIVES) <= set(graph)
     assert "kvpolicy.stages.base" in graph["kvpolicy.registry"]  # from .stages.base import ...
-    assert "kvpolicy.seeds" in graph["kvpolicy.stages.base"]  # from .. import seeds
+    assert "kvpolicy.seeds" in graph["kvpolicy.stages.inputs"]  # from .. import seeds
     assert "kvpolicy.profiles" in graph["kvpolicy.cli"]  # a function-level import
     assert "kvpolicy.vllm.worker" in graph["kvpolicy.vllm.hooks"]  # from . import worker, in a function
     assert "kvpolicy.hf" in graph["kvpolicy"]  # under TYPE_CHECKING, and in __getattr__
