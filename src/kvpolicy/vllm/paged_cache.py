@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import eviction
+from ..eviction import Kept
 from ..policy import Policy, eviction_input
 from ..schedule import Schedule
 from ..stages.base import EvictionInput
@@ -37,6 +38,7 @@ from .requests import (
     HeldRequests,
     KeptSlots,
     LongStep,
+    Placement,
     QueryCapture,
     RequestPolicy,
     RequestQueryRing,
@@ -294,26 +296,24 @@ class PagedCache:
         """Evict the ``due`` requests (``advance_step``), grouped by policy, slot count and budget
         (each evicts exactly as it would alone). Returns the requests that evicted, with their
         new block tables (already written to ``table``)."""
-        groups: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
-        groups_w: dict[tuple[str, int, int], list[tuple[int, str]]] = {}
+        # Grouped by policy and slot count, and by what the eviction keeps: even rows by the budget,
+        # per-head budgets by their view's width (their draws are their own); even groups first.
+        groups: dict[tuple[bool, str, int, int], list[tuple[int, str]]] = {}
         for i, req_id in due:
             rp, entry = self.records[req_id].policy, self.ledger.get(req_id)
-            held, name = entry.held, rp.resolved.policy_yaml or ""
-            if rp.policy is not None and rp.policy.per_head:  # grouped by its view's width too: its draws are its own
-                groups_w.setdefault((name, held, self._lanes(req_id).width(held)), []).append((i, req_id))
-                continue
-            groups.setdefault((name, held, entry.evicts_to().budget), []).append((i, req_id))
+            per_head = rp.policy is not None and rp.policy.per_head
+            shape = self._lanes(req_id).width(entry.held) if per_head else entry.evicts_to().budget
+            groups.setdefault((per_head, rp.resolved.policy_yaml or "", entry.held, shape), []).append((i, req_id))
         out: list[Evicted] = []
-        for (_, count, _), group in sorted(groups.items()):
+        for (_, _, count, _), group in sorted(groups.items()):
             out += self._evict(self.records[group[0][1]].policy, count, group, table)
-        for (_, count, _), group in sorted(groups_w.items()):
-            out += self._evict_heads(self.records[group[0][1]].policy, count, group, table)
         return out
 
     def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
         """Evict the requests of ``group`` (batch row, request id), which all run ``rp`` and hold
         ``n`` slots: one ``eviction.evict`` over every layer and request, the kept slots compacted
-        to the front of the request's blocks, and the blocks past them dropped from its block table.
+        to the front of the request's blocks (under per-head budgets, of each head's lane:
+        ``_place_heads``), and the blocks past them dropped from its block table.
 
         Under prefix caching a request's first eviction writes the kept slots into the fresh
         blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
@@ -321,28 +321,63 @@ class PagedCache:
         block table becomes those fresh blocks."""
         policy = evicting_policy(rp)
         held = self._gather_requests(rp, n, group, table)
-        rows, req_ids, states, slots, inp = held.rows, held.req_ids, held.states, held.slots, held.inp
-        lyr, r = self.layers, len(group)
-        kept = eviction.evict(policy, inp)
-        if kept.slots is None:
-            raise KVPolicyVLLMError(f"policy {policy.name!r} kept a count per head: it evicts through _evict_heads")
-        if policy.keeps_state:
-            slots = stored_state([self.records[q] for q in req_ids], slots, self.layers, self.kv_heads, self.device, kept.state)
-        k = kept.slots.shape[-1]
-        per_req = kept.slots.view(lyr, r, self.kv_heads, k)
-        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, k)
-                      for j, req_id in enumerate(req_ids)]
+        kept = eviction.evict(policy, held.inp)
+        place = self._place_heads(policy, held, kept, n) if policy.per_head else self._place_even(policy, held, kept)
+        new_tables = [self._kept_blocks(table, int(held.rows[j]), req_id, held.states[j].evictions == 0, n, place.room)
+                      for j, req_id in enumerate(held.req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        compact(self.kv, dst, place.gathered, place.order, self.block_size)
+        out = []
+        for j, req_id in enumerate(held.req_ids):
+            if place.counts is not None:
+                self.records[req_id].head_counts = place.counts[:, j].clone()
+            out.append(self._evicted(req_id, int(held.rows[j]), held.states[j].tokens, place.slots[j], new_tables[j], table))
+        if self.trace is not None:
+            self._write_trace(rp, held.req_ids, held.states, n, held.inp, place.traced, counts=kept.counts if policy.per_head else None)
+        return out
+
+    def _place_even(self, policy: Policy, held: HeldRequests, kept: Kept) -> Placement:
+        """Where an eviction of even rows puts what it keeps: every head's ``k`` kept slots, in
+        order, with their merged values where the policy merges."""
+        lyr, r = self.layers, len(held.req_ids)
+        if kept.slots is None:
+            raise KVPolicyVLLMError(f"policy {policy.name!r} kept a count per head, yet its eviction is even")
+        slots = held.slots
+        if policy.keeps_state:
+            slots = stored_state([self.records[q] for q in held.req_ids], slots, lyr, self.kv_heads, self.device, kept.state)
+        order = kept.slots.view(lyr, r, self.kv_heads, kept.slots.shape[-1])
         gathered = held.gathered
         if kept.values is not None:  # a merge: the kept slots' merged values go to the blocks
             merged = kept.values.view(lyr, r, *kept.values.shape[1:])
             gathered = [(g[0], merged[i]) for i, g in enumerate(gathered)]
-        compact(self.kv, dst, gathered, per_req, self.block_size)
-        out = [self._evicted(req_id, int(rows[j]), states[j].tokens, slots[j].take(per_req[:, j]), new_tables[j], table)
-               for j, req_id in enumerate(req_ids)]
-        if self.trace is not None:
-            self._write_trace(rp, req_ids, states, n, inp, kept.slots)
-        return out
+        return Placement(order, order.shape[-1], gathered, [x.take(order[:, j]) for j, x in enumerate(slots)],
+                         None, kept.slots)
+
+    def _place_heads(self, policy: Policy, held: HeldRequests, kept: Kept, n: int) -> Placement:
+        """Where an eviction under per-head budgets puts what it keeps: each head's kept slots
+        (its own count) at the front of its lane, in the order the policy saw them; the request
+        then holds the room the ledger reserves for the fullest head (``ledger.kept_held``)."""
+        lyr, r = self.layers, len(held.req_ids)
+        if held.positions is None or kept.keep is None or kept.counts is None:
+            raise KVPolicyVLLMError(f"policy {policy.name!r}: a per-head eviction gave no count per head")
+        counts = kept.counts.view(lyr, r, self.kv_heads).cpu()
+        room = held.states[0].kept_room(n)
+        if int(counts.max()) > room:
+            raise KVPolicyVLLMError(
+                f"policy {policy.name!r}: a head kept {int(counts.max())} slots, more than the {room} its requests "
+                f"reserve ({held.req_ids}); the allocation's head_cap does not bound it"
+            )
+        width, most = kept.keep.shape[-1], int(counts.max())
+        order = lanes.kept_order(kept.keep.view(lyr, r, self.kv_heads, width), most)  # [Lyr, R, Hkv, most]
+        # The positions and per-slot state move with the kept slots, padded to the room; per-head state stays.
+        past = torch.arange(most, device=self.device) >= counts.to(self.device)[..., None]
+        positions = lanes.padded(held.positions.gather(-1, order).masked_fill(past, -1), room, -1)
+        per_slot = {name: lanes.padded(t.view(lyr, r, self.kv_heads, width).gather(-1, order), room, 0)
+                    for name, t in kept.state.items() if name in held.slots[0].state}
+        slots = [KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()}) for j in range(r)]
+        per_head = {name: t for name, t in kept.state.items() if name not in per_slot}
+        slots = stored_state([self.records[q] for q in held.req_ids], slots, lyr, self.kv_heads, self.device, per_head)
+        return Placement(order, room, held.gathered, slots, counts, kept.keep)
 
     def _evicted(self, req_id: str, row: int, tokens: int, kept: KeptSlots, blocks: list[int],
                  table: BlockTable) -> Evicted:
@@ -373,46 +408,6 @@ class PagedCache:
         if record.head_counts is None or record.kept is None:
             return Lanes.even(self.layers, self.kv_heads)
         return Lanes(record.head_counts, record.kept.count)
-
-    def _evict_heads(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
-        """``_evict`` under per-head budgets: each head's kept slots (its own count) compacted to
-        the front of its lane, in the order the policy saw them; the request then holds the room
-        the ledger reserves for the fullest head (``ledger.kept_held``), and the blocks past it go."""
-        policy = evicting_policy(rp)
-        held = self._gather_requests(rp, n, group, table)
-        rows, req_ids, states, inp = held.rows, held.req_ids, held.states, held.inp
-        lyr, r = self.layers, len(group)
-        kept = eviction.evict(policy, inp)
-        if held.positions is None or kept.keep is None or kept.counts is None:
-            raise KVPolicyVLLMError(f"policy {policy.name!r}: a per-head eviction gave no count per head")
-        counts = kept.counts.view(lyr, r, self.kv_heads).cpu()
-        room = states[0].kept_room(n)
-        if int(counts.max()) > room:
-            raise KVPolicyVLLMError(
-                f"policy {policy.name!r}: a head kept {int(counts.max())} slots, more than the {room} its requests "
-                f"reserve ({req_ids}); the allocation's head_cap does not bound it"
-            )
-        width, most = kept.keep.shape[-1], int(counts.max())
-        order = lanes.kept_order(kept.keep.view(lyr, r, self.kv_heads, width), most)  # [Lyr, R, Hkv, most]
-        new_tables = [self._kept_blocks(table, int(rows[j]), req_id, states[j].evictions == 0, n, room)
-                      for j, req_id in enumerate(req_ids)]
-        dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
-        compact(self.kv, dst, held.gathered, order, self.block_size)
-        # The positions and per-slot state move with the kept slots, padded to the room; per-head state stays.
-        past = torch.arange(most, device=self.device) >= counts.to(self.device)[..., None]
-        positions = lanes.padded(held.positions.gather(-1, order).masked_fill(past, -1), room, -1)
-        per_slot = {name: lanes.padded(t.view(lyr, r, self.kv_heads, width).gather(-1, order), room, 0)
-                    for name, t in kept.state.items() if name in held.slots[0].state}
-        slots = [KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()}) for j in range(r)]
-        per_head = {name: t for name, t in kept.state.items() if name not in per_slot}
-        slots = stored_state([self.records[q] for q in req_ids], slots, lyr, self.kv_heads, self.device, per_head)
-        out = []
-        for j, req_id in enumerate(req_ids):
-            self.records[req_id].head_counts = counts[:, j].clone()
-            out.append(self._evicted(req_id, int(rows[j]), states[j].tokens, slots[j], new_tables[j], table))
-        if self.trace is not None:
-            self._write_trace(rp, req_ids, states, n, inp, kept.keep, counts=kept.counts)
-        return out
 
     def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
         """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""

@@ -252,6 +252,22 @@ class HeldRequests:
     positions: torch.Tensor | None = None  # per-head budgets: [Lyr, R, Hkv, N] each column's token (-1: none)
 
 
+@dataclass
+class Placement:
+    """Where one eviction of some requests puts what it keeps (``PagedCache._place_even``,
+    ``_place_heads``): each head's kept slots in order ``[Lyr, R, Hkv, k]``, the slots a request
+    holds after it (``room``), the keys and values to compact (merged where the policy merges),
+    each request's per-slot fields, each head's count under per-head budgets (``[Lyr, R, Hkv]``,
+    host; else None), and what the trace records of the choice."""
+
+    order: torch.Tensor
+    room: int
+    gathered: list[KV]
+    slots: list[KeptSlots]
+    counts: torch.Tensor | None
+    traced: torch.Tensor
+
+
 def evicting_policy(rp: RequestPolicy) -> Policy:
     """The policy of a request that evicts (the ledger never makes one without a schedule due)."""
     if rp.policy is None:
