@@ -138,7 +138,9 @@ def qwen3_4b_random(folder: Path) -> Path:
 def layers_per_block(policy: dict | None, model: str) -> int:
     """How many of a per-layer server's blocks hold what one whole-model block holds: the model's
     layer count under a per-layer policy (``kvpolicy.vllm.settings.per_layer``), else 1."""
-    if policy is None:
+    from kvpolicy.vllm.settings import NO_POLICY
+
+    if policy is None or policy["policy"] == NO_POLICY:  # "full": the plugin on, no policy
         return 1
     from transformers import AutoConfig
 

@@ -1,0 +1,32 @@
+"""``benchmarks/vllm_bench.py`` sizes each configuration's KV-cache pool before any engine starts
+(``layers_per_block``): every configuration it offers, "full" (the plugin on, no policy) among
+them, gets a size, and a per-layer policy's pool counts one block per layer."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import load_benchmark
+
+vllm_bench = load_benchmark("vllm_bench")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from transformers import Qwen3Config
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    Qwen3Config(num_hidden_layers=5, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=97).save_pretrained(folder)
+    return str(folder)
+
+
+def test_every_configuration_gets_a_pool_size(model_folder):
+    sizes = {}
+    for name, policy in vllm_bench.POLICIES.items():
+        if callable(policy):  # built from files (triattention's calibration, quest's pages): not per layer
+            continue
+        sizes[name] = vllm_bench.layers_per_block(policy, model_folder)
+    assert sizes["vllm"] == 1 and sizes["full"] == 1  # "none" is the plugin's no-policy, not a policy to load
+    assert sizes["snapkv"] == 1
+    assert sizes["pyramidkv"] == 5  # a KV-cache group per layer: one block holds one layer
