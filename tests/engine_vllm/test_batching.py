@@ -21,7 +21,7 @@ def engine(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace")
     llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(trace)}, block_size=BLOCK, max_num_seqs=32)
     yield llm, trace
-    del llm
+    close(llm)
 
 
 def _requests(n, seed):

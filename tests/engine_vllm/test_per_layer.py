@@ -37,9 +37,26 @@ def model_dir():
     return smollm2_folder()
 
 
+#: Rows of ``hf_refs`` already computed in this session, by (model folder, policy name, prompt): the
+#: tests share some (every one serves ``snapkv`` on ``UNIFORM``; CAKE's serves under sync and async
+#: scheduling), and a row depends on nothing else (a fresh model, the module's settings).
+_ROWS: dict[tuple[str, str, str], tuple] = {}
+_CONFIGS: dict[str, object] = {}
+
+
 def hf_refs(model_dir, jobs):
     """``KVPolicyCache`` + ``generate()`` for (policy name, prompt) pairs (before the engine starts:
-    CPUs are few): prompt ids, tokens, and each step's top-2 logit gap."""
+    CPUs are few): prompt ids, tokens, and each step's top-2 logit gap. Each pair is computed once
+    per session (``_ROWS``)."""
+    missing = [(name, text) for name, text in jobs if (str(model_dir), name, text) not in _ROWS]
+    if missing or str(model_dir) not in _CONFIGS:
+        rows, config = _hf_refs(model_dir, missing)
+        _ROWS.update({(str(model_dir), name, text): row for (name, text), row in zip(missing, rows, strict=True)})
+        _CONFIGS[str(model_dir)] = config
+    return [_ROWS[str(model_dir), name, text] for name, text in jobs], _CONFIGS[str(model_dir)]
+
+
+def _hf_refs(model_dir, jobs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpolicy import KVPolicyCache
