@@ -24,6 +24,13 @@ policy this integration does not serve is recorded as refused, with its reason):
     .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,snapkv,criticalkv,triattention,pyramidkv,quest \
         --blocks 64 --requests 16 --new 512
 
+Every built-in that evicts (``evicting``; any built-in may also be named, at budget 128) against
+plain vLLM where the pool holds every request whole, so eviction buys no concurrency and only its
+cost shows::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,full,evicting --blocks 320 \
+        --requests 16 --new 384
+
 ``--async-scheduling both`` runs every configuration with vLLM's async scheduling off and on and
 checks that every token is the same (vLLM's CPU platform switches async scheduling off; the
 benchmark keeps it on with kvpolicy's test switch, ``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``)::
@@ -112,6 +119,24 @@ POLICIES: dict[str, dict | Callable[[], dict] | None] = {
     "cam": {"policy": "cam", "budget": 128},
     "d2o": {"policy": "d2o", "budget": 128},
 }
+
+
+def expand_configs(spec: str) -> list[str]:
+    """``--configs`` as names: ``evicting`` stands for every built-in policy that evicts with one
+    tier (what vLLM serves), and a built-in policy not in ``POLICIES`` runs at budget 128."""
+    from kvpolicy import available_policies, load_policy
+
+    names: list[str] = []
+    for c in spec.split(","):
+        if c == "evicting":
+            names += [n for n in available_policies()
+                      if (cfg := load_policy(n).config).mode == "evict" and cfg.recall is None]
+        else:
+            names.append(c)
+    for n in names:
+        if n not in POLICIES and n in available_policies():
+            POLICIES[n] = {"policy": n, "budget": 128}
+    return list(dict.fromkeys(names))
 
 
 def qwen3_4b_random(folder: Path) -> Path:
@@ -265,9 +290,10 @@ def main() -> None:
     args = parser.parse_args()
     SELECT_BUDGET = args.select_budget
     POLICIES["quest"] = {"policy": "quest", "budget": SELECT_BUDGET}
-    unknown = [c for c in args.configs.split(",") if c not in POLICIES]
+    configs = expand_configs(args.configs)
+    unknown = [c for c in configs if c not in POLICIES]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; known: {sorted(POLICIES)}")
+        parser.error(f"--configs: unknown {unknown}; known: {sorted(POLICIES)}, any built-in policy, or 'evicting'")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU: GiB reserved; --blocks sets what is used
     extra: dict = {}
@@ -282,7 +308,7 @@ def main() -> None:
         model = args.model
     results = []
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
-    for name in args.configs.split(","):
+    for name in configs:
         for async_on in modes:
             try:
                 results.append(run_one(name, args, model, extra, async_on))
@@ -291,7 +317,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in results[-1].items() if k != "token_ids"}), flush=True)
     if len(modes) == 2:  # async scheduling must not change a single token
         by = {(r["config"].removesuffix(" (async)"), r.get("async_scheduling")): r for r in results if "error" not in r}
-        for name in args.configs.split(","):
+        for name in configs:
             a, b = by.get((name, False)), by.get((name, True))
             if a and b:
                 print(f"{name}: tokens with async scheduling {'identical' if a['token_ids'] == b['token_ids'] else 'DIFFER'}; "

@@ -30,3 +30,14 @@ def test_every_configuration_gets_a_pool_size(model_folder):
     assert sizes["vllm"] == 1 and sizes["full"] == 1  # "none" is the plugin's no-policy, not a policy to load
     assert sizes["snapkv"] == 1
     assert sizes["pyramidkv"] == 5  # a KV-cache group per layer: one block holds one layer
+
+
+def test_evicting_stands_for_every_one_tier_evicting_built_in():
+    from kvpolicy import available_policies
+
+    names = vllm_bench.expand_configs("vllm,evicting,snapkv")
+    assert names[0] == "vllm" and names.count("snapkv") == 1
+    assert {"snapkv", "h2o", "pyramidkv", "random-prompt", "tova"} <= set(names)
+    assert not {"quest", "oracle-topk", "snapkv-recall", "vase-attnv-recall"} & set(names)  # select mode, two tiers
+    assert set(names) - {"vllm"} <= set(available_policies())
+    assert vllm_bench.POLICIES["tova"] == {"policy": "tova", "budget": 128}  # a built-in by name, at budget 128
