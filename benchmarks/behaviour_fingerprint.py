@@ -51,7 +51,9 @@ def fingerprint() -> dict:
             over = {"budget": 16, "recent": min(s.recent, 4), **extra}
         if name == "streamingllm":
             over["recent"] = 12
-        policy = load_policy(name, **over)
+        if any(r.type_name == "prompt" for r in base.config.reservations):  # keeps the prompt: 28 tokens here
+            over["budget"] = 32
+        policy = load_policy(name, **over) if base.config.recall is None else two_tiers_small(base, over)
         label = name + ("@select" if extra else "")
         try:  # duo-attention and triattention are bound to their files' model, not the 4-layer test model
             policy.layer_schedules(4, 2)
@@ -107,6 +109,17 @@ def fingerprint() -> dict:
         out[(label, "step")] = got
         print(label, "ok", round(time.time() - t0, 1), flush=True)
     return out
+
+
+def two_tiers_small(base, over: dict):
+    """A two-tier policy at the fingerprint's small schedule: its pages (recall's, and a paged
+    scorer's) of 4 slots, so that they divide the interval of 4 and fit the budget of 16."""
+    data = base.config.to_dict()
+    data["schedule"] = {**data["schedule"], **over}
+    for stage in (data["recall"], data["recall"]["scorer"], data["scorer"]):
+        if "page_size" in stage:
+            stage["page_size"] = 4
+    return load_policy(data)
 
 
 def same(a, b) -> bool:
