@@ -31,12 +31,15 @@ from kvpolicy import EvictingCache, KVPolicyCache, load_policy  # noqa: E402
 from kvpolicy.hf import model_facts  # noqa: E402
 
 
-def fingerprint() -> dict:
+def fingerprint(names: list[str] | None = None) -> dict:
+    """The records of ``names`` (default: every built-in, and five select-mode variants)."""
     torch.set_num_threads(1)
     VOCAB = 512
-    names = kvpolicy.available_policies()
+    every = names is None
+    names = kvpolicy.available_policies() if names is None else names
     variants = [(n, {}) for n in names]
-    variants += [(n, {"mode": "select"}) for n in ("snapkv", "vase-attnv", "ada-snapkv", "ada-vase-attnv", "pyramidkv")]
+    if every:
+        variants += [(n, {"mode": "select"}) for n in ("snapkv", "vase-attnv", "ada-snapkv", "ada-vase-attnv", "pyramidkv")]
     model = tiny_qwen3(layers=4, vocab=VOCAB)
     ids, mask = left_padded_prompt(VOCAB, batch=2, length=28, pads=(0, 7))
     out = {}
