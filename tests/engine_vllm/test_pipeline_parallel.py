@@ -68,16 +68,20 @@ def test_stages_evict_their_own_layers_at_the_unsharded_steps(runs):
     (_, trace1), (_, trace2) = runs[1], runs[2]
     fields = ("slots_before", "kept", "tokens", "evictions_after")
 
-    def record(e):  # request ids are "<index>-<random>": compare the index
-        return [[r.split("-")[0] for r in e["requests"]], *(e[f] for f in fields)]
+    def records(e):  # one per request; request ids are "<index>-<random>": compare the index
+        slots_before, kept, tokens, after = (e[f] for f in fields)
+        return [(r.split("-")[0], after[i], tokens[i], slots_before, kept) for i, r in enumerate(e["requests"])]
 
-    one = [record(e) for e in read_jsonl(trace1, "worker-")]
+    # Per request, not per eviction call: which due requests one step evicts together depends on
+    # how the scheduler batched them, which two pipeline stages may do differently (the same
+    # requests at the same token counts, grouped otherwise, was seen on a loaded machine).
+    one = sorted(r for e in read_jsonl(trace1, "worker-") for r in records(e))
     stages: dict[tuple[int, ...], list] = {}
     for e in read_jsonl(trace2, "worker-"):
-        stages.setdefault(tuple(e["layers"]), []).append(record(e))
+        stages.setdefault(tuple(e["layers"]), []).extend(records(e))
     assert sorted(stages) == [(0, 1), (2, 3)]  # each stage evicts its own two layers
     for evictions in stages.values():
-        assert evictions == one  # the same requests at the same token counts, keeping the same slots
+        assert sorted(evictions) == one  # the same requests at the same token counts, keeping as many slots
 
 
 def test_each_stage_keeps_policy_select_on_its_own_layers(runs):
