@@ -126,15 +126,15 @@ def expand_configs(spec: str) -> list[str]:
     tier (what vLLM serves), and a built-in policy not in ``POLICIES`` runs at budget 128."""
     from kvpolicy import available_policies, load_policy
 
+    built_in = available_policies()
     names: list[str] = []
     for c in spec.split(","):
         if c == "evicting":
-            names += [n for n in available_policies()
-                      if (cfg := load_policy(n).config).mode == "evict" and cfg.recall is None]
+            names += [n for n in built_in if (cfg := load_policy(n).config).mode == "evict" and cfg.recall is None]
         else:
             names.append(c)
     for n in names:
-        if n not in POLICIES and n in available_policies():
+        if n not in POLICIES and n in built_in:
             POLICIES[n] = {"policy": n, "budget": 128}
     return list(dict.fromkeys(names))
 

@@ -54,14 +54,12 @@ class TwoTierRows(EvenRows):
         self.buffer = RecallBuffer(layers, b, h, self.slots_recalled, recall.page_size, keys, values)
         self._recalling: torch.Tensor | None = None  # host [R]: rows recalling at this step
         self._recalled: set[int] = set()  # buffer indices of the layers that recalled at this step
-        self._fewest_pages: int | None = None  # host: fewest pages a recalling row holds (None: not read yet)
 
     # -- the schedule ---------------------------------------------------------------------------
     def begin_step(self, t: int) -> None:
         super().begin_step(t)
         self._recalled.clear()
         self._recalling = None
-        self._fewest_pages = None
         if not self.slots_recalled or t != 1 or self.group.phase != "decode":
             return
         due = recall_due(self.group.rows.seen(), self.recall.interval) & (self.slow.pages_held > 0)
@@ -95,7 +93,6 @@ class TwoTierRows(EvenRows):
             positions = positions.gather(-1, order)
         positions = positions.unflatten(0, lead)
         kept_count = super().compact(rows, row_sel, count, held, kept)
-        self._fewest_pages = None
         dropped = self.slow.append(rows, out[0], out[1], positions)
         if dropped is not None:
             self.buffer.forget(dropped)
@@ -124,9 +121,7 @@ class TwoTierRows(EvenRows):
         pages, scores = self.rank(self.group, layer, inp, k)
         if slow.drop == "lowest":  # what a full tier drops first (``drop: lowest``)
             slow.page_score[i, row_sel] = scores
-        if self._fewest_pages is None:
-            self._fewest_pages = int(slow.pages_held[rows].min())
-        if self._fewest_pages < k:  # a row with fewer pages than k: its top k hold empty slots (-inf)
+        if int(slow.pages_held[rows].min()) < k:  # a row with fewer pages than k: its top k hold empty slots (-inf)
             pages = torch.where(page_valid.gather(-1, pages), pages, -1)
         self.buffer.load(i, row_sel, pages, slow)
 
@@ -190,7 +185,6 @@ class TwoTierRows(EvenRows):
     # -- rows and bytes -------------------------------------------------------------------------
     def select_rows(self, host: torch.Tensor, dev: torch.Tensor) -> None:
         super().select_rows(host, dev)
-        self._fewest_pages = None
         self.slow.select_rows(host, dev)
         self.buffer.select_rows(dev)
 
