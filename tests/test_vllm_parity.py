@@ -881,6 +881,9 @@ def test_even_policies_keep_vllms_attention():
     engine.step({"a": 1, "b": 1})
     out = engine.attention[0, 0]
     assert out[0].isfinite().all() and out[1].isnan().all()
+    assert engine.paged.skipped_rows() == [0]  # the worker's kernel reads one slot of the per-head request's row
+    engine.step({"a": 3, "b": 1})  # a chunk: a causal kernel needs its length, so it keeps it
+    assert engine.paged.skipped_rows() == []
 
 
 def test_a_threshold_keeps_each_heads_own_count_under_its_budget():
@@ -922,7 +925,7 @@ def test_a_threshold_under_tensor_parallelism_2_keeps_the_single_ranks_slots():
 
 def test_per_head_policies_are_refused_where_attention_is_not_plain_softmax():
     """``attend_heads`` computes plain softmax attention: a model whose attention adds ALiBi,
-    soft-capping, sinks or a sliding window refuses per-head policies (named, with the reason) when
+    soft-capping, sinks or a sliding window refuses per-head and select-mode policies (named, with the reason) when
     the worker first loads one; even policies still run."""
     from types import SimpleNamespace
 
@@ -939,3 +942,5 @@ def test_per_head_policies_are_refused_where_attention_is_not_plain_softmax():
     paged.check_policy(load_policy("snapkv"))
     with pytest.raises(KVPolicyVLLMError, match="policy 'ada-snapkv' keeps a count of its own per head.*ALiBi"):
         paged.check_policy(load_policy("ada-snapkv"))
+    with pytest.raises(KVPolicyVLLMError, match="policy 'quest' attends its selection itself.*ALiBi"):
+        paged.check_policy(load_policy("quest"))  # select mode attends with plain softmax too

@@ -213,3 +213,35 @@ def test_select_requests_preempted_while_selecting_equal_their_runs_alone(tmp_pa
             f"{rid}: first divergence at {first_divergence(got['loaded'][rid], got['alone'][rid])}")
     assert steps[-1]["replay_cuts_total"] > 0, "no select-mode request was recomputed past its budget"
     assert steps[-1]["held_blocks"] == 0
+
+
+@pytest.mark.parametrize("length", [1, 70, 5 * BLOCK])
+def test_the_cpu_kernel_attends_each_heads_own_blocks_as_the_gathering_path_does(length):
+    """``block_kernel.CpuBlocks`` (vLLM's CPU kernel, one sequence per request and KV head over
+    the cache viewed block-and-head by block-and-head) equals ``select.gathered_blocks`` (the
+    blocks gathered through ``BlockLayout.split`` and ``kvpolicy.attend``) on keys written by the
+    backend's own cache write, each head reading blocks of its own, the last one partial."""
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvpolicy.vllm.block_kernel import CpuBlocks
+    from kvpolicy.vllm.layout import BlockLayout
+    from kvpolicy.vllm.select import gathered_blocks
+
+    torch.manual_seed(0)
+    blocks, kv_heads, d, q_heads, r, m = 40, 3, 64, 9, 2, 5
+    cache = torch.zeros(blocks, kv_heads, BLOCK, 2 * d)
+    key_cache, value_cache = cache.view(blocks, kv_heads, 2 * BLOCK, d).chunk(2, dim=2)
+    isa = _get_attn_isa(torch.float32, BLOCK, d)
+    ops.cpu_attn_reshape_and_cache(torch.randn(blocks * BLOCK, kv_heads, d), torch.randn(blocks * BLOCK, kv_heads, d),
+                                   key_cache, value_cache, torch.arange(blocks * BLOCK), isa)
+    ids = torch.stack([torch.stack([torch.randperm(blocks)[:m] for _ in range(kv_heads)]) for _ in range(r)])
+    query = torch.randn(r, q_heads, d)
+    impl = SimpleNamespace(logits_soft_cap=0, alibi_slopes=None, sinks=None, kv_cache_dtype="auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    got = CpuBlocks(impl, layer, cache)(query, ids, length, d**-0.5)
+    want = gathered_blocks(BlockLayout.for_backend("CPU_ATTN", "LBHNC", d).split(cache))(query, ids, length, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[:, :3], got[:, 3:6], atol=1e-3)  # the heads read other blocks

@@ -558,7 +558,7 @@ def install_backend(impl_cls: type) -> None:
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
             if state is not None and attn_metadata is not None and state.select.selecting:
-                state.attend_selected(layer, query, kwargs.get("output", out), self.scale)  # select mode
+                state.attend_selected(layer, query, kwargs.get("output", out), self, kv_cache)  # select mode
             return out
 
         return forward

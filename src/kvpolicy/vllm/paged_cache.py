@@ -101,6 +101,7 @@ class PagedCache:
         # hold different counts (per-head budgets).
         self.long_steps: dict[str, LongStep] = {}
         self.head_attention: HeadAttention | None = None
+        self.head_decodes: list[int] = []  # the batch rows of their one-token steps
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace = None if trace is None else EvictionTrace(trace, rank)
@@ -181,7 +182,7 @@ class PagedCache:
         this step's queries push unseen ones out of the window (``eviction.must_observe``)."""
         self.plan = plan
         self.captures = []
-        self.head_attention = None
+        self.head_attention, self.head_decodes = None, []
         req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
         if not req_ids:
             return
@@ -412,6 +413,7 @@ class PagedCache:
     def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
         """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""
         rows = [i for i, q in enumerate(plan.req_ids) if self._uneven(self.records[q])]
+        self.head_decodes = [i for i in rows if int(plan.scheduled[i]) == 1]
         if not rows:
             return None
         ends = np.cumsum(plan.scheduled)
@@ -419,6 +421,13 @@ class PagedCache:
                           int(plan.scheduled[i]), int(ends[i])) for i in rows]  # held: after this step's tokens
         return lanes.plan_attention(steps, table.get_cpu_tensor()[torch.tensor(rows)].long(), self.block_size,
                                     self.device)
+
+    def skipped_rows(self) -> list[int]:
+        """The batch rows whose attention this step is ``attend_heads``' alone: the decode steps (one
+        token) of requests whose heads hold different counts. The engine's kernel need not attend
+        them (the worker shortens their attention length to one slot). A longer chunk keeps its
+        length: a causal kernel needs every query's own key in reach."""
+        return self.head_decodes
 
     @staticmethod
     def _uneven(record: RequestRecord) -> bool:

@@ -275,13 +275,14 @@ def worker_refusal(
     """Why a worker's paged cache cannot serve ``policy`` (None: it can), checked when it first
     loads it: a two-tier policy (``recall_refusal``: the front end refuses it, and a worker never
     serves its eviction alone in its place), a per-head policy where heads of uneven counts cannot
-    be attended (``per_head``: why not; None: they can), or stages that read model facts
+    be attended (``per_head``: why not; None: they can; select mode's own attention alike), or stages that read model facts
     ``facts`` (this rank's share) cannot give (``Policy.check_model_facts``'s message)."""
     recall = recall_refusal(policy)
     if recall is not None or policy is None:
         return recall
-    if policy.per_head and per_head is not None:
-        return f"policy {policy.name!r} keeps a count of its own per head, which this model's attention cannot serve: {per_head}"
+    if per_head is not None and (policy.per_head or policy.mode == "select"):
+        what = "keeps a count of its own per head" if policy.per_head else "attends its selection itself"
+        return f"policy {policy.name!r} {what}, which this model's attention cannot serve: {per_head}"
     if not policy.needs_model:
         return None
     try:

@@ -21,6 +21,7 @@ keys, at the first choice after it filled (nothing is evicted, so a full page ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,11 +31,36 @@ from ..attend import attend
 from ..policy import Policy, eviction_input
 from ..schedule import step_phase
 from ..selection import choose_now, page_bounds, page_plan, page_slots
-from .paged import gather_paged, slot_address
+from .paged import KV, gather_paged, slot_address
 from .paged_cache import PagedCache
 from .refusals import page_refusal, select_refusal
 from .requests import BlockTable, RequestPolicy, StepRequests
 from .support import KVPolicyVLLMError
+
+
+class BlockAttention(Protocol):
+    """Attention of one query per request over whole blocks that each KV head lists.
+
+    ``query [R, Hq, D]``; ``blocks [R, Hkv, m]``: block ids per KV head, in attention order;
+    ``length``: the slots attended, the first ``length`` of the ``m`` blocks' (the last block may
+    be partial); returns ``[R, Hq, D]``. ``gathered_blocks`` gathers the blocks and runs
+    ``kvpolicy.attend``; an engine's own kernel may read them in place
+    (``kvpolicy.vllm.block_kernel``)."""
+
+    def __call__(self, query: torch.Tensor, blocks: torch.Tensor, length: int, scale: float) -> torch.Tensor: ...
+
+
+def gathered_blocks(kv: KV) -> BlockAttention:
+    """``BlockAttention`` over a layer's ``kv`` (``BlockLayout.split``'s views) by gathering the blocks."""
+    keys_cache, values_cache = kv
+
+    def attend_blocks(query: torch.Tensor, blocks: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+        heads = torch.arange(blocks.shape[1], device=blocks.device)[None, :, None]
+        keys = keys_cache[blocks, :, heads].flatten(2, 3)[:, :, :length]  # [R, Hkv, length, D]
+        values = values_cache[blocks, :, heads].flatten(2, 3)[:, :, :length]
+        return attend(query.to(keys.dtype)[:, :, None], keys, values, scaling=scale)[:, :, 0]
+
+    return attend_blocks
 
 
 @dataclass
@@ -175,15 +201,19 @@ class BlockSelection:
         return page_slots(c.chosen[layer, :, :k], page, tail, held)
 
     # -- during the forward -------------------------------------------------------------------
-    def attend(self, layer: int, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
+    def attend(self, layer: int, query: torch.Tensor, output: torch.Tensor, scaling: float,
+               blocks_attention: BlockAttention | None = None) -> None:
         """After ``layer``'s attention: the selecting requests' rows of ``output`` (``[T, Hq * D]``
-        or ``[T, Hq, D]``, vLLM's result over every slot) become attention (``kvpolicy.attend``)
-        of their ``query`` rows over the slots chosen for them, read from their blocks, and the
-        tokens appended since the choice; the fresh ones choose first."""
+        or ``[T, Hq, D]``, vLLM's result over every slot) become attention of their ``query`` rows
+        over the slots chosen for them, read from their blocks, and the tokens appended since the
+        choice; the fresh ones choose first. A page choice attends whole blocks through
+        ``blocks_attention`` (the engine's kernel; default ``gathered_blocks``), a slot choice
+        gathers its slots for ``kvpolicy.attend``."""
         paged = self.paged
         q_all = query.view(query.shape[0], paged.q_heads, paged.head_dim)
         out = output.view(output.shape[0], paged.q_heads, -1)
         keys_cache, values_cache = paged.kv[layer]
+        attend_blocks = blocks_attention or gathered_blocks(paged.kv[layer])
         bs = paged.block_size
         heads = torch.arange(paged.kv_heads, device=paged.device)[None, :, None]
         for group in self.groups:
@@ -200,9 +230,7 @@ class BlockSelection:
                 wanted = torch.cat([chosen, tail.expand(r, paged.kv_heads, -1)], dim=-1)  # ascending pages
                 ids = group.blocks.gather(1, wanted.flatten(1)).view_as(wanted)  # [R, Hkv, m] block ids
                 attended = k * bs + group.held - first_tail  # the last block's slots past those held are cut
-                # [R, Hkv, m, block_size, D]: each head's blocks, page after page
-                keys = keys_cache[ids, :, heads].flatten(2, 3)[:, :, :attended]
-                values = values_cache[ids, :, heads].flatten(2, 3)[:, :, :attended]
+                result = attend_blocks(q_all[group.tokens], ids, attended, scaling)  # [R, Hq, D]
             else:  # the chosen slots, then the tokens appended since the choice
                 chosen = torch.stack([c.chosen[layer] for c in group.choices])  # [R, Hkv, budget]
                 since = torch.arange(group.chosen_at, group.held, device=chosen.device)
@@ -210,9 +238,9 @@ class BlockSelection:
                 ids = group.blocks.gather(1, (slots // bs).flatten(1)).view_as(slots)
                 keys = keys_cache[ids, slots % bs, heads]  # [R, Hkv, L, D]
                 values = values_cache[ids, slots % bs, heads]
-            q = q_all[group.tokens].to(keys.dtype)[:, :, None]  # [R, Hq, 1, D]
-            result = attend(q, keys, values, scaling=scaling)  # [R, Hq, 1, D]
-            out[group.tokens] = result[:, :, 0].to(out.dtype)
+                q = q_all[group.tokens].to(keys.dtype)[:, :, None]  # [R, Hq, 1, D]
+                result = attend(q, keys, values, scaling=scaling)[:, :, 0]  # [R, Hq, D]
+            out[group.tokens] = result.to(out.dtype)
 
     def _choose(self, layer: int, group: SelectGroup, policy: Policy) -> None:
         """``group``'s choice on ``layer``: ``eviction.choose`` (select mode's own call) on the

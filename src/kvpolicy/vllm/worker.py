@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..stages.model_facts import ModelFacts, ModelFactsError
-from . import contract
+from . import block_kernel, contract
 from .facts import model_facts
 from .layout import BlockLayout, LayoutError
 from .paged import gather_paged
@@ -244,11 +244,25 @@ class WorkerEviction:
         for g, paged in enumerate(self.pageds):
             paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table(g))
         self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
-        skipped = self.select.skipped_rows()
-        if skipped:  # their attention is the selection's alone (select.attend): the kernel reads one slot of theirs
-            rows = torch.tensor(skipped, dtype=torch.long)
-            runner.seq_lens[rows.to(runner.seq_lens.device)] = 1
-            runner.optimistic_seq_lens_cpu[rows] = 1
+        for g, paged in enumerate(self.pageds):
+            self._attend_one_slot(g, paged.skipped_rows() + (self.select.skipped_rows() if g == 0 else []))
+
+    def _attend_one_slot(self, group: int, rows: list[int]) -> None:
+        """Shorten ``group``'s attention length of ``rows`` to one slot: their rows of every layer's
+        output are kvpolicy's alone (``BlockSelection.attend``, ``PagedCache.attend_heads``), so the
+        kernel need not read their slots (it still writes the step's keys through the slot mapping)."""
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        runner = self.runner
+        if group == 0:  # the runner's own length, which every group's metadata starts from
+            runner.seq_lens[index.to(runner.seq_lens.device)] = 1
+            runner.optimistic_seq_lens_cpu[index] = 1
+            return
+        lens, longest = self.group_seq_lens[group]
+        lens = lens.clone()  # groups that evicted nothing share one tensor
+        lens[index.to(lens.device)] = 1
+        self.group_seq_lens[group] = (lens, longest)
 
     def group_metadata(self, builder: Any, common: Any) -> Any:
         """The common attention metadata a KV-cache group's builder gets: under per-layer budgets,
@@ -324,10 +338,16 @@ class WorkerEviction:
         if paged.long_steps:
             paged.after_attention(local, query, self._block_table(g))
 
-    def attend_selected(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scaling: float) -> None:
-        """After ``layer``'s attention: the rows of requests attending a selection at this step
-        become attention over their chosen blocks (``kvpolicy.vllm.select``)."""
-        self.select.attend(self._layer(layer), query, output, scaling)
+    def attend_selected(self, layer: Any, query: torch.Tensor, output: torch.Tensor, impl: Any,
+                        kv_cache: torch.Tensor) -> None:
+        """After ``layer``'s attention (``impl``'s, over ``kv_cache``): the rows of requests attending
+        a selection at this step become attention over their chosen blocks (``kvpolicy.vllm.select``);
+        whole blocks are read in place by the CPU backend's kernel (``kvpolicy.vllm.block_kernel``)."""
+        kernel = None
+        if block_kernel.runs_cpu_kernel(impl):
+            block_kernel.check(impl, layer)
+            kernel = block_kernel.CpuBlocks(impl, layer, kv_cache)
+        self.select.attend(self._layer(layer), query, output, impl.scale, kernel)
 
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Once: the cache holds what this module assumes (a plain, unpacked layout)."""
