@@ -89,6 +89,9 @@ class WorkerEviction:
         check_layer_names(names, ctx)
         contract.check_all((ctx[n], contract.ATTENTION_LAYER) for n in names)
         contract.check_all((ctx[n].impl, contract.ATTENTION_IMPL) for n in names)
+        for n in names:  # select mode's kernel call (the builders set each layer's ISA before this)
+            if block_kernel.runs_cpu_kernel(ctx[n].impl):
+                block_kernel.check(ctx[n].impl, ctx[n])
         self.layer_of = {name: i for i, name in enumerate(names)}
         #: by the index of a layer in ``names``: its KV-cache group and its index among the group's layers
         if self.per_layer:  # each group holds one layer (checked above)
