@@ -275,3 +275,28 @@ def test_broken_packed_scores_are_refused_in_a_select_mode_cache():
     cache.step(0, k, v, q)  # the prompt attends densely: nothing chosen yet
     with pytest.raises(SelectionError, match=re.escape("scorer 'bad_packed_test' score_packed returned scores of shape")):
         cache.step(0, k[:, :, :1], v[:, :, :1], q[:, :, :1])
+
+
+@pytest.mark.parametrize(("n", "recent", "page"), [(40, 3, 8), (37, 5, 4), (16, 0, 16), (21, 4, 16), (64, 8, 16)])
+def test_quests_packed_scores_read_only_the_short_pages_keys(n, recent, page):
+    """``QuestScorer.packed_reads == "short_page"``: given the page summaries, the keys of every
+    slot but the candidates' last, short page ``[(C // P) * P, C)``, and every value, may be NaN
+    (what vLLM's select mode hands it instead of gathering them): the direct choice keeps the
+    same slots as with every key and value read."""
+    from kvpolicy.selection import page_bounds, short_page_read
+
+    policy = _policy({"type": "quest", "page_size": page}, budget=10, recent=recent)
+    assert short_page_read(policy) == page
+    g = torch.Generator().manual_seed(n)
+    keys, values = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    queries = torch.randn(2, 4, 1, 8, generator=g)
+    pages = page_bounds(keys[:, :, : (n // page) * page], page)
+    want = choose_directly(policy, eviction_input(keys, values, queries, budget=10, recent=recent, seed=0,
+                                                   key_pages={page: pages}))
+    c = n - recent
+    short = torch.zeros(n, dtype=torch.bool)
+    short[(c // page) * page : c] = True
+    hidden = keys.masked_fill(~short[:, None], float("nan"))
+    got = choose_directly(policy, eviction_input(hidden, torch.full_like(values, float("nan")), queries, budget=10,
+                                                  recent=recent, seed=0, key_pages={page: pages}))
+    assert want is not None and got is not None and torch.equal(got, want)

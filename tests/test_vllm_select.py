@@ -261,6 +261,26 @@ def test_a_page_choice_whose_pages_are_not_the_blocks_is_refused_by_the_worker()
         engine.step({"a": 20})
 
 
+def test_quest_at_slot_granularity_gathers_only_its_short_pages_keys(monkeypatch):
+    """Quest's slot choice reads the page summaries and the keys of the candidates' last, short
+    page (``Scorer.packed_reads``): the choice gathers no other slot, neither keys nor values
+    (every slot gathered would fail here), and attends the reference's slots with its output;
+    a policy reading every slot (``oracle-topk``) still gathers them."""
+    import kvpolicy.vllm.select as select_mod
+    from kvpolicy.selection import short_page_read
+
+    assert short_page_read(load_policy("quest")) == 16 and short_page_read(load_policy("oracle-topk")) is None
+
+    def every_slot(*args, **kwargs):
+        raise AssertionError("the choice gathered every slot")
+
+    monkeypatch.setattr(select_mod, "gather_paged", every_slot)
+    pol = resolved("quest", budget=40, recent=8)
+    assert run_and_check([Request("a", pol, 60, 120), Request("b", pol, 37, 100)], chunked={"a": 25}) >= LAYERS * 100
+    with pytest.raises(AssertionError, match="gathered every slot"):
+        run_and_check([Request("c", resolved("oracle-topk", budget=24, recent=4), 30, 40)])
+
+
 @pytest.mark.parametrize("source", ["quest", "oracle-topk", "snapkv@select", "vase-attnv@select"])
 def test_slot_level_select_policies_are_served(source):
     """Each is let through and attends the reference's slots with its output, alone."""

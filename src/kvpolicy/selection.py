@@ -15,7 +15,7 @@ from .policy import Policy, keep_top
 from .schedule import Phase, Schedule
 from .slots import StepPlan
 from .stages import guards
-from .stages.base import EvictionInput, declared_for
+from .stages.base import EvictionInput, Scorer, declared_for
 
 #: Select mode keeps every token. When a chunk does not fit, the buffers grow to ``growth`` times
 #: the slots it needs (``EvictingCache(select_growth=...)``), and by at least
@@ -193,13 +193,8 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
     A declaration counts only where it was made for the method it speaks of: a subclass that
     overrides ``score`` (or ``priority``) without declaring again runs the full pipeline.
     """
-    cfg = policy.config
-    scorer, selector = cfg.scorer, cfg.selector
-    if cfg.reservations or scorer is None:
-        return None
-    if not (selector.priority_is_score and declared_for(type(selector), "priority_is_score", "priority")):
-        return None
-    if not declared_for(type(scorer), "score_packed", "score"):  # a scorer of none has Scorer's
+    scorer = _direct_scorer(policy)
+    if scorer is None:
         return None
     guards.check_recent(inp)
     scores = guards.run_packed_scorer(scorer, inp)
@@ -212,6 +207,34 @@ def choose_directly(policy: Policy, inp: EvictionInput) -> torch.Tensor | None:
     priority[..., :c] = scores[..., :c]
     priority[..., c:] = float("inf")
     return keep_top(priority, inp.budget)
+
+
+def _direct_scorer(policy: Policy) -> Scorer | None:
+    """The scorer ``choose_directly`` asks (its declarations made for the methods they speak of), or None."""
+    cfg = policy.config
+    scorer, selector = cfg.scorer, cfg.selector
+    if cfg.reservations or scorer is None:
+        return None
+    if not (selector.priority_is_score and declared_for(type(selector), "priority_is_score", "priority")):
+        return None
+    if not declared_for(type(scorer), "score_packed", "score"):  # a scorer of none has Scorer's
+        return None
+    return scorer
+
+
+def short_page_read(policy: Policy) -> int | None:
+    """``P`` where select mode's slot choice of ``policy`` reads, of the slots, only the keys of
+    the candidates' last, short page of ``P`` (``[(C // P) * P, C)``: ``Scorer.packed_reads``,
+    declared for the ``score_packed`` that ``choose_directly`` asks, of a scorer naming the one
+    page size ``P``), given page summaries of pages of ``P``; else None. An engine whose slots
+    live elsewhere (vLLM's ``BlockSelection``) may then gather just those keys."""
+    scorer = _direct_scorer(policy)
+    if scorer is None or scorer.packed_reads != "short_page" or len(scorer.key_page_sizes) != 1:
+        return None
+    if not declared_for(type(scorer), "packed_reads", "score_packed"):
+        return None
+    (page,) = scorer.key_page_sizes
+    return page
 
 
 def page_plan(held: int, budget: int, recent: int, page_size: int) -> tuple[int, int]:

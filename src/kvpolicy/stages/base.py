@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -84,6 +84,14 @@ class Scorer(Stage):
         score).
         """
         return None
+
+    #: What ``score_packed`` reads of the slots when the rows come with page summaries of every
+    #: size the scorer names (``EvictionInput.key_pages``): ``"slots"`` (any key or value, the
+    #: default) or ``"short_page"`` (the keys of the candidates' last, short page
+    #: ``[(C // P) * P, C)`` only, and no value: Quest). An engine whose slots live elsewhere
+    #: (vLLM's blocks) gathers only what is read and hands NaN for the rest, which the checked
+    #: scores would show. Declare it on the class that defines ``score_packed``.
+    packed_reads: ClassVar[Literal["slots", "short_page"]] = "slots"
 
     @property
     def choice_page_size(self) -> int | None:

@@ -69,6 +69,7 @@ class QuestScorer(Scorer):
     )
 
     recall_summaries: ClassVar[frozenset[str]] = frozenset({"key_min", "key_max"})
+    packed_reads: ClassVar[Literal["slots", "short_page"]] = "short_page"  # score_packed: summaries, the short page
 
     def score_summaries(self, inp: RecallInput) -> torch.Tensor:
         """As a recall scorer: each slow-tier page's bound ``q+ . max + q- . min`` (scaled by

@@ -30,7 +30,7 @@ from .. import eviction
 from ..attend import attend
 from ..policy import Policy, eviction_input
 from ..schedule import step_phase
-from ..selection import choose_now, page_bounds, page_plan, page_slots
+from ..selection import choose_now, page_bounds, page_plan, page_slots, short_page_read
 from .paged import KV, gather_paged, slot_address
 from .paged_cache import PagedCache
 from .refusals import page_refusal, select_refusal
@@ -112,6 +112,9 @@ class BlockSelection:
         self.paged = paged
         self.requests: dict[str, RequestChoice] = {}
         self.groups: list[SelectGroup] = []
+        # A choice's keys where only the short page is read (``_short_page_keys``): NaN elsewhere.
+        self._nan_keys = torch.empty(0, paged.kv_heads, 0, paged.head_dim, dtype=paged.dtype, device=paged.device)
+        self._short_slots = range(0)
 
     @property
     def selecting(self) -> bool:
@@ -253,12 +256,17 @@ class BlockSelection:
                 self._summarise(c, layer, group.blocks[j], n, p)
             both = torch.stack([c.summaries[p][layer, :, : n // p] for c in group.choices])  # [R, Hkv, pages, 2, D]
             key_pages[p] = (both[..., 0, :], both[..., 1, :])
+        # A page choice reads the page summaries and the queries (``Scorer.score_pages``), and a
+        # scorer declaring ``packed_reads: short_page`` (Quest) the candidates' last, short page's
+        # keys besides: only those are gathered. NaN placeholders make a stage that reads more fail
+        # loudly (the guards refuse non-finite scores) instead of reading zeros.
+        nan = torch.full((), float("nan"), dtype=paged.dtype, device=paged.device)
+        short = None if policy.chooses_pages is not None else short_page_read(policy)
         if policy.chooses_pages is not None:
-            # A page choice reads the page summaries and the queries (``Scorer.score_pages``): the
-            # slots are not gathered. NaN placeholders make a scorer that reads keys or values fail
-            # loudly (``guards.run_page_scorer`` refuses non-finite scores) instead of reading zeros.
-            nan = torch.full((), float("nan"), dtype=paged.dtype, device=paged.device)
             keys = values = nan.expand(r, paged.kv_heads, n, paged.head_dim)
+        elif short is not None:
+            keys, values = self._short_page_keys(layer, group, short, policy.schedule.recent), nan.expand(
+                r, paged.kv_heads, n, paged.head_dim)
         else:
             blocks, offs = slot_address(group.blocks, n, paged.block_size)
             keys, values = gather_paged(paged.kv[layer], blocks, offs)  # [R, Hkv, n, D]
@@ -280,6 +288,27 @@ class BlockSelection:
             raise KVPolicyVLLMError(f"policy {policy.name!r} chose a count per head, which vLLM does not serve")
         for j, c in enumerate(group.choices):
             c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
+        if short is not None:  # the placeholder buffer is NaN again for the next choice
+            keys[:, :, self._short_slots.start : self._short_slots.stop] = float("nan")
+
+    def _short_page_keys(self, layer: int, group: SelectGroup, page: int, recent: int) -> torch.Tensor:
+        """``[R, Hkv, n, D]``: NaN but for the keys of the candidates' last, short page of ``page``
+        slots (``[(C // page) * page, C)``, ``C = n - recent``), read from the group's blocks into
+        a NaN buffer kept across layers and steps (grown geometrically)."""
+        paged = self.paged
+        r, n = len(group.req_ids), group.held
+        buf = self._nan_keys
+        if buf.shape[0] < r or buf.shape[2] < n:
+            shape = (max(r, buf.shape[0]), paged.kv_heads, max(n, 2 * buf.shape[2], 1024), paged.head_dim)
+            buf = self._nan_keys = torch.full(shape, float("nan"), dtype=paged.dtype, device=paged.device)
+        keys = buf[:r, :, :n]
+        c = n - recent
+        self._short_slots = range((c // page) * page, c)
+        if len(self._short_slots):
+            slots = torch.arange(self._short_slots.start, c, device=group.blocks.device)
+            ids = group.blocks[:, slots // paged.block_size]  # [R, S]
+            keys[:, :, self._short_slots.start : c] = paged.kv[layer][0][ids, slots % paged.block_size].transpose(1, 2)
+        return keys
 
     def _prompt_lengths(self, group: SelectGroup) -> torch.Tensor | None:
         """The group's requests' prompt tokens (``RequestRecord.prompt_len``), None if one is unknown."""
