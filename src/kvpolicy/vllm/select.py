@@ -254,7 +254,8 @@ class BlockSelection:
         for p in group.choices[0].summaries:
             for j, c in enumerate(group.choices):
                 self._summarise(c, layer, group.blocks[j], n, p)
-            both = torch.stack([c.summaries[p][layer, :, : n // p] for c in group.choices])  # [R, Hkv, pages, 2, D]
+            views = [c.summaries[p][layer, :, : n // p] for c in group.choices]
+            both = views[0][None] if r == 1 else torch.stack(views)  # [R, Hkv, pages, 2, D] (one request: a view)
             key_pages[p] = (both[..., 0, :], both[..., 1, :])
         # A page choice reads the page summaries and the queries (``Scorer.score_pages``), and a
         # scorer declaring ``packed_reads: short_page`` (Quest) the candidates' last, short page's
