@@ -98,10 +98,10 @@ class PagedCache:
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
         # This step's requests whose chunk is longer than their window, under a policy whose state
         # sees every query (seen layer by layer, as the chunk is computed), and those whose heads
-        # hold different counts (per-head budgets).
+        # hold different counts (per-head budgets), with the batch rows of their one-token steps.
         self.long_steps: dict[str, LongStep] = {}
         self.head_attention: HeadAttention | None = None
-        self.head_decodes: list[int] = []  # the batch rows of their one-token steps
+        self.head_decodes: list[int] = []
         self.plan: StepRequests | None = None
         self.captures: list[QueryCapture] = []
         self.trace = None if trace is None else EvictionTrace(trace, rank)
@@ -423,10 +423,8 @@ class PagedCache:
                                     self.device)
 
     def skipped_rows(self) -> list[int]:
-        """The batch rows whose attention this step is ``attend_heads``' alone: the decode steps (one
-        token) of requests whose heads hold different counts. The engine's kernel need not attend
-        them (the worker shortens their attention length to one slot). A longer chunk keeps its
-        length: a causal kernel needs every query's own key in reach."""
+        """The batch rows whose attention is ``attend_heads``' alone, which the worker shortens to one
+        slot: one-token steps (a chunk keeps its length, which a causal kernel needs)."""
         return self.head_decodes
 
     @staticmethod
@@ -436,10 +434,9 @@ class PagedCache:
         return counts is not None and kept is not None and bool((counts < kept.count).any())
 
     def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
-        """Layer ``layer``'s attention of this step's requests whose heads hold different counts,
-        over each head's own slots only (``lanes.attend``), written over what the engine's kernel
-        wrote for them in ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``): that kernel reads one
-        length per request, padding included. Call it after the layer's keys and values are in the cache."""
+        """Layer ``layer``'s attention of this step's requests whose heads hold different counts, over
+        each head's own slots only (``lanes.attend``; the engine's kernel cannot skip the padding),
+        written over their rows of ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``), its keys in."""
         if self.head_attention is not None:
             lanes.attend(self.head_attention, layer, self.kv[layer], query, output, scale, self.q_heads, self.head_dim)
 
