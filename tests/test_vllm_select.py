@@ -280,6 +280,17 @@ def test_quest_at_slot_granularity_gathers_only_its_short_pages_keys(monkeypatch
     with pytest.raises(AssertionError, match="gathered every slot"):
         run_and_check([Request("c", resolved("oracle-topk", budget=24, recent=4), 30, 40)])
 
+    def failing(policy, inp):  # a choice that fails after the short page was read in
+        assert inp.keys.isfinite().any()
+        raise RuntimeError("the scorer failed")
+
+    monkeypatch.setattr(select_mod.eviction, "choose", failing)
+    engine = Engine([Request("d", pol, 45, 60)])
+    engine.step({"d": 45})
+    with pytest.raises(RuntimeError, match="the scorer failed"):
+        engine.step({"d": 1})
+    assert engine.select._nan_keys.numel() and engine.select._nan_keys.isnan().all()  # NaN again for the next choice
+
 
 @pytest.mark.parametrize("source", ["quest", "oracle-topk", "snapkv@select", "vase-attnv@select"])
 def test_slot_level_select_policies_are_served(source):

@@ -283,14 +283,16 @@ class BlockSelection:
             model=paged.model_facts if policy.needs_model else None,
             prompt_lengths=self._prompt_lengths(group),
         )
-        kept = eviction.choose(policy, inp)
+        try:
+            kept = eviction.choose(policy, inp)
+        finally:
+            if short is not None:  # the placeholder buffer is NaN again for the next choice, whatever happened
+                keys[:, :, self._short_slots.start : self._short_slots.stop] = float("nan")
         chosen = kept.pages if kept.pages is not None else kept.slots
         if chosen is None:  # per-head counts: settings refuse them
             raise KVPolicyVLLMError(f"policy {policy.name!r} chose a count per head, which vLLM does not serve")
         for j, c in enumerate(group.choices):
             c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
-        if short is not None:  # the placeholder buffer is NaN again for the next choice
-            keys[:, :, self._short_slots.start : self._short_slots.stop] = float("nan")
 
     def _short_page_keys(self, layer: int, group: SelectGroup, page: int, recent: int) -> torch.Tensor:
         """``[R, Hkv, n, D]``: NaN but for the keys of the candidates' last, short page of ``page``
