@@ -345,11 +345,9 @@ class WorkerEviction:
                         kv_cache: torch.Tensor) -> None:
         """After ``layer``'s attention (``impl``'s, over ``kv_cache``): the rows of requests attending
         a selection at this step become attention over their chosen blocks (``kvpolicy.vllm.select``);
-        whole blocks are read in place by the CPU backend's kernel (``kvpolicy.vllm.block_kernel``)."""
-        kernel = None
-        if block_kernel.runs_cpu_kernel(impl):
-            block_kernel.check(impl, layer)
-            kernel = block_kernel.CpuBlocks(impl, layer, kv_cache)
+        whole blocks are read in place by the CPU backend's kernel (``kvpolicy.vllm.block_kernel``,
+        its contract checked at start-up)."""
+        kernel = block_kernel.CpuBlocks(impl, layer, kv_cache) if block_kernel.runs_cpu_kernel(impl) else None
         self.select.attend(self._layer(layer), query, output, impl.scale, kernel)
 
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
