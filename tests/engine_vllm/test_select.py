@@ -245,3 +245,16 @@ def test_the_cpu_kernel_attends_each_heads_own_blocks_as_the_gathering_path_does
     want = gathered_blocks(BlockLayout.for_backend("CPU_ATTN", "LBHNC", d).split(cache))(query, ids, length, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got[:, :3], got[:, 3:6], atol=1e-3)  # the heads read other blocks
+
+
+def test_a_kernel_attribute_vllm_renamed_is_refused_by_name():
+    """``block_kernel.check`` (run at start-up for every layer on the CPU backend): a layer
+    without the attribute the kernel call reads is refused naming it, not served without it."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm.block_kernel import check
+    from kvpolicy.vllm.support import KVPolicyVLLMError
+
+    impl = SimpleNamespace(kv_cache_dtype="auto", logits_soft_cap=0)
+    with pytest.raises(KVPolicyVLLMError, match="'isa'"):
+        check(impl, SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0))  # the ISA renamed away

@@ -274,9 +274,10 @@ def worker_refusal(
 ) -> str | None:
     """Why a worker's paged cache cannot serve ``policy`` (None: it can), checked when it first
     loads it: a two-tier policy (``recall_refusal``: the front end refuses it, and a worker never
-    serves its eviction alone in its place), a per-head policy where heads of uneven counts cannot
-    be attended (``per_head``: why not; None: they can; select mode's own attention alike), or stages that read model facts
-    ``facts`` (this rank's share) cannot give (``Policy.check_model_facts``'s message)."""
+    serves its eviction alone in its place), a per-head or select-mode policy where kvpolicy's own
+    plain-softmax attention cannot stand in for the model's (``per_head``: why not; None: it can),
+    or stages that read model facts ``facts`` (this rank's share) cannot give
+    (``Policy.check_model_facts``'s message)."""
     recall = recall_refusal(policy)
     if recall is not None or policy is None:
         return recall

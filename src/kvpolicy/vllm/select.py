@@ -114,7 +114,6 @@ class BlockSelection:
         self.groups: list[SelectGroup] = []
         # A choice's keys where only the short page is read (``_short_page_keys``): NaN elsewhere.
         self._nan_keys = torch.empty(0, paged.kv_heads, 0, paged.head_dim, dtype=paged.dtype, device=paged.device)
-        self._short_slots = range(0)
 
     @property
     def selecting(self) -> bool:
@@ -261,13 +260,14 @@ class BlockSelection:
         # scorer declaring ``packed_reads: short_page`` (Quest) the candidates' last, short page's
         # keys besides: only those are gathered. NaN placeholders make a stage that reads more fail
         # loudly (the guards refuse non-finite scores) instead of reading zeros.
-        nan = torch.full((), float("nan"), dtype=paged.dtype, device=paged.device)
-        short = None if policy.chooses_pages is not None else short_page_read(policy)
+        nan = torch.full((), float("nan"), dtype=paged.dtype, device=paged.device).expand(r, paged.kv_heads, n, paged.head_dim)
+        page = None if policy.chooses_pages is not None else short_page_read(policy)
+        candidates = n - policy.schedule.recent
+        short = range(0) if page is None else range((candidates // page) * page, candidates)  # the short page's slots
         if policy.chooses_pages is not None:
-            keys = values = nan.expand(r, paged.kv_heads, n, paged.head_dim)
-        elif short is not None:
-            keys, values = self._short_page_keys(layer, group, short, policy.schedule.recent), nan.expand(
-                r, paged.kv_heads, n, paged.head_dim)
+            keys = values = nan
+        elif page is not None:
+            keys, values = self._short_page_keys(layer, group, short), nan
         else:
             blocks, offs = slot_address(group.blocks, n, paged.block_size)
             keys, values = gather_paged(paged.kv[layer], blocks, offs)  # [R, Hkv, n, D]
@@ -286,18 +286,18 @@ class BlockSelection:
         try:
             kept = eviction.choose(policy, inp)
         finally:
-            if short is not None:  # the placeholder buffer is NaN again for the next choice, whatever happened
-                keys[:, :, self._short_slots.start : self._short_slots.stop] = float("nan")
+            if page is not None:  # the placeholder buffer is NaN again for the next choice, whatever happened
+                keys[:, :, short.start : short.stop] = float("nan")
         chosen = kept.pages if kept.pages is not None else kept.slots
         if chosen is None:  # per-head counts: settings refuse them
             raise KVPolicyVLLMError(f"policy {policy.name!r} chose a count per head, which vLLM does not serve")
         for j, c in enumerate(group.choices):
             c.chosen[layer, :, : chosen.shape[-1]] = chosen[j]
 
-    def _short_page_keys(self, layer: int, group: SelectGroup, page: int, recent: int) -> torch.Tensor:
-        """``[R, Hkv, n, D]``: NaN but for the keys of the candidates' last, short page of ``page``
-        slots (``[(C // page) * page, C)``, ``C = n - recent``), read from the group's blocks into
-        a NaN buffer kept across layers and steps (grown geometrically)."""
+    def _short_page_keys(self, layer: int, group: SelectGroup, short: range) -> torch.Tensor:
+        """``[R, Hkv, n, D]``: NaN but for the keys of the slots ``short`` (the candidates' last,
+        short page), read from the group's blocks into a NaN buffer kept across layers and steps
+        (grown geometrically; the caller writes NaN over ``short`` again after the choice)."""
         paged = self.paged
         r, n = len(group.req_ids), group.held
         buf = self._nan_keys
@@ -305,12 +305,10 @@ class BlockSelection:
             shape = (max(r, buf.shape[0]), paged.kv_heads, max(n, 2 * buf.shape[2], 1024), paged.head_dim)
             buf = self._nan_keys = torch.full(shape, float("nan"), dtype=paged.dtype, device=paged.device)
         keys = buf[:r, :, :n]
-        c = n - recent
-        self._short_slots = range((c // page) * page, c)
-        if len(self._short_slots):
-            slots = torch.arange(self._short_slots.start, c, device=group.blocks.device)
+        if len(short):
+            slots = torch.arange(short.start, short.stop, device=group.blocks.device)
             ids = group.blocks[:, slots // paged.block_size]  # [R, S]
-            keys[:, :, self._short_slots.start : c] = paged.kv[layer][0][ids, slots % paged.block_size].transpose(1, 2)
+            keys[:, :, short.start : short.stop] = paged.kv[layer][0][ids, slots % paged.block_size].transpose(1, 2)
         return keys
 
     def _prompt_lengths(self, group: SelectGroup) -> torch.Tensor | None:
