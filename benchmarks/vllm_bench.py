@@ -24,6 +24,13 @@ policy this integration does not serve is recorded as refused, with its reason):
     .venv-vllm/bin/python benchmarks/vllm_bench.py --configs vllm,snapkv,criticalkv,triattention,pyramidkv,quest \
         --blocks 64 --requests 16 --new 512
 
+A shared machine's load drifts between one engine's run and the next: ``--rounds N`` runs the
+configurations N times, interleaved, and reports each one's median and its per-round ratio to
+the first configuration::
+
+    .venv-vllm/bin/python benchmarks/vllm_bench.py --configs snapkv,pyramidkv --rounds 3 \
+        --blocks 64 --requests 16 --new 512
+
 Every built-in that evicts (``evicting``; any built-in may also be named, at budget 128) against
 plain vLLM where the pool holds every request whole, so eviction buys no concurrency and only its
 cost shows::
@@ -267,6 +274,29 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
     }
 
 
+def print_medians(results: list[dict], first: str) -> None:
+    """Each configuration's median over its rounds, and its ratio to the first configuration's
+    (medians of the same rounds: each round ran every configuration once, one after the other)."""
+    import statistics
+
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        if "error" not in r:
+            runs.setdefault(r["config"], []).append(r)
+    print("\n| config | rounds | median output tok/s | median decode tok/s | output tok/s ratio to " + first + " |")
+    print("| --- | --- | --- | --- | --- |")
+    base = runs.get(first)
+    for name, rs in runs.items():
+        out = statistics.median(r["output_tok_per_s"] for r in rs)
+        decode = [r["decode_tok_per_s"] for r in rs if r.get("decode_tok_per_s")]
+        ratio = "-"
+        if base is not None:
+            # per round: this config against the base run of the same round, then the median
+            ratios = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(rs, base, strict=False)]
+            ratio = f"x{statistics.median(ratios):.3f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+        print(f"| {name} | {len(rs)} | {out:.2f} | {statistics.median(decode) if decode else '-'} | {ratio} |")
+
+
 def main() -> None:
     global SELECT_BUDGET
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,6 +316,9 @@ def main() -> None:
                         help="vLLM's async scheduling for every configuration (both: each runs twice)")
     parser.add_argument("--select-budget", type=int, default=SELECT_BUDGET,
                         help="slots select mode attends (quest, quest-pages)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the configurations this many times, interleaved, and report each one's "
+                             "median (a shared machine's load drifts between runs)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     SELECT_BUDGET = args.select_budget
@@ -308,7 +341,9 @@ def main() -> None:
         model = args.model
     results = []
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
-    for name in configs:
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    for name in [c for _ in range(args.rounds) for c in configs]:
         for async_on in modes:
             try:
                 results.append(run_one(name, args, model, extra, async_on))
@@ -334,8 +369,10 @@ def main() -> None:
                      f"{r['peak_blocks_in_use']} / {r['kv_blocks']}" if r["peak_blocks_in_use"] else None,
                      r["evictions"], r["prefix_hit_rate"], r["blocks_copied"]]
             print(f"| {r['config']} | " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    if args.rounds > 1:
+        print_medians(results, configs[0])
     base = next((r for r in results if r["config"].startswith("vllm") and "error" not in r), None)
-    if base is not None:
+    if base is not None and args.rounds == 1:
         for r in results:
             if r is not base and "error" not in r:
                 decode = ""

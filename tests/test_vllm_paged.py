@@ -178,3 +178,25 @@ def test_an_attention_layer_the_worker_cannot_name_is_refused():
         worker._layer(SimpleNamespace(layer_name="encoder.attn"))
     with pytest.raises(AttributeError, match="layer_name"):  # not skipped (start-up checks vLLM's layers have it)
         worker._layer(SimpleNamespace())
+
+
+def test_a_steps_last_queries_are_each_requests_last_window_tokens_planned_once():
+    """``StepRequests.last_queries``: per request its last ``min(scheduled, window)`` tokens, each
+    at ring position ``token % window`` and at its row of the step's flattened tokens; asked again
+    (another KV-cache group of the step), the same plan."""
+    import numpy as np
+    import torch
+
+    from kvpolicy.vllm.requests import StepRequests
+
+    # three requests: a 6-token chunk after 3 tokens, one decode token after 10, a 2-token chunk after 0
+    step = StepRequests(["a", "b", "c"], np.array([6, 1, 2]), np.array([3, 10, 0]), np.array([9, 4, 5]))
+    take, pos, flat = step.last_queries(np.array([0, 1, 2]), 4, torch.device("cpu"))
+    assert take.tolist() == [4, 1, 2]
+    # a: tokens 5..8 at flattened rows 2..5; b: token 10 at row 6; c: tokens 0, 1 at rows 7, 8
+    assert flat.tolist() == [2, 3, 4, 5, 6, 7, 8]
+    assert pos.tolist() == [5 % 4, 6 % 4, 7 % 4, 8 % 4, 10 % 4, 0, 1]
+    again = step.last_queries(np.array([0, 1, 2]), 4, torch.device("cpu"))
+    assert all(x is y for x, y in zip(again, (take, pos, flat), strict=True))
+    take, pos, flat = step.last_queries(np.array([1]), 4, torch.device("cpu"))  # another ring's requests
+    assert take.tolist() == [1] and flat.tolist() == [6] and pos.tolist() == [2]

@@ -186,25 +186,16 @@ class PagedCache:
         req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
         if not req_ids:
             return
-        # The last min(n, w) tokens of each request in this step; a query of token t goes to ring
-        # position t % w, so the ring always holds the request's last w queries.
         windows = np.array([self.request_policy(r).window for r in req_ids], dtype=np.int64)  # each record made
         for req_id, prompt_len in zip(req_ids, plan.prompt_len, strict=True):
             self.records[req_id].prompt_len = int(prompt_len)
         self.head_attention = self._plan_head_attention(plan, table)
-        ends = np.cumsum(n)
-        dev = self.device
         for w in sorted(set(windows.tolist()) - {0}):
             idx = np.flatnonzero(windows == w)
-            take = np.minimum(n[idx], w)
-            rep = np.repeat(idx, take)
-            j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
-            flat = ends[rep] - np.repeat(take, take) + j
-            pos = (before[rep] + n[rep] - np.repeat(take, take) + j) % w
+            take, pos, flat = plan.last_queries(idx, w, self.device)
             ring = self._ring(w)
             rows = np.repeat(np.array([ring.row(req_ids[i]) for i in idx], dtype=np.int64), take)
-            self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(dev), torch.from_numpy(pos).to(dev),
-                                              torch.from_numpy(flat).to(dev)))
+            self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(self.device), pos, flat))
         self._plan_state(req_ids, n, before, table)
 
     def _plan_state(self, req_ids: list[str], n: np.ndarray, before: np.ndarray, table: BlockTable) -> None:

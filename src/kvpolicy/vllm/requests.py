@@ -45,9 +45,29 @@ class StepRequests:
     scheduled: np.ndarray  # tokens computed for each request in this step
     computed_before: np.ndarray  # tokens each request had computed before this step
     prompt_len: np.ndarray
+    _last_queries: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def tokens_after(self, i: int) -> int:
         return int(self.computed_before[i] + self.scheduled[i])
+
+    def last_queries(self, rows: np.ndarray, window: int, device: torch.device
+                     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """The last ``min(scheduled, window)`` tokens of the requests at batch ``rows``: how many
+        each has, then per token its ring position (token ``t`` goes to ``t % window``: a ring
+        keeps the last ``window``) and its row in the step's flattened tokens. Once per step:
+        every KV-cache group of a per-layer server asks alike."""
+        key = (window, rows.tobytes(), device)
+        found = self._last_queries.get(key)
+        if found is None:
+            n = self.scheduled
+            take = np.minimum(n[rows], window)
+            rep, last = np.repeat(rows, take), np.repeat(take, take)
+            j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+            flat = np.cumsum(n)[rep] - last + j
+            pos = (self.computed_before[rep] + n[rep] - last + j) % window
+            found = self._last_queries[key] = (take, torch.from_numpy(pos).to(device),
+                                               torch.from_numpy(flat).to(device))
+        return found
 
 
 @dataclass(frozen=True)

@@ -272,21 +272,19 @@ class SchedulerEviction:
         (The peak binds only vLLM's admission check that a request's whole sequence fits the pool:
         a request recomputed after preemption replays its evictions and never holds its whole
         sequence.)"""
-        slots = num_tokens - self.ledgers[group].offset(req_id)
+        entry = self.ledgers[group].requests.get(req_id)
+        slots = num_tokens if entry is None else num_tokens - entry.offset
         request = self.scheduler.requests.get(req_id)
-        if request is None:
-            return slots
-        schedule = self._group_schedules(request)[group]
+        if request is None or (entry is not None and entry.awaiting):  # awaiting: it holds every slot until
+            return slots                                                # its layer budget is known
+        schedule, plan = self._group_schedules(request)[group], request.__dict__[PLAN_ATTR]
         if schedule is None:
             return slots
-        entry = self.ledgers[group].requests.get(req_id)
-        if entry is not None and entry.awaiting:  # it holds every slot until its layer budget is known
-            return slots
-        prompt, cap = int(request.num_prompt_tokens), self.plan(request).head_caps[group]
+        prompt, cap = int(request.num_prompt_tokens), plan.head_caps[group]
         peak = peak_slots(schedule, prompt, slots, cap)
         if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
             peak = max(peak, peak_slots(entry.layer_schedule, prompt, slots, cap))
-        return min(slots, peak)
+        return peak
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:

@@ -222,31 +222,32 @@ class WorkerEviction:
         # attention length; under per-layer budgets every other group's is its attention
         # metadata's (``group_metadata``), and each group's slot mapping follows its own slots.
         unevicted = runner.seq_lens.clone()  # every token: a group that evicted nothing yet attends them all
-        seq_lens = unevicted[:num_reqs]
+        offsets = np.array([[paged.ledger.offset(r) for r in req_ids] for paged in self.pageds],
+                           dtype=np.int64).reshape(len(self.pageds), num_reqs)  # [groups, R]
+        evicted = np.flatnonzero(offsets.any(axis=1)).tolist()
+        off = torch.from_numpy(offsets)
         self.group_seq_lens = {}
-        for g, paged in enumerate(self.pageds):
-            offsets = np.array([paged.ledger.offset(r) for r in req_ids], dtype=np.int64)
-            if not offsets.any():
-                continue
-            off_rows = torch.from_numpy(offsets)
-            if g == 0:
-                runner.seq_lens[:num_reqs] -= off_rows.to(runner.seq_lens.device, runner.seq_lens.dtype)
-                runner.optimistic_seq_lens_cpu[:num_reqs] -= off_rows.to(runner.optimistic_seq_lens_cpu.dtype)
-            else:
-                group_lens = unevicted.clone()
-                group_lens[:num_reqs] -= off_rows.to(seq_lens.device, seq_lens.dtype)
-                self.group_seq_lens[g] = (group_lens, int(group_lens[:num_reqs].max()))
-            per_token = torch.from_numpy(np.repeat(offsets, n)).to(runner.positions.device, runner.positions.dtype)
-            slots = runner.positions[:total] - per_token
-            table = batch.block_table if not self.per_layer else batch.block_table.block_tables[g]
-            table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], slots)
-        if self.per_layer:  # a group that evicted nothing yet attends every token (group 0's may have evicted)
-            for g in range(1, len(self.pageds)):
-                self.group_seq_lens.setdefault(g, (unevicted, int(seq_lens.max()) if num_reqs else 0))
+        if self.per_layer:  # every group's lengths in one go: [groups, max_reqs]
+            lens = unevicted.expand(len(self.pageds), -1).clone()
+            lens[:, :num_reqs] -= off.to(lens.device, lens.dtype)
+            longest = lens[:, :num_reqs].amax(dim=1).tolist() if num_reqs else [0] * len(self.pageds)
+            self.group_seq_lens = {g: (lens[g], int(longest[g])) for g in range(1, len(self.pageds))}
+        if evicted:
+            if evicted[0] == 0:
+                runner.seq_lens[:num_reqs] -= off[0].to(runner.seq_lens.device, runner.seq_lens.dtype)
+                runner.optimistic_seq_lens_cpu[:num_reqs] -= off[0].to(runner.optimistic_seq_lens_cpu.dtype)
+            per_token = torch.from_numpy(np.repeat(offsets[evicted], n, axis=1)).to(runner.positions.device,
+                                                                                     runner.positions.dtype)
+            slots = runner.positions[:total][None] - per_token  # [evicted groups, T]
+            starts = runner.query_start_loc.gpu[: num_reqs + 1]
+            for row, g in enumerate(evicted):
+                table = batch.block_table if not self.per_layer else batch.block_table.block_tables[g]
+                table.compute_slot_mapping(num_reqs, starts, slots[row])
         self._hold_generators(num_reqs)
+        step = StepRequests(req_ids, n, before, prompt)  # one for every group: what they plan alike is planned once
         for g, paged in enumerate(self.pageds):
-            paged.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table(g))
-        self.select.begin_step(StepRequests(req_ids, n, before, prompt), self._block_table())
+            paged.begin_step(step, self._block_table(g))
+        self.select.begin_step(step, self._block_table())
         for g, paged in enumerate(self.pageds):
             self._attend_one_slot(g, paged.skipped_rows() + (self.select.skipped_rows() if g == 0 else []))
 
