@@ -41,3 +41,19 @@ def test_evicting_stands_for_every_one_tier_evicting_built_in():
     assert not {"quest", "oracle-topk", "snapkv-recall", "vase-attnv-recall"} & set(names)  # select mode, two tiers
     assert set(names) - {"vllm"} <= set(available_policies())
     assert vllm_bench.POLICIES["tova"] == {"policy": "tova", "budget": 128}  # a built-in by name, at budget 128
+
+
+def test_rounds_report_each_configurations_median_and_its_per_round_ratio(capsys):
+    runs = [  # two rounds of (a, b), a refusal beside them
+        {"config": "a", "output_tok_per_s": 100.0, "decode_tok_per_s": 110.0},
+        {"config": "b", "output_tok_per_s": 80.0, "decode_tok_per_s": 85.0},
+        {"config": "c", "error": "refused"},
+        {"config": "a", "output_tok_per_s": 50.0, "decode_tok_per_s": 55.0},
+        {"config": "b", "output_tok_per_s": 45.0, "decode_tok_per_s": 46.0},
+    ]
+    vllm_bench.print_medians(runs, "a")
+    rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
+    # b's ratio is per round (0.80 and 0.90), then their median: not the ratio of the medians (62.5 / 75)
+    assert "x0.850 (rounds: 0.80, 0.90)" in rows["b"] and "| 62.50 |" in rows["b"]
+    assert "x1.000" in rows["a"] and "| 75.00 | 82.5 |" in rows["a"]
+    assert "c" not in rows
