@@ -186,9 +186,10 @@ class PagedCache:
         req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
         if not req_ids:
             return
-        windows = np.array([self.request_policy(r).window for r in req_ids], dtype=np.int64)  # each record made
-        for req_id, prompt_len in zip(req_ids, plan.prompt_len, strict=True):
-            self.records[req_id].prompt_len = int(prompt_len)
+        records = [self.record(r) for r in req_ids]  # each made (its policy looked up) when first seen
+        windows = np.array([r.policy.window for r in records], dtype=np.int64)
+        for record, prompt_len in zip(records, plan.prompt_len.tolist(), strict=True):
+            record.prompt_len = prompt_len
         self.head_attention = self._plan_head_attention(plan, table)
         for w in sorted(set(windows.tolist()) - {0}):
             idx = np.flatnonzero(windows == w)
@@ -278,9 +279,10 @@ class PagedCache:
         self.step += 1
         self.long_steps = {}
         due: list[tuple[int, str]] = []
-        for i, req_id in enumerate(plan.req_ids):
-            self.request_policy(req_id)  # tracked in the ledger under its policy's schedule
-            if self.ledger.advance(req_id, plan.tokens_after(i), int(plan.prompt_len[i])):
+        after = (plan.computed_before + plan.scheduled).tolist()
+        for i, (req_id, tokens, prompt_len) in enumerate(zip(plan.req_ids, after, plan.prompt_len.tolist(), strict=True)):
+            self.record(req_id)  # tracked in the ledger under its policy's schedule
+            if self.ledger.advance(req_id, tokens, prompt_len):
                 due.append((i, req_id))
         return due
 

@@ -47,9 +47,6 @@ class StepRequests:
     prompt_len: np.ndarray
     _last_queries: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def tokens_after(self, i: int) -> int:
-        return int(self.computed_before[i] + self.scheduled[i])
-
     def last_queries(self, rows: np.ndarray, window: int, device: torch.device
                      ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """The last ``min(scheduled, window)`` tokens of the requests at batch ``rows``: how many
