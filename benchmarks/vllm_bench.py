@@ -275,8 +275,9 @@ def run_one(name: str, args: argparse.Namespace, model: str, extra: dict, async_
 
 
 def print_medians(results: list[dict], first: str) -> None:
-    """Each configuration's median over its rounds, and its ratio to the first configuration's
-    (medians of the same rounds: each round ran every configuration once, one after the other)."""
+    """Each configuration's median over its rounds, and the median of its ratios to the first
+    configuration's run of the same round (``round`` of each result: each round ran every
+    configuration once, one after the other; a round either one failed in gives no ratio)."""
     import statistics
 
     runs: dict[str, list[dict]] = {}
@@ -291,9 +292,10 @@ def print_medians(results: list[dict], first: str) -> None:
         decode = [r["decode_tok_per_s"] for r in rs if r.get("decode_tok_per_s")]
         ratio = "-"
         if base is not None:
-            # per round: this config against the base run of the same round, then the median
-            ratios = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(rs, base, strict=False)]
-            ratio = f"x{statistics.median(ratios):.3f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+            base_of = {b["round"]: b for b in base}
+            ratios = [r["output_tok_per_s"] / base_of[r["round"]]["output_tok_per_s"] for r in rs if r["round"] in base_of]
+            if ratios:
+                ratio = f"x{statistics.median(ratios):.3f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
         print(f"| {name} | {len(rs)} | {out:.2f} | {statistics.median(decode) if decode else '-'} | {ratio} |")
 
 
@@ -343,12 +345,13 @@ def main() -> None:
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    for name in [c for _ in range(args.rounds) for c in configs]:
+    for round_, name in [(i, c) for i in range(args.rounds) for c in configs]:
         for async_on in modes:
             try:
                 results.append(run_one(name, args, model, extra, async_on))
             except Exception as exc:  # a refusal (e.g. a GPU platform) is recorded, not fatal
                 results.append({"config": name, "error": str(exc).splitlines()[0][:300]})
+            results[-1]["round"] = round_
             print(json.dumps({k: v for k, v in results[-1].items() if k != "token_ids"}), flush=True)
     if len(modes) == 2:  # async scheduling must not change a single token
         by = {(r["config"].removesuffix(" (async)"), r.get("async_scheduling")): r for r in results if "error" not in r}

@@ -100,8 +100,11 @@ def main() -> None:
     for name in VLLM_SCHEDULER:
         timers.wrap(type(core.scheduler), name, f"vllm.{name}")
     runner = core.model_executor.driver_worker.worker.model_runner
+    missing = [name for name in VLLM_RUNNER if not hasattr(type(runner), name)]
+    if missing:  # another vLLM release: say which rows the table lacks, rather than drop them unseen
+        print(f"warning: this vLLM's model runner has no {missing}: those rows are missing")
     for name in VLLM_RUNNER:
-        if hasattr(type(runner), name):
+        if name not in missing:
             timers.wrap(type(runner), name, f"vllm.{name}")
     # the attention layers' forward (kvpolicy's hook around vLLM's backend) and, on CPU, vLLM's kernel
     layer = next(iter(runner.compilation_config.static_forward_context.values()))

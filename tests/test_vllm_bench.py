@@ -44,16 +44,21 @@ def test_evicting_stands_for_every_one_tier_evicting_built_in():
 
 
 def test_rounds_report_each_configurations_median_and_its_per_round_ratio(capsys):
-    runs = [  # two rounds of (a, b), a refusal beside them
-        {"config": "a", "output_tok_per_s": 100.0, "decode_tok_per_s": 110.0},
-        {"config": "b", "output_tok_per_s": 80.0, "decode_tok_per_s": 85.0},
-        {"config": "c", "error": "refused"},
-        {"config": "a", "output_tok_per_s": 50.0, "decode_tok_per_s": 55.0},
-        {"config": "b", "output_tok_per_s": 45.0, "decode_tok_per_s": 46.0},
+    runs = [  # three rounds of (a, b), a refusal beside them; a fails in round 0, b in round 2
+        {"config": "a", "round": 0, "error": "engine died"},
+        {"config": "b", "round": 0, "output_tok_per_s": 10.0, "decode_tok_per_s": 11.0},
+        {"config": "c", "round": 0, "error": "refused"},
+        {"config": "a", "round": 1, "output_tok_per_s": 100.0, "decode_tok_per_s": 110.0},
+        {"config": "b", "round": 1, "output_tok_per_s": 80.0, "decode_tok_per_s": 85.0},
+        {"config": "a", "round": 2, "output_tok_per_s": 50.0, "decode_tok_per_s": 55.0},
+        {"config": "b", "round": 2, "error": "engine died"},
+        {"config": "a", "round": 3, "output_tok_per_s": 50.0, "decode_tok_per_s": 55.0},
+        {"config": "b", "round": 3, "output_tok_per_s": 45.0, "decode_tok_per_s": 46.0},
     ]
     vllm_bench.print_medians(runs, "a")
     rows = {line.split(" | ")[0].strip("| "): line for line in capsys.readouterr().out.splitlines()}
-    # b's ratio is per round (0.80 and 0.90), then their median: not the ratio of the medians (62.5 / 75)
-    assert "x0.850 (rounds: 0.80, 0.90)" in rows["b"] and "| 62.50 |" in rows["b"]
-    assert "x1.000" in rows["a"] and "| 75.00 | 82.5 |" in rows["a"]
+    # b's ratio is per round, against a's run of the same round (rounds 1 and 3: 0.80 and 0.90; round 0
+    # has no a, round 2 no b), then their median: not the ratio of the medians
+    assert "x0.850 (rounds: 0.80, 0.90)" in rows["b"] and "| 3 | 45.00 |" in rows["b"]
+    assert "x1.000" in rows["a"] and "| 3 | 50.00 | 55.0 |" in rows["a"]
     assert "c" not in rows

@@ -277,7 +277,7 @@ class SchedulerEviction:
         request = self.scheduler.requests.get(req_id)
         if request is None or (entry is not None and entry.awaiting):  # awaiting: it holds every slot until
             return slots                                                # its layer budget is known
-        schedule, plan = self._group_schedules(request)[group], request.__dict__[PLAN_ATTR]
+        plan, schedule = self.plan(request), self._group_schedules(request)[group]
         if schedule is None:
             return slots
         prompt, cap = int(request.num_prompt_tokens), plan.head_caps[group]
