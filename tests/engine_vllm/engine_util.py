@@ -17,11 +17,27 @@ ASYNC_DEFAULT = os.environ.get("KVPOLICY_TEST_ASYNC") == "1"
 
 
 def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async_scheduling: bool | None = None,
-             **kwargs: Any):
-    """An engine for the tests. ``async_scheduling=True`` runs vLLM's async scheduling (the
-    scheduler plans step N+1 before step N's output is back): vLLM's CPU platform switches it off
-    ("not required on CPU") in the front end and again in the engine core, so kvpolicy's test
-    switch (``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``, read by the plugin in every process) keeps it on."""
+             processes: bool = False, **kwargs: Any):
+    """An engine for the tests.
+
+    ``processes=True`` starts vLLM's production layout: the engine core and the model runner in
+    processes of their own, talking through vLLM's message queues (about 25 s more per engine on
+    two cores: each process imports torch and vLLM). By default both run in the test's process
+    (vLLM's in-process engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and its one-process
+    executor): the same scheduler, runner and kvpolicy hooks, without the processes. The modules
+    that test what crosses a process boundary (the scheduler output a worker reads, each process
+    loading the plugin) start theirs with ``processes=True``. An in-process engine sets up vLLM's
+    process-wide parallel groups and closing it tears them down, so at most one runs at a time:
+    an engine that outlives others started meanwhile (a module's shared engine) takes
+    ``processes=True``, and a second in-process engine is refused while one runs.
+
+    ``async_scheduling=True`` runs vLLM's async scheduling (the scheduler plans step N+1 before
+    step N's output is back): vLLM's CPU platform switches it off ("not required on CPU") in the
+    front end and again in the engine core, so kvpolicy's test switch
+    (``KVPOLICY_VLLM_TEST_ASYNC_ON_CPU``, read by the plugin in every process) keeps it on."""
+    import gc
+
+    import vllm.envs
     from vllm import LLM
 
     from kvpolicy.vllm.hooks import TEST_ASYNC_ON_CPU
@@ -30,21 +46,44 @@ def make_llm(model: str | Path, kvpolicy: dict[str, Any] | None = None, *, async
         model=str(model), dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
         block_size=32, max_num_seqs=32, enable_prefix_caching=False, seed=0,
     )
+    if not processes:
+        if _IN_PROCESS:
+            raise RuntimeError("an in-process engine is running: close it first, or start the engine that "
+                               "outlives the other with processes=True (vLLM's parallel groups are process-wide)")
+        args["distributed_executor_backend"] = "uni"
     args.update(kwargs)
     if kvpolicy is not None:
         args["additional_config"] = {"kvpolicy": kvpolicy}
     on = ASYNC_DEFAULT if async_scheduling is None else async_scheduling
-    saved = os.environ.pop(TEST_ASYNC_ON_CPU, None)
-    if on:
-        os.environ[TEST_ASYNC_ON_CPU] = "1"  # inherited by the engine processes started now
+    env = {TEST_ASYNC_ON_CPU: "1" if on else None, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if processes else "0"}
+    saved = {name: os.environ.get(name) for name in env}
+    _set_env(env)  # inherited by the engine processes started now
     try:
         llm = LLM(**args)
     finally:
-        os.environ.pop(TEST_ASYNC_ON_CPU, None)
-        if saved is not None:
-            os.environ[TEST_ASYNC_ON_CPU] = saved
+        _set_env(saved)
+        if not processes:
+            # An engine core in this process caches vLLM's environment and freezes the heap for
+            # its own lifetime: undone, so the next test's settings are read and this engine's
+            # memory is collected once it is closed.
+            vllm.envs.disable_envs_cache()
+            gc.unfreeze()
+    if not processes:
+        _IN_PROCESS.add(id(llm))
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is on
     return llm
+
+
+#: The in-process engine running now (``id`` of its ``LLM``), if any: ``close`` forgets it.
+_IN_PROCESS: set[int] = set()
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def greedy(max_tokens: int, **kwargs: Any):
@@ -86,6 +125,7 @@ def close(llm) -> None:
     """Stop an engine's processes now (the next engine then has the CPUs to itself)."""
     import gc
 
+    _IN_PROCESS.discard(id(llm))
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -130,7 +170,11 @@ def serve_beside_a_refused_request(llm, bad_extra: dict, new: int) -> dict:
     """Serve a plain request ("good") beside one whose kvpolicy settings the engine core refuses
     ("bad", ``bad_extra`` its ``extra_args``), ``new`` tokens each: checks the refused one failed
     alone (``finish_reason`` ``"error"``, no token) and the other got all its tokens; returns the
-    finished outputs by name."""
+    finished outputs by name. ``llm`` runs vLLM's processes (``make_llm(..., processes=True)``):
+    the engine-core process turns a refused request into its error output, where an in-process
+    engine core raises the refusal to the caller."""
+    if id(llm) in _IN_PROCESS:
+        raise RuntimeError("a request refused alone needs an engine of vLLM's processes: make_llm(..., processes=True)")
     eng = llm.llm_engine
     eng.add_request("good", tokens_prompt(list(range(100, 140))), greedy(new))
     eng.add_request("bad", tokens_prompt(list(range(10, 40))), greedy(new, extra_args=bad_extra))

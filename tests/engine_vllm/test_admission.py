@@ -38,8 +38,9 @@ def _requests():
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace")
+    # vLLM's own processes: this engine outlives the ones the module's tests start beside it
     llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(trace)}, block_size=BLOCK,
-                   num_gpu_blocks_override=6, max_num_seqs=8)
+                   num_gpu_blocks_override=6, max_num_seqs=8, processes=True)
     yield llm, trace
     close(llm)
 
@@ -120,7 +121,8 @@ def test_vllm_alone_refuses_the_same_pool_at_start_up(capfd):
     """The same pool with the policy ``none`` (no eviction): vLLM's own check, for one request of
     max_model_len tokens, refuses it (in the engine core, whose log says why)."""
     with pytest.raises(Exception):  # noqa: B017  (the front end reports a failed engine start)
-        make_llm(tiny_qwen3_folder(), {"policy": "none"}, block_size=BLOCK, num_gpu_blocks_override=6)
+        # in an engine-core process of its own: a start that fails there leaves this process as it was
+        make_llm(tiny_qwen3_folder(), {"policy": "none"}, block_size=BLOCK, num_gpu_blocks_override=6, processes=True)
     logged = capfd.readouterr()
     assert "To serve at least one request with the model's max seq len (2048)" in logged.err + logged.out
 
@@ -148,7 +150,7 @@ def test_a_request_needing_a_model_fact_the_workers_lack_fails_alone(tmp_path):
     reads a fact the loaded model cannot give (``criticalkv`` on GPT-NeoX: no ``o_proj``) passes
     it, and the engine core, which asked every worker at start-up, refuses it alone; the other
     requests are served and the server goes on."""
-    llm = make_llm(_tiny_gpt_neox(tmp_path / "neox"), POLICY, block_size=BLOCK, max_num_seqs=4)
+    llm = make_llm(_tiny_gpt_neox(tmp_path / "neox"), POLICY, block_size=BLOCK, max_num_seqs=4, processes=True)
     try:
         serve_beside_a_refused_request(llm, {"kvpolicy": "criticalkv"}, 80)
         out = llm.generate([tokens_prompt(list(range(10, 40)))], greedy(8), use_tqdm=False)  # still serving

@@ -1,4 +1,8 @@
-"""Continuous batching and block accounting on a tiny random Qwen3 (fast): snapkv, budget 32."""
+"""Continuous batching and block accounting on a tiny random Qwen3 (fast): snapkv, budget 32.
+
+The module's shared engine runs vLLM's production layout (``processes=True``: the engine core and
+the model runner in processes of their own), so a request's settings, plan and evictions are
+checked across the process boundaries the other modules' in-process engines skip."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace")
-    llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(trace)}, block_size=BLOCK, max_num_seqs=32)
+    llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(trace)}, block_size=BLOCK, max_num_seqs=32,
+                   processes=True)
     yield llm, trace
     close(llm)
 

@@ -277,7 +277,8 @@ def test_a_request_whose_calibration_is_another_same_shape_models_fails_alone(tm
     """SmolLM2-135M's shape with other (random) weights: the front end, which has the configuration
     only, passes a request for ``triattention``; the engine core, which has each worker's model
     fingerprint, refuses it alone, and the server goes on."""
-    llm = make_llm(_random_smollm2(tmp_path / "smollm2-f32"), {"policy": "none"}, block_size=BLOCK, max_num_seqs=4)
+    llm = make_llm(_random_smollm2(tmp_path / "smollm2-f32"), {"policy": "none"}, block_size=BLOCK, max_num_seqs=4,
+                   processes=True)
     try:
         serve_beside_a_refused_request(llm, {"kvpolicy": "triattention"}, 16)
     finally:

@@ -49,8 +49,9 @@ def _alone(reqs) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace")
+    # vLLM's own processes: this engine outlives the one ``_alone`` starts beside it
     llm = make_llm(tiny_qwen3_folder(), {"policy": "none", "trace": str(trace)}, block_size=BLOCK,
-                   enable_prefix_caching=True, max_num_seqs=16)
+                   enable_prefix_caching=True, max_num_seqs=16, processes=True)
     yield llm, trace
     close(llm)
 

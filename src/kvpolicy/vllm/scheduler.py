@@ -53,7 +53,6 @@ points it did and never holds more slots than it did uninterrupted (see ``kvpoli
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +63,7 @@ from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_ca
 from .plans import PolicyPlan
 from .settings import Resolved, request_policy
 from .support import KVPolicyVLLMError
+from .trace import trace_stem
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -151,7 +151,7 @@ class SchedulerEviction:
         self.plans: dict[str | None, PolicyPlan] = {}  # each distinct policy's, by its resolved YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
-        self.trace = Path(resolved.trace) / f"scheduler-{os.getpid()}.jsonl" if resolved.trace else None
+        self.trace = Path(resolved.trace) / f"{trace_stem('scheduler')}.jsonl" if resolved.trace else None
         if self.trace is not None:
             self.trace.parent.mkdir(parents=True, exist_ok=True)
         self.step = 0

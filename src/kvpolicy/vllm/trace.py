@@ -1,14 +1,17 @@
 """A worker's eviction trace: a record of every eviction, and its first inputs, for parity checks.
 
-Set by the server setting ``trace`` (a folder): each worker process appends one JSON line per
-eviction to ``worker-<rank>-<pid>.jsonl`` and saves the inputs of its first
-``KVPOLICY_VLLM_TRACE_SAVES`` evictions (default 4) as ``evict-<rank>-<pid>-<n>.pt``, which the
-engine tests check against ``Policy.select`` on the same tensors.
+Set by the server setting ``trace`` (a folder): each worker appends one JSON line per eviction to
+``worker-<rank>-<pid>-<serial>.jsonl`` and saves the inputs of its first
+``KVPOLICY_VLLM_TRACE_SAVES`` evictions (default 4) as ``evict-<rank>-<pid>-<serial>-<n>.pt``,
+which the engine tests check against ``Policy.select`` on the same tensors. ``serial`` tells apart
+the engines one process runs (vLLM's in-process engine core), which would otherwise write over
+each other's saves.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -21,16 +24,25 @@ from ..stages.base import EvictionInput
 #: How many eviction inputs a trace folder receives per process.
 TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
 
+_SERIAL = itertools.count()
+
+
+def trace_stem(kind: str) -> str:
+    """A trace file's name without suffix, ``<kind>-<pid>-<serial>``: one per trace writer of the
+    process, so engines run one after another in one process never share a file."""
+    return f"{kind}-{os.getpid()}-{next(_SERIAL)}"
+
 
 class EvictionTrace:
     """The trace folder of one worker (tensor-parallel ``rank``)."""
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.folder, self.rank, self.saves = folder, rank, 0
+        self.stem = trace_stem(str(rank))
         folder.mkdir(parents=True, exist_ok=True)
 
     def record(self, entry: dict[str, Any]) -> None:
-        with open(self.folder / f"worker-{self.rank}-{os.getpid()}.jsonl", "a") as f:
+        with open(self.folder / f"worker-{self.stem}.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
 
     def save_input(self, inp: EvictionInput, **choice: Any) -> None:
@@ -42,7 +54,7 @@ class EvictionTrace:
             tensors = {"keys": inp.keys, "values": inp.values, "queries": inp.queries, "query_valid": inp.query_valid,
                        "positions": inp.positions, "layer_idx": None if key is None else key.layer_idx,
                        "evictions": None if key is None else key.evictions, "slot_valid": inp.slot_valid, **choice}
-            torch.save(tensors, self.folder / f"evict-{self.rank}-{os.getpid()}-{self.saves}.pt")
+            torch.save(tensors, self.folder / f"evict-{self.stem}-{self.saves}.pt")
 
 
     def eviction(self, *, step: int, head_offset: int, layers: list[int], resolved: Any, states: list[Any],
