@@ -301,6 +301,7 @@ class Engine:
                     keys, values = self.kvs[rank][layer]
                     keys[ids, slots % BLOCK] = req.keys[layer, heads, a : a + t].transpose(0, 1)
                     values[ids, slots % BLOCK] = req.values[layer, heads, a : a + t].transpose(0, 1)
+                paged.moved_tokens(local)  # the worker's cache-write wrapper: each head's copy to its own slots
                 query = torch.cat([self.requests[r].queries[layer, q_heads, int(before[i]) : int(before[i] + n[i])]
                                    .transpose(0, 1).flatten(1) for i, r in enumerate(req_ids)])  # [T, Hq * D]
                 paged.capture_queries(local, query)

@@ -199,8 +199,12 @@ def test_select_requests_preempted_while_selecting_equal_their_runs_alone(tmp_pa
     for name, blocks in (("alone", None), ("loaded", PREEMPT_POOL)):
         trace = tmp_path / name
         kwargs = {} if blocks is None else {"num_gpu_blocks_override": blocks}
+        # vLLM's processes, as this workload was tuned on: its engine core steps on its own while
+        # this loop counts the outputs it reads. An engine in this process runs exactly one step per
+        # loop, and a preemption every 100 of them comes before the recomputes (one token per step
+        # past the budget) finish: its requests never did (37,000 steps, seen on 6 December 2026).
         llm = make_llm(tiny_qwen3_folder(), {"policy": "none", "trace": str(trace)}, block_size=BLOCK,
-                       max_model_len=320, enable_prefix_caching=True, **kwargs)
+                       max_model_len=320, enable_prefix_caching=True, processes=True, **kwargs)
         try:
             got[name] = _run_alone_or_loaded(llm, work, loaded=blocks is not None)
         finally:
@@ -215,36 +219,69 @@ def test_select_requests_preempted_while_selecting_equal_their_runs_alone(tmp_pa
     assert steps[-1]["held_blocks"] == 0
 
 
-@pytest.mark.parametrize("length", [1, 70, 5 * BLOCK])
-def test_the_cpu_kernel_attends_each_heads_own_blocks_as_the_gathering_path_does(length):
-    """``block_kernel.CpuBlocks`` (vLLM's CPU kernel, one sequence per request and KV head over
-    the cache viewed block-and-head by block-and-head) equals ``select.gathered_blocks`` (the
-    blocks gathered through ``BlockLayout.split`` and ``kvpolicy.attend``) on keys written by the
-    backend's own cache write, each head reading blocks of its own, the last one partial."""
+def _written_cache(blocks: int, kv_heads: int, d: int):
+    """A CPU-backend layer cache of ``blocks`` blocks filled with random keys and values by the
+    backend's own cache write, and ``block_kernel.CpuBlocks`` over it."""
     from types import SimpleNamespace
 
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from kvpolicy.vllm.block_kernel import CpuBlocks
-    from kvpolicy.vllm.layout import BlockLayout
-    from kvpolicy.vllm.select import gathered_blocks
 
-    torch.manual_seed(0)
-    blocks, kv_heads, d, q_heads, r, m = 40, 3, 64, 9, 2, 5
     cache = torch.zeros(blocks, kv_heads, BLOCK, 2 * d)
     key_cache, value_cache = cache.view(blocks, kv_heads, 2 * BLOCK, d).chunk(2, dim=2)
     isa = _get_attn_isa(torch.float32, BLOCK, d)
     ops.cpu_attn_reshape_and_cache(torch.randn(blocks * BLOCK, kv_heads, d), torch.randn(blocks * BLOCK, kv_heads, d),
                                    key_cache, value_cache, torch.arange(blocks * BLOCK), isa)
-    ids = torch.stack([torch.stack([torch.randperm(blocks)[:m] for _ in range(kv_heads)]) for _ in range(r)])
-    query = torch.randn(r, q_heads, d)
     impl = SimpleNamespace(logits_soft_cap=0, alibi_slopes=None, sinks=None, kv_cache_dtype="auto")
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
-    got = CpuBlocks(impl, layer, cache)(query, ids, length, d**-0.5)
+    return cache, CpuBlocks(impl, layer, cache)
+
+
+@pytest.mark.parametrize("length", [1, 70, 5 * BLOCK])
+def test_the_cpu_kernel_attends_each_heads_own_blocks_as_the_gathering_path_does(length):
+    """``block_kernel.CpuBlocks`` (vLLM's CPU kernel, one sequence per request and KV head over
+    the cache viewed block-and-head by block-and-head) equals ``select.gathered_blocks`` (the
+    blocks gathered through ``BlockLayout.split`` and ``kvpolicy.attend``) on keys written by the
+    backend's own cache write, each head reading blocks of its own, the last one partial."""
+    from kvpolicy.vllm.layout import BlockLayout
+    from kvpolicy.vllm.select import gathered_blocks
+
+    torch.manual_seed(0)
+    blocks, kv_heads, d, q_heads, r, m = 40, 3, 64, 9, 2, 5
+    cache, kernel = _written_cache(blocks, kv_heads, d)
+    ids = torch.stack([torch.stack([torch.randperm(blocks)[:m] for _ in range(kv_heads)]) for _ in range(r)])
+    query = torch.randn(r, q_heads, d)
+    got = kernel(query, ids, length, d**-0.5)
     want = gathered_blocks(BlockLayout.for_backend("CPU_ATTN", "LBHNC", d).split(cache))(query, ids, length, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got[:, :3], got[:, 3:6], atol=1e-3)  # the heads read other blocks
+
+
+def test_the_cpu_kernel_attends_each_heads_own_count_of_slots():
+    """Per-head budgets (``lanes.attend`` at a decode step): ``CpuBlocks`` given a count of slots per request
+    and KV head reads each head's own first slots of its blocks, as an attention written here
+    over exactly those slots, read through ``BlockLayout.split``, does; counts of 1, a partial
+    block and whole blocks."""
+    from kvpolicy.vllm.layout import BlockLayout
+
+    torch.manual_seed(1)
+    blocks, kv_heads, d, q_heads, r, m = 30, 3, 64, 9, 2, 4
+    cache, kernel = _written_cache(blocks, kv_heads, d)
+    table = torch.stack([torch.randperm(blocks)[:m] for _ in range(r)])  # a request's blocks, every head's lane
+    lengths = torch.tensor([[1, 45, 4 * BLOCK], [BLOCK, 7, 100]], dtype=torch.int32)
+    query = torch.randn(r, q_heads, d)
+    got = kernel(query, table[:, None].expand(-1, kv_heads, -1), lengths, d**-0.5)
+    keys, values = BlockLayout.for_backend("CPU_ATTN", "LBHNC", d).split(cache)  # [blocks, BLOCK, Hkv, D]
+    g = q_heads // kv_heads
+    for i in range(r):
+        for h in range(kv_heads):
+            n = int(lengths[i, h])
+            k, v = keys[table[i], :, h].flatten(0, 1)[:n], values[table[i], :, h].flatten(0, 1)[:n]
+            q = query[i, h * g : (h + 1) * g]
+            want = torch.softmax(q @ k.T * d**-0.5, dim=-1) @ v
+            torch.testing.assert_close(got[i, h * g : (h + 1) * g], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_kernel_attribute_vllm_renamed_is_refused_by_name():

@@ -60,9 +60,10 @@ class CpuBlocks:
     def __init__(self, impl: Any, layer: Any, kv_cache: torch.Tensor) -> None:
         self.impl, self.layer, self.kv_cache = impl, layer, kv_cache
 
-    def __call__(self, query: torch.Tensor, blocks: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    def __call__(self, query: torch.Tensor, blocks: torch.Tensor, length: int | torch.Tensor, scale: float) -> torch.Tensor:
         """``query [R, Hq, D]``, ``blocks [R, Hkv, m]`` (each KV head's block ids, in attention
-        order), the first ``length`` slots of them attended -> ``[R, Hq, D]``."""
+        order), the first ``length`` slots of them attended (one count, or each KV head's ``[R,
+        Hkv]``) -> ``[R, Hq, D]``."""
         from vllm import _custom_ops as ops
 
         impl, layer = self.impl, self.layer
@@ -71,7 +72,8 @@ class CpuBlocks:
                                          "which the worker refuses at start-up")
         r, kv_heads, m = blocks.shape
         num_blocks, _, block_size, width = self.kv_cache.shape
-        if length > m * block_size or length < 1:
+        lengths = torch.as_tensor(length, dtype=torch.int32).expand(r, kv_heads).flatten()
+        if int(lengths.max()) > m * block_size or int(lengths.min()) < 1:
             raise KVPolicyInvariantError(f"{length} slots attended over {m} blocks of {block_size}")
         head_dim = width // 2
         per_kv = query.shape[1] // kv_heads
@@ -80,7 +82,7 @@ class CpuBlocks:
         heads = torch.arange(kv_heads, device=blocks.device)[None, :, None]
         table = (blocks * kv_heads + heads).view(r * kv_heads, m).to(torch.int32)
         sequences = r * kv_heads
-        seq_lens = torch.full((sequences,), length, dtype=torch.int32)
+        seq_lens = lengths.contiguous()
         starts = torch.arange(sequences + 1, dtype=torch.int32)  # one query per sequence
         q = query.reshape(sequences, per_kv, head_dim).to(cache.dtype).contiguous()
         dtype = impl.kv_cache_dtype

@@ -544,7 +544,8 @@ def _install_worker() -> None:
 
 def install_backend(impl_cls: type) -> None:
     """Wrap an attention backend's ``AttentionImpl`` (once per class and process): capture the
-    query window before its ``forward``, check the cache layout after its first cache write."""
+    query window before its ``forward``, check the cache layout after its first cache write, and
+    under per-head budgets move each head's new keys to its own slots after every write."""
     from . import worker
 
     def make_forward(original):
@@ -554,7 +555,7 @@ def install_backend(impl_cls: type) -> None:
                 state.capture_queries(layer, query)
             out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if state is not None and attn_metadata is not None and state.head_attention:
-                state.attend_heads(layer, query, out, self.scale)  # requests whose heads hold different counts
+                state.attend_heads(layer, query, kwargs.get("output", out), self, kv_cache)  # heads of different counts
             if state is not None and attn_metadata is not None and state.long_steps:
                 state.after_attention(layer, query)  # the layer's keys are in
             if state is not None and attn_metadata is not None and state.select.selecting:
@@ -569,6 +570,8 @@ def install_backend(impl_cls: type) -> None:
             state = worker.active()
             if state is not None and not state.layout_checked:
                 state.check_layout(key, value, kv_cache, slot_mapping)
+            if state is not None and state.head_attention:
+                state.moved_tokens(layer)  # each head's copy of the new tokens to its own slots
             return out
 
         return do_kv_cache_update

@@ -1,11 +1,13 @@
 """Per-head budgets in vLLM's blocks: each KV head's lane of a request's blocks. Pure addressing.
 
 A request under a per-head allocation (Ada-KV, DuoAttention) holds, after an eviction, each
-head's own kept slots at the front of that head's lane of its blocks, then padding up to the room
-the ledger reserved for the fullest head (``RequestSlots.reserve``), then the slots appended since
-(vLLM writes a token at one slot for every head). The padding is never read: the eviction input
-and attention address each head's own slots, in the column order every engine shares
-(``kvpolicy.heads.own_columns``: a policy's seeded draws depend on it).
+head's own kept slots at the front of that head's lane of its blocks, and the room the ledger
+reserved for the fullest head (``RequestSlots.reserve``) behind them. vLLM writes a new token at
+one block-table slot for every head, past that room; each head's copy is then moved to the end of
+the head's own slots (``token_moves``), so a head's slots are always the first ``own`` of its lane:
+what vLLM's kernel reads as one sequence per head (``kvpolicy.vllm.block_kernel``), and what the
+eviction input addresses, in the column order every engine shares (``kvpolicy.heads.own_columns``:
+a policy's seeded draws depend on it). Past a head's own slots its lane holds nothing it reads.
 
 Nothing here knows requests, policies or vLLM: ``Lanes`` is one request's heads, the functions
 compute block-table slots, columns and masks from it (``kvpolicy.vllm.paged_cache`` calls them).
@@ -14,6 +16,7 @@ compute block-table slots, columns and masks from it (``kvpolicy.vllm.paged_cach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +24,14 @@ from ..attend import attend_heads
 from ..heads import own_columns
 from .paged import KV
 
+if TYPE_CHECKING:
+    from .block_kernel import CpuBlocks
+
 
 @dataclass(frozen=True)
 class Lanes:
     """One request's heads: each head's kept count ``counts [Lyr, Hkv]`` (host) and the
-    block-table slot where the slots appended since its last eviction start (the room for the
+    block-table slot where vLLM writes the first token after the last eviction (the room for the
     fullest head). Before a first eviction every head holds every slot: ``even``."""
 
     counts: torch.Tensor
@@ -43,15 +49,24 @@ class Lanes:
         """Slots the fullest head of any layer holds when the request holds ``held`` block-table slots."""
         return int(self.counts.max()) + held - self.start
 
-    def columns(self, held: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slot, valid)`` ``[Lyr, Hkv, width]``: each head's own slots right-aligned in ``width``
-        columns (``own_columns``, as ``EvictingCache``'s per-head layout hands them to a policy),
-        as block-table slots: its kept ones, then those appended since. An empty column points at
-        slot 0 and is invalid."""
+    def columns(self, held: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slot, field, valid)`` ``[Lyr, Hkv, width]``: each head's own slots right-aligned in
+        ``width`` columns (``own_columns``, as ``EvictingCache``'s per-head layout hands them to a
+        policy), oldest first: its kept ones, then those appended since. ``slot``: where each is in
+        the head's lane (its keys and values); ``field``: its index in the request's per-slot
+        fields (positions, state), which keep the block-table order: the kept ones padded to the
+        room, then the appended ones. An empty column points at 0 and is invalid."""
         j, valid = own_columns(self.own(held), width)  # the head's slot j, oldest first
         k = self.counts[..., None]
-        slot = torch.where(j < k, j, self.start + j - k)
-        return torch.where(valid, slot, 0), valid
+        field = torch.where(j < k, j, self.start + j - k)
+        return torch.where(valid, j, 0), torch.where(valid, field, 0), valid
+
+    def token_moves(self, held: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a step's ``tokens`` new tokens go: vLLM wrote them at block-table slots ``src
+        [T]`` (after the ``held`` slots held before the step), each head's copy belongs at ``dst
+        [Lyr, Hkv, T]``, right after that head's own slots."""
+        src = torch.arange(held, held + tokens)
+        return src, self.own(held)[..., None] + torch.arange(tokens)
 
 
 def kept_order(keep: torch.Tensor, most: int) -> torch.Tensor:
@@ -70,9 +85,9 @@ def padded(t: torch.Tensor, room: int, value: float) -> torch.Tensor:
 class HeadAttention:
     """This step's requests whose heads hold different counts, and what each layer's attention
     over their own slots reads (``plan_attention``). Per layer ``l`` of ``[Lyr, B, Hkv, W]``:
-    column ``w`` of a head is its kept slot ``w`` (the front of its lane), then its slots appended
-    since the last eviction (from the reserved room's end on); the padding between them is in no
-    column."""
+    column ``w`` of a head is slot ``w`` of its lane (its kept slots, then those appended since
+    the last eviction), ``lengths`` how many it holds. ``moves``: where the step's tokens, written by
+    vLLM for every head at one slot, go in each head's lane (``Lanes.token_moves``)."""
 
     token_idx: torch.Tensor  # [B, T] each query's row in the step's flattened tokens (0 past a chunk)
     token_valid: torch.Tensor  # [B, T] which of those hold a query of the request
@@ -80,6 +95,24 @@ class HeadAttention:
     offsets: torch.Tensor  # [Lyr, B, Hkv, W] its offset in the block
     heads: torch.Tensor  # [Lyr, B, Hkv, W] its KV head
     mask: torch.Tensor  # [Lyr, B, Hkv, T, W] bool: the columns query t attends (causal over appended slots)
+    lengths: torch.Tensor  # [Lyr, B, Hkv] int32: slots each head holds after the step
+    tables: torch.Tensor  # [B, max_blocks] the requests' block tables
+    moves: TokenMoves
+    decodes: bool  # whether every request of the plan writes one token
+    max_blocks: int  # blocks that hold the fullest head's slots, of any request and layer
+
+
+@dataclass(frozen=True)
+class TokenMoves:
+    """A step's tokens of ``plan_attention``'s requests, moved from where vLLM wrote them (block
+    ``src_block``, offset ``src_offset``, every head) into each head's lane (``dst_block``,
+    ``dst_offset`` per layer) by ``move_tokens``."""
+
+    src_block: torch.Tensor  # [M]: M = a (request, token, head) each
+    src_offset: torch.Tensor  # [M]
+    head: torch.Tensor  # [M]
+    dst_block: torch.Tensor  # [Lyr, M]
+    dst_offset: torch.Tensor  # [Lyr, M]
 
 
 @dataclass(frozen=True)
@@ -103,32 +136,65 @@ def plan_attention(steps: list[LaneStep], tables: torch.Tensor, block_size: int,
     b = len(steps)
     token_idx = torch.zeros(b, t_max, dtype=torch.long)
     token_valid = torch.zeros(b, t_max, dtype=torch.bool)
-    slot = torch.zeros(layers, b, kv_heads, width, dtype=torch.long)
+    lengths = torch.zeros(layers, b, kv_heads, dtype=torch.int32)
     mask = torch.zeros(layers, b, kv_heads, t_max, width, dtype=torch.bool)
     queries = torch.arange(t_max)
+    src, dst, rows = [], [], []
     for j, s in enumerate(steps):
-        t, counts, appended = s.tokens, s.lanes.counts, s.held - s.lanes.start
+        t = s.tokens
         token_idx[j, :t] = torch.arange(s.end - t, s.end)
         token_valid[j, :t] = True
-        k = counts[..., None]  # [Lyr, Hkv, 1]
-        slot[:, j] = torch.where(cols < k, cols, s.lanes.start + cols - k)
-        fresh = cols - k  # [Lyr, Hkv, W]: index among the appended slots (negative: a kept one)
-        sees = (cols < (counts + appended)[..., None])[..., None, :] & (
-            fresh[..., None, :] <= (appended - t) + queries[:, None])
-        mask[:, j] = sees & (queries < t)[:, None]
+        own = s.lanes.own(s.held)  # [Lyr, Hkv]: after the step's tokens
+        lengths[:, j] = own.to(torch.int32)
+        first_new = (own - t)[..., None, None]  # the column of the step's first token
+        mask[:, j] = (cols < own[..., None])[..., None, :] & (cols <= first_new + queries[:, None]) & (queries < t)[:, None]
+        moved_from, moved_to = s.lanes.token_moves(s.held - t, t)
+        src.append(moved_from.repeat_interleave(kv_heads))  # [T * Hkv], token-major
+        dst.append(moved_to.transpose(1, 2).flatten(1))  # [Lyr, T * Hkv]
+        rows.append(torch.full((t * kv_heads,), j))
     mask[..., 0] |= ~mask.any(-1)  # a query past its request's chunk attends column 0: finite, dropped
-    slot = torch.where(mask.any(-2), slot, 0)
+    slot = torch.where(mask.any(-2), cols, 0)
     blocks = tables[torch.arange(b)[None, :, None, None], slot // block_size]
     heads = torch.arange(kv_heads)[:, None].expand_as(slot)
+    row, src_slot, dst_slot = torch.cat(rows), torch.cat(src), torch.cat(dst, dim=1)
+    moves = TokenMoves(tables[row, src_slot // block_size].to(device), (src_slot % block_size).to(device),
+                       torch.arange(kv_heads).repeat(len(row) // kv_heads).to(device),
+                       tables[row[None], dst_slot // block_size].to(device), (dst_slot % block_size).to(device))
     return HeadAttention(token_idx.to(device), token_valid.to(device), blocks.to(device),
-                         (slot % block_size).to(device), heads.to(device), mask.to(device))
+                         (slot % block_size).to(device), heads.to(device), mask.to(device), lengths.to(device),
+                         tables.to(device), moves, t_max == 1, -(-int(lengths.max()) // block_size))
+
+
+def _attend_in_place(plan: HeadAttention, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float,
+                     kernel: CpuBlocks, q_heads: int, head_dim: int) -> None:
+    """``attend`` of one-token steps (``plan.decodes``) by ``kernel`` (vLLM's, reading the blocks in
+    place): each (request, KV head) a sequence of the first ``lengths`` slots of its lane."""
+    rows = plan.token_idx[:, 0]
+    q = query.view(query.shape[0], q_heads, head_dim)[rows]  # [B, Hq, D]
+    lengths = plan.lengths[layer]  # [B, Hkv]
+    blocks = plan.tables[:, None, : plan.max_blocks].expand(-1, lengths.shape[1], -1)
+    out = kernel(q, blocks, lengths, scale)  # [B, Hq, D]
+    output.view(output.shape[0], q_heads, -1)[rows] = out.to(output.dtype)
+
+
+def move_tokens(plan: HeadAttention, layer: int, kv: KV) -> None:
+    """After vLLM wrote layer ``layer``'s keys and values of the step (``kv``): each head's copy of
+    ``plan``'s requests' new tokens moved to the end of that head's own slots (``TokenMoves``)."""
+    m = plan.moves
+    for t in kv:
+        t[m.dst_block[layer], m.dst_offset[layer], m.head] = t[m.src_block, m.src_offset, m.head]
 
 
 def attend(plan: HeadAttention, layer: int, kv: KV, query: torch.Tensor, output: torch.Tensor, scale: float,
-           q_heads: int, head_dim: int) -> None:
-    """Layer ``layer``'s attention of ``plan``'s requests over each head's own slots only
-    (``kvpolicy.attend.attend_heads``), written over their rows of ``output`` (``[T, Hq * D]`` or
-    ``[T, Hq, D]``); ``kv``: the layer's keys and values, ``query`` its ``[T, Hq * D]`` queries."""
+           q_heads: int, head_dim: int, kernel: CpuBlocks | None = None) -> None:
+    """Layer ``layer``'s attention of ``plan``'s requests over each head's own slots only, written
+    over their rows of ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``); ``kv``: the layer's keys and
+    values, ``query`` its ``[T, Hq * D]`` queries. One-token steps are read in place by ``kernel``
+    (vLLM's) where there is one; else, and for chunks, which a causal mask needs, each head's slots
+    are gathered and attended by ``kvpolicy.attend.attend_heads``."""
+    if kernel is not None and plan.decodes:
+        _attend_in_place(plan, layer, query, output, scale, kernel, q_heads, head_dim)
+        return
     b, _ = plan.token_idx.shape
     q = query.view(query.shape[0], q_heads, head_dim)[plan.token_idx]  # [B, T, Hq, D]
     keys, values = kv

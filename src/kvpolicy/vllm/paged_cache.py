@@ -27,6 +27,7 @@ from ..schedule import Schedule
 from ..stages.base import EvictionInput
 from ..stages.model_facts import ModelFacts
 from . import lanes
+from .block_kernel import CpuBlocks
 from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, RequestSlots, SlotLedger, compaction
@@ -96,9 +97,8 @@ class PagedCache:
         self.policies: dict[str | None, RequestPolicy] = {}  # by resolved policy YAML
         self.records: dict[str, RequestRecord] = {}  # by request
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
-        # This step's requests whose chunk is longer than their window, under a policy whose state
-        # sees every query (seen layer by layer, as the chunk is computed), and those whose heads
-        # hold different counts (per-head budgets), with the batch rows of their one-token steps.
+        # This step's chunks longer than their window under state that sees every query (seen layer
+        # by layer), and requests whose heads hold different counts, with rows of one-token steps.
         self.long_steps: dict[str, LongStep] = {}
         self.head_attention: HeadAttention | None = None
         self.head_decodes: list[int] = []
@@ -416,8 +416,7 @@ class PagedCache:
                                     self.device)
 
     def skipped_rows(self) -> list[int]:
-        """The batch rows whose attention is ``attend_heads``' alone, which the worker shortens to one
-        slot: one-token steps (a chunk keeps its length, which a causal kernel needs)."""
+        """The rows attended by ``attend_heads`` alone (one-token steps), which vLLM's kernel skips."""
         return self.head_decodes
 
     @staticmethod
@@ -426,12 +425,19 @@ class PagedCache:
         counts, kept = record.head_counts, record.kept
         return counts is not None and kept is not None and bool((counts < kept.count).any())
 
-    def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
+    def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float,
+                     kernel: CpuBlocks | None = None) -> None:
         """Layer ``layer``'s attention of this step's requests whose heads hold different counts, over
-        each head's own slots only (``lanes.attend``; the engine's kernel cannot skip the padding),
-        written over their rows of ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``), its keys in."""
+        each head's own slots (``lanes.attend``, by ``kernel`` where it can), written over their rows
+        of ``output`` (``[T, Hq * D]`` or ``[T, Hq, D]``), its keys in (``moved_tokens``)."""
         if self.head_attention is not None:
-            lanes.attend(self.head_attention, layer, self.kv[layer], query, output, scale, self.q_heads, self.head_dim)
+            lanes.attend(self.head_attention, layer, self.kv[layer], query, output, scale, self.q_heads,
+                         self.head_dim, kernel)
+
+    def moved_tokens(self, layer: int) -> None:
+        """After vLLM's cache write of ``layer``: each head's new tokens to its own slots' end."""
+        if self.head_attention is not None:
+            lanes.move_tokens(self.head_attention, layer, self.kv[layer])
 
     # -- the input --------------------------------------------------------------------------
     def _gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
@@ -451,18 +457,19 @@ class PagedCache:
             width = self._lanes(req_ids[0]).width(n)
             cols = [self._lanes(q).columns(n, width) for q in req_ids]
             dev = self.device
-            slot = torch.stack([c[0] for c in cols], dim=1).to(dev)  # [Lyr, R, Hkv, W]
-            valid = torch.stack([c[1] for c in cols], dim=1).to(dev)
+            slot = torch.stack([c[0] for c in cols], dim=1).to(dev)  # [Lyr, R, Hkv, W]: in each head's lane
+            field = torch.stack([c[1] for c in cols], dim=1).to(dev)  # ...: in the per-slot fields
+            valid = torch.stack([c[2] for c in cols], dim=1).to(dev)
             heads = torch.where(valid, torch.arange(self.kv_heads, device=dev)[:, None], 0)
             tables = table.get_cpu_tensor()[rows].long().to(dev)  # [R, max_blocks]
             blocks = tables[torch.arange(len(group), device=dev)[None, :, None, None], slot // self.block_size]
             offs = slot % self.block_size
             gathered = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]])
                         for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
-            positions = positions.gather(-1, slot).masked_fill(~valid, -1)
+            positions = positions.gather(-1, field).masked_fill(~valid, -1)
             lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
             row_i = torch.arange(len(group), device=dev)[None, :, None, None]
-            state = {name: t.view(self.layers, len(group), *t.shape[1:])[lyr_i, row_i, heads, slot].flatten(0, 1)
+            state = {name: t.view(self.layers, len(group), *t.shape[1:])[lyr_i, row_i, heads, field].flatten(0, 1)
                      if name in slots[0].state else t for name, t in state.items()}  # each column's, as read
             slot_valid = valid.flatten(0, 1)
         else:

@@ -330,11 +330,21 @@ class WorkerEviction:
         if paged.captures:
             paged.capture_queries(local, query)
 
-    def attend_heads(self, layer: Any, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
-        """After ``layer``'s attention (its keys are in the cache): the requests whose heads hold
-        different counts (per-head budgets) attend each head's own slots, over vLLM's output."""
+    def attend_heads(self, layer: Any, query: torch.Tensor, output: torch.Tensor, impl: Any,
+                     kv_cache: torch.Tensor) -> None:
+        """After ``layer``'s attention (``impl``'s, over ``kv_cache``; its keys are in the cache): the
+        requests whose heads hold different counts (per-head budgets) attend each head's own
+        slots, over vLLM's output; a decode step's read in place by the CPU backend's kernel
+        (``kvpolicy.vllm.block_kernel``), one sequence per request and KV head."""
         paged, local, _ = self._route(layer)
-        paged.attend_heads(local, query, output, scale)
+        kernel = block_kernel.CpuBlocks(impl, layer, kv_cache) if block_kernel.runs_cpu_kernel(impl) else None
+        paged.attend_heads(local, query, output, impl.scale, kernel)
+
+    def moved_tokens(self, layer: Any) -> None:
+        """After vLLM wrote ``layer``'s keys and values of the step: under per-head budgets, each
+        head's copy of a new token goes to the end of that head's own slots (``PagedCache.moved_tokens``)."""
+        paged, local, _ = self._route(layer)
+        paged.moved_tokens(local)
 
     def after_attention(self, layer: Any, query: torch.Tensor) -> None:
         """After ``layer``'s attention (its keys are in the cache): the long steps' queries."""
