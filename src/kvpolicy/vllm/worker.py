@@ -148,16 +148,14 @@ class WorkerEviction:
         for paged in self.pageds:
             paged.check_policy(resolved.policy())
         self.select = BlockSelection(self.paged)  # select-mode requests' page choices (kvpolicy.vllm.select)
+        #: Whether this step has requests whose heads hold different counts (``PagedCache.head_attention``):
+        #: asked at every layer's cache write and attention, so decided once per step (``after_prepare_inputs``).
+        self.head_attention = False
 
     @property
     def long_steps(self) -> bool:
         """Whether this step has requests whose chunk is longer than their window (``PagedCache.long_steps``)."""
         return any(p.long_steps for p in self.pageds)
-
-    @property
-    def head_attention(self) -> bool:
-        """Whether this step has requests whose heads hold different counts (``PagedCache.head_attention``)."""
-        return any(p.head_attention is not None for p in self.pageds)
 
     @property
     def ledger(self):
@@ -247,6 +245,7 @@ class WorkerEviction:
         step = StepRequests(req_ids, n, before, prompt)  # one for every group: what they plan alike is planned once
         for g, paged in enumerate(self.pageds):
             paged.begin_step(step, self._block_table(g))
+        self.head_attention = any(p.head_attention is not None for p in self.pageds)
         self.select.begin_step(step, self._block_table())
         for g, paged in enumerate(self.pageds):
             self._attend_one_slot(g, paged.skipped_rows() + (self.select.skipped_rows() if g == 0 else []))
