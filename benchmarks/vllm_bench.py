@@ -331,6 +331,10 @@ def main() -> None:
         parser.error(f"--configs: unknown {unknown}; known: {sorted(POLICIES)}, any built-in policy, or 'evicting'")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU: GiB reserved; --blocks sets what is used
+    # The trace is read for the scheduler's per-step counts only: no worker saves its eviction
+    # inputs (each a copy of every layer's slots and queries, written to disk: about 5 % of a
+    # kvpolicy configuration's worker time at 16 requests, which plain vLLM never pays).
+    os.environ.setdefault("KVPOLICY_VLLM_TRACE_SAVES", "0")
     extra: dict = {}
     if args.model == "smollm2":
         from kvpolicy.vllm.models import smollm2_folder

@@ -196,7 +196,7 @@ class PagedCache:
             take, pos, flat = plan.last_queries(idx, w, self.device)
             ring = self._ring(w)
             rows = np.repeat(np.array([ring.row(req_ids[i]) for i in idx], dtype=np.int64), take)
-            self.captures.append(QueryCapture(ring, torch.from_numpy(rows).to(self.device), pos, flat))
+            self.captures.append(QueryCapture.plan(ring, torch.from_numpy(rows).to(self.device), pos, flat))
         self._plan_state(req_ids, n, before, table)
 
     def _plan_state(self, req_ids: list[str], n: np.ndarray, before: np.ndarray, table: BlockTable) -> None:
@@ -225,9 +225,9 @@ class PagedCache:
         """Layer ``layer``'s post-RoPE queries of this step (``[T, Hq * D]`` or ``[T, Hq, D]``)."""
         if not self.captures:
             return
-        q = query.view(query.shape[0], self.q_heads, self.head_dim)
+        q = query.view(query.shape[0], self.q_heads * self.head_dim)
         for cap in self.captures:
-            cap.ring.tensor[cap.ring_rows, layer, cap.ring_pos] = q[cap.token_idx].to(self.dtype)
+            cap.write(layer, q)
 
     def after_attention(self, layer: int, query: torch.Tensor, table: BlockTable) -> None:
         """After a layer's attention, for the requests whose chunk is longer than their window

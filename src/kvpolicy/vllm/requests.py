@@ -69,12 +69,26 @@ class StepRequests:
 
 @dataclass(frozen=True)
 class QueryCapture:
-    """Where this step's last ``window`` queries of each request go in its ring (``[T]`` each)."""
+    """Where this step's last ``window`` queries of each request go in its ring: one copy per
+    layer (a layer's queries arrive one at a time, inside the forward), planned once per step."""
 
-    ring: RequestQueryRing
-    ring_rows: torch.Tensor  # the request's ring row
-    ring_pos: torch.Tensor  # the position in the ring: token index modulo window
-    token_idx: torch.Tensor  # the query's row in this step's flattened tokens
+    ring_rows: torch.Tensor  # [rows * layers * window, Hq * D]: the ring, read flat
+    dest: torch.Tensor  # [layers, T]: each captured query's row of ``ring_rows``, per layer
+    token_idx: torch.Tensor | None  # [T]: their rows in the step's flattened tokens; None: the first T, in order
+
+    @classmethod
+    def plan(cls, ring: RequestQueryRing, rows: torch.Tensor, pos: torch.Tensor, token_idx: torch.Tensor
+             ) -> QueryCapture:
+        """Token ``token_idx[i]`` of the step goes to ring row ``rows[i]`` at position ``pos[i]``."""
+        first = rows * (ring.layers * ring.window) + pos  # layer 0's ring row of each query
+        dest = first[None, :] + torch.arange(ring.layers, device=first.device)[:, None] * ring.window
+        in_order = bool(torch.equal(token_idx, torch.arange(token_idx.numel(), device=token_idx.device)))
+        return cls(ring.tensor.view(-1, ring.q_heads * ring.head_dim), dest, None if in_order else token_idx)
+
+    def write(self, layer: int, query: torch.Tensor) -> None:
+        """Layer ``layer``'s queries of the step (``[T_step, Hq * D]``, rows past the step's tokens ignored)."""
+        q = query[: self.dest.shape[1]] if self.token_idx is None else query.index_select(0, self.token_idx)
+        self.ring_rows.index_copy_(0, self.dest[layer], q.to(self.ring_rows.dtype))
 
 
 class RequestQueryRing:

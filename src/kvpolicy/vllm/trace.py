@@ -21,9 +21,6 @@ import torch
 
 from ..stages.base import EvictionInput
 
-#: How many eviction inputs a trace folder receives per process.
-TRACE_SAVES = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
-
 _SERIAL = itertools.count()
 
 
@@ -38,6 +35,8 @@ class EvictionTrace:
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.folder, self.rank, self.saves = folder, rank, 0
+        # read when the trace starts, so a process that set it after importing kvpolicy is heard
+        self.save_limit = int(os.environ.get("KVPOLICY_VLLM_TRACE_SAVES", "4"))
         self.stem = trace_stem(str(rank))
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -47,8 +46,8 @@ class EvictionTrace:
 
     def save_input(self, inp: EvictionInput, **choice: Any) -> None:
         """An eviction's input and what it kept (``choice``: the kept slots, the requests, the seed,
-        the policy...), while fewer than ``TRACE_SAVES`` are saved."""
-        if self.saves < TRACE_SAVES:
+        the policy...), while fewer than ``save_limit`` are saved."""
+        if self.saves < self.save_limit:
             self.saves += 1
             key = inp.seed_key
             tensors = {"keys": inp.keys, "values": inp.values, "queries": inp.queries, "query_valid": inp.query_valid,
