@@ -219,3 +219,50 @@ def test_two_traces_of_one_process_write_files_of_their_own(tmp_path):
     saved = sorted(tmp_path.glob("evict-*.pt"))
     assert len(saved) == 2 and {float(torch.load(p)["keys"][0, 0, 0, 0]) for p in saved} == {1.0, 2.0}
     assert len(list(tmp_path.glob("worker-0-*.jsonl"))) == 2
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_query_capture_writes_each_query_where_the_ring_reads_it(in_order):
+    """``QueryCapture``: token ``token_idx[i]`` of a layer's queries lands in ring row ``rows[i]``,
+    that layer, position ``pos[i]``, and nothing else of the ring changes; element by element
+    against the ring's own axes (a decode step's tokens in order take the path without a gather;
+    rows past the step's tokens, such as padding, are ignored)."""
+    from kvpolicy.vllm.requests import QueryCapture, RequestQueryRing
+
+    gen = torch.Generator().manual_seed(0)
+    ring = RequestQueryRing(window=4, layers=3, q_heads=2, head_dim=5, dtype=torch.float32, device=torch.device("cpu"))
+    for q in ("a", "b", "c"):
+        ring.row(q)
+    before = torch.randn(ring.tensor.shape, generator=gen)
+    ring.tensor.copy_(before)
+    rows = torch.tensor([ring.row_of["c"], ring.row_of["a"], ring.row_of["a"]])
+    pos = torch.tensor([3, 0, 1])
+    token_idx = torch.arange(3) if in_order else torch.tensor([4, 0, 2])
+    cap = QueryCapture.plan(ring, rows, pos, token_idx)
+    assert (cap.token_idx is None) is in_order
+    step = torch.randn(3, 6, 2 * 5, generator=gen)  # [layers, T_step (one padding row past 5), Hq * D]
+    for layer in range(3):
+        cap.write(layer, step[layer])
+    expected = before.clone()
+    for layer in range(3):
+        for i in range(3):
+            expected[int(rows[i]), layer, int(pos[i])] = step[layer, int(token_idx[i])].view(2, 5)
+    assert torch.equal(ring.tensor, expected)
+
+
+def test_a_trace_saves_at_most_the_limit_set_when_it_starts(tmp_path, monkeypatch):
+    """``KVPOLICY_VLLM_TRACE_SAVES`` is read when a trace starts (the benchmark sets 0 after
+    importing kvpolicy): 0 saves none, while every eviction is still recorded."""
+    from kvpolicy.policy import eviction_input
+    from kvpolicy.vllm.trace import EvictionTrace
+
+    keys = torch.zeros(1, 1, 4, 2)
+    monkeypatch.setenv("KVPOLICY_VLLM_TRACE_SAVES", "0")
+    none = EvictionTrace(tmp_path / "none", rank=0)
+    monkeypatch.setenv("KVPOLICY_VLLM_TRACE_SAVES", "2")
+    two = EvictionTrace(tmp_path / "two", rank=0)
+    for trace in (none, two):
+        for _ in range(3):
+            trace.save_input(eviction_input(keys, keys, keys[:, :, :1], budget=2, recent=0, seed=0), kept=keys)
+    assert not list((tmp_path / "none").glob("evict-*.pt"))
+    assert len(list((tmp_path / "two").glob("evict-*.pt"))) == 2
