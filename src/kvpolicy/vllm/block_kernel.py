@@ -44,6 +44,12 @@ def runs_cpu_kernel(impl: Any) -> bool:
     return isinstance(impl, CPUAttentionBackendImpl)
 
 
+def kernel_for(impl: Any, layer: Any, kv_cache: torch.Tensor) -> CpuBlocks | None:
+    """The CPU kernel over ``layer``'s cache where ``impl`` is the CPU backend's, else None (the
+    caller gathers and attends itself)."""
+    return CpuBlocks(impl, layer, kv_cache) if runs_cpu_kernel(impl) else None
+
+
 def check(impl: Any, layer: Any) -> None:
     """Refuse, by name, a vLLM whose CPU kernel or attention objects lack what the call reads."""
     from vllm import _custom_ops

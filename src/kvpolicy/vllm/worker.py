@@ -336,8 +336,7 @@ class WorkerEviction:
         slots, over vLLM's output; a decode step's read in place by the CPU backend's kernel
         (``kvpolicy.vllm.block_kernel``), one sequence per request and KV head."""
         paged, local, _ = self._route(layer)
-        kernel = block_kernel.CpuBlocks(impl, layer, kv_cache) if block_kernel.runs_cpu_kernel(impl) else None
-        paged.attend_heads(local, query, output, impl.scale, kernel)
+        paged.attend_heads(local, query, output, impl.scale, block_kernel.kernel_for(impl, layer, kv_cache))
 
     def moved_tokens(self, layer: Any) -> None:
         """After vLLM wrote ``layer``'s keys and values of the step: under per-head budgets, each
@@ -357,7 +356,7 @@ class WorkerEviction:
         a selection at this step become attention over their chosen blocks (``kvpolicy.vllm.select``);
         whole blocks are read in place by the CPU backend's kernel (``kvpolicy.vllm.block_kernel``,
         its contract checked at start-up)."""
-        kernel = block_kernel.CpuBlocks(impl, layer, kv_cache) if block_kernel.runs_cpu_kernel(impl) else None
+        kernel = block_kernel.kernel_for(impl, layer, kv_cache)
         self.select.attend(self._layer(layer), query, output, impl.scale, kernel)
 
     def check_layout(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
