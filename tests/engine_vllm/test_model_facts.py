@@ -99,18 +99,18 @@ def test_an_interleaved_rope_is_missing_with_the_reason():
 
 
 KEEP_O_PROJ = """
-import socket, torch
+import tempfile, torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from kvpolicy.vllm import hooks, settings
 from kvpolicy.vllm.facts import KEPT_WEIGHT, o_proj_weight
 
 hooks.install()
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+rendezvous = tempfile.mktemp()  # a file, not a port another process could take first
 config = VllmConfig(additional_config={settings.KEY: settings.resolve({"policy": "criticalkv"}).to_dict()})
 with set_current_vllm_config(config):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                 distributed_init_method=f"file://{rendezvous}")
     initialize_model_parallel(1)
     from vllm.model_executor.layers.linear import RowParallelLinear
     for prefix, kept in (("model.layers.0.self_attn.o_proj", True), ("model.layers.0.mlp.down_proj", False)):
@@ -136,7 +136,7 @@ def test_an_o_proj_keeps_its_weight_after_vllms_cpu_gemm_dispatch():
 
 
 REAL_LLAMA = """
-import socket, sys, torch
+import sys, tempfile, torch
 from transformers import AutoModelForCausalLM
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -144,11 +144,11 @@ from kvpolicy.hf.facts import model_facts as hf_facts
 from kvpolicy.vllm.facts import model_facts
 
 folder = sys.argv[1]
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+rendezvous = tempfile.mktemp()  # a file, not a port another process could take first
 config = VllmConfig(model_config=ModelConfig(model=folder, dtype="float32"))
 with set_current_vllm_config(config):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                 distributed_init_method=f"file://{rendezvous}")
     initialize_model_parallel(1)
     from vllm.model_executor.models.llama import LlamaForCausalLM
     torch.set_default_dtype(torch.float32)
