@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from . import eviction
-from .layouts.base import HeldSlots
+from . import driver, eviction
+from .layouts.base import HeldSlots, RowClass
 from .policy import Policy, eviction_input, keep_top
 from .stages import guards
 from .stages.base import EvictionInput
@@ -32,7 +32,7 @@ from .stages.model_facts import ModelFacts
 from .stages.recall import RecallInput
 from .state import LayerGroup
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "GroupStore"]
 
 
 class Executor:
@@ -84,14 +84,7 @@ class Executor:
     def _observe(self, group: LayerGroup, rows_mask: torch.Tensor) -> None:
         group.require_complete("update the policy's state")
         group.materialise_positions()
-        layout = group.layout
-        for rows, count in layout.eviction_classes(rows_mask):
-            row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(group.device)
-            held = layout.gather_rows(rows, row_sel, count)
-            state = eviction.observe(self.policy, self.group_input(group, rows, row_sel, held))
-            assert held.store is not None
-            held.store(state)
-            group.rows.mark_observed(rows)
+        driver.observe(GroupStore(self, group), self.policy, group.layout.eviction_classes(rows_mask))
 
     def observe_step(
         self, group: LayerGroup, layer: int, queries: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -109,14 +102,8 @@ class Executor:
     def _evict_due(self, group: LayerGroup) -> int:
         group.require_complete("evict")
         group.materialise_positions()
-        layout = group.layout
         due = group.due.clone()
-        for rows, count in layout.eviction_classes(due):
-            row_sel: slice | torch.Tensor = slice(None) if rows.numel() == group.batch else rows.to(group.device)
-            held = layout.gather_rows(rows, row_sel, count)
-            kept = eviction.evict(self.policy, self.group_input(group, rows, row_sel, held))
-            group.evicted(rows, layout.compact(rows, row_sel, count, held, kept))
-            group.rows.mark_observed(rows)  # the eviction brought their state up to date
+        driver.evict(GroupStore(self, group), self.policy, group.layout.eviction_classes(due))
         group.eviction_steps += 1
         return int(due.sum())
 
@@ -187,3 +174,40 @@ class Executor:
             query_positions=query_positions, query_new=query_new, state=state, model=self.model_facts,
             prompt_lengths=prompts,
         )
+
+
+class GatheredRows(NamedTuple):
+    """A class of a group's rows as gathered for the policy (``GroupStore.gather``)."""
+
+    row_sel: slice | torch.Tensor  # all rows, or them on the group's device
+    held: HeldSlots
+    inp: EvictionInput
+
+
+class GroupStore:
+    """A ``LayerGroup`` as the step driver's ``kvpolicy.driver.SlotStore``: its layout gathers and
+    compacts a class of rows (``RowClass``), its rows' counters count evictions and what the
+    state has seen, and the executor builds the policy's input (``Executor.group_input``)."""
+
+    def __init__(self, executor: Executor, group: LayerGroup) -> None:
+        self.executor, self.group = executor, group
+
+    def gather(self, rows: RowClass) -> GatheredRows:
+        group = self.group
+        row_sel: slice | torch.Tensor = slice(None) if rows.rows.numel() == group.batch else rows.rows.to(group.device)
+        held = group.layout.gather_rows(rows.rows, row_sel, rows.held)
+        return GatheredRows(row_sel, held, self.executor.group_input(group, rows.rows, row_sel, held))
+
+    def compact(self, rows: RowClass, gathered: GatheredRows, kept: eviction.Kept) -> int:
+        """Returns the slots each of ``rows`` holds now."""
+        count = self.group.layout.compact(rows.rows, gathered.row_sel, rows.held, gathered.held, kept)
+        self.group.evicted(rows.rows, count)
+        return count
+
+    def write_state(self, rows: RowClass, gathered: GatheredRows, state: Mapping[str, torch.Tensor]) -> None:
+        if gathered.held.store is None:
+            raise RuntimeError(f"{type(self.group.layout).__name__} gathered state it cannot store back")
+        gathered.held.store(state)
+
+    def observed(self, rows: RowClass) -> None:
+        self.group.rows.mark_observed(rows.rows)

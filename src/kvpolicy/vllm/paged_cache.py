@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .. import eviction
+from .. import driver, eviction
 from ..eviction import Kept
 from ..policy import Policy, eviction_input
 from ..schedule import Schedule
@@ -215,8 +216,10 @@ class PagedCache:
             if eviction.is_long_step(tokens, window):
                 self.long_steps[req_id] = LongStep(i, int(ends[i]) - tokens, tokens, done, ledger.offset,
                                                    ledger.slots + tokens)
+        store = PagedStore(self, table)
         for (_, count), group in sorted(pending.items()):
-            self._observe(self.records[group[0][1]].policy, count, group, table)
+            rp = self.records[group[0][1]].policy
+            driver.observe(store, evicting_policy(rp), [RequestClass(rp, count, group)])
         for req_id, step in self.long_steps.items():  # seen as planned (``eviction.is_long_step``), as the caches do
             self.records[req_id].observed = step.before + step.tokens
 
@@ -299,23 +302,23 @@ class PagedCache:
             shape = self._lanes(req_id).width(entry.held) if per_head else entry.evicts_to().budget
             groups.setdefault((per_head, rp.resolved.policy_yaml or "", entry.held, shape), []).append((i, req_id))
         out: list[Evicted] = []
+        store = PagedStore(self, table)
         for (_, _, count, _), group in sorted(groups.items()):
-            out += self._evict(self.records[group[0][1]].policy, count, group, table)
+            rp = self.records[group[0][1]].policy
+            for evicted in driver.evict(store, evicting_policy(rp), [RequestClass(rp, count, group)]):
+                out += evicted
         return out
 
-    def _evict(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> list[Evicted]:
-        """Evict the requests of ``group`` (batch row, request id), which all run ``rp`` and hold
-        ``n`` slots: one ``eviction.evict`` over every layer and request, the kept slots compacted
-        to the front of the request's blocks (under per-head budgets, of each head's lane:
-        ``_place_heads``), and the blocks past them dropped from its block table.
+    def compact_kept(self, rp: RequestPolicy, n: int, held: HeldRequests, kept: Kept, table: BlockTable) -> list[Evicted]:
+        """What an eviction of ``held``'s requests (all running ``rp``, holding ``n`` slots each)
+        ``kept``, compacted to the front of each request's blocks (under per-head budgets, of each
+        head's lane: ``_place_heads``), and the blocks past them dropped from its block table.
 
         Under prefix caching a request's first eviction writes the kept slots into the fresh
         blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
         blocks, which other requests may read or the prefix cache hand out again; the request's
         block table becomes those fresh blocks."""
         policy = evicting_policy(rp)
-        held = self._gather_requests(rp, n, group, table)
-        kept = eviction.evict(policy, held.inp)
         place = self._place_heads(policy, held, kept, n) if policy.per_head else self._place_even(policy, held, kept)
         new_tables = [self._kept_blocks(table, int(held.rows[j]), req_id, held.states[j].evictions == 0, n, place.room)
                       for j, req_id in enumerate(held.req_ids)]
@@ -325,7 +328,7 @@ class PagedCache:
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
                 self.records[req_id].head_counts = place.counts[:, j].clone()
-            out.append(self._evicted(req_id, int(held.rows[j]), held.states[j].tokens, place.slots[j], new_tables[j], table))
+            out.append(self._evicted(req_id, int(held.rows[j]), place.slots[j], new_tables[j], table))
         if self.trace is not None:
             self._write_trace(rp, held.req_ids, held.states, n, held.inp, place.traced, counts=kept.counts if policy.per_head else None)
         return out
@@ -373,27 +376,26 @@ class PagedCache:
         slots = stored_state([self.records[q] for q in held.req_ids], slots, lyr, self.kv_heads, self.device, per_head)
         return Placement(order, room, held.gathered, slots, counts, kept.keep)
 
-    def _evicted(self, req_id: str, row: int, tokens: int, kept: KeptSlots, blocks: list[int],
-                 table: BlockTable) -> Evicted:
-        """A request's eviction recorded (both layouts): what it keeps per slot, its state up to
-        date with every query so far, the ledger's count, and its new block table."""
-        record = self.records[req_id]
-        record.kept, record.observed = kept, tokens
+    def _evicted(self, req_id: str, row: int, kept: KeptSlots, blocks: list[int], table: BlockTable) -> Evicted:
+        """A request's eviction recorded (both layouts): what it keeps per slot, the ledger's
+        count, and its new block table."""
+        self.records[req_id].kept = kept
         self.ledger.evicted(req_id)
         table.add_row(blocks, row)
         return Evicted(row, req_id, blocks)
 
-    def _observe(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> None:
-        """Bring the state of ``group``'s requests (batch row, request id; ``n`` slots each) up to
-        date with their window's unseen queries, every layer at once, evicting nothing: before
-        this step's queries push unseen ones out of the window."""
-        policy = evicting_policy(rp)
-        held = self._gather_requests(rp, n, group, table)
-        req_ids, states, slots, inp = held.req_ids, held.states, held.slots, held.inp
-        new = eviction.observe(policy, inp)
-        for req_id, x, s in zip(req_ids, stored_state([self.records[q] for q in req_ids], slots, self.layers, self.kv_heads, self.device, new), states, strict=True):
-            record = self.records[req_id]
-            record.kept, record.observed = x, s.tokens
+    def store_state(self, held: HeldRequests, state: Mapping[str, torch.Tensor]) -> None:
+        """An updated ``state`` of ``held``'s requests (as gathered, every layer), stored with
+        their kept slots, moving none."""
+        records = [self.records[q] for q in held.req_ids]
+        for record, kept in zip(records, stored_state(records, held.slots, self.layers, self.kv_heads, self.device, state),
+                                strict=True):
+            record.kept = kept
+
+    def observed(self, req_ids: list[str]) -> None:
+        """The requests' state has seen every query so far (their tokens, as the ledger counts them)."""
+        for req_id in req_ids:
+            self.records[req_id].observed = self.ledger.get(req_id).tokens
 
     # -- per-head budgets (each head's lane of the request's blocks: ``kvpolicy.vllm.lanes``) ------
     def _lanes(self, req_id: str) -> Lanes:
@@ -440,7 +442,7 @@ class PagedCache:
             lanes.move_tokens(self.head_attention, layer, self.kv[layer])
 
     # -- the input --------------------------------------------------------------------------
-    def _gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
+    def gather_requests(self, rp: RequestPolicy, n: int, group: list[tuple[int, str]], table: BlockTable) -> HeldRequests:
         """What ``group``'s requests (batch row, request id; ``n`` slots each, policy ``rp``)
         hold, and the eviction input of every layer and request, layer-major. Under per-head
         budgets, every head's own slots, right-aligned in the width of the fullest head (the
@@ -555,7 +557,7 @@ class PagedCache:
         """A due request's eviction input on this cache's one layer (per-layer budgets), as its
         next eviction reads it: what ``decide_layer_budgets`` hands the policy for each layer."""
         entry = self.ledger.get(req_id)
-        return self._gather_requests(self.records[req_id].policy, entry.held, [(row, req_id)], table).inp
+        return self.gather_requests(self.records[req_id].policy, entry.held, [(row, req_id)], table).inp
 
     def decided_here(self, req_id: str, schedule: Schedule) -> None:
         """The request's layer schedule, decided from its prompt at this step's eviction: its
@@ -598,3 +600,32 @@ class PagedCache:
                 step=self.step, head_offset=self.head_offset, layers=self.layer_ids, resolved=rp.resolved,
                 states=states, requests=req_ids, slots_before=n, inp=inp, kept=kept, counts=counts,
                 held=[kept_slots_of(self.records[q]).positions for q in req_ids])
+
+
+class RequestClass(NamedTuple):
+    """Requests of one policy holding one count, evicted or updated together (each as it would
+    alone): the step driver's class of rows in vLLM."""
+
+    policy: RequestPolicy
+    held: int  # slots each holds
+    members: list[tuple[int, str]]  # (batch row, request id)
+
+
+class PagedStore:
+    """A step's requests in their KV blocks (``table``: this step's block table) as the step
+    driver's ``kvpolicy.driver.SlotStore``."""
+
+    def __init__(self, cache: PagedCache, table: BlockTable) -> None:
+        self.cache, self.table = cache, table
+
+    def gather(self, rows: RequestClass) -> HeldRequests:
+        return self.cache.gather_requests(rows.policy, rows.held, rows.members, self.table)
+
+    def compact(self, rows: RequestClass, gathered: HeldRequests, kept: Kept) -> list[Evicted]:
+        return self.cache.compact_kept(rows.policy, rows.held, gathered, kept, self.table)
+
+    def write_state(self, rows: RequestClass, gathered: HeldRequests, state: Mapping[str, torch.Tensor]) -> None:
+        self.cache.store_state(gathered, state)
+
+    def observed(self, rows: RequestClass) -> None:
+        self.cache.observed([req_id for _, req_id in rows.members])

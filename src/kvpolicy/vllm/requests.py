@@ -272,7 +272,7 @@ class Evicted:
 
 @dataclass(frozen=True)
 class HeldRequests:
-    """Some requests' slots as an eviction reads them (``PagedCache._gather_requests``)."""
+    """Some requests' slots as an eviction reads them (``PagedCache.gather_requests``)."""
 
     rows: torch.Tensor  # their batch rows
     req_ids: list[str]
