@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvpolicy.vllm.lanes import Lanes, LaneStep, plan_attention
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
 from kvpolicy.vllm.paged import compact, gather_paged, slot_address
 
@@ -266,3 +269,58 @@ def test_a_trace_saves_at_most_the_limit_set_when_it_starts(tmp_path, monkeypatc
             trace.save_input(eviction_input(keys, keys, keys[:, :, :1], budget=2, recent=0, seed=0), kept=keys)
     assert not list((tmp_path / "none").glob("evict-*.pt"))
     assert len(list((tmp_path / "two").glob("evict-*.pt"))) == 2
+
+
+@st.composite
+def _lane_steps(draw):
+    layers, kv_heads, block_size = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([4, 8]))
+    steps, end = [], 0
+    for _ in range(draw(st.integers(1, 4))):
+        start = draw(st.integers(0, 12))
+        counts = torch.tensor(draw(st.lists(st.integers(0, start), min_size=layers * kv_heads,
+                                            max_size=layers * kv_heads))).view(layers, kv_heads)
+        tokens = draw(st.integers(1, 6))
+        held = start + draw(st.integers(0, 6)) + tokens
+        end += tokens
+        steps.append(LaneStep(Lanes(counts, start), held, tokens, end))
+    return steps, block_size
+
+
+@settings(max_examples=150, deadline=None)
+@given(_lane_steps())
+def test_a_head_attention_plan_is_each_requests_lanes(case):
+    """``plan_attention`` (every request at once) against each request's own ``Lanes``: its heads'
+    lengths, its queries' rows, where its new tokens move (``Lanes.token_moves``), and, for the
+    gathering path, the columns each query attends (its head's own slots, causal over the step's)."""
+    steps, bs = case
+    b, kv_heads = len(steps), steps[0].lanes.counts.shape[1]
+    tables = torch.randperm(b * 8 * 2)[: b * 8].view(b, 8)
+    plan = plan_attention(steps, tables, bs, torch.device("cpu"))
+    gathered = plan.gathered
+    assert plan.decodes == all(s.tokens == 1 for s in steps)
+    m = 0
+    for j, s in enumerate(steps):
+        own = s.lanes.own(s.held)
+        assert torch.equal(plan.lengths[:, j], own.to(torch.int32))
+        assert plan.token_idx[j, : s.tokens].tolist() == list(range(s.end - s.tokens, s.end))
+        assert plan.token_valid[j].tolist() == [i < s.tokens for i in range(plan.token_idx.shape[1])]
+        src, dst = s.lanes.token_moves(s.held - s.tokens, s.tokens)
+        for tok in range(s.tokens):
+            for h in range(kv_heads):
+                assert int(plan.moves.src_block[m]) == int(tables[j, int(src[tok]) // bs])
+                assert int(plan.moves.src_offset[m]) == int(src[tok]) % bs and int(plan.moves.head[m]) == h
+                for layer in range(own.shape[0]):
+                    slot = int(dst[layer, h, tok])
+                    assert int(plan.moves.dst_block[layer, m]) == int(tables[j, slot // bs])
+                    assert int(plan.moves.dst_offset[layer, m]) == slot % bs
+                m += 1
+        for layer in range(own.shape[0]):
+            for h in range(kv_heads):
+                n = int(own[layer, h])
+                for q in range(s.tokens):
+                    want = [w < n and w <= n - s.tokens + q for w in range(gathered.mask.shape[-1])]
+                    assert gathered.mask[layer, j, h, q].tolist() == want
+                for w in range(min(n, gathered.blocks.shape[-1])):
+                    assert int(gathered.blocks[layer, j, h, w]) == int(tables[j, w // bs])
+                    assert int(gathered.offsets[layer, j, h, w]) == w % bs and int(gathered.heads[layer, j, h, w]) == h
+    assert m == plan.moves.src_block.numel()

@@ -16,6 +16,7 @@ compute block-table slots, columns and masks from it (``kvpolicy.vllm.paged_cach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,22 +85,51 @@ def padded(t: torch.Tensor, room: int, value: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class HeadAttention:
     """This step's requests whose heads hold different counts, and what each layer's attention
-    over their own slots reads (``plan_attention``). Per layer ``l`` of ``[Lyr, B, Hkv, W]``:
-    column ``w`` of a head is slot ``w`` of its lane (its kept slots, then those appended since
-    the last eviction), ``lengths`` how many it holds. ``moves``: where the step's tokens, written by
-    vLLM for every head at one slot, go in each head's lane (``Lanes.token_moves``)."""
+    over their own slots reads (``plan_attention``): each head's lane holds its kept slots, then
+    those appended since the last eviction, ``lengths`` of them. ``moves``: where the step's
+    tokens, written by vLLM for every head at one slot, go in each head's lane
+    (``Lanes.token_moves``). One-token steps read the lanes in place by vLLM's kernel, which
+    needs no more; the addresses and causal mask of the gathering path (``gathered``) are built
+    only when a layer asks for them."""
 
     token_idx: torch.Tensor  # [B, T] each query's row in the step's flattened tokens (0 past a chunk)
     token_valid: torch.Tensor  # [B, T] which of those hold a query of the request
-    blocks: torch.Tensor  # [Lyr, B, Hkv, W] the block of each column's slot
-    offsets: torch.Tensor  # [Lyr, B, Hkv, W] its offset in the block
-    heads: torch.Tensor  # [Lyr, B, Hkv, W] its KV head
-    mask: torch.Tensor  # [Lyr, B, Hkv, T, W] bool: the columns query t attends (causal over appended slots)
     lengths: torch.Tensor  # [Lyr, B, Hkv] int32: slots each head holds after the step
     tables: torch.Tensor  # [B, max_blocks] the requests' block tables
     moves: TokenMoves
     decodes: bool  # whether every request of the plan writes one token
     max_blocks: int  # blocks that hold the fullest head's slots, of any request and layer
+    own: torch.Tensor  # host [Lyr, B, Hkv]: ``lengths``, for ``gathered``
+    tokens: torch.Tensor  # host [B]: each request's tokens in the step
+    block_size: int
+
+    @cached_property
+    def gathered(self) -> GatheredLanes:
+        """Column ``w`` of a head, per layer ``[Lyr, B, Hkv, W]``, is slot ``w`` of its lane; query
+        ``t`` attends the head's own columns, causal over the step's appended ones."""
+        own, t = self.own, self.tokens[None, :, None]
+        t_max, width = self.token_idx.shape[1], int(own.max())
+        cols, queries = torch.arange(width), torch.arange(t_max)
+        first_new = (own - t)[..., None, None]  # the column of the step's first token
+        mask = ((cols < own[..., None])[..., None, :] & (cols <= first_new + queries[:, None])
+                & (queries < t[..., None])[..., None])  # [Lyr, B, Hkv, T, W]
+        mask[..., 0] |= ~mask.any(-1)  # a query past its request's chunk attends column 0: finite, dropped
+        slot = torch.where(mask.any(-2), cols, 0)
+        device = self.tables.device
+        slot_dev = slot.to(device)
+        blocks = self.tables[torch.arange(own.shape[1], device=device)[None, :, None, None], slot_dev // self.block_size]
+        heads = torch.arange(own.shape[2])[:, None].expand_as(slot)
+        return GatheredLanes(blocks, slot_dev % self.block_size, heads.to(device), mask.to(device))
+
+
+@dataclass(frozen=True)
+class GatheredLanes:
+    """Where the gathering path of ``HeadAttention`` reads, per layer ``[Lyr, B, Hkv, W]``."""
+
+    blocks: torch.Tensor  # the block of each column's slot
+    offsets: torch.Tensor  # its offset in the block
+    heads: torch.Tensor  # its KV head
+    mask: torch.Tensor  # [Lyr, B, Hkv, T, W] bool: the columns query t attends (causal over appended slots)
 
 
 @dataclass(frozen=True)
@@ -128,41 +158,30 @@ class LaneStep:
 
 def plan_attention(steps: list[LaneStep], tables: torch.Tensor, block_size: int, device: torch.device) -> HeadAttention:
     """Where each layer's attention of ``steps`` reads: each head's own slots (``tables [B,
-    max_blocks]``, the requests' block tables), causal over the step's appended slots."""
-    layers, kv_heads = steps[0].lanes.counts.shape
-    t_max = max(s.tokens for s in steps)
-    width = max(int(s.lanes.own(s.held).max()) for s in steps)
-    cols = torch.arange(width)
-    b = len(steps)
-    token_idx = torch.zeros(b, t_max, dtype=torch.long)
-    token_valid = torch.zeros(b, t_max, dtype=torch.bool)
-    lengths = torch.zeros(layers, b, kv_heads, dtype=torch.int32)
-    mask = torch.zeros(layers, b, kv_heads, t_max, width, dtype=torch.bool)
+    max_blocks]``, the requests' block tables), causal over the step's appended slots; and where
+    the step's tokens move (``Lanes.token_moves``, every request at once)."""
+    kv_heads = steps[0].lanes.counts.shape[1]
+    t = torch.tensor([s.tokens for s in steps])
+    held = torch.tensor([s.held for s in steps])
+    end = torch.tensor([s.end for s in steps])
+    # Each head's own slots after the step (``Lanes.own``), every request at once: [B, Lyr, Hkv].
+    own = torch.stack([s.lanes.counts for s in steps]) + (held - torch.tensor([s.lanes.start for s in steps]))[:, None, None]
+    t_max = int(t.max())
     queries = torch.arange(t_max)
-    src, dst, rows = [], [], []
-    for j, s in enumerate(steps):
-        t = s.tokens
-        token_idx[j, :t] = torch.arange(s.end - t, s.end)
-        token_valid[j, :t] = True
-        own = s.lanes.own(s.held)  # [Lyr, Hkv]: after the step's tokens
-        lengths[:, j] = own.to(torch.int32)
-        first_new = (own - t)[..., None, None]  # the column of the step's first token
-        mask[:, j] = (cols < own[..., None])[..., None, :] & (cols <= first_new + queries[:, None]) & (queries < t)[:, None]
-        moved_from, moved_to = s.lanes.token_moves(s.held - t, t)
-        src.append(moved_from.repeat_interleave(kv_heads))  # [T * Hkv], token-major
-        dst.append(moved_to.transpose(1, 2).flatten(1))  # [Lyr, T * Hkv]
-        rows.append(torch.full((t * kv_heads,), j))
-    mask[..., 0] |= ~mask.any(-1)  # a query past its request's chunk attends column 0: finite, dropped
-    slot = torch.where(mask.any(-2), cols, 0)
-    blocks = tables[torch.arange(b)[None, :, None, None], slot // block_size]
-    heads = torch.arange(kv_heads)[:, None].expand_as(slot)
-    row, src_slot, dst_slot = torch.cat(rows), torch.cat(src), torch.cat(dst, dim=1)
+    token_valid = queries < t[:, None]
+    token_idx = torch.where(token_valid, end[:, None] - t[:, None] + queries, 0)
+    # The step's tokens, request-major (token k of request j), each moved per head: token-major, head-minor.
+    row = torch.repeat_interleave(torch.arange(len(steps)), t)  # [N]
+    k = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(t, 0) - t, t)
+    src_slot = (held[row] - t[row] + k).repeat_interleave(kv_heads)  # where vLLM wrote it: [N * Hkv]
+    dst_slot = (own[row] - (t[row] - k)[:, None, None]).transpose(0, 1).flatten(1)  # [Lyr, N * Hkv]
+    row = row.repeat_interleave(kv_heads)
     moves = TokenMoves(tables[row, src_slot // block_size].to(device), (src_slot % block_size).to(device),
                        torch.arange(kv_heads).repeat(len(row) // kv_heads).to(device),
                        tables[row[None], dst_slot // block_size].to(device), (dst_slot % block_size).to(device))
-    return HeadAttention(token_idx.to(device), token_valid.to(device), blocks.to(device),
-                         (slot % block_size).to(device), heads.to(device), mask.to(device), lengths.to(device),
-                         tables.to(device), moves, t_max == 1, -(-int(lengths.max()) // block_size))
+    own = own.transpose(0, 1)  # [Lyr, B, Hkv]
+    return HeadAttention(token_idx.to(device), token_valid.to(device), own.to(device=device, dtype=torch.int32),
+                         tables.to(device), moves, t_max == 1, -(-int(own.max()) // block_size), own, t, block_size)
 
 
 def _attend_in_place(plan: HeadAttention, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float,
@@ -198,11 +217,12 @@ def attend(plan: HeadAttention, layer: int, kv: KV, query: torch.Tensor, output:
     b, _ = plan.token_idx.shape
     q = query.view(query.shape[0], q_heads, head_dim)[plan.token_idx]  # [B, T, Hq, D]
     keys, values = kv
-    blocks, offsets, heads = plan.blocks[layer], plan.offsets[layer], plan.heads[layer]
+    at = plan.gathered
+    blocks, offsets, heads = at.blocks[layer], at.offsets[layer], at.heads[layer]
     k, v = keys[blocks, offsets, heads], values[blocks, offsets, heads]  # [B, Hkv, W, D]
     kv_heads, width = k.shape[1], k.shape[2]
     index = torch.arange(b * kv_heads * width, device=k.device).view(b, kv_heads, width)
-    out = attend_heads(q.transpose(1, 2).to(k.dtype), k.flatten(0, 2), v.flatten(0, 2), index, plan.mask[layer],
+    out = attend_heads(q.transpose(1, 2).to(k.dtype), k.flatten(0, 2), v.flatten(0, 2), index, at.mask[layer],
                        scaling=scale)  # [B, Hq, T, Dv]
     rows = output.view(output.shape[0], q_heads, -1)
     rows[plan.token_idx[plan.token_valid]] = out.transpose(1, 2)[plan.token_valid].to(rows.dtype)
