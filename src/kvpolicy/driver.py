@@ -8,7 +8,8 @@ the new state), and count that the state has now seen every query of those rows.
 
 An engine's storage of slots implements ``SlotStore``: the transformers caches through
 ``kvpolicy.executor.GroupStore`` (a ``LayerGroup`` and its layout), vLLM's paged cache through
-``kvpolicy.vllm.paged_cache.PagedStore`` (a step's requests in their KV blocks). Neither writes
+``kvpolicy.vllm.paged_cache.PagedCache`` itself (a step's requests in their KV blocks, classes
+of them as ``kvpolicy.vllm.requests.RequestClass``). Neither writes
 the loop, so both keep the same order: a row's state is recorded as up to date exactly when its
 eviction or update has been written.
 """

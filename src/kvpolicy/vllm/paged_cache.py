@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,12 +26,12 @@ from ..policy import Policy, eviction_input
 from ..schedule import Schedule
 from ..stages.base import EvictionInput
 from ..stages.model_facts import ModelFacts
-from . import lanes
+from . import lanes, paged
 from .block_kernel import CpuBlocks
 from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
-from .ledger import BlocksDisagree, RequestSlots, SlotLedger, compaction
-from .paged import KV, compact, gather_paged, slot_address
+from .ledger import BlocksDisagree, SlotLedger, compaction
+from .paged import KV, gather_paged, slot_address
 from .refusals import worker_refusal
 from .requests import (
     BlockTable,
@@ -42,6 +41,7 @@ from .requests import (
     LongStep,
     Placement,
     QueryCapture,
+    RequestClass,
     RequestPolicy,
     RequestQueryRing,
     RequestRecord,
@@ -216,10 +216,9 @@ class PagedCache:
             if eviction.is_long_step(tokens, window):
                 self.long_steps[req_id] = LongStep(i, int(ends[i]) - tokens, tokens, done, ledger.offset,
                                                    ledger.slots + tokens)
-        store = PagedStore(self, table)
         for (_, count), group in sorted(pending.items()):
             rp = self.records[group[0][1]].policy
-            driver.observe(store, evicting_policy(rp), [RequestClass(rp, count, group)])
+            driver.observe(self, evicting_policy(rp), [RequestClass(rp, count, group, table)])
         for req_id, step in self.long_steps.items():  # seen as planned (``eviction.is_long_step``), as the caches do
             self.records[req_id].observed = step.before + step.tokens
 
@@ -302,35 +301,42 @@ class PagedCache:
             shape = self._lanes(req_id).width(entry.held) if per_head else entry.evicts_to().budget
             groups.setdefault((per_head, rp.resolved.policy_yaml or "", entry.held, shape), []).append((i, req_id))
         out: list[Evicted] = []
-        store = PagedStore(self, table)
         for (_, _, count, _), group in sorted(groups.items()):
             rp = self.records[group[0][1]].policy
-            for evicted in driver.evict(store, evicting_policy(rp), [RequestClass(rp, count, group)]):
+            for evicted in driver.evict(self, evicting_policy(rp), [RequestClass(rp, count, group, table)]):
                 out += evicted
         return out
 
-    def compact_kept(self, rp: RequestPolicy, n: int, held: HeldRequests, kept: Kept, table: BlockTable) -> list[Evicted]:
-        """What an eviction of ``held``'s requests (all running ``rp``, holding ``n`` slots each)
-        ``kept``, compacted to the front of each request's blocks (under per-head budgets, of each
-        head's lane: ``_place_heads``), and the blocks past them dropped from its block table.
+    # -- the step driver's store (``kvpolicy.driver.SlotStore``: ``gather``, ``compact``, ``write_state``, ``observed``)
+    def gather(self, rows: RequestClass) -> HeldRequests:
+        return self.gather_requests(rows.policy, rows.held, rows.members, rows.table)
+
+    def compact(self, rows: RequestClass, held: HeldRequests, kept: Kept) -> list[Evicted]:
+        """What an eviction of ``held``'s requests kept, compacted to the front of each request's
+        blocks (under per-head budgets, of each head's lane: ``_place_heads``), and the blocks past
+        them dropped from its block table.
 
         Under prefix caching a request's first eviction writes the kept slots into the fresh
         blocks the scheduler appended for it (``kvpolicy.vllm.scheduler``), never into its old
         blocks, which other requests may read or the prefix cache hand out again; the request's
         block table becomes those fresh blocks."""
+        rp, n, table = rows.policy, rows.held, rows.table
         policy = evicting_policy(rp)
         place = self._place_heads(policy, held, kept, n) if policy.per_head else self._place_even(policy, held, kept)
         new_tables = [self._kept_blocks(table, int(held.rows[j]), req_id, held.states[j].evictions == 0, n, place.room)
                       for j, req_id in enumerate(held.req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
-        compact(self.kv, dst, place.gathered, place.order, self.block_size)
+        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size)
         out = []
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
                 self.records[req_id].head_counts = place.counts[:, j].clone()
             out.append(self._evicted(req_id, int(held.rows[j]), place.slots[j], new_tables[j], table))
-        if self.trace is not None:
-            self._write_trace(rp, held.req_ids, held.states, n, held.inp, place.traced, counts=kept.counts if policy.per_head else None)
+        if self.trace is not None:  # per head, the kept mask [B, Hkv, N] and each head's count
+            self.trace.eviction(step=self.step, head_offset=self.head_offset, layers=self.layer_ids, resolved=rp.resolved,
+                                states=held.states, requests=held.req_ids, slots_before=n, inp=held.inp, kept=place.traced,
+                                counts=kept.counts if policy.per_head else None,
+                                held=[kept_slots_of(self.records[q]).positions for q in held.req_ids])
         return out
 
     def _place_even(self, policy: Policy, held: HeldRequests, kept: Kept) -> Placement:
@@ -384,7 +390,7 @@ class PagedCache:
         table.add_row(blocks, row)
         return Evicted(row, req_id, blocks)
 
-    def store_state(self, held: HeldRequests, state: Mapping[str, torch.Tensor]) -> None:
+    def write_state(self, rows: RequestClass, held: HeldRequests, state: Mapping[str, torch.Tensor]) -> None:
         """An updated ``state`` of ``held``'s requests (as gathered, every layer), stored with
         their kept slots, moving none."""
         records = [self.records[q] for q in held.req_ids]
@@ -392,9 +398,9 @@ class PagedCache:
                                 strict=True):
             record.kept = kept
 
-    def observed(self, req_ids: list[str]) -> None:
+    def observed(self, rows: RequestClass) -> None:
         """The requests' state has seen every query so far (their tokens, as the ledger counts them)."""
-        for req_id in req_ids:
+        for _, req_id in rows.members:
             self.records[req_id].observed = self.ledger.get(req_id).tokens
 
     # -- per-head budgets (each head's lane of the request's blocks: ``kvpolicy.vllm.lanes``) ------
@@ -590,42 +596,3 @@ class PagedCache:
         fields = None if policy is None else {name: spec for name, (_, _, spec) in policy.state_fields.items()}
         fresh = KeptSlots.fresh(start, n, offset, self.layers, self.kv_heads, self.device, fields)
         return KeptSlots.extend(kept, fresh)
-
-    def _write_trace(self, rp: RequestPolicy, req_ids: list[str], states: list[RequestSlots], n: int,
-                     inp: EvictionInput, kept: torch.Tensor, counts: torch.Tensor | None = None) -> None:
-        """``kept``: the kept slots ``[B, Hkv, K]``, or under per-head budgets the kept mask
-        ``[B, Hkv, N]`` with each head's ``counts [B, Hkv]``."""
-        if self.trace is not None:
-            self.trace.eviction(
-                step=self.step, head_offset=self.head_offset, layers=self.layer_ids, resolved=rp.resolved,
-                states=states, requests=req_ids, slots_before=n, inp=inp, kept=kept, counts=counts,
-                held=[kept_slots_of(self.records[q]).positions for q in req_ids])
-
-
-class RequestClass(NamedTuple):
-    """Requests of one policy holding one count, evicted or updated together (each as it would
-    alone): the step driver's class of rows in vLLM."""
-
-    policy: RequestPolicy
-    held: int  # slots each holds
-    members: list[tuple[int, str]]  # (batch row, request id)
-
-
-class PagedStore:
-    """A step's requests in their KV blocks (``table``: this step's block table) as the step
-    driver's ``kvpolicy.driver.SlotStore``."""
-
-    def __init__(self, cache: PagedCache, table: BlockTable) -> None:
-        self.cache, self.table = cache, table
-
-    def gather(self, rows: RequestClass) -> HeldRequests:
-        return self.cache.gather_requests(rows.policy, rows.held, rows.members, self.table)
-
-    def compact(self, rows: RequestClass, gathered: HeldRequests, kept: Kept) -> list[Evicted]:
-        return self.cache.compact_kept(rows.policy, rows.held, gathered, kept, self.table)
-
-    def write_state(self, rows: RequestClass, gathered: HeldRequests, state: Mapping[str, torch.Tensor]) -> None:
-        self.cache.store_state(gathered, state)
-
-    def observed(self, rows: RequestClass) -> None:
-        self.cache.observed([req_id for _, req_id in rows.members])

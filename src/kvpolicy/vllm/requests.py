@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -268,6 +268,17 @@ class Evicted:
     row: int
     req_id: str
     blocks: list[int]
+
+
+class RequestClass(NamedTuple):
+    """Requests of one policy holding one count, evicted or updated together (each as it would
+    alone): the step driver's class of rows in vLLM (``kvpolicy.driver``), with this step's
+    block ``table``."""
+
+    policy: RequestPolicy
+    held: int  # slots each holds
+    members: list[tuple[int, str]]  # (batch row, request id)
+    table: BlockTable
 
 
 @dataclass(frozen=True)
