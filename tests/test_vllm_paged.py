@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.vllm.lanes import Lanes, LaneStep, plan_attention
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
-from kvpolicy.vllm.paged import compact, gather_paged, slot_address
+from kvpolicy.vllm.paged import compact, gather_paged, in_place, slot_address
 
 CPU = "LBHNC"
 
@@ -324,3 +324,36 @@ def test_a_head_attention_plan_is_each_requests_lanes(case):
                     assert int(gathered.blocks[layer, j, h, w]) == int(tables[j, w // bs])
                     assert int(gathered.offsets[layer, j, h, w]) == w % bs and int(gathered.heads[layer, j, h, w]) == h
     assert m == plan.moves.src_block.numel()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.data())
+def test_an_in_place_compaction_rewrites_only_what_moves_and_leaves_what_a_full_one_leaves(seed, data):
+    """``in_place`` is, per layer and row, the length of the prefix every head keeps where it is;
+    ``compact`` from there leaves the cache exactly as rewriting every kept slot does, and a row
+    whose start is 0 (a row moving to other blocks) is rewritten whole."""
+    g = torch.Generator().manual_seed(seed)
+    lyr, r, h, bs, d, n = 2, 3, 2, 4, 3, 13
+    k = data.draw(st.integers(1, n))
+    nb = 16
+    kept = torch.empty(lyr, r, h, k, dtype=torch.long)
+    prefix = torch.empty(lyr, r, dtype=torch.long)
+    for layer in range(lyr):
+        for row in range(r):
+            p = data.draw(st.integers(0, k))  # every head keeps slots 0 .. p-1 where they are
+            for head in range(h):
+                rest = (torch.randperm(n - p, generator=g)[: k - p] + p).sort().values
+                kept[layer, row, head] = torch.cat([torch.arange(p), rest])
+            prefix[layer, row] = k if bool((kept[layer, row] == torch.arange(k)).all()) else (
+                (kept[layer, row] != torch.arange(k)).any(0).to(torch.uint8).argmax())
+    assert torch.equal(in_place(kept), prefix)
+    tables = torch.randperm(nb, generator=g)[: r * 4].view(r, 4)
+    caches = []
+    for start in (None, in_place(kept)):
+        g2 = torch.Generator().manual_seed(seed)
+        kv = [(torch.randn(nb, bs, h, d, generator=g2), torch.randn(nb, bs, h, d, generator=g2)) for _ in range(lyr)]
+        gathered = [gather_paged(x, *slot_address(tables, n, bs)) for x in kv]
+        compact(kv, tables, gathered, kept, bs, start)
+        caches.append(kv)
+    for (k1, v1), (k2, v2) in zip(*caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -32,22 +32,37 @@ def gather_paged(kv: KV, blocks: torch.Tensor, offsets: torch.Tensor) -> KV:
     return keys[blocks, offsets].transpose(1, 2), values[blocks, offsets].transpose(1, 2)
 
 
-def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], kept: torch.Tensor, block_size: int) -> None:
+def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], kept: torch.Tensor, block_size: int,
+            start: torch.Tensor | None = None) -> None:
     """Move each row's kept slots to the front of its blocks, in order, in place.
 
     Args:
         layers: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views).
         block_tables: ``[R, max_blocks]`` the rows' block tables.
-        gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_paged``
-            read them (copies: writing the cache does not change them).
+        gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_paged`` read them
+            (copies: writing the cache does not change them).
         kept: ``[Lyr, R, Hkv, K]`` ascending indices into ``gathered``'s slots, per layer, row and head.
+        start: ``[Lyr, R]`` the first slot written per layer and row: the slots before it already
+            hold what they keep (``in_place``); None: every slot is written.
     """
     lyr, r, h, k = kept.shape
     dst_blocks, dst_off = slot_address(block_tables, k, block_size)
-    for (keys, values), (ks, vs), idx in zip(layers, gathered, kept, strict=True):
-        idx = idx.unsqueeze(-1).expand(r, h, k, ks.shape[-1])
-        keys[dst_blocks, dst_off] = ks.gather(2, idx).transpose(1, 2)  # [R, K, Hkv, D]
-        values[dst_blocks, dst_off] = vs.gather(2, idx).transpose(1, 2)
+    heads = torch.arange(h, device=kept.device)
+    slots = torch.arange(k, device=kept.device)
+    for i, ((keys, values), (ks, vs), idx) in enumerate(zip(layers, gathered, kept, strict=True)):
+        rows, cols = (slots >= (0 if start is None else start[i][:, None])).expand(r, k).nonzero(as_tuple=True)
+        src = idx[rows, :, cols]  # [M, Hkv]: the slot each head keeps at column cols of row rows
+        at = dst_blocks[rows, cols], dst_off[rows, cols]
+        keys[at] = ks[rows[:, None], heads, src]  # [M, Hkv, D]
+        values[at] = vs[rows[:, None], heads, src]
+
+
+def in_place(kept: torch.Tensor) -> torch.Tensor:
+    """``[Lyr, R]``: how many leading slots an in-place ``compact`` to ``kept [Lyr, R, Hkv, K]``
+    leaves where they are (every head keeps slot ``p`` as its ``p``-th): its ``start``."""
+    k = kept.shape[-1]
+    moved = (kept != torch.arange(k, device=kept.device)).any(dim=2)  # [Lyr, R, K]
+    return torch.where(moved.any(-1), moved.to(torch.uint8).argmax(-1), k)
 
 
 def __getattr__(name: str) -> Any:

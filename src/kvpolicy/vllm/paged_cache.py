@@ -87,7 +87,7 @@ class PagedCache:
         if model_layers is not None and len(layer_ids) != 1:
             raise ValueError(f"a per-layer KV-cache group holds one layer, got layers {layer_ids}")
         self.model_layers = model_layers
-        self.kv = kv
+        self.kv, self.layers = kv, len(kv)
         self.layer_ids = list(layer_ids)
         self.q_heads, self.head_dim, self.block_size = q_heads, head_dim, block_size
         self.kv_heads = int(kv[0][0].shape[2])
@@ -109,10 +109,6 @@ class PagedCache:
         self.rank, self.step = rank, 0
         self.model_facts = model_facts
         self.per_head_refusal = per_head_refusal
-
-    @property
-    def layers(self) -> int:
-        return len(self.kv)
 
     # -- requests joining and leaving -------------------------------------------------------
     def drop(self, req_id: str) -> None:
@@ -326,7 +322,11 @@ class PagedCache:
         new_tables = [self._kept_blocks(table, int(held.rows[j]), req_id, held.states[j].evictions == 0, n, place.room)
                       for j, req_id in enumerate(held.req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
-        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size)
+        start = None
+        if place.counts is None and kept.values is None:  # even and unmerged: what stays in place is not rewritten
+            own = table.get_cpu_tensor()[held.rows, : dst.shape[1]].to(self.device)
+            start = paged.in_place(place.order) * (own == dst).all(-1)
+        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start)
         out = []
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
