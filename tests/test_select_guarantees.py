@@ -63,6 +63,25 @@ def test_inf_inputs_are_refused_naming_the_input(scorer, target):
         policy.select(k, v, q)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.data())
+def test_the_finite_check_finds_any_non_finite_entry_and_passes_finite_sums_that_overflow(n, data):
+    """The float32 check sums (one reduction) and falls back to min and max when the sum is not
+    finite: an inf or NaN anywhere is found, and finite entries whose sum overflows still pass."""
+    from kvpolicy.stages.guards import _all_representable
+
+    t = torch.randn(n)
+    assert bool(_all_representable(t))
+    huge = t.abs() + 3e38  # finite, yet any two of them add up to inf
+    assert bool(_all_representable(huge))
+    i = data.draw(st.integers(0, n - 1))
+    for bad in (INF, -INF, float("nan")):
+        for base in (t, huge):
+            u = base.clone()
+            u[i] = bad
+            assert not bool(_all_representable(u))
+
+
 def test_nan_in_a_padding_slot_is_refused_too():
     # Scorers read padding (leverage multiplies it by zero, which keeps NaN a NaN): all of it must be finite.
     policy = kvpolicy.load_policy("curdkv", budget=16, recent=4, window=4, interval=4)

@@ -434,11 +434,18 @@ def declared_count(reservation: Reservation, budget: int) -> int | None:
 
 def _all_representable(t: torch.Tensor) -> torch.Tensor:
     """0-d bool: every entry of ``t`` is finite, and within float32's range for float64 (scores are
-    computed in float32). One pass with no
-    temporary as large as ``t`` (the minimum and maximum; NaN propagates through both): cheap
-    enough to run on the whole cache at every step of select mode."""
+    computed in float32). One pass with no temporary as large as ``t`` (the sum of a float32 CPU
+    tensor; else the minimum and maximum; NaN propagates through each): cheap enough to run on the
+    whole cache at every step of select mode."""
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.dtype == torch.float32 and t.device.type == "cpu":
+        # A finite sum has no NaN or inf among its terms (either would make it one), and one
+        # reduction is half the work of two; an overflowing sum of finite terms falls through.
+        # (On CPU only: the test of the sum would synchronise a GPU.)
+        total = t.sum()
+        if bool(torch.isfinite(total)):
+            return torch.isfinite(total)
     lo, hi = torch.aminmax(t)
     if t.dtype == torch.float64:
         return (lo >= -F32_MAX) & (hi <= F32_MAX)  # False for NaN
