@@ -52,7 +52,9 @@ points it did and never holds more slots than it did uninterrupted (see ``kvpoli
 
 from __future__ import annotations
 
+import collections
 import json
+import operator
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,8 @@ from .plans import PolicyPlan
 from .settings import Resolved, request_policy
 from .support import KVPolicyVLLMError
 from .trace import trace_stem
+
+_IS_NULL = operator.attrgetter("is_null")  # vLLM's KVCacheBlock.is_null
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -456,18 +460,26 @@ class SchedulerEviction:
         sched = self.scheduler
         managers = sched.kv_cache_manager.coordinator.single_type_managers
         pool = sched.kv_cache_manager.block_pool
+        # One pass over every group's blocks (distinct blocks: under prefix caching several requests
+        # may hold the same block; a request's count leaves out the null block, which is no block).
+        group_ids: list[set[int]] = []
+        held: collections.Counter[str] = collections.Counter()
+        for m in managers:
+            ids: set[int] = set()
+            for r, blocks in m.req_to_blocks.items():
+                ids.update(map(id, blocks))
+                held[r] += len(blocks) - sum(map(_IS_NULL, blocks))
+            group_ids.append(ids)
         record = {
             "step": self.step, "time": time.time(), "running": len(sched.running),
             "waiting": len(sched.waiting), "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks - 1, "evicted": evicted,
             "blocks_freed_total": self.blocks_freed, "blocks_copied_total": self.blocks_copied,
-            # distinct blocks: under prefix caching several requests may hold the same block
-            "held_blocks": len({id(b) for m in managers for bs in m.req_to_blocks.values() for b in bs}),
+            "held_blocks": len(set().union(*group_ids)),
             # per KV-cache group (a layer's, under per-layer budgets): blocks its requests hold
-            "group_blocks": [len({id(b) for bs in m.req_to_blocks.values() for b in bs}) for m in managers],
-            # per running request: blocks held in all its groups (the null block is no block)
-            "request_blocks": {r: sum(sum(not b.is_null for b in m.req_to_blocks.get(r, ())) for m in managers)
-                               for r in sched.requests},
+            "group_blocks": [len(ids) for ids in group_ids],
+            # per running request: blocks held in all its groups
+            "request_blocks": {r: held[r] for r in sched.requests},
             "requests": len(sched.requests),
             "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
             "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
