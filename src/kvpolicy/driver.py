@@ -7,11 +7,11 @@ gather what the policy sees, let the core decide, write back what it keeps (or, 
 the new state), and count that the state has now seen every query of those rows.
 
 An engine's storage of slots implements ``SlotStore``: the transformers caches through
-``kvpolicy.executor.GroupStore`` (a ``LayerGroup`` and its layout), vLLM's paged cache through
-``kvpolicy.vllm.paged_cache.PagedCache`` itself (a step's requests in their KV blocks, classes
-of them as ``kvpolicy.vllm.requests.RequestClass``). Neither writes
-the loop, so both keep the same order: a row's state is recorded as up to date exactly when its
-eviction or update has been written.
+``kvpolicy.executor.GroupStore`` (a ``LayerGroup`` and its layout), vLLM's paged cache as
+``kvpolicy.vllm.paged_cache.PagedCache`` itself (a step's requests in their KV blocks, a class of
+them being a ``kvpolicy.vllm.requests.RequestClass``). Neither writes the loop, so both keep the
+same order: a row's state is recorded as up to date exactly when its eviction or update has been
+written.
 """
 
 from __future__ import annotations
