@@ -173,3 +173,24 @@ def test_in_a_cache_each_eviction_is_the_reference_on_the_cache_state():
             assert got == expected, step
             checked += 1
     assert checked >= 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 2), st.integers(2, 70), st.integers(1, 12), st.integers(0, 6),
+       st.integers(0, 2**31 - 1))
+def test_packed_rows_reduce_partitions_by_reshape_exactly_as_by_scatter(b, h, n, lag, sink, seed):
+    """Every slot held: the partitions' per-channel minima and maxima by a reshape give the scores
+    the scatter over the partition index gives, bit for bit (keys and values alike)."""
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, h, n, 4, generator=g)
+    rank = torch.arange(n).expand(b, h, n)
+    full = max(n - sink, 0) // lag
+    part = (rank - sink).div(lag, rounding_mode="floor")
+    in_part = (rank >= sink) & (part < full)
+    scored = in_part & (part < full - 1)
+    parts = n // lag + 1
+    index = torch.where(in_part, part, parts - 1).clamp(0, parts - 1)
+    by_scatter = LagScorer._states_score(x, index, in_part, scored, parts)
+    by_reshape = LagScorer._states_score(x, index, in_part, scored, parts, (sink, full, lag))
+    assert torch.equal(by_scatter, by_reshape)

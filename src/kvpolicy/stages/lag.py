@@ -66,9 +66,12 @@ class LagScorer(Scorer):
         scored = in_part & (part < full - 1)
         parts = n // lag + 1
         index = torch.where(in_part, part, parts - 1).clamp(0, parts - 1)  # spare bucket for the rest
-        score = self._states_score(inp.keys, index, in_part, scored, parts)
+        # Every slot held (packed rows, vLLM's): partition p is slots [sink + p * lag, sink + (p + 1) * lag)
+        # of every row, reduced by a reshape instead of a scatter (the same minima and maxima).
+        packed = (self.sink, max(n - self.sink, 0) // lag, lag) if bool(valid.all()) else None
+        score = self._states_score(inp.keys, index, in_part, scored, parts, packed)
         if self.score_v_ratio:
-            score = score + self.score_v_ratio * self._states_score(inp.values, index, in_part, scored, parts)
+            score = score + self.score_v_ratio * self._states_score(inp.values, index, in_part, scored, parts, packed)
         if self.rank_within_partition:
             score = self._rank_within(score, index, rank - self.sink - part * lag, scored, parts)
         top = 1.0 + self.score_v_ratio
@@ -98,17 +101,26 @@ class LagScorer(Scorer):
 
     @staticmethod
     def _states_score(
-        x: torch.Tensor, index: torch.Tensor, in_part: torch.Tensor, scored: torch.Tensor, parts: int
+        x: torch.Tensor, index: torch.Tensor, in_part: torch.Tensor, scored: torch.Tensor, parts: int,
+        packed: tuple[int, int, int] | None = None,
     ) -> torch.Tensor:
         """``[B, Hkv, N]``: per scored slot, the softmax over its partition of the std of its
-        channels normalised by the next partition's per-channel range; 0 elsewhere."""
+        channels normalised by the next partition's per-channel range; 0 elsewhere. ``packed``:
+        ``(sink, full, lag)`` when every slot is held, so the ``full`` partitions are contiguous."""
         x = x.float()
         b, h, n, d = x.shape
-        idx = index[..., None].expand(b, h, n, d)
-        lo = x.new_full((b, h, parts, d), float("inf")).scatter_reduce(
-            2, idx, torch.where(in_part[..., None], x, float("inf")), "amin")
-        hi = x.new_full((b, h, parts, d), float("-inf")).scatter_reduce(
-            2, idx, torch.where(in_part[..., None], x, float("-inf")), "amax")
+        if packed is not None:
+            sink, full, lag = packed
+            body = x[:, :, sink : sink + full * lag].unflatten(2, (full, lag))
+            lo = x.new_full((b, h, parts, d), float("inf"))
+            hi = x.new_full((b, h, parts, d), float("-inf"))
+            lo[:, :, :full], hi[:, :, :full] = body.amin(3), body.amax(3)
+        else:
+            idx = index[..., None].expand(b, h, n, d)
+            lo = x.new_full((b, h, parts, d), float("inf")).scatter_reduce(
+                2, idx, torch.where(in_part[..., None], x, float("inf")), "amin")
+            hi = x.new_full((b, h, parts, d), float("-inf")).scatter_reduce(
+                2, idx, torch.where(in_part[..., None], x, float("-inf")), "amax")
         ref = (index + 1).clamp(max=parts - 1)[..., None].expand(b, h, n, d)  # the next partition
         m, top = lo.gather(2, ref), hi.gather(2, ref)
         span = top - m
