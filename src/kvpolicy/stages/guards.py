@@ -443,9 +443,9 @@ def _all_representable(t: torch.Tensor) -> torch.Tensor:
         # A finite sum has no NaN or inf among its terms (either would make it one), and one
         # reduction is half the work of two; an overflowing sum of finite terms falls through.
         # (On CPU only: the test of the sum would synchronise a GPU.)
-        total = t.sum()
-        if bool(torch.isfinite(total)):
-            return torch.isfinite(total)
+        finite = torch.isfinite(t.sum())
+        if bool(finite):
+            return finite
     lo, hi = torch.aminmax(t)
     if t.dtype == torch.float64:
         return (lo >= -F32_MAX) & (hi <= F32_MAX)  # False for NaN

@@ -44,7 +44,7 @@ class Lanes:
 
     def own(self, held: int) -> torch.Tensor:
         """``[Lyr, Hkv]``: slots each head holds when the request holds ``held`` block-table slots."""
-        return self.counts + (held - self.start)
+        return own_slots(self.counts, held, self.start)
 
     def width(self, held: int) -> int:
         """Slots the fullest head of any layer holds when the request holds ``held`` block-table slots."""
@@ -68,6 +68,12 @@ class Lanes:
         [Lyr, Hkv, T]``, right after that head's own slots."""
         src = torch.arange(held, held + tokens)
         return src, self.own(held)[..., None] + torch.arange(tokens)
+
+
+def own_slots(counts: torch.Tensor, held: int | torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+    """Slots each head holds: its kept ``counts`` and every slot vLLM wrote since the room's
+    ``start``, up to ``held`` (ints, or tensors broadcasting with ``counts``)."""
+    return counts + (held - start)
 
 
 def kept_order(keep: torch.Tensor, most: int) -> torch.Tensor:
@@ -165,7 +171,8 @@ def plan_attention(steps: list[LaneStep], tables: torch.Tensor, block_size: int,
     held = torch.tensor([s.held for s in steps])
     end = torch.tensor([s.end for s in steps])
     # Each head's own slots after the step (``Lanes.own``), every request at once: [B, Lyr, Hkv].
-    own = torch.stack([s.lanes.counts for s in steps]) + (held - torch.tensor([s.lanes.start for s in steps]))[:, None, None]
+    own = own_slots(torch.stack([s.lanes.counts for s in steps]), held[:, None, None],
+                    torch.tensor([s.lanes.start for s in steps])[:, None, None])
     t_max = int(t.max())
     queries = torch.arange(t_max)
     token_valid = queries < t[:, None]
