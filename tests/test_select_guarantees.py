@@ -457,6 +457,33 @@ def test_select_keeps_its_promises_or_says_why(case):
     assert bool((valid_kept == slot_valid.sum(-1, keepdim=True).clamp_max(k_keep)).all())
 
 
+# -- Policy.reads_values tells the truth --------------------------------------------------------------
+ALL_POLICIES = {name: _load_small(name) for name in kvpolicy.available_policies()
+                if _serves_made_up_models(kvpolicy.load_policy(name))}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_POLICIES))
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 3), st.integers(17, 48), st.integers(0, 2**16))
+def test_a_policy_that_reads_no_values_keeps_the_same_slots_given_a_placeholder(name, b, n, seed):
+    """vLLM skips gathering the values where no stage reads them (``Stage.reads_values``) and
+    passes a ``meta`` tensor of their shape: every built-in that says so keeps the same slots as
+    with the real values (a stage that read them would raise), and one that reads them refuses
+    the placeholder by name."""
+    policy, hkv = ALL_POLICIES[name], 3  # the bundled model's KV heads (DuoAttention's profile is for them)
+    keys, values, queries = make_tensors(b=b, hkv=hkv, hq=2 * hkv, n=n, d=8, w=4, seed=seed)
+    placeholder = torch.empty(values.shape, dtype=values.dtype, device="meta")
+    kwargs = dict(model=facts_for(policy, 1, hkv, 2 * hkv, 8), prompt_lengths=prompt_for(policy), seed=seed)
+    select = policy.select_heads if policy.per_head else policy.select
+    if policy.reads_values:
+        with pytest.raises(ValueError, match=rf"policy '{re.escape(policy.name)}' reads the cached values \("):
+            select(keys, placeholder, queries, **kwargs)
+        return
+    want, got = select(keys, values, queries, **kwargs), select(keys, placeholder, queries, **kwargs)
+    for w, g in zip(want if policy.per_head else [want], got if policy.per_head else [got], strict=True):
+        assert torch.equal(w, g), name
+
+
 # -- Policy.stochastic tells the truth --------------------------------------------------------------
 def test_a_null_seed_makes_per_layer_draws_stochastic():
     """CurDKV's fixed projection is drawn from the layer's seed: deterministic given a seed, but a

@@ -335,7 +335,7 @@ def test_an_in_place_compaction_rewrites_only_what_moves_and_leaves_what_a_full_
     g = torch.Generator().manual_seed(seed)
     lyr, r, h, bs, d, n = 2, 3, 2, 4, 3, 13
     k = data.draw(st.integers(1, n))
-    nb = 16
+    nb = 24
     kept = torch.empty(lyr, r, h, k, dtype=torch.long)
     prefix = torch.empty(lyr, r, dtype=torch.long)
     for layer in range(lyr):
@@ -347,13 +347,25 @@ def test_an_in_place_compaction_rewrites_only_what_moves_and_leaves_what_a_full_
             prefix[layer, row] = k if bool((kept[layer, row] == torch.arange(k)).all()) else (
                 (kept[layer, row] != torch.arange(k)).any(0).to(torch.uint8).argmax())
     assert torch.equal(in_place(kept), prefix)
-    tables = torch.randperm(nb, generator=g)[: r * 4].view(r, 4)
+    blocks = torch.randperm(nb, generator=g)
+    tables, fresh = blocks[: r * 4].view(r, 4), blocks[r * 4 : r * 8].view(r, 4)
     caches = []
-    for start in (None, in_place(kept)):
+    # every slot or from the first that moves; values gathered, or read from the blocks (no stage
+    # reads them: ``Stage.reads_values``); in place, or into fresh blocks (a first eviction under
+    # prefix caching)
+    for start, read_values, dst in [(None, True, tables), (in_place(kept), True, tables), (None, False, tables),
+                                    (in_place(kept), False, tables), (None, True, fresh), (None, False, fresh)]:
         g2 = torch.Generator().manual_seed(seed)
         kv = [(torch.randn(nb, bs, h, d, generator=g2), torch.randn(nb, bs, h, d, generator=g2)) for _ in range(lyr)]
         gathered = [gather_paged(x, *slot_address(tables, n, bs)) for x in kv]
-        compact(kv, tables, gathered, kept, bs, start)
-        caches.append(kv)
-    for (k1, v1), (k2, v2) in zip(*caches, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        compact(kv, dst, [(ks, vs if read_values else None) for ks, vs in gathered], kept, bs, start, sources=tables)
+        caches.append((dst, kv))
+
+    def kept_slots(dst, kv):  # each layer's and row's first k slots, keys then values
+        return [c[dst[j]].flatten(0, 1)[:k] for pair in kv for c in pair for j in range(r)]
+
+    want = kept_slots(*caches[0])
+    for dst, kv in caches:
+        assert all(torch.equal(a, b) for a, b in zip(kept_slots(dst, kv), want, strict=True))
+    for _, kv in caches[1:4]:  # in place: the whole cache alike, whatever was rewritten
+        assert all(torch.equal(a, b) for x, y in zip(kv, caches[0][1], strict=True) for a, b in zip(x, y, strict=True))

@@ -125,7 +125,7 @@ def check_tensors(keys, values, queries, slot_valid, query_valid, positions) -> 
             f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({hkv}): "
             f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
         )
-    devices = {t.device for t in (keys, values, queries)}
+    devices = {t.device for t in (keys, values, queries) if not t.is_meta}  # meta values: unread (Policy.reads_values)
     checks = (
         ("slot_valid", slot_valid, [(b, n), (b, hkv, n)]),
         ("query_valid", query_valid, [(b, queries.shape[2])]),

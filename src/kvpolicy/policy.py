@@ -131,6 +131,20 @@ class Policy:
         return frozenset().union(*(s.needs_model for s in self.stages))
 
     @cached_property
+    def reads_values(self) -> bool:
+        """Whether a stage reads the cached values (``Stage.reads_values``, nested stages
+        included). Where none does, an engine may pass values on the ``meta`` device (their shape
+        only) and skip gathering them: vLLM's even evictions do (``kvpolicy.vllm.paged_cache``)."""
+        return any(s.reads_values for s in self.stages)
+
+    def check_values(self, inp: EvictionInput) -> None:
+        """Refuse placeholder values (``meta``) where a stage reads them, naming the stages."""
+        if inp.values.is_meta and self.reads_values:
+            names = ", ".join(f"{s.kind} {s.type_name!r}" for s in self.stages if s.reads_values)
+            raise ValueError(f"policy {self.name!r} reads the cached values ({names}), but was given a placeholder "
+                             "on the meta device: pass the values")
+
+    @cached_property
     def needs_prompt(self) -> bool:
         """Whether a stage reads each row's prompt length (``Stage.needs_prompt``, nested stages
         included): ``select`` then needs ``prompt_lengths=``."""
@@ -214,6 +228,7 @@ class Policy:
         them: the selection that follows may pass ``inputs_checked=True``."""
         if inp.state is None:
             return inp, {}
+        self.check_values(inp)
         guards.check_inputs(inp)  # name bad keys, values or queries before a stage's state does
         nested = {
             key: guards.run_state_update(stage, inp) if eviction or stage.state_updates == "every_query"
@@ -419,6 +434,7 @@ class Policy:
         the ``[B, Hkv, N]`` protected mask. Every stage call is checked (see ``select_from``)."""
         cfg = self.config
         b, hkv, n = inp.batch, inp.num_kv_heads, inp.num_slots
+        self.check_values(inp)
         if inputs_checked:
             guards.check_recent(inp)
         else:

@@ -26,6 +26,7 @@ class AccumulatedAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "accumulated_attention"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
 
     group_reduce: Literal["sum", "mean", "max"] = "sum"

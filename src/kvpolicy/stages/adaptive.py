@@ -24,6 +24,7 @@ class AdaptiveAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "adaptive"
+    reads_values: ClassVar[bool] = False
     per_head: ClassVar[bool] = True
     layer_budgets_differ: ClassVar[bool] = False
 

@@ -32,6 +32,7 @@ class ArrivalScoreScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "arrival_score"
+    reads_values: ClassVar[bool] = False
     state_updates: ClassVar[Literal["every_query", "eviction"]] = "eviction"
 
     scorer: ScorerSpec

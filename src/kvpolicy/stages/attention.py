@@ -27,6 +27,7 @@ class AttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "attention"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
 
     pooling: Literal["none", "avg", "max"] = "avg"

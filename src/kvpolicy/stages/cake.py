@@ -43,6 +43,7 @@ class CakeAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "cake"
+    reads_values: ClassVar[bool] = False
     from_prompt: ClassVar[bool] = True
 
     tau1: float = Field(1.0, gt=0.0, le=1e3, allow_inf_nan=False, description="Dispersion's temperature (H^(1/tau1)).")
@@ -112,6 +113,7 @@ class CakeScorer(Scorer):
     every slot it sees (causal), as the window rows of CAKE's prefill attention do."""
 
     type_name: ClassVar[str] = "cake_attention"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
 
     gamma: float = Field(200.0, ge=0.0, le=1e9, allow_inf_nan=False, description="Weight of the variance.")

@@ -30,6 +30,7 @@ class ChunkSelector(Selector):
     """
 
     type_name: ClassVar[str] = "chunks"
+    reads_values: ClassVar[bool] = False
 
     chunk_size: int = Field(
         10, ge=1, le=1 << 24, description="Tokens per chunk (ChunkKV's robust default: 10); at most the "

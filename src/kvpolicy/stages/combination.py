@@ -25,6 +25,7 @@ class CombinationScorer(Scorer):
     """``sum_i weight_i * score_i`` over its terms."""
 
     type_name: ClassVar[str] = "combination"
+    reads_values: ClassVar[bool] = False
 
     terms: Annotated[list[WeightedTerm], Field(min_length=1)]
 

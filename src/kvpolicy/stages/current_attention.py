@@ -41,6 +41,7 @@ class CurrentAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "current_attention"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
 
     group_reduce: Literal["mean", "max"] = "mean"

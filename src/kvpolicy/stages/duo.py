@@ -47,6 +47,7 @@ class DuoAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "duo"
+    reads_values: ClassVar[bool] = False
     per_head: ClassVar[bool] = True
 
     path: Annotated[str, PROFILE_FILE] = Field(..., min_length=1, description='The head profile (see `kvpolicy profile`), or "builtin:NAME".')

@@ -21,6 +21,7 @@ class GKVScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "gkv"
+    reads_values: ClassVar[bool] = False
 
     attention: ScorerSpec
     redundancy: ScorerSpec

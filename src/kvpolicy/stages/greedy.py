@@ -13,6 +13,7 @@ class GreedySelector(Selector):
     """Keeps the unprotected candidates with the largest scores."""
 
     type_name: ClassVar[str] = "greedy"
+    reads_values: ClassVar[bool] = False
     priority_is_score: ClassVar[bool] = True
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:

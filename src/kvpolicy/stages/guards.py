@@ -42,11 +42,18 @@ def check_inputs(inp: EvictionInput) -> None:
     padding key times a zero weight is still NaN).
     """
     check_recent(inp)
-    named = (("keys", inp.keys), ("values", inp.values), ("queries", inp.queries))
+    named = _read_inputs(inp)
     ok = torch.stack([_all_representable(t) for _, t in named]).tolist()
     for (label, t), good in zip(named, ok, strict=True):
         if not good:
             raise SelectionError(_bad_input_message(label, t))
+
+
+def _read_inputs(inp: EvictionInput) -> list[tuple[str, torch.Tensor]]:
+    """The keys, values and queries, by name, less values on the ``meta`` device (a placeholder
+    where no stage reads them: ``Policy.reads_values``)."""
+    named = [("keys", inp.keys), ("values", inp.values), ("queries", inp.queries)]
+    return [(label, t) for label, t in named if not t.is_meta]
 
 
 def check_recent(inp: EvictionInput) -> None:
@@ -262,7 +269,7 @@ def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor
         field, bad = next((f, b) for f, b in bad_any if bool(b.any()))
         # The inputs were refused first if not finite (Policy.observe), so this is the update's own
         # arithmetic: say so, as a scorer's non-finite scores do.
-        largest = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in (inp.keys, inp.values, inp.queries))
+        largest = max(float(t.detach().abs().max()) if t.numel() else 0.0 for _, t in _read_inputs(inp))
         raise SelectionError(
             f"{name} state field {field!r} holds {int(bad.sum())} non-finite values (NaN or inf), the first at "
             f"index {bad.nonzero()[0].tolist()}, from finite inputs (entries up to {largest:.3g}): the update "
@@ -274,7 +281,7 @@ def run_state_update(stage: Stage, inp: EvictionInput) -> dict[str, torch.Tensor
 def _non_finite_scores_message(name: str, bad: torch.Tensor, inp: EvictionInput) -> str:
     """Why finite inputs gave NaN or inf scores: a float32 overflow when a dot product of the
     inputs can exceed float32's range (``|x|^2 * D``), else an overflow or 0/0 in the scorer."""
-    inputs = (inp.keys, inp.values, inp.queries)
+    inputs = [t for _, t in _read_inputs(inp)]
     dtypes = "/".join(dict.fromkeys(str(t.dtype).removeprefix("torch.") for t in inputs))
     largest = max(float(t.abs().max()) if t.numel() else 0.0 for t in inputs)
     dot = largest * largest * inp.head_dim  # the largest |q . k| (or ||k||^2) the inputs allow

@@ -26,6 +26,7 @@ class ProfileAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "profile"
+    reads_values: ClassVar[bool] = False
     per_head: ClassVar[bool] = True
 
     path: str = Field(..., min_length=1, description="The head profile file (YAML or JSON; see `kvpolicy profile`).")

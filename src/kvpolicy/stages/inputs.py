@@ -55,7 +55,8 @@ class EvictionInput:
 
     Attributes:
         keys: ``[B, Hkv, N, D]`` cached keys, after RoPE (and after ``k_norm`` on Qwen3).
-        values: ``[B, Hkv, N, D]`` cached values.
+        values: ``[B, Hkv, N, D]`` cached values; on the ``meta`` device (their shape only) where
+            no stage of the policy reads them (``Stage.reads_values``) and the engine skipped them.
         queries: ``[B, Hq, W, D]`` the window of most recent post-RoPE queries.
         budget: ``K = min(N, budget)``, the number of slots kept, protected ones included.
         num_candidates: ``C``; slots ``[0, C)`` are eviction candidates, slots ``[C, N)`` are the

@@ -17,6 +17,7 @@ class KeepProtectedSelector(Selector):
     """
 
     type_name: ClassVar[str] = "keep_protected"
+    reads_values: ClassVar[bool] = False
     needs_scores: ClassVar[bool] = False
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:

@@ -14,6 +14,7 @@ class KeyNormScorer(Scorer):
     low norm tend to draw the most attention, as observed in KNorm)."""
 
     type_name: ClassVar[str] = "key_norm"
+    reads_values: ClassVar[bool] = False
 
     low_norm_first: bool = True
 

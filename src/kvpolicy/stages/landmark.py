@@ -29,6 +29,7 @@ class LandmarkScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "landmark"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
     recall_summaries: ClassVar[frozenset[str]] = frozenset({"key_mean"})
 

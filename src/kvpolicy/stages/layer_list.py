@@ -21,6 +21,7 @@ class LayerListAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "layers"
+    reads_values: ClassVar[bool] = False
 
     budgets: list[float] = Field(..., min_length=1, max_length=4096, description="One weight or budget per layer.")
 

@@ -14,6 +14,7 @@ class DropMerge(Merge):
     kept before merge stages existed."""
 
     type_name: ClassVar[str] = "drop"
+    reads_values: ClassVar[bool] = False
     merges: ClassVar[bool] = False
 
     def merge(self, inp: EvictionInput, keep: torch.Tensor) -> MergeResult:

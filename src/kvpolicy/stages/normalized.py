@@ -18,6 +18,7 @@ class NormalizedScorer(Scorer):
     kept; a head whose scores are all 0 stays 0."""
 
     type_name: ClassVar[str] = "normalized"
+    reads_values: ClassVar[bool] = False
 
     scorer: ScorerSpec
 

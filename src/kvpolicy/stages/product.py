@@ -25,6 +25,7 @@ class ProductScorer(Scorer):
     """``prod_i (score_i + offset_i)`` over its factors: one score reweighted by another."""
 
     type_name: ClassVar[str] = "product"
+    reads_values: ClassVar[bool] = False
 
     factors: Annotated[list[Factor], Field(min_length=1)]
 

@@ -21,6 +21,7 @@ class PromptReservation(Reservation):
     """
 
     type_name: ClassVar[str] = "prompt"
+    reads_values: ClassVar[bool] = False
     needs_prompt: ClassVar[bool] = True
 
     def reserve(self, inp: EvictionInput, protected: torch.Tensor) -> torch.Tensor:

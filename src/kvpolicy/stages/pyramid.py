@@ -21,6 +21,7 @@ class PyramidAllocation(Allocation):
     """
 
     type_name: ClassVar[str] = "pyramid"
+    reads_values: ClassVar[bool] = False
 
     beta: float = Field(20.0, ge=1.0, le=1e6, allow_inf_nan=False, description="Steepness: the last layer keeps budget / beta.")
 

@@ -57,6 +57,7 @@ class QuestScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "quest"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
 
     page_size: int = Field(16, ge=1, le=4096, description="Slots per page (Quest: 16).")

@@ -14,6 +14,7 @@ class RandomScorer(Scorer):
     uniformly random choice of the slots to keep."""
 
     type_name: ClassVar[str] = "random"
+    reads_values: ClassVar[bool] = False
     stochastic: ClassVar[bool] = True
 
     def score(self, inp: EvictionInput) -> torch.Tensor:

@@ -27,6 +27,7 @@ class RedundancyScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "redundancy"
+    reads_values: ClassVar[bool] = False
 
     threshold: float | None = Field(
         0.5, ge=-1.0, le=1.0, allow_inf_nan=False, description="A cosine similarity in [-1, 1], or null."

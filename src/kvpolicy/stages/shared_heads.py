@@ -26,6 +26,7 @@ class SharedHeadsScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "shared_heads"
+    reads_values: ClassVar[bool] = False
 
     scorer: ScorerSpec
     reduce: Literal["sum", "mean"] = "sum"

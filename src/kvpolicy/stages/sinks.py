@@ -14,6 +14,7 @@ class SinksReservation(Reservation):
     """Protects the slots holding the first ``n`` real tokens of each row (padding excluded)."""
 
     type_name: ClassVar[str] = "sinks"
+    reads_values: ClassVar[bool] = False
 
     n: int = Field(4, ge=0, le=1 << 24, description="Sink slots; at most 2**24, the largest budget.")
 

@@ -35,6 +35,7 @@ class SmoothedAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "smoothed_attention"
+    reads_values: ClassVar[bool] = False
     reads_queries: ClassVar[bool] = True
     state_updates: ClassVar[Literal["every_query", "eviction"]] = "eviction"
 

@@ -47,6 +47,11 @@ class Stage(BaseModel, ABC):
     #: ``schedule.window >= 1`` (refused at load otherwise), and ``select`` refuses queries with
     #: ``W = 0``. A window whose entries are all invalid (``query_valid`` False) is allowed.
     reads_queries: ClassVar[bool] = False
+    #: False when the stage never reads ``inp.values`` (nor passes them on): where no stage of a
+    #: policy reads them, an engine may skip gathering them and pass a ``meta`` tensor of their
+    #: shape (``Policy.reads_values``); reading it raises. True by default, so a stage that does
+    #: not say is always given real values.
+    reads_values: ClassVar[bool] = True
     #: The model facts the stage reads (``inp.model``; plugin contract 3): ``"rope"``,
     #: ``"output_projection"``. A policy using it is refused before any work where the cache
     #: cannot give them (``Policy.check_model_facts``). A nesting stage need not repeat its
@@ -59,7 +64,7 @@ class Stage(BaseModel, ABC):
     def walk(self) -> Iterator[Stage]:
         """This stage, then every stage nested anywhere in its fields (a reservation's scorer, a
         combination's terms: stage-valued fields, lists of them, and models holding them), depth
-        first, each object once. What a stage declares (``stochastic``, ``reads_queries``,
+        first, each object once. What a stage declares (``stochastic``, ``reads_queries``, ``reads_values``,
         ``couples_heads``, ``key_page_sizes``, ``needs_model``, ``state_fields``,
         ``validate_schedule``) is collected by the policy over every stage it walks, so a stage
         that nests others need not pass their declarations on."""

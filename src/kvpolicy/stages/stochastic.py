@@ -21,6 +21,7 @@ class StochasticSelector(Selector):
     """
 
     type_name: ClassVar[str] = "stochastic"
+    reads_values: ClassVar[bool] = False
     stochastic: ClassVar[bool] = True
 
     temperature: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="A finite float above 0.")

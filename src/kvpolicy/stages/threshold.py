@@ -24,6 +24,7 @@ class ThresholdSelector(Selector):
     first). The priority is the score itself, so what passes is the top of the ranking."""
 
     type_name: ClassVar[str] = "threshold"
+    reads_values: ClassVar[bool] = False
     sets_counts: ClassVar[bool] = True
 
     threshold: float = Field(

@@ -25,6 +25,7 @@ class TopScoresReservation(Reservation):
     """
 
     type_name: ClassVar[str] = "top_scores"
+    reads_values: ClassVar[bool] = False
 
     scorer: ScorerSpec
     n: int | float = Field(

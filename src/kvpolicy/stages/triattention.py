@@ -272,6 +272,7 @@ class TriAttentionScorer(Scorer):
     """
 
     type_name: ClassVar[str] = "triattention"
+    reads_values: ClassVar[bool] = False
     needs_model: ClassVar[frozenset[Fact]] = frozenset({"rope"})
 
     calibration: Annotated[str, CALIBRATION_FILE] = Field(..., min_length=1, description='The query calibration file (see `kvpolicy calibrate`), or "builtin:NAME".')

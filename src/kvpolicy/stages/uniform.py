@@ -11,6 +11,7 @@ class UniformAllocation(Allocation):
     """Every layer and KV head keeps ``budget`` slots (what a policy without ``allocation`` does)."""
 
     type_name: ClassVar[str] = "uniform"
+    reads_values: ClassVar[bool] = False
 
     @property
     def uneven(self) -> bool:

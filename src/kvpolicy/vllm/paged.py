@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 KV = tuple[torch.Tensor, torch.Tensor]
+#: Keys and values as an eviction gathered them: values None where no stage reads them.
+Gathered = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def slot_address(block_tables: torch.Tensor, n: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,18 +34,21 @@ def gather_paged(kv: KV, blocks: torch.Tensor, offsets: torch.Tensor) -> KV:
     return keys[blocks, offsets].transpose(1, 2), values[blocks, offsets].transpose(1, 2)
 
 
-def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], kept: torch.Tensor, block_size: int,
-            start: torch.Tensor | None = None) -> None:
+def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[Gathered], kept: torch.Tensor,
+            block_size: int, start: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
     """Move each row's kept slots to the front of its blocks, in order, in place.
 
     Args:
         layers: per layer, its keys and values ``[num_blocks, block_size, Hkv, D]`` (cache views).
         block_tables: ``[R, max_blocks]`` the rows' block tables.
         gathered: per layer, the rows' ``(keys, values) [R, Hkv, N, D]`` as ``gather_paged`` read them
-            (copies: writing the cache does not change them).
+            (copies: writing the cache does not change them); values None where they were not
+            gathered: read from ``sources``.
         kept: ``[Lyr, R, Hkv, K]`` ascending indices into ``gathered``'s slots, per layer, row and head.
         start: ``[Lyr, R]`` the first slot written per layer and row: the slots before it already
             hold what they keep (``in_place``); None: every slot is written.
+        sources: ``[R, max_blocks]`` the block tables the slots were gathered from (the old ones),
+            for values not gathered.
     """
     lyr, r, h, k = kept.shape
     dst_blocks, dst_off = slot_address(block_tables, k, block_size)
@@ -54,7 +59,12 @@ def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[KV], ke
         src = idx[rows, :, cols]  # [M, Hkv]: the slot each head keeps at column cols of row rows
         at = dst_blocks[rows, cols], dst_off[rows, cols]
         keys[at] = ks[rows[:, None], heads, src]  # [M, Hkv, D]
-        values[at] = vs[rows[:, None], heads, src]
+        if vs is not None:
+            values[at] = vs[rows[:, None], heads, src]
+        elif sources is None:
+            raise ValueError("values not gathered and no source block tables to read them from")
+        else:  # read before written: indexing on the right copies first
+            values[at] = values[sources[rows[:, None], src // block_size], src % block_size, heads]
 
 
 def in_place(kept: torch.Tensor) -> torch.Tensor:

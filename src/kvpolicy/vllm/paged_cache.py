@@ -31,7 +31,7 @@ from .block_kernel import CpuBlocks
 from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, SlotLedger, compaction
-from .paged import KV, gather_paged, slot_address
+from .paged import KV, Gathered, gather_paged, slot_address
 from .refusals import worker_refusal
 from .requests import (
     BlockTable,
@@ -241,7 +241,9 @@ class PagedCache:
             if policy is None:
                 raise KVPolicyVLLMError(f"request {req_id}: a long step planned for a request that never evicts")
             n = step.slots_after
-            ((keys, values),) = self._gather_layers(table, torch.tensor([step.row]), n, [layer])
+            ((keys, values),) = self._gather_layers(table, torch.tensor([step.row]), n, [layer], values=policy.reads_values)
+            if values is None:
+                values = torch.empty(keys.shape, dtype=keys.dtype, device="meta")
             slots = self._slots(req_id, step.offset, n)
             state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
             for name, t in record.head_fields(self.layers, self.kv_heads, self.device).items():
@@ -326,7 +328,8 @@ class PagedCache:
         if place.counts is None and kept.values is None:  # even and unmerged: what stays in place is not rewritten
             own = table.get_cpu_tensor()[held.rows, : dst.shape[1]].to(self.device)
             start = paged.in_place(place.order) * (own == dst).all(-1)
-        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start)
+        sources = table.get_cpu_tensor()[held.rows].to(self.device)  # values not gathered are read from here
+        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start, sources)
         out = []
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
@@ -472,8 +475,8 @@ class PagedCache:
             tables = table.get_cpu_tensor()[rows].long().to(dev)  # [R, max_blocks]
             blocks = tables[torch.arange(len(group), device=dev)[None, :, None, None], slot // self.block_size]
             offs = slot % self.block_size
-            gathered = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]])
-                        for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
+            gathered: list[Gathered] = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]])
+                                        for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
             positions = positions.gather(-1, field).masked_fill(~valid, -1)
             lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
             row_i = torch.arange(len(group), device=dev)[None, :, None, None]
@@ -481,9 +484,11 @@ class PagedCache:
                      if name in slots[0].state else t for name, t in state.items()}  # each column's, as read
             slot_valid = valid.flatten(0, 1)
         else:
-            gathered = self._gather_layers(table, rows, n)
+            gathered = self._gather_layers(table, rows, n, values=policy.reads_values)
         keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
-        values = torch.stack([g[1] for g in gathered]).flatten(0, 1)
+        read = [g[1] for g in gathered if g[1] is not None] if policy.reads_values else []
+        # where no stage reads them: their shape alone (the compaction reads them from the blocks)
+        values = torch.stack(read).flatten(0, 1) if read else torch.empty(keys.shape, dtype=keys.dtype, device="meta")
         tokens = [s.tokens for s in states]
         queries, query_valid = self.window(policy.schedule.window, req_ids, torch.tensor(tokens), slice(None))
         inp = self._input(
@@ -529,10 +534,14 @@ class PagedCache:
             model=self.model_facts if policy.needs_model else None, prompt_lengths=prompt_lengths,
         )
 
-    def _gather_layers(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int] | None = None) -> list[KV]:
-        """Per layer, ``rows``' first ``n`` slots ``[R, Hkv, n, D]`` (copies)."""
+    def _gather_layers(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int] | None = None, *,
+                       values: bool = True) -> list[Gathered]:
+        """Per layer, ``rows``' first ``n`` slots ``[R, Hkv, n, D]`` (copies; values None unless ``values``)."""
         blocks, offs = slot_address(table.get_cpu_tensor()[rows].to(self.device), n, self.block_size)
-        return [gather_paged(self.kv[i], blocks, offs) for i in (range(self.layers) if layers is None else layers)]
+        kv = self.kv if layers is None else [self.kv[i] for i in layers]
+        if not values:
+            return [(keys[blocks, offs].transpose(1, 2), None) for keys, _ in kv]
+        return [gather_paged(x, blocks, offs) for x in kv]
 
     def _kept_blocks(self, table: BlockTable, row: int, req_id: str, first: bool, n: int, kept: int) -> list[int]:
         """The blocks a request holding ``n`` slots keeps ``kept`` of them in (``ledger.compaction``,

@@ -22,7 +22,7 @@ from ..query_ring import filled, time_order
 from ..schedule import Schedule
 from ..stages.base import EvictionInput, StateField
 from .budgets import group_head_caps, group_schedules
-from .paged import KV
+from .paged import Gathered
 from .settings import Resolved
 from .support import KVPolicyVLLMError
 
@@ -289,7 +289,7 @@ class HeldRequests:
     req_ids: list[str]
     states: list[Any]  # their ledger entries (``RequestSlots``)
     slots: list[KeptSlots]  # their per-slot fields, kept then fresh
-    gathered: list[KV]  # per layer, their keys and values [R, Hkv, N, D] (copies)
+    gathered: list[Gathered]  # per layer, their keys and values [R, Hkv, N, D] (copies; values None: not read)
     inp: EvictionInput
     positions: torch.Tensor | None = None  # per-head budgets: [Lyr, R, Hkv, N] each column's token (-1: none)
 
@@ -304,7 +304,7 @@ class Placement:
 
     order: torch.Tensor
     room: int
-    gathered: list[KV]
+    gathered: list[Gathered]
     slots: list[KeptSlots]
     counts: torch.Tensor | None
     traced: torch.Tensor
