@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvpolicy.vllm.lanes import Lanes, LaneStep, plan_attention
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
-from kvpolicy.vllm.paged import compact, gather_paged, in_place, slot_address
+from kvpolicy.vllm.paged import compact, gather_layers, gather_paged, in_place, slot_address
 
 CPU = "LBHNC"
 
@@ -100,6 +100,12 @@ def test_gather_reads_what_the_reference_writer_wrote(layout, interior):
         k, v = gather_paged(kv[layer], blocks, offs)
         assert k.shape == (2, 2, 10, 3)
         assert torch.equal(k, keys[layer].transpose(1, 2)) and torch.equal(v, values[layer].transpose(1, 2))
+    # every layer at once, each written into one tensor; values only when asked for
+    stacked_keys, stacked_values = gather_layers(kv, blocks, offs)
+    assert stacked_values is not None and stacked_keys.shape == (2, 2, 2, 10, 3)
+    assert torch.equal(stacked_keys, keys.transpose(2, 3)) and torch.equal(stacked_values, values.transpose(2, 3))
+    only_keys, none = gather_layers(kv, blocks, offs, values=False)
+    assert none is None and torch.equal(only_keys, stacked_keys)
 
 
 @pytest.mark.parametrize("layout", list(STRIDE_ORDERS))

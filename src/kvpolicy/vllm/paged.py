@@ -34,6 +34,22 @@ def gather_paged(kv: KV, blocks: torch.Tensor, offsets: torch.Tensor) -> KV:
     return keys[blocks, offsets].transpose(1, 2), values[blocks, offsets].transpose(1, 2)
 
 
+def gather_layers(layers: list[KV], blocks: torch.Tensor, offsets: torch.Tensor, *,
+                  values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every layer's keys and values ``[Lyr, R, Hkv, n, D]`` (copies; values None unless ``values``)
+    of the slots at ``(blocks, offsets) [R, n]``, each layer's written into one tensor as it is
+    read (stacking per-layer copies would copy them all again)."""
+    r, n = blocks.shape
+    out = []
+    for which in (0, 1) if values else (0,):
+        first = layers[0][which]
+        stacked = torch.empty(len(layers), r, first.shape[2], n, first.shape[3], dtype=first.dtype, device=first.device)
+        for i, layer in enumerate(layers):
+            stacked[i].copy_(layer[which][blocks, offsets].transpose(1, 2))
+        out.append(stacked)
+    return out[0], out[1] if values else None
+
+
 def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[Gathered], kept: torch.Tensor,
             block_size: int, start: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
     """Move each row's kept slots to the front of its blocks, in order, in place.

@@ -31,7 +31,7 @@ from .block_kernel import CpuBlocks
 from .budgets import decides_from_prompt
 from .lanes import HeadAttention, Lanes, LaneStep
 from .ledger import BlocksDisagree, SlotLedger, compaction
-from .paged import KV, Gathered, gather_paged, slot_address
+from .paged import KV, Gathered, slot_address
 from .refusals import worker_refusal
 from .requests import (
     BlockTable,
@@ -241,9 +241,10 @@ class PagedCache:
             if policy is None:
                 raise KVPolicyVLLMError(f"request {req_id}: a long step planned for a request that never evicts")
             n = step.slots_after
-            ((keys, values),) = self._gather_layers(table, torch.tensor([step.row]), n, [layer], values=policy.reads_values)
-            if values is None:
-                values = torch.empty(keys.shape, dtype=keys.dtype, device="meta")
+            keys_all, values_all = self._gather_layers(table, torch.tensor([step.row]), n, [layer],
+                                                       values=policy.reads_values)
+            keys = keys_all[0]
+            values = torch.empty(keys.shape, dtype=keys.dtype, device="meta") if values_all is None else values_all[0]
             slots = self._slots(req_id, step.offset, n)
             state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
             for name, t in record.head_fields(self.layers, self.kv_heads, self.device).items():
@@ -477,6 +478,8 @@ class PagedCache:
             offs = slot % self.block_size
             gathered: list[Gathered] = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]])
                                         for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
+            keys_all = torch.stack([g[0] for g in gathered])
+            values_all = torch.stack([g[1] for g in gathered if g[1] is not None]) if policy.reads_values else None
             positions = positions.gather(-1, field).masked_fill(~valid, -1)
             lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
             row_i = torch.arange(len(group), device=dev)[None, :, None, None]
@@ -484,11 +487,11 @@ class PagedCache:
                      if name in slots[0].state else t for name, t in state.items()}  # each column's, as read
             slot_valid = valid.flatten(0, 1)
         else:
-            gathered = self._gather_layers(table, rows, n, values=policy.reads_values)
-        keys = torch.stack([g[0] for g in gathered]).flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
-        read = [g[1] for g in gathered if g[1] is not None] if policy.reads_values else []
+            keys_all, values_all = self._gather_layers(table, rows, n, values=policy.reads_values)
+            gathered = [(k, None if values_all is None else values_all[i]) for i, k in enumerate(keys_all)]
+        keys = keys_all.flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         # where no stage reads them: their shape alone (the compaction reads them from the blocks)
-        values = torch.stack(read).flatten(0, 1) if read else torch.empty(keys.shape, dtype=keys.dtype, device="meta")
+        values = torch.empty(keys.shape, dtype=keys.dtype, device="meta") if values_all is None else values_all.flatten(0, 1)
         tokens = [s.tokens for s in states]
         queries, query_valid = self.window(policy.schedule.window, req_ids, torch.tensor(tokens), slice(None))
         inp = self._input(
@@ -535,13 +538,12 @@ class PagedCache:
         )
 
     def _gather_layers(self, table: BlockTable, rows: torch.Tensor, n: int, layers: list[int] | None = None, *,
-                       values: bool = True) -> list[Gathered]:
-        """Per layer, ``rows``' first ``n`` slots ``[R, Hkv, n, D]`` (copies; values None unless ``values``)."""
+                       values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``rows``' first ``n`` slots of every layer (or of ``layers``), keys and values
+        ``[Lyr, R, Hkv, n, D]`` (copies; values None unless ``values``)."""
         blocks, offs = slot_address(table.get_cpu_tensor()[rows].to(self.device), n, self.block_size)
-        kv = self.kv if layers is None else [self.kv[i] for i in layers]
-        if not values:
-            return [(keys[blocks, offs].transpose(1, 2), None) for keys, _ in kv]
-        return [gather_paged(x, blocks, offs) for x in kv]
+        return paged.gather_layers(self.kv if layers is None else [self.kv[i] for i in layers], blocks, offs,
+                                   values=values)
 
     def _kept_blocks(self, table: BlockTable, row: int, req_id: str, first: bool, n: int, kept: int) -> list[int]:
         """The blocks a request holding ``n`` slots keeps ``kept`` of them in (``ledger.compaction``,
