@@ -83,8 +83,9 @@ def test_per_head_budgets_give_generates_tokens(name, model_dir, tmp_path, monke
 
         def select(scale: float, rec=rec, policy=policy) -> tuple[torch.Tensor, torch.Tensor]:
             g = torch.Generator().manual_seed(0)
-            moved = [t * (1 + scale * torch.randn(t.shape, generator=g)) for t in (rec["keys"], rec["values"],
-                                                                                  rec["queries"])]
+            # (values are a meta placeholder where the policy reads none: Policy.reads_values)
+            moved = [t if t.is_meta else t * (1 + scale * torch.randn(t.shape, generator=g))
+                     for t in (rec["keys"], rec["values"], rec["queries"])]
             return policy.select_heads(*moved, slot_valid=rec["slot_valid"], query_valid=rec["query_valid"],
                                        positions=rec["positions"], layer_idx=rec["layer_idx"],
                                        evictions=rec["evictions"], seed=rec["seed"])
