@@ -125,7 +125,9 @@ def check_tensors(keys, values, queries, slot_valid, query_valid, positions) -> 
             f"query heads ({queries.shape[1]}) must be a multiple of KV heads ({hkv}): "
             f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)}"
         )
-    devices = {t.device for t in (keys, values, queries) if not t.is_meta}  # meta values: unread (Policy.reads_values)
+    devices = {keys.device, queries.device}
+    if not values.is_meta:  # meta values: a placeholder where no stage reads them (Policy.reads_values)
+        devices.add(values.device)
     checks = (
         ("slot_valid", slot_valid, [(b, n), (b, hkv, n)]),
         ("query_valid", query_valid, [(b, queries.shape[2])]),
