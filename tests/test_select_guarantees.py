@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import kvpolicy
 from kvpolicy import Reservation, Scorer, SelectionError, Selector
+from kvpolicy.inputs import unread_values
 from kvpolicy.registry import get_registry, reset_registry
 
 INF = float("inf")
@@ -472,7 +473,7 @@ def test_a_policy_that_reads_no_values_keeps_the_same_slots_given_a_placeholder(
     the placeholder by name."""
     policy, hkv = ALL_POLICIES[name], 3  # the bundled model's KV heads (DuoAttention's profile is for them)
     keys, values, queries = make_tensors(b=b, hkv=hkv, hq=2 * hkv, n=n, d=8, w=4, seed=seed)
-    placeholder = torch.empty(values.shape, dtype=values.dtype, device="meta")
+    placeholder = unread_values(keys)  # what vLLM passes
     kwargs = dict(model=facts_for(policy, 1, hkv, 2 * hkv, 8), prompt_lengths=prompt_for(policy), seed=seed)
     select = policy.select_heads if policy.per_head else policy.select
     if policy.reads_values:

@@ -107,6 +107,12 @@ def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:
     return t
 
 
+def unread_values(keys: torch.Tensor) -> torch.Tensor:
+    """The values an engine passes where no stage of the policy reads them (``Policy.reads_values``):
+    their shape and dtype (those of ``keys``) on the ``meta`` device, with no data to gather."""
+    return torch.empty(keys.shape, dtype=keys.dtype, device="meta")
+
+
 def check_tensors(keys, values, queries, slot_valid, query_valid, positions) -> None:
     for label, t in (("keys", keys), ("values", values), ("queries", queries)):
         if not isinstance(t, torch.Tensor):

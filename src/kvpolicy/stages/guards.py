@@ -51,9 +51,9 @@ def check_inputs(inp: EvictionInput) -> None:
 
 def _read_inputs(inp: EvictionInput) -> list[tuple[str, torch.Tensor]]:
     """The keys, values and queries, by name, less values on the ``meta`` device (a placeholder
-    where no stage reads them: ``Policy.reads_values``)."""
-    named = [("keys", inp.keys), ("values", inp.values), ("queries", inp.queries)]
-    return [(label, t) for label, t in named if not t.is_meta]
+    where no stage reads them: ``Policy.reads_values``; keys and queries are always real)."""
+    values = [] if inp.values.is_meta else [("values", inp.values)]
+    return [("keys", inp.keys), *values, ("queries", inp.queries)]
 
 
 def check_recent(inp: EvictionInput) -> None:

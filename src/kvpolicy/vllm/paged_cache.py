@@ -22,6 +22,7 @@ import torch
 
 from .. import driver, eviction
 from ..eviction import Kept
+from ..inputs import unread_values
 from ..policy import Policy, eviction_input
 from ..schedule import Schedule
 from ..stages.base import EvictionInput
@@ -244,7 +245,7 @@ class PagedCache:
             keys_all, values_all = self._gather_layers(table, torch.tensor([step.row]), n, [layer],
                                                        values=policy.reads_values)
             keys = keys_all[0]
-            values = torch.empty(keys.shape, dtype=keys.dtype, device="meta") if values_all is None else values_all[0]
+            values = unread_values(keys) if values_all is None else values_all[0]
             slots = self._slots(req_id, step.offset, n)
             state = {name: t[layer : layer + 1] for name, t in slots.state.items()}
             for name, t in record.head_fields(self.layers, self.kv_heads, self.device).items():
@@ -325,11 +326,10 @@ class PagedCache:
         new_tables = [self._kept_blocks(table, int(held.rows[j]), req_id, held.states[j].evictions == 0, n, place.room)
                       for j, req_id in enumerate(held.req_ids)]
         dst = torch.tensor(new_tables, dtype=torch.long, device=self.device)
+        sources = table.get_cpu_tensor()[held.rows].to(self.device)  # the blocks read (values not gathered)
         start = None
         if place.counts is None and kept.values is None:  # even and unmerged: what stays in place is not rewritten
-            own = table.get_cpu_tensor()[held.rows, : dst.shape[1]].to(self.device)
-            start = paged.in_place(place.order) * (own == dst).all(-1)
-        sources = table.get_cpu_tensor()[held.rows].to(self.device)  # values not gathered are read from here
+            start = paged.in_place(place.order) * (sources[:, : dst.shape[1]] == dst).all(-1)
         paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start, sources)
         out = []
         for j, req_id in enumerate(held.req_ids):
@@ -476,10 +476,11 @@ class PagedCache:
             tables = table.get_cpu_tensor()[rows].long().to(dev)  # [R, max_blocks]
             blocks = tables[torch.arange(len(group), device=dev)[None, :, None, None], slot // self.block_size]
             offs = slot % self.block_size
-            gathered: list[Gathered] = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]])
-                                        for i, (k, v) in enumerate(self.kv)]  # [R, Hkv, W, D] per layer
-            keys_all = torch.stack([g[0] for g in gathered])
-            values_all = torch.stack([g[1] for g in gathered if g[1] is not None]) if policy.reads_values else None
+            # [R, Hkv, W, D] per layer; values always, as the compaction reads lane columns from them
+            columns = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]]) for i, (k, v) in enumerate(self.kv)]
+            gathered: list[Gathered] = [*columns]
+            keys_all = torch.stack([k for k, _ in columns])
+            values_all = torch.stack([v for _, v in columns]) if policy.reads_values else None
             positions = positions.gather(-1, field).masked_fill(~valid, -1)
             lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
             row_i = torch.arange(len(group), device=dev)[None, :, None, None]
@@ -490,8 +491,8 @@ class PagedCache:
             keys_all, values_all = self._gather_layers(table, rows, n, values=policy.reads_values)
             gathered = [(k, None if values_all is None else values_all[i]) for i, k in enumerate(keys_all)]
         keys = keys_all.flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
-        # where no stage reads them: their shape alone (the compaction reads them from the blocks)
-        values = torch.empty(keys.shape, dtype=keys.dtype, device="meta") if values_all is None else values_all.flatten(0, 1)
+        # where no stage reads them, their shape alone: the compaction reads them from the blocks
+        values = unread_values(keys) if values_all is None else values_all.flatten(0, 1)
         tokens = [s.tokens for s in states]
         queries, query_valid = self.window(policy.schedule.window, req_ids, torch.tensor(tokens), slice(None))
         inp = self._input(
