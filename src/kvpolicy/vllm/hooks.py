@@ -30,18 +30,36 @@ capture there would be baked into the graph.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 _INSTALLED = False
 
 
-def _wrap(cls: type, name: str, make) -> None:
-    original = getattr(cls, name)
+def _wrap(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """Replace ``owner.name`` (a class's method, or a module's function), once per process, by a
+    function that calls ``wrapper(original, *args, **kwargs)``: the wrapper calls the original."""
+    original = getattr(owner, name)
     if getattr(original, "__kvpolicy_wrapped__", False):
         return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
-    setattr(cls, name, wrapper)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, *args, **kwargs)
+
+    wrapped.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
+def _around(owner: Any, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``_wrap`` each of ``owner``'s ``names`` with the decorated wrapper."""
+
+    def install(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            _wrap(owner, name, wrapper)
+        return wrapper
+
+    return install
 
 
 def install() -> None:
@@ -85,66 +103,58 @@ def _install_frontend() -> None:
 
     from . import contract, settings
 
-    def make(original):
-        def create_engine_config(self, *args: Any, **kwargs: Any):
-            entry = settings.requested(self.additional_config)
-            if entry is None:
-                return original(self, *args, **kwargs)
-            import vllm
+    @_around(EngineArgs, "create_engine_config")
+    def create_engine_config(original, self, *args: Any, **kwargs: Any):
+        entry = settings.requested(self.additional_config)
+        if entry is None:
+            return original(self, *args, **kwargs)
+        import vllm
 
-            settings.check_version(vllm.__version__)
-            resolved = settings.resolve(entry)
-            self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
-            config = original(self, *args, **kwargs)
-            contract.check_config(config)  # every attribute the integration reads, by name
-            settings.check_config(config, resolved)
-            return config
-
-        return create_engine_config
-
-    _wrap(EngineArgs, "create_engine_config", make)
+        settings.check_version(vllm.__version__)
+        resolved = settings.resolve(entry)
+        self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
+        config = original(self, *args, **kwargs)
+        contract.check_config(config)  # every attribute the integration reads, by name
+        settings.check_config(config, resolved)
+        return config
 
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    def make_process(original):
-        def process_inputs(self, request_id, prompt, params, *args: Any, **kwargs: Any):
-            extra = params.extra_args if isinstance(params, SamplingParams) else None  # PoolingParams carry none
-            try:
-                resolved_args = settings.resolve_request(extra)
-                if resolved_args is not None and settings.Resolved.from_additional_config(
-                    self.vllm_config.additional_config
-                ) is None:
-                    raise settings.KVPolicyVLLMError(
-                        "this server runs without kvpolicy, so requests cannot choose a policy; start it with "
-                        '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
-                        "asks) or with a default policy"
-                    )
-                tp = self.vllm_config.parallel_config.tensor_parallel_size
-                if resolved_args is not None and tp > 1:  # only split heads can refuse: no policy load per request otherwise
-                    own = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
-                    shard = settings.shard_refusal(own.policy(), tp)
-                    if shard is not None:
-                        raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
-                model = None if resolved_args is None else _model_refusal(self.vllm_config, resolved_args)
-                if model is not None:
-                    raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {model}")
-            except settings.KVPolicyVLLMError as exc:
-                raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
-            request = original(self, request_id, prompt, params, *args, **kwargs)
-            if resolved_args is not None:
-                # The request's private copy of its params: the caller's object is not changed.
-                request.sampling_params.extra_args = resolved_args
-            refusal = (_prompt_refusal(self.vllm_config, request, resolved_args)
-                       or _pool_refusal(self.vllm_config, request, resolved_args))
-            if refusal is not None:
-                raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
-            return request
-
-        return process_inputs
-
-    _wrap(InputProcessor, "process_inputs", make_process)
+    @_around(InputProcessor, "process_inputs")
+    def process_inputs(original, self, request_id, prompt, params, *args: Any, **kwargs: Any):
+        extra = params.extra_args if isinstance(params, SamplingParams) else None  # PoolingParams carry none
+        try:
+            resolved_args = settings.resolve_request(extra)
+            if resolved_args is not None and settings.Resolved.from_additional_config(
+                self.vllm_config.additional_config
+            ) is None:
+                raise settings.KVPolicyVLLMError(
+                    "this server runs without kvpolicy, so requests cannot choose a policy; start it with "
+                    '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
+                    "asks) or with a default policy"
+                )
+            tp = self.vllm_config.parallel_config.tensor_parallel_size
+            if resolved_args is not None and tp > 1:  # only split heads can refuse: no policy load per request otherwise
+                own = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
+                shard = settings.shard_refusal(own.policy(), tp)
+                if shard is not None:
+                    raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
+            model = None if resolved_args is None else _model_refusal(self.vllm_config, resolved_args)
+            if model is not None:
+                raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {model}")
+        except settings.KVPolicyVLLMError as exc:
+            raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        if resolved_args is not None:
+            # The request's private copy of its params: the caller's object is not changed.
+            request.sampling_params.extra_args = resolved_args
+        refusal = (_prompt_refusal(self.vllm_config, request, resolved_args)
+                   or _pool_refusal(self.vllm_config, request, resolved_args))
+        if refusal is not None:
+            raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
+        return request
 
 
 _SCHEDULES: dict[tuple[str | None, str | None], Any] = {}  # front end: by request and server policy YAML
@@ -246,194 +256,151 @@ def _per_layer_server(vllm_config: Any) -> bool:
 
 def _install_scheduler() -> None:
     from vllm.v1.core import single_type_kv_cache_manager as stm
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from . import contract, settings
     from . import scheduler as sched_mod
 
-    def make_init(original):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
-                contract.check_scheduler(self)  # every attribute the scheduler side reads, by name
-            sched_mod.init_scheduler(self)
-
-        return __init__
-
-    def make_schedule(original):
-        def schedule(self, *args: Any, **kwargs: Any):
-            out = original(self, *args, **kwargs)
-            state = sched_mod.state_of(self)
-            if state is not None:
-                state.after_schedule(out)
-            return out
-
-        return schedule
-
-    def make_update(original):
-        def update_from_output(self, scheduler_output, model_runner_output):
-            out = original(self, scheduler_output, model_runner_output)
-            state = sched_mod.state_of(self)
-            if state is not None:
-                state.after_update(scheduler_output)
-            return out
-
-        return update_from_output
-
-    def make_preempt(original):
-        def _preempt_request(self, request, *args: Any, **kwargs: Any):
-            state = sched_mod.state_of(self)
-            if state is not None:
-                state.on_preempt(request)
-            return original(self, request, *args, **kwargs)
-
-        return _preempt_request
-
-    def make_cap(original):
-        # vLLM's last per-request cap on a step's tokens, in both its running and waiting paths.
-        def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
-            n = original(self, request, num_computed_tokens, num_new_tokens)
-            state = sched_mod.state_of(self)
-            return n if state is None or n <= 0 else state.replay_cap(request, num_computed_tokens, n)
-
-        return _reserve_prefill_lookahead
-
-    def make_count(original):
-        # For a full-attention manager only `num_tokens` sizes the allocation: the other counts
-        # vLLM passes serve sliding windows (skipped tokens) and speculative decoding (the main
-        # model's tokens), both refused at start-up.
-        def counted(self, request_id, num_tokens, *args: Any, **kwargs: Any):
-            state = sched_mod.state()
-            if state is None:
-                return original(self, request_id, num_tokens, *args, **kwargs)
-            group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
-            copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
-            slots = state.counted_slots(request_id, num_tokens, group)
-            return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
-
-        return counted
-
-    def make_cache(original):
-        def cache_blocks(self, request, *args: Any, **kwargs: Any):
-            state = sched_mod.state()
-            if state is not None and not state.caches(request.request_id):
-                return None
-            return original(self, request, *args, **kwargs)
-
-        return cache_blocks
-
-    def make_computed(original):
-        def get_computed_blocks(self, request):
-            found, hit, *rest = original(self, request)
-            state = sched_mod.state()
-            if state is None or not state.prefix_caching:
-                return (found, hit, *rest)
-            groups, hit = state.computed_blocks(request, found.blocks, hit, self.coordinator.single_type_managers[0].block_size)
-            return (self.create_kv_cache_blocks(groups), hit, *rest)
-
-        return get_computed_blocks
-
-    def make_free(original):
-        def freed(self, request_id, *args: Any, **kwargs: Any):
-            for ledger in sched_mod.ledgers():  # every KV-cache group's (vLLM frees a request's groups together)
-                ledger.reset(request_id)
-            return original(self, request_id, *args, **kwargs)
-
-        return freed
-
-    _wrap(Scheduler, "__init__", make_init)
-    _wrap(Scheduler, "schedule", make_schedule)
-    _wrap(Scheduler, "update_from_output", make_update)
-    _wrap(Scheduler, "_preempt_request", make_preempt)
-    _wrap(Scheduler, "_reserve_prefill_lookahead", make_cap)
     base = stm.SingleTypeKVCacheManager
-    _wrap(base, "get_num_blocks_to_allocate", make_count)
-    _wrap(base, "allocate_new_blocks", make_count)
-    _wrap(base, "free", make_free)
-    _wrap(base, "pop_blocks_for_free", make_free)
-    _wrap(base, "cache_blocks", make_cache)
-    _wrap(stm.FullAttentionManager, "cache_blocks", make_cache)
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    _wrap(KVCacheManager, "get_computed_blocks", make_computed)
+    @_around(Scheduler, "__init__")
+    def __init__(original, self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
+            contract.check_scheduler(self)  # every attribute the scheduler side reads, by name
+        sched_mod.init_scheduler(self)
+
+    @_around(Scheduler, "schedule")
+    def schedule(original, self, *args: Any, **kwargs: Any):
+        out = original(self, *args, **kwargs)
+        state = sched_mod.state_of(self)
+        if state is not None:
+            state.after_schedule(out)
+        return out
+
+    @_around(Scheduler, "update_from_output")
+    def update_from_output(original, self, scheduler_output, model_runner_output):
+        out = original(self, scheduler_output, model_runner_output)
+        state = sched_mod.state_of(self)
+        if state is not None:
+            state.after_update(scheduler_output)
+        return out
+
+    @_around(Scheduler, "_preempt_request")
+    def _preempt_request(original, self, request, *args: Any, **kwargs: Any):
+        state = sched_mod.state_of(self)
+        if state is not None:
+            state.on_preempt(request)
+        return original(self, request, *args, **kwargs)
+
+    # vLLM's last per-request cap on a step's tokens, in both its running and waiting paths.
+    @_around(Scheduler, "_reserve_prefill_lookahead")
+    def _reserve_prefill_lookahead(original, self, request, num_computed_tokens, num_new_tokens):
+        n = original(self, request, num_computed_tokens, num_new_tokens)
+        state = sched_mod.state_of(self)
+        return n if state is None or n <= 0 else state.replay_cap(request, num_computed_tokens, n)
+
+    # For a full-attention manager only `num_tokens` sizes the allocation: the other counts
+    # vLLM passes serve sliding windows (skipped tokens) and speculative decoding (the main
+    # model's tokens), both refused at start-up.
+    @_around(base, "get_num_blocks_to_allocate", "allocate_new_blocks")
+    def counted(original, self, request_id, num_tokens, *args: Any, **kwargs: Any):
+        state = sched_mod.state()
+        if state is None:
+            return original(self, request_id, num_tokens, *args, **kwargs)
+        group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
+        copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
+        slots = state.counted_slots(request_id, num_tokens, group)
+        return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
+
+    @_around(stm.FullAttentionManager, "cache_blocks")
+    @_around(base, "cache_blocks")  # first: a subclass that inherits it keeps the one wrapper
+    def cache_blocks(original, self, request, *args: Any, **kwargs: Any):
+        state = sched_mod.state()
+        if state is not None and not state.caches(request.request_id):
+            return None
+        return original(self, request, *args, **kwargs)
+
+    @_around(KVCacheManager, "get_computed_blocks")
+    def get_computed_blocks(original, self, request):
+        found, hit, *rest = original(self, request)
+        state = sched_mod.state()
+        if state is None or not state.prefix_caching:
+            return (found, hit, *rest)
+        groups, hit = state.computed_blocks(request, found.blocks, hit, self.coordinator.single_type_managers[0].block_size)
+        return (self.create_kv_cache_blocks(groups), hit, *rest)
+
+    @_around(base, "free", "pop_blocks_for_free")
+    def freed(original, self, request_id, *args: Any, **kwargs: Any):
+        for ledger in sched_mod.ledgers():  # every KV-cache group's (vLLM frees a request's groups together)
+            ledger.reset(request_id)
+        return original(self, request_id, *args, **kwargs)
 
 
 def _install_engine_core() -> None:
     from vllm.v1.engine import core
+    from vllm.v1.executor.abstract import Executor
 
     from . import contract, settings
     from . import scheduler as sched_mod
 
-    def make_preprocess(original):
-        # Every request enters the engine core here, whichever client sent it: one that does not
-        # fit is refused here, alone (vLLM answers it with an error), never inside the engine loop.
-        def preprocess_add_request(self, request, *args: Any, **kwargs: Any):
-            out = original(self, request, *args, **kwargs)
-            state = sched_mod.state_of(self.scheduler)
-            if state is not None:
-                contract.check_once(out[0], contract.REQUEST)
-                state.admit(out[0])
-            elif out[0].sampling_params is not None and settings.REQUEST_KEY in (out[0].sampling_params.extra_args or {}):
-                raise settings.KVPolicyVLLMError(
-                    f"request {out[0].request_id} names a kvpolicy policy, but this engine runs without kvpolicy"
-                )
-            return out
+    # Every request enters the engine core here, whichever client sent it: one that does not
+    # fit is refused here, alone (vLLM answers it with an error), never inside the engine loop.
+    @_around(core.EngineCore, "preprocess_add_request")
+    def preprocess_add_request(original, self, request, *args: Any, **kwargs: Any):
+        out = original(self, request, *args, **kwargs)
+        state = sched_mod.state_of(self.scheduler)
+        if state is not None:
+            contract.check_once(out[0], contract.REQUEST)
+            state.admit(out[0])
+        elif out[0].sampling_params is not None and settings.REQUEST_KEY in (out[0].sampling_params.extra_args or {}):
+            raise settings.KVPolicyVLLMError(
+                f"request {out[0].request_id} names a kvpolicy policy, but this engine runs without kvpolicy"
+            )
+        return out
 
-        return preprocess_add_request
+    # The workers start evicting in initialize_from_config (``init_runner``): ask them here,
+    # once, which facts they cannot give, before the scheduler exists or any request arrives
+    # (later, preprocess_add_request runs on the engine core's input thread, where a call to
+    # the workers could interleave with a running step). EngineCore.__init__ itself loads the
+    # plugins, so a wrapper of it would miss its first call in an engine-core process.
+    @_around(Executor, "initialize_from_config")
+    def initialize_from_config(original, self, *args: Any, **kwargs: Any):
+        original(self, *args, **kwargs)
+        if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
+            from .worker import missing_facts, model_fingerprint
 
-    _wrap(core.EngineCore, "preprocess_add_request", make_preprocess)
+            sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
+            sched_mod.set_model_fingerprints(self.collective_rpc(model_fingerprint))
+            sched_mod.set_executor(self)  # the scheduler asks the workers for CAKE's layer budgets
 
-    from vllm.v1.executor.abstract import Executor
-
-    def make_kv_init(original):
-        # The workers start evicting in initialize_from_config (``init_runner``): ask them here,
-        # once, which facts they cannot give, before the scheduler exists or any request arrives
-        # (later, preprocess_add_request runs on the engine core's input thread, where a call to
-        # the workers could interleave with a running step). EngineCore.__init__ itself loads the
-        # plugins, so a wrapper of it would miss its first call in an engine-core process.
-        def initialize_from_config(self, *args: Any, **kwargs: Any):
-            original(self, *args, **kwargs)
-            if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
-                from .worker import missing_facts, model_fingerprint
-
-                sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
-                sched_mod.set_model_fingerprints(self.collective_rpc(model_fingerprint))
-                sched_mod.set_executor(self)  # the scheduler asks the workers for CAKE's layer budgets
-
-        return initialize_from_config
-
-    _wrap(Executor, "initialize_from_config", make_kv_init)
-
-    def make_configs(original):
-        def get_kv_cache_configs(vllm_config, *args: Any, **kwargs: Any):
-            need = sched_mod.pool_tokens_needed(vllm_config)
-            mc = vllm_config.model_config
-            if need is None or need >= mc.max_model_len:
-                return original(vllm_config, *args, **kwargs)
-            # vLLM asks the pool to hold one request of max_model_len tokens; under eviction one
-            # request holds at most `need` (replays after preemption included): ask for that.
-            full = mc.max_model_len
-            mc.max_model_len = need
-            try:
-                return original(vllm_config, *args, **kwargs)
-            except ValueError as exc:
-                raise settings.KVPolicyVLLMError(
-                    f"the KV cache cannot hold one request under the server's policy ({need} slots: "
-                    f"its peak, budget plus interval, in blocks{' plus the blocks of a first eviction under prefix caching' if vllm_config.cache_config.enable_prefix_caching else ''}). vLLM said: {exc}"
-                ) from None
-            finally:
-                mc.max_model_len = full
-
-        return get_kv_cache_configs
-
-    if not getattr(core.get_kv_cache_configs, "__kvpolicy_wrapped__", False):
-        wrapper = functools.wraps(core.get_kv_cache_configs)(make_configs(core.get_kv_cache_configs))
-        wrapper.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
-        core.get_kv_cache_configs = wrapper
+    @_around(core, "get_kv_cache_configs")
+    def get_kv_cache_configs(original, vllm_config, *args: Any, **kwargs: Any):
+        need = sched_mod.pool_tokens_needed(vllm_config)
+        mc = vllm_config.model_config
+        if need is None or need >= mc.max_model_len:
+            return original(vllm_config, *args, **kwargs)
+        # vLLM asks the pool to hold one request of max_model_len tokens; under eviction one
+        # request holds at most `need` (replays after preemption included): ask for that.
+        full = mc.max_model_len
+        mc.max_model_len = need
+        try:
+            return original(vllm_config, *args, **kwargs)
+        except ValueError as exc:
+            raise settings.KVPolicyVLLMError(
+                f"the KV cache cannot hold one request under the server's policy ({need} slots: "
+                f"its peak, budget plus interval, in blocks{' plus the blocks of a first eviction under prefix caching' if vllm_config.cache_config.enable_prefix_caching else ''}). vLLM said: {exc}"
+            ) from None
+        finally:
+            mc.max_model_len = full
 
 
 def _install_worker() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from . import contract, facts, settings, worker
@@ -448,98 +415,70 @@ def _install_worker() -> None:
         config = get_current_vllm_config_or_none()
         return config is not None and settings.Resolved.from_additional_config(config.additional_config) is not None
 
-    def make_process_weights(original):
-        def process_weights_after_loading(self, layer):
-            # vLLM's CPU backend packs the weight for oneDNN and drops `weight`: the output
-            # projections' are kept (not copied) for the model facts of policies that read them.
-            if isinstance(layer, LinearBase) and _kvpolicy_loading() and _checked(layer).prefix.endswith(".o_proj"):
-                facts.keep_weight(layer)
-            return original(self, layer)
+    @_around(UnquantizedLinearMethod, "process_weights_after_loading")
+    def process_weights_after_loading(original, self, layer):
+        # vLLM's CPU backend packs the weight for oneDNN and drops `weight`: the output
+        # projections' are kept (not copied) for the model facts of policies that read them.
+        if isinstance(layer, LinearBase) and _kvpolicy_loading() and _checked(layer).prefix.endswith(".o_proj"):
+            facts.keep_weight(layer)
+        return original(self, layer)
 
-        return process_weights_after_loading
+    @_around(Attention, "get_kv_cache_spec")
+    def get_kv_cache_spec(original, self, vllm_config):
+        spec = original(self, vllm_config)
+        # A server under per-layer budgets: a KV-cache group (a block table) per layer.
+        if type(spec) is FullAttentionSpec and _per_layer_server(vllm_config):
+            from .layer_spec import layer_spec
 
-    _wrap(UnquantizedLinearMethod, "process_weights_after_loading", make_process_weights)
+            return layer_spec(spec, extract_layer_index(self.layer_name))
+        return spec
 
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    @_around(GPUModelRunner, "initialize_kv_cache")
+    def initialize_kv_cache(original, self, *args: Any, **kwargs: Any):
+        out = original(self, *args, **kwargs)
+        state = worker.init_runner(self)
+        if state is not None:
+            for impl_cls in state.impl_classes:
+                install_backend(impl_cls)
+            for builder_cls in state.builder_classes:
+                install_builder(builder_cls)
+        return out
 
-    def make_spec(original):
-        def get_kv_cache_spec(self, vllm_config):
-            spec = original(self, vllm_config)
-            # A server under per-layer budgets: a KV-cache group (a block table) per layer.
-            if type(spec) is FullAttentionSpec and _per_layer_server(vllm_config):
-                from .layer_spec import layer_spec
+    @_around(GPUModelRunner, "_update_states")
+    def _update_states(original, self, scheduler_output):
+        state = worker.runner_eviction(self)
+        if state is not None:
+            state.on_update_states(scheduler_output)
+        return original(self, scheduler_output)
 
-                return layer_spec(spec, extract_layer_index(self.layer_name))
-            return spec
+    @_around(GPUModelRunner, "_prepare_inputs")
+    def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        state = worker.runner_eviction(self)
+        if state is not None:
+            state.after_prepare_inputs(num_scheduled_tokens)
+        return out
 
-        return get_kv_cache_spec
+    @_around(GPUModelRunner, "execute_model")
+    def execute_model(original, self, *args: Any, **kwargs: Any):
+        state = worker.runner_eviction(self)
+        if state is not None:
+            state.plan = None
+        out = original(self, *args, **kwargs)
+        if state is not None:
+            state.after_execute()
+            if out is not None:  # sampled already (or nothing to sample): sample_tokens is not called
+                state.restore_generators()
+        return out
 
-    _wrap(Attention, "get_kv_cache_spec", make_spec)
-
-    def make_init_kv(original):
-        def initialize_kv_cache(self, *args: Any, **kwargs: Any):
-            out = original(self, *args, **kwargs)
-            state = worker.init_runner(self)
+    @_around(GPUModelRunner, "sample_tokens")
+    def sample_tokens(original, self, *args: Any, **kwargs: Any):
+        state = worker.runner_eviction(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
             if state is not None:
-                for impl_cls in state.impl_classes:
-                    install_backend(impl_cls)
-                for builder_cls in state.builder_classes:
-                    install_builder(builder_cls)
-            return out
-
-        return initialize_kv_cache
-
-    def make_update_states(original):
-        def _update_states(self, scheduler_output):
-            state = worker.runner_eviction(self)
-            if state is not None:
-                state.on_update_states(scheduler_output)
-            return original(self, scheduler_output)
-
-        return _update_states
-
-    def make_prepare(original):
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-            out = original(self, scheduler_output, num_scheduled_tokens)
-            state = worker.runner_eviction(self)
-            if state is not None:
-                state.after_prepare_inputs(num_scheduled_tokens)
-            return out
-
-        return _prepare_inputs
-
-    def make_execute(original):
-        def execute_model(self, *args: Any, **kwargs: Any):
-            state = worker.runner_eviction(self)
-            if state is not None:
-                state.plan = None
-            out = original(self, *args, **kwargs)
-            if state is not None:
-                state.after_execute()
-                if out is not None:  # sampled already (or nothing to sample): sample_tokens is not called
-                    state.restore_generators()
-            return out
-
-        return execute_model
-
-    def make_sample(original):
-        def sample_tokens(self, *args: Any, **kwargs: Any):
-            state = worker.runner_eviction(self)
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                if state is not None:
-                    state.restore_generators()
-
-        return sample_tokens
-
-    _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
-    _wrap(GPUModelRunner, "_update_states", make_update_states)
-    _wrap(GPUModelRunner, "_prepare_inputs", make_prepare)
-    _wrap(GPUModelRunner, "execute_model", make_execute)
-    _wrap(GPUModelRunner, "sample_tokens", make_sample)
+                state.restore_generators()
 
 
 def install_backend(impl_cls: type) -> None:
@@ -548,36 +487,30 @@ def install_backend(impl_cls: type) -> None:
     under per-head budgets move each head's new keys to its own slots after every write."""
     from . import worker
 
-    def make_forward(original):
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args: Any, **kwargs: Any):
-            state = worker.active()
-            if state is not None and attn_metadata is not None:
-                state.capture_queries(layer, query)
-            out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            if state is not None and attn_metadata is not None and state.head_attention:
-                state.attend_heads(layer, query, kwargs.get("output", out), self, kv_cache)  # heads of different counts
-            if state is not None and attn_metadata is not None and state.long_steps:
-                state.after_attention(layer, query)  # the layer's keys are in
-            if state is not None and attn_metadata is not None and state.select.selecting:
-                state.attend_selected(layer, query, kwargs.get("output", out), self, kv_cache)  # select mode
-            return out
+    @_around(impl_cls, "forward")
+    def forward(original, self, layer, query, key, value, kv_cache, attn_metadata, *args: Any, **kwargs: Any):
+        state = worker.active()
+        if state is None or attn_metadata is None:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        state.capture_queries(layer, query)
+        out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if state.head_attention:
+            state.attend_heads(layer, query, kwargs.get("output", out), self, kv_cache)  # heads of different counts
+        if state.long_steps:
+            state.after_attention(layer, query)  # the layer's keys are in
+        if state.select.selecting:
+            state.attend_selected(layer, query, kwargs.get("output", out), self, kv_cache)  # select mode
+        return out
 
-        return forward
-
-    def make_kv_update(original):
-        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-            out = original(self, layer, key, value, kv_cache, slot_mapping)
-            state = worker.active()
-            if state is not None and not state.layout_checked:
-                state.check_layout(key, value, kv_cache, slot_mapping)
-            if state is not None and state.head_attention:
-                state.moved_tokens(layer)  # each head's copy of the new tokens to its own slots
-            return out
-
-        return do_kv_cache_update
-
-    _wrap(impl_cls, "forward", make_forward)
-    _wrap(impl_cls, "do_kv_cache_update", make_kv_update)  # contract.ATTENTION_IMPL: the layout check lives there
+    @_around(impl_cls, "do_kv_cache_update")  # contract.ATTENTION_IMPL: the layout check lives there
+    def do_kv_cache_update(original, self, layer, key, value, kv_cache, slot_mapping):
+        out = original(self, layer, key, value, kv_cache, slot_mapping)
+        state = worker.active()
+        if state is not None and not state.layout_checked:
+            state.check_layout(key, value, kv_cache, slot_mapping)
+        if state is not None and state.head_attention:
+            state.moved_tokens(layer)  # each head's copy of the new tokens to its own slots
+        return out
 
 
 def install_builder(builder_cls: type) -> None:
@@ -586,13 +519,10 @@ def install_builder(builder_cls: type) -> None:
     length (``WorkerEviction.group_metadata``); vLLM gives every group the same ``seq_lens``."""
     from . import worker
 
-    def make_build(original):
-        def build(self, common_prefix_len, common_attn_metadata, *args: Any, **kwargs: Any):
-            state = worker.active()
-            if state is not None:
-                common_attn_metadata = state.group_metadata(self, common_attn_metadata)
-            return original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+    @_around(builder_cls, "build")
+    def build(original, self, common_prefix_len, common_attn_metadata, *args: Any, **kwargs: Any):
+        state = worker.active()
+        if state is not None:
+            common_attn_metadata = state.group_metadata(self, common_attn_metadata)
+        return original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
 
-        return build
-
-    _wrap(builder_cls, "build", make_build)

@@ -70,6 +70,44 @@ class Lanes:
         return src, self.own(held)[..., None] + torch.arange(tokens)
 
 
+@dataclass(frozen=True)
+class LaneColumns:
+    """The heads of a group of requests as one eviction reads them (``Lanes.columns``, every
+    request at once): ``[Lyr, R, Hkv, W]`` each, ``W`` the width of the group's fullest head."""
+
+    slot: torch.Tensor  # where each column is in its head's lane
+    field: torch.Tensor  # its index in the request's per-slot fields (positions, state)
+    valid: torch.Tensor  # bool: whether it holds a slot (an empty column points at 0)
+
+    @staticmethod
+    def of(requests: list[Lanes], held: int, device: torch.device) -> LaneColumns:
+        """The columns of ``requests``, each holding ``held`` block-table slots (one width for all:
+        the first request's, which the group shares)."""
+        width = requests[0].width(held)
+        cols = [lanes.columns(held, width) for lanes in requests]
+        slot, field, valid = (torch.stack([c[i] for c in cols], dim=1).to(device) for i in range(3))
+        return LaneColumns(slot, field, valid)
+
+    @cached_property
+    def heads(self) -> torch.Tensor:
+        """Each column's KV head (0 where empty)."""
+        return torch.where(self.valid, torch.arange(self.valid.shape[2], device=self.valid.device)[:, None], 0)
+
+    def read(self, kv: list[KV], tables: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer of ``kv``, every column's keys and values ``[R, Hkv, W, D]`` (copies);
+        ``tables [R, max_blocks]``: the requests' block tables."""
+        blocks = tables[torch.arange(tables.shape[0], device=tables.device)[None, :, None, None], self.slot // block_size]
+        offs, heads = self.slot % block_size, self.heads
+        return [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]]) for i, (k, v) in enumerate(kv)]
+
+    def take(self, per_slot: torch.Tensor) -> torch.Tensor:
+        """A per-slot field ``[Lyr, R, Hkv, N]`` (block-table order) at each column: ``[Lyr, R, Hkv, W]``."""
+        lyr, r = per_slot.shape[:2]
+        lyr_i = torch.arange(lyr, device=per_slot.device)[:, None, None, None]
+        row_i = torch.arange(r, device=per_slot.device)[None, :, None, None]
+        return per_slot[lyr_i, row_i, self.heads, self.field]
+
+
 def own_slots(counts: torch.Tensor, held: int | torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
     """Slots each head holds: its kept ``counts`` and every slot vLLM wrote since the room's
     ``start``, up to ``held`` (ints, or tensors broadcasting with ``counts``)."""

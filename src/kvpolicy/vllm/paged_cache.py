@@ -466,27 +466,16 @@ class PagedCache:
         state = stacked_state([self.records[q] for q in req_ids], slots, self.layers, self.kv_heads, self.device)
         slot_valid = None
         if policy.per_head:
-            width = self._lanes(req_ids[0]).width(n)
-            cols = [self._lanes(q).columns(n, width) for q in req_ids]
-            dev = self.device
-            slot = torch.stack([c[0] for c in cols], dim=1).to(dev)  # [Lyr, R, Hkv, W]: in each head's lane
-            field = torch.stack([c[1] for c in cols], dim=1).to(dev)  # ...: in the per-slot fields
-            valid = torch.stack([c[2] for c in cols], dim=1).to(dev)
-            heads = torch.where(valid, torch.arange(self.kv_heads, device=dev)[:, None], 0)
-            tables = table.get_cpu_tensor()[rows].long().to(dev)  # [R, max_blocks]
-            blocks = tables[torch.arange(len(group), device=dev)[None, :, None, None], slot // self.block_size]
-            offs = slot % self.block_size
+            cols = lanes.LaneColumns.of([self._lanes(q) for q in req_ids], n, self.device)
             # [R, Hkv, W, D] per layer; values always, as the compaction reads lane columns from them
-            columns = [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]]) for i, (k, v) in enumerate(self.kv)]
+            columns = cols.read(self.kv, table.get_cpu_tensor()[rows].long().to(self.device), self.block_size)
             gathered: list[Gathered] = [*columns]
             keys_all = torch.stack([k for k, _ in columns])
             values_all = torch.stack([v for _, v in columns]) if policy.reads_values else None
-            positions = positions.gather(-1, field).masked_fill(~valid, -1)
-            lyr_i = torch.arange(self.layers, device=dev)[:, None, None, None]
-            row_i = torch.arange(len(group), device=dev)[None, :, None, None]
-            state = {name: t.view(self.layers, len(group), *t.shape[1:])[lyr_i, row_i, heads, field].flatten(0, 1)
+            positions = positions.gather(-1, cols.field).masked_fill(~cols.valid, -1)
+            state = {name: cols.take(t.view(self.layers, len(group), *t.shape[1:])).flatten(0, 1)
                      if name in slots[0].state else t for name, t in state.items()}  # each column's, as read
-            slot_valid = valid.flatten(0, 1)
+            slot_valid = cols.valid.flatten(0, 1)
         else:
             keys_all, values_all = self._gather_layers(table, rows, n, values=policy.reads_values)
             gathered = [(k, None if values_all is None else values_all[i]) for i, k in enumerate(keys_all)]
