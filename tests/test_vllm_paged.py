@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.vllm.lanes import Lanes, LaneStep, plan_attention
+from kvpolicy.vllm.lanes import LaneColumns, Lanes, LaneStep, plan_attention
 from kvpolicy.vllm.layout import STRIDE_ORDERS, BlockLayout, LayoutError, layer_views
 from kvpolicy.vllm.paged import compact, gather_layers, gather_paged, in_place, slot_address
 
@@ -330,6 +330,49 @@ def test_a_head_attention_plan_is_each_requests_lanes(case):
                     assert int(gathered.blocks[layer, j, h, w]) == int(tables[j, w // bs])
                     assert int(gathered.offsets[layer, j, h, w]) == w % bs and int(gathered.heads[layer, j, h, w]) == h
     assert m == plan.moves.src_block.numel()
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_lane_columns_read_each_heads_own_slots_and_their_fields(data):
+    """``LaneColumns`` (a group's requests at once) against each request's ``Lanes.columns``, read
+    element by element: every valid column's keys and values are its head's lane slot in the
+    request's blocks, its per-slot field is the one its ``field`` names, and each head has as
+    many valid columns as slots it holds."""
+    layers, kv_heads, bs, d = 2, 3, 4, 2
+    start = data.draw(st.integers(1, 9))
+    held = start + data.draw(st.integers(0, 6))
+    lanes = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        counts = torch.tensor(data.draw(st.lists(st.integers(0, start), min_size=layers * kv_heads,
+                                                 max_size=layers * kv_heads))).view(layers, kv_heads)
+        counts[0, 0] = start  # one width for the group, as evictions group requests by it
+        lanes.append(Lanes(counts, start))
+    r, per = len(lanes), -(-held // bs)
+    nb = r * per + 2
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    kv = [(torch.randn(nb, bs, kv_heads, d, generator=gen), torch.randn(nb, bs, kv_heads, d, generator=gen))
+          for _ in range(layers)]
+    tables = torch.randperm(nb, generator=gen)[: r * per].view(r, per)
+    per_slot = torch.randn(layers, r, kv_heads, held, generator=gen)
+    cols = LaneColumns.of(lanes, held, torch.device("cpu"))
+    read, taken = cols.read(kv, tables, bs), cols.take(per_slot)
+    width = cols.slot.shape[-1]
+    for j, lane in enumerate(lanes):
+        slot, field, valid = lane.columns(held, width)
+        assert torch.equal(cols.valid[:, j], valid)
+        assert torch.equal(valid.sum(-1), lane.own(held))
+        for layer in range(layers):
+            keys, values = kv[layer]
+            for h in range(kv_heads):
+                for w in range(width):
+                    if not valid[layer, h, w]:
+                        continue
+                    s = int(slot[layer, h, w])
+                    block, offset = int(tables[j, s // bs]), s % bs
+                    assert torch.equal(read[layer][0][j, h, w], keys[block, offset, h])
+                    assert torch.equal(read[layer][1][j, h, w], values[block, offset, h])
+                    assert taken[layer, j, h, w] == per_slot[layer, j, h, int(field[layer, h, w])]
 
 
 @settings(max_examples=100, deadline=None)
