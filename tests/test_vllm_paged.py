@@ -357,6 +357,8 @@ def test_lane_columns_read_each_heads_own_slots_and_their_fields(data):
     per_slot = torch.randn(layers, r, kv_heads, held, generator=gen)
     cols = LaneColumns.of(lanes, held, torch.device("cpu"))
     read, taken = cols.read(kv, tables, bs), cols.take(per_slot)
+    keys_only = cols.read(kv, tables, bs, values=False)
+    assert torch.equal(keys_only[0], read[0]) and keys_only[1] is None
     width = cols.slot.shape[-1]
     for j, lane in enumerate(lanes):
         slot, field, valid = lane.columns(held, width)
@@ -370,8 +372,8 @@ def test_lane_columns_read_each_heads_own_slots_and_their_fields(data):
                         continue
                     s = int(slot[layer, h, w])
                     block, offset = int(tables[j, s // bs]), s % bs
-                    assert torch.equal(read[layer][0][j, h, w], keys[block, offset, h])
-                    assert torch.equal(read[layer][1][j, h, w], values[block, offset, h])
+                    assert torch.equal(read[0][layer, j, h, w], keys[block, offset, h])
+                    assert torch.equal(read[1][layer, j, h, w], values[block, offset, h])
                     assert taken[layer, j, h, w] == per_slot[layer, j, h, int(field[layer, h, w])]
 
 
@@ -408,6 +410,20 @@ def test_an_in_place_compaction_rewrites_only_what_moves_and_leaves_what_a_full_
         kv = [(torch.randn(nb, bs, h, d, generator=g2), torch.randn(nb, bs, h, d, generator=g2)) for _ in range(lyr)]
         gathered = [gather_paged(x, *slot_address(tables, n, bs)) for x in kv]
         compact(kv, dst, [(ks, vs if read_values else None) for ks, vs in gathered], kept, bs, start, sources=tables)
+        caches.append((dst, kv))
+    # Columns that are not the slots in order (per-head lanes: ``LaneColumns``): the keys gathered by
+    # column, the kept ones named by column, the values read from the blocks through ``columns``.
+    columns = torch.stack([torch.randperm(n, generator=g) for _ in range(lyr * r * h)]).view(lyr, r, h, n)
+    kept_columns = columns.argsort(-1).gather(-1, kept)  # the column of each kept slot
+    for read_values, dst in [(True, tables), (False, tables), (False, fresh)]:
+        g2 = torch.Generator().manual_seed(seed)
+        kv = [(torch.randn(nb, bs, h, d, generator=g2), torch.randn(nb, bs, h, d, generator=g2)) for _ in range(lyr)]
+        by_column = []
+        for layer, x in enumerate(kv):
+            ks, vs = gather_paged(x, *slot_address(tables, n, bs))
+            at = columns[layer][..., None].expand(-1, -1, -1, d)
+            by_column.append((ks.gather(2, at), vs.gather(2, at) if read_values else None))
+        compact(kv, dst, by_column, kept_columns, bs, sources=tables, columns=columns)
         caches.append((dst, kv))
 
     def kept_slots(dst, kv):  # each layer's and row's first k slots, keys then values

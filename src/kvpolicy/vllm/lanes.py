@@ -93,12 +93,16 @@ class LaneColumns:
         """Each column's KV head (0 where empty)."""
         return torch.where(self.valid, torch.arange(self.valid.shape[2], device=self.valid.device)[:, None], 0)
 
-    def read(self, kv: list[KV], tables: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer of ``kv``, every column's keys and values ``[R, Hkv, W, D]`` (copies);
-        ``tables [R, max_blocks]``: the requests' block tables."""
+    def read(self, kv: list[KV], tables: torch.Tensor, block_size: int, *,
+             values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every layer's keys and values of the columns ``[Lyr, R, Hkv, W, D]`` (copies; values
+        None unless ``values``), as ``paged.gather_layers`` reads slots; ``kv``: per layer, its
+        keys and values; ``tables [R, max_blocks]``: the requests' block tables."""
         blocks = tables[torch.arange(tables.shape[0], device=tables.device)[None, :, None, None], self.slot // block_size]
-        offs, heads = self.slot % block_size, self.heads
-        return [(k[blocks[i], offs[i], heads[i]], v[blocks[i], offs[i], heads[i]]) for i, (k, v) in enumerate(kv)]
+        offsets = self.slot % block_size
+        read = [torch.stack([layer[which][blocks[i], offsets[i], self.heads[i]] for i, layer in enumerate(kv)])
+                for which in ((0, 1) if values else (0,))]
+        return read[0], read[1] if values else None
 
     def take(self, per_slot: torch.Tensor) -> torch.Tensor:
         """A per-slot field ``[Lyr, R, Hkv, N]`` (block-table order) at each column: ``[Lyr, R, Hkv, W]``."""

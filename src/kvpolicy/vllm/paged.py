@@ -51,7 +51,8 @@ def gather_layers(layers: list[KV], blocks: torch.Tensor, offsets: torch.Tensor,
 
 
 def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[Gathered], kept: torch.Tensor,
-            block_size: int, start: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> None:
+            block_size: int, start: torch.Tensor | None = None, sources: torch.Tensor | None = None,
+            columns: torch.Tensor | None = None) -> None:
     """Move each row's kept slots to the front of its blocks, in order, in place.
 
     Args:
@@ -65,6 +66,9 @@ def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[Gathere
             hold what they keep (``in_place``); None: every slot is written.
         sources: ``[R, max_blocks]`` the block tables the slots were gathered from (the old ones),
             for values not gathered.
+        columns: ``[Lyr, R, Hkv, N]`` the slot each of ``gathered``'s columns was read from, where
+            they are not the slots in order (per-head lanes: ``kvpolicy.vllm.lanes.LaneColumns``);
+            None: column ``c`` is slot ``c``.
     """
     lyr, r, h, k = kept.shape
     dst_blocks, dst_off = slot_address(block_tables, k, block_size)
@@ -80,7 +84,8 @@ def compact(layers: list[KV], block_tables: torch.Tensor, gathered: list[Gathere
         elif sources is None:
             raise ValueError("values not gathered and no source block tables to read them from")
         else:  # read before written: indexing on the right copies first
-            values[at] = values[sources[rows[:, None], src // block_size], src % block_size, heads]
+            slot = src if columns is None else columns[i][rows[:, None], heads, src]
+            values[at] = values[sources[rows[:, None], slot // block_size], slot % block_size, heads]
 
 
 def in_place(kept: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,7 @@ class PagedCache:
         start = None
         if place.counts is None and kept.values is None:  # even and unmerged: what stays in place is not rewritten
             start = paged.in_place(place.order) * (sources[:, : dst.shape[1]] == dst).all(-1)
-        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start, sources)
+        paged.compact(self.kv, dst, place.gathered, place.order, self.block_size, start, sources, place.columns)
         out = []
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
@@ -384,7 +384,7 @@ class PagedCache:
         slots = [KeptSlots(positions[:, j].clone(), {k: t[:, j].clone() for k, t in per_slot.items()}) for j in range(r)]
         per_head = {name: t for name, t in kept.state.items() if name not in per_slot}
         slots = stored_state([self.records[q] for q in held.req_ids], slots, lyr, self.kv_heads, self.device, per_head)
-        return Placement(order, room, held.gathered, slots, counts, kept.keep)
+        return Placement(order, room, held.gathered, slots, counts, kept.keep, held.columns)
 
     def _evicted(self, req_id: str, row: int, kept: KeptSlots, blocks: list[int], table: BlockTable) -> Evicted:
         """A request's eviction recorded (both layouts): what it keeps per slot, the ledger's
@@ -464,21 +464,18 @@ class PagedCache:
         slots = [self._slots(q, s.offset, n) for q, s in zip(req_ids, states, strict=True)]
         positions = torch.stack([x.positions for x in slots], dim=1)  # [Lyr, R, Hkv, n]
         state = stacked_state([self.records[q] for q in req_ids], slots, self.layers, self.kv_heads, self.device)
-        slot_valid = None
+        slot_valid = columns = None
         if policy.per_head:
             cols = lanes.LaneColumns.of([self._lanes(q) for q in req_ids], n, self.device)
-            # [R, Hkv, W, D] per layer; values always, as the compaction reads lane columns from them
-            columns = cols.read(self.kv, table.get_cpu_tensor()[rows].long().to(self.device), self.block_size)
-            gathered: list[Gathered] = [*columns]
-            keys_all = torch.stack([k for k, _ in columns])
-            values_all = torch.stack([v for _, v in columns]) if policy.reads_values else None
+            tables = table.get_cpu_tensor()[rows].long().to(self.device)
+            keys_all, values_all = cols.read(self.kv, tables, self.block_size, values=policy.reads_values)
             positions = positions.gather(-1, cols.field).masked_fill(~cols.valid, -1)
             state = {name: cols.take(t.view(self.layers, len(group), *t.shape[1:])).flatten(0, 1)
                      if name in slots[0].state else t for name, t in state.items()}  # each column's, as read
-            slot_valid = cols.valid.flatten(0, 1)
+            slot_valid, columns = cols.valid.flatten(0, 1), cols.slot
         else:
             keys_all, values_all = self._gather_layers(table, rows, n, values=policy.reads_values)
-            gathered = [(k, None if values_all is None else values_all[i]) for i, k in enumerate(keys_all)]
+        gathered: list[Gathered] = [(k, None if values_all is None else values_all[i]) for i, k in enumerate(keys_all)]
         keys = keys_all.flatten(0, 1)  # [Lyr * R, Hkv, N, D], layer-major
         # where no stage reads them, their shape alone: the compaction reads them from the blocks
         values = unread_values(keys) if values_all is None else values_all.flatten(0, 1)
@@ -489,7 +486,8 @@ class PagedCache:
             [s.evictions for s in states], state=state, req_ids=req_ids, tokens=tokens, slot_valid=slot_valid,
             schedule=states[0].evicts_to(),
         )
-        return HeldRequests(rows, req_ids, states, slots, gathered, inp, positions if policy.per_head else None)
+        return HeldRequests(rows, req_ids, states, slots, gathered, inp, positions if policy.per_head else None,
+                            columns)
 
     def _input(
         self, rp: RequestPolicy, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,

@@ -292,6 +292,7 @@ class HeldRequests:
     gathered: list[Gathered]  # per layer, their keys and values [R, Hkv, N, D] (copies; values None: not read)
     inp: EvictionInput
     positions: torch.Tensor | None = None  # per-head budgets: [Lyr, R, Hkv, N] each column's token (-1: none)
+    columns: torch.Tensor | None = None  # per-head budgets: [Lyr, R, Hkv, N] each column's slot in its lane
 
 
 @dataclass
@@ -308,6 +309,7 @@ class Placement:
     slots: list[KeptSlots]
     counts: torch.Tensor | None
     traced: torch.Tensor
+    columns: torch.Tensor | None = None  # per-head budgets: where ``order``'s columns are in each lane
 
 
 def evicting_policy(rp: RequestPolicy) -> Policy:
