@@ -100,9 +100,14 @@ class LaneColumns:
         keys and values; ``tables [R, max_blocks]``: the requests' block tables."""
         blocks = tables[torch.arange(tables.shape[0], device=tables.device)[None, :, None, None], self.slot // block_size]
         offsets = self.slot % block_size
-        read = [torch.stack([layer[which][blocks[i], offsets[i], self.heads[i]] for i, layer in enumerate(kv)])
-                for which in ((0, 1) if values else (0,))]
-        return read[0], read[1] if values else None
+        out = []
+        for which in (0, 1) if values else (0,):
+            first = kv[0][which]
+            read = first.new_empty(*self.slot.shape, first.shape[-1])
+            for i, layer in enumerate(kv):  # each layer's written into one tensor as it is read, not stacked after
+                read[i] = layer[which][blocks[i], offsets[i], self.heads[i]]
+            out.append(read)
+        return out[0], out[1] if values else None
 
     def take(self, per_slot: torch.Tensor) -> torch.Tensor:
         """A per-slot field ``[Lyr, R, Hkv, N]`` (block-table order) at each column: ``[Lyr, R, Hkv, W]``."""
