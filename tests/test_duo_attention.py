@@ -206,6 +206,8 @@ def test_bad_allocations_name_the_field(tmp_path):
         _policy(path)
     assert _policy(path, threshold=0.15).allocation.retrieval.tolist() == [[False, True], [False, True]]
     assert _policy(path, streaming_fraction=0.25).allocation.retrieval.tolist() == [[True, True], [False, True]]
+    # kvpress's count: round(fraction x heads), here round(1.6) = 2 heads (a floor would stream 1)
+    assert _policy(path, streaming_fraction=0.4).allocation.retrieval.tolist() == [[False, True], [False, True]]
     with pytest.raises(PolicyError, match="give threshold or streaming_fraction, not both"):
         _policy(path, threshold=0.1, streaming_fraction=0.5)
     with pytest.raises(PolicyError, match=r"allocation: cannot use the head profile .*missing"):

@@ -35,8 +35,9 @@ class DuoAllocation(Allocation):
     A head is a retrieval head when its profile weight is at least ``threshold`` (default 0.5:
     DuoAttention deploys its trained gates with it; a class profile's retrieval heads weigh 1, streaming
     heads 0), or, with ``streaming_fraction``, the lowest-weighted fraction of the model's heads
-    stream (kvpress's ``head_compression_ratio``; ties: the earlier layer and head stream
-    first). The model's total, ``layers x KV heads x budget`` slots, is fixed: each retrieval
+    stream (kvpress's ``head_compression_ratio``: that fraction of the heads rounded to the
+    nearest, halves to even, as Python's ``round``; ties of weight: the earlier layer and head
+    stream first). The model's total, ``layers x KV heads x budget`` slots, is fixed: each retrieval
     head gets ``(total - streaming heads x (recent + sinks)) / retrieval heads``, rounded per
     layer so that every count is an int and each layer's heads add up to ``Hkv x`` its budget.
 
@@ -82,7 +83,7 @@ class DuoAllocation(Allocation):
             retrieval = weights >= threshold
             field = f"threshold {threshold}"
         else:
-            streaming = int(self.streaming_fraction * weights.numel())
+            streaming = round(self.streaming_fraction * weights.numel())  # as kvpress: to the nearest (halves to even)
             order = torch.sort(weights.flatten(), stable=True).indices  # lowest first; ties: earlier head
             retrieval = torch.ones(weights.numel(), dtype=torch.bool)
             retrieval[order[:streaming]] = False
