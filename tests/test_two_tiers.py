@@ -563,10 +563,12 @@ _OK = {"budget": 16, "page_size": 8}
         (_OK, {"allocation": {"type": "adaptive", "floor": 0.2}}, ["recall", "'adaptive'"]),
         (_OK, {"merge": {"type": "similar"}}, ["recall", "merge 'similar'"]),
         (_OK, {"scorer": {"type": "key_norm"}, "schedule": {**_SCHED, "window": 0}}, ["recall", "schedule.window"]),
+        ({"budget": 16, "page_size": 16}, {"scorer": {"type": "quest", "page_size": 16}},
+         ["schedule.budget 64 - schedule.recent 8 = 56", "recall.page_size 16", "'quest'", "budget 72"]),
     ],
     ids=["no-room", "not-whole-pages", "schedule-not-whole-pages", "above-schedule-budget", "page-not-dividing-interval",
          "select-mode", "scorer-without-summaries", "unknown-summary", "capacity-not-whole-pages", "capacity-below-budget",
-         "per-head-allocation", "merge", "window-0"],
+         "per-head-allocation", "merge", "window-0", "eviction-ranks-part-of-a-page"],
 )
 def test_refused_at_load_naming_the_field(recall, extra, names):
     data = {**_spec(GREEDY, _SCHED), **copy.deepcopy(extra), "recall": recall}
@@ -578,6 +580,25 @@ def test_refused_at_load_naming_the_field(recall, extra, names):
     # the same policy without its recall block loads: the refusal is the recall's
     del data["recall"]
     load_policy(data)
+
+
+@settings(max_examples=12, deadline=None)
+@given(prompt=st.integers(1, 300), steps=st.integers(40, 260), seed=st.integers(0, 2**16))
+def test_arkvale_evicts_and_recalls_whole_pages(prompt, steps, seed):
+    """ArkVale's unit is the page: eviction ranks pages of 32 by their bound and every page it
+    drops goes to the slow tier as it was, so each slow-tier page holds 32 consecutive positions
+    from a multiple of 32, whatever the prompt's length (a recent buffer of 16 once made every
+    eviction keep half a page and send slow pages of scattered positions)."""
+    cache = EvictingCache(load_policy("arkvale", budget=128), num_layers=1, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    cache.attend(0, *_qkv(g, prompt, b=1))
+    for _ in range(steps):
+        cache.attend(0, *_qkv(g, 1, b=1))
+    slow = _layout(cache, 0).slow
+    held = slow.positions[0, 0][slow.page_valid[0, 0]]  # [pages, 32] over both heads
+    assert prompt + steps <= 160 or held.shape[0] > 0  # it evicted by then (budget 128 + interval 32)
+    whole = torch.arange(32) + held[:, :1]
+    assert torch.equal(held, whole) and bool((held[:, 0] % 32 == 0).all()), held
 
 
 def test_built_in_refusals_compose_with_a_recall_block():

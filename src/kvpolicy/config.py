@@ -156,7 +156,24 @@ class PolicyConfig(BaseModel):
                 s.validate_schedule(sched)
         if self.recall is not None:
             self.recall.check_policy(self.mode, sched, self.allocation, self.selector, self.merge)
+            self._check_whole_pages(sched, self.recall.page_size)
         return self
+
+    def _check_whole_pages(self, sched: Schedule, page: int) -> None:
+        """A two-tier policy whose eviction ranks pages of the recall's size (ArkVale's design: one
+        page is what is evicted, summarised and recalled) keeps whole pages only when the slots it
+        keeps by rank, ``budget - recent``, are whole pages: otherwise every eviction keeps part of
+        one page, and the slow tier's pages mix tokens that never were one page."""
+        evicting = [s for stage in [self.scorer, *self.reservations] if stage is not None for s in stage.walk()]
+        ranking = [s.type_name for s in evicting if page in s.key_page_sizes]
+        ranked = sched.budget - sched.recent
+        if ranking and ranked % page:
+            raise ValueError(
+                f"schedule.budget {sched.budget} - schedule.recent {sched.recent} = {ranked} is not whole pages of "
+                f"recall.page_size {page}, which {ranking[0]!r} ranks the slots by: each eviction would keep part of "
+                f"a page and send the rest to the slow tier as a page of its own; make budget - recent a multiple "
+                f"of {page} (e.g. budget {sched.recent + -(-ranked // page) * page})"
+            )
 
     def _check_page_choice(self, page: int) -> None:
         """A scorer that chooses whole pages (``Scorer.choice_page_size``) does so only where select
