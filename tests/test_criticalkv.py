@@ -85,7 +85,7 @@ def _criticalkv_reference(k, v, q, facts, *, budget, recent):
                                      for h in range(k.shape[1])]) for b in range(k.shape[0])])
     weight = ref.output_value_norm(v, facts.output_projection(0))
     second = (base + 1e-4) * weight
-    stage1 = int(0.5 * budget) - recent
+    stage1 = max(0, int(0.5 * budget) - recent)  # the window counts towards the first half
     return ref.select(second, budget=budget, recent=recent, reserve_scores=base, reserve_n=stage1)
 
 
@@ -98,6 +98,21 @@ def test_the_policy_keeps_the_reference_slots(shape):
     kept = policy.select(k, v, q, model=facts)
     want = _criticalkv_reference(k, v, q, facts, budget=budget, recent=6)
     assert [[set(h.tolist()) for h in row] for row in kept] == [[set(h) for h in row] for row in want]
+
+
+def test_half_the_budget_below_the_window_loads_and_keeps_the_reference_slots():
+    """The first half counts the window (``count_recent``): where half the budget is below the
+    window (96 beside the shipped 64, one of `kvpolicy eval`'s default budgets) the first stage
+    adds nothing, and the load check counts the window once, not once more for the half."""
+    k, v, q = make_tensors(b=2, hkv=2, hq=4, n=40, d=8, w=12, seed=7)
+    facts = model_facts(layers=1, hkv=2, hq=4, d=8, hidden=10)
+    policy = kvpolicy.load_policy("criticalkv", budget=20, recent=12, window=12, interval=12)
+    kept = policy.select(k, v, q, model=facts)
+    want = _criticalkv_reference(k, v, q, facts, budget=20, recent=12)
+    assert [[set(h.tolist()) for h in row] for row in kept] == [[set(h) for h in row] for row in want]
+    assert kvpolicy.load_policy("criticalkv", budget=96).schedule.budget == 96
+    with pytest.raises(kvpolicy.PolicyError, match="recent 64 [+] reserved 4 > budget 64|must be above the recent"):
+        kvpolicy.load_policy("criticalkv", budget=64)
 
 
 def test_make_input_without_facts_names_the_stage():

@@ -123,7 +123,7 @@ class PolicyConfig(BaseModel):
                 f"schedule.evict_above is for a selector that sets each head's count (threshold): selector "
                 f"{self.selector.type_name!r} keeps the budget, so eviction below it would free nothing"
             )
-        reserved = sum(r.reserved_count(sched.budget) for r in self.reservations)
+        reserved = sum(r.reserved_beside(sched.budget, sched.recent) for r in self.reservations)
         if sched.recent + reserved > sched.budget:
             raise ValueError(
                 f"the policy protects more slots than the budget holds: recent {sched.recent} + "

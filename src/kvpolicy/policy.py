@@ -169,7 +169,7 @@ class Policy:
             return None
         reservations = self.config.reservations
         for r in reservations:
-            room = s.budget - s.recent - sum(o.reserved_count(s.budget) for o in reservations if o is not r)
+            room = s.budget - s.recent - sum(o.reserved_beside(s.budget, s.recent) for o in reservations if o is not r)
             why = r.prompt_refusal(prompt_len, room)
             if why is not None:
                 return why

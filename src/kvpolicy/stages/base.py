@@ -137,8 +137,9 @@ class Reservation(Stage):
     Keeping them all is only possible while they fit in the budget, so the number of protected
     slots is checked twice (a violation is a ``SelectionError`` naming the stage):
 
-    - at load, where the count is knowable: ``recent + sum(reserved_count(budget)) <= budget``
-      over the policy's reservations;
+    - at load, where the count is knowable: ``recent + sum(reserved_beside(budget, recent)) <=
+      budget`` over the policy's reservations (``reserved_count``, less what the recent buffer
+      covers for a stage that counts it);
     - at every eviction (``kvpolicy.stages.guards.run_reservation``): the protected slots of each row
       and head, recent buffer and earlier reservations included, must not exceed the budget,
       and a stage that overrides ``reserved_count`` must not add more candidate slots than it
@@ -171,6 +172,13 @@ class Reservation(Stage):
         None for it).
         """
         return 0
+
+    def reserved_beside(self, budget: int, recent: int) -> int:
+        """What the load checks count for this stage beside a full recent buffer of ``recent``
+        slots: ``reserved_count(budget)``, less what that buffer already covers for a stage whose
+        count includes it (``top_scores`` with ``count_recent``: CriticalKV's first half counts
+        the window). Override it only for such a stage."""
+        return self.reserved_count(budget)
 
     def prompt_refusal(self, prompt_len: int, room: int) -> str | None:
         """Why a request whose prompt has ``prompt_len`` tokens cannot be served, where ``room``
@@ -315,7 +323,7 @@ class Allocation(Stage):
         for layer, budget in enumerate(budgets):
             if budget in schedules:
                 continue
-            protected = schedule.recent + sum(r.reserved_count(budget) for r in reservations)
+            protected = schedule.recent + sum(r.reserved_beside(budget, schedule.recent) for r in reservations)
             if budget <= schedule.recent or protected > budget:
                 raise PolicyError(
                     [f"allocation: layer {layer} gets a budget of {budget} slots, which leaves no candidate "

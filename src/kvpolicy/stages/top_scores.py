@@ -50,6 +50,10 @@ class TopScoresReservation(Reservation):
     def reserved_count(self, budget: int) -> int:
         return self.count(budget)
 
+    def reserved_beside(self, budget: int, recent: int) -> int:
+        n = self.count(budget)
+        return max(0, n - recent) if self.count_recent else n  # a full recent buffer counts towards n
+
     def validate_schedule(self, schedule: Schedule) -> None:
         self.count(schedule.budget)
 
