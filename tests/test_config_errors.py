@@ -172,6 +172,19 @@ def test_mask_shapes(policy):
         policy.select(k, v, q, query_valid=torch.ones(2, 5, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("field", ["layer_idx", "evictions", "streams"])
+@pytest.mark.parametrize("value", [1.5, 2.0, True, None, "a", [0, 1], torch.tensor([0.0, 1.0]), torch.tensor([True, False])],
+                         ids=["float", "whole-float", "bool", "none", "str", "list", "float-tensor", "bool-tensor"])
+def test_per_row_ints_refuse_what_is_not_an_int(policy, field, value):
+    """A float would be truncated (layer 1.5 read as 1), a list or a bool read as ints: each is
+    refused by name, as errors.md promises, instead of a silently different draw or layer."""
+    k, v, q = make_tensors(n=40)
+    with pytest.raises(ValueError, match=rf"{field} must be an int or a \[B=2\] integer tensor"):
+        policy.select(k, v, q, **{field: value})
+    policy.select(k, v, q, **{field: 1})
+    policy.select(k, v, q, **{field: torch.tensor([0, 1])})
+
+
 def test_integer_tensors_rejected(policy):
     k, v, q = make_tensors(n=40)
     with pytest.raises(TypeError, match="float"):

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Mapping
 
 import torch
@@ -98,7 +100,13 @@ MAX_HEAD_OFFSET = 1 << 20
 
 
 def _per_row(value: int | torch.Tensor, rows: int, label: str) -> torch.Tensor:
-    """``[rows]`` int64 on the CPU from an int or a ``[rows]`` tensor (seeds are derived there)."""
+    """``[rows]`` int64 on the CPU from an int or a ``[rows]`` integer tensor (seeds are derived
+    there). Anything else (a float, which would be truncated, a bool, a list, None) is refused."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{label} must be an int or a [B={rows}] integer tensor, got a {value.dtype} tensor")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{label} must be an int or a [B={rows}] integer tensor, got {type(value).__name__} {value!r:.40}")
     t = torch.as_tensor(value, dtype=torch.long).cpu()
     if t.dim() == 0:
         return t.expand(rows).clone()
