@@ -14,7 +14,7 @@ EXIT_INTERRUPTED = 130
 
 EPILOG = """\
 examples:
-  kvpolicy eval                                   # all built-in policies at budgets 96 and 128
+  kvpolicy eval                                   # VaSE's paper set of 11 built-ins at budgets 96 and 128
   kvpolicy eval --policies snapkv vase-attnv --budgets 128 256 512 --metrics perplexity passkey
   kvpolicy eval --model path/to/model_or.gguf --set fidelity.new_tokens=128
   kvpolicy eval --config runs/20261101-120000/config.yaml   # repeat a saved run
@@ -48,7 +48,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "from the pairs it has finished")
     p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, a .gguf file or a "
                                    "Hugging Face id (org/name; downloaded when online)")
-    p.add_argument("--policies", nargs="+", metavar="POLICY", help="policy names or YAML files (default: all built-in)")
+    p.add_argument("--policies", nargs="+", metavar="POLICY", help="policy names or YAML files (default: VaSE's paper set of 11 built-ins; `builtin`: every policy kvpolicy ships; `all`: and every installed plugin's)")
     p.add_argument("--budgets", nargs="+", type=int, metavar="N", help="budgets in slots (default: 96 128)")
     p.add_argument("--metrics", nargs="+", metavar="METRIC", help="metrics to compute (default: all but accuracy)")
     p.add_argument("--tasks", nargs="+", metavar="TASK", help="reasoning-gym tasks for the accuracy metric")
