@@ -464,7 +464,9 @@ def test_the_removed_generator_names_its_replacements():
 
 
 def test_the_version_is_bumped_and_the_changelog_describes_it():
-    """Removing EvictionInput.generator broke plugins: 0.2.0, with a changelog entry for it."""
+    """Removing EvictionInput.generator broke plugins: 0.2.0, with a changelog entry for it. The
+    unreleased changes implement plugin contract 4, 0.3's (docs/plugins.md): the version says
+    0.3.0.dev0 until 0.3.0 is released, so that a pin on 0.2 never gets them."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
@@ -472,6 +474,8 @@ def test_the_version_is_bumped_and_the_changelog_describes_it():
     assert declared is not None and kvpolicy.__version__ == declared.group(1)
     changelog = (root / "CHANGELOG.md").read_text()
     releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", changelog, flags=re.M)
-    assert releases[0] == kvpolicy.__version__ == "0.2.0" and releases[-1] == "0.1.0"
+    assert releases[0] == "0.2.0" and releases[-1] == "0.1.0"
+    assert kvpolicy.__version__ == "0.3.0.dev0" and kvpolicy.PLUGIN_CONTRACT == 4
+    assert changelog.index("## [Unreleased]") < changelog.index("## [0.2.0]")
     latest = changelog.split("## [0.2.0]")[1].split("## [0.1.0]")[0]
     assert "generator" in latest and "kvpolicy_contract" in latest and "Removed" in latest

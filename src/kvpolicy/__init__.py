@@ -15,7 +15,9 @@ from .stages.guards import SelectionError
 from .stages.model_facts import ModelFacts
 from .state import CacheStateError
 
-__version__ = "0.2.0"  # also in pyproject.toml; CHANGELOG.md says what changed
+# Also in pyproject.toml; CHANGELOG.md says what changed. A development version of the next
+# release while its changes are unreleased (plugin contract 4 is 0.3's: docs/plugins.md).
+__version__ = "0.3.0.dev0"
 
 if TYPE_CHECKING:
     from .hf import KVPolicyCache
