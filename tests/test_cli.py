@@ -555,6 +555,18 @@ def test_module_entry_point_exits_cleanly():
     assert "Traceback" not in result.stderr
 
 
+def test_a_reader_that_leaves_is_not_an_error():
+    """`kvpolicy policies | head -5`: the reader closes the pipe before the listing is written.
+    The command ends quietly with the shell's SIGPIPE code, not `kvpolicy: error: Broken pipe`."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvpolicy.cli", "policies"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the child has imported torch, let alone written a line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 # -- every bad policy document: exit 2 (show) or 1 (validate), one line on stderr ----------------
 def _one_error_line(err: str) -> str:
     assert "Traceback" not in err

@@ -1,15 +1,16 @@
 """The ``kvpolicy`` command: list, show, validate policies, print the policy-file schema, evaluate,
 compute head profiles.
 
-Exit codes: 0 on success, 1 when ``validate`` finds an invalid file, 2 for a usage error or a
-policy that cannot be loaded (printed to stderr on one line, ``kvpolicy: error: ...``, without a
-traceback).
+Exit codes: 0 on success, 1 when ``validate`` finds an invalid (or missing) file, 2 for a usage
+error or a policy that cannot be loaded (printed to stderr on one line, ``kvpolicy: error: ...``,
+without a traceback), 141 when the reader of the output left (a shell's code for SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import typing
@@ -31,6 +32,7 @@ from .stages.base import STAGE_KINDS
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
 _LINE_PREFIX = re.compile(r"^line (\d+)(?:, column (\d+))?: ")
 
 
@@ -48,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             return int(args.func(args) or 0)
+        except BrokenPipeError:  # the reader left (`kvpolicy policies | head`): not an error to report
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
+            return EXIT_BROKEN_PIPE
         except PolicyError as exc:
             _error("; ".join(locate_problem(exc.source, p) for p in exc.problems) or str(exc))
             return EXIT_USAGE
