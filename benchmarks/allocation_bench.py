@@ -14,7 +14,7 @@ in alternating trials, each cache stepping the same tokens:
 Usage::
 
     python benchmarks/allocation_bench.py              # budget 512, 200 timed steps per cache
-    python benchmarks/allocation_bench.py --quick      # budget 256, 60 steps
+    python benchmarks/allocation_bench.py --quick      # budget 256, 130 steps (two evictions at interval 64)
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.budget, args.steps = 256, 60
+        args.budget, args.steps = 256, 130  # past two evictions at the policies' interval of 64
+    interval = max(kvpolicy.load_policy(name).schedule.interval for name in POLICIES)
+    if args.steps <= interval:
+        parser.error(f"--steps {args.steps} times no evicting step: the policies evict every {interval} tokens")
     torch.set_num_threads(1)
     # A prompt past every layer's budget, pyramid's first too.
     named = {name: kvpolicy.load_policy(name, budget=args.budget) for name in POLICIES}
