@@ -138,6 +138,19 @@ def test_select_rows_reorders_every_layer():
     cache.step(0, *_step_tensors(g, b=4))
 
 
+@pytest.mark.parametrize("index", [torch.tensor([True, False]), torch.tensor([0.9, 0.2]), [True, False], [0.0, 1.0]],
+                         ids=["bool-mask", "float-tensor", "bool-list", "float-list"])
+def test_select_rows_refuses_what_is_not_row_numbers(index):
+    """A mask ``[True, False]`` read as numbers would swap the rows, ``[0.9, 0.2]`` keep row 0
+    twice: refused by name instead (``KVPolicyCache.batch_select_indices`` turns a mask into row
+    numbers first, as ``DynamicCache`` indexes with one)."""
+    cache = EvictingCache(_policy("snapkv"), num_layers=1)
+    cache.step(0, *_step_tensors(torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="index must hold row numbers"):
+        cache.select_rows(index)
+    cache.select_rows([1, 0])
+
+
 def test_memory_is_static_while_decoding():
     policy = _policy("vase-attnv", budget=32, recent=8, interval=8, window=8)
     cache = EvictingCache(policy, num_layers=3)

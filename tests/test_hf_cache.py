@@ -266,6 +266,20 @@ def test_seq_length_and_second_turn(qwen3):
     assert all(s.tokens_seen == ids2.shape[1] + 29 for s in cache.stats())
 
 
+def test_batch_select_indices_takes_row_numbers_or_a_mask(qwen3):
+    """``batch_select_indices`` with a bool mask keeps the rows it marks, as ``DynamicCache``
+    indexes its tensors with one (read as numbers, ``[False, True]`` would keep row 0 and row 1)."""
+    model = _fresh(qwen3)
+    ids, mask = _prompt(batch=2, length=12, pads=(0, 0))
+    picked = KVPolicyCache(_policy("snapkv"), model)
+    _generate(model, picked, ids, mask, 4)
+    by_number = copy.deepcopy(picked)
+    picked.batch_select_indices(torch.tensor([False, True]))
+    by_number.batch_select_indices(torch.tensor([1]))
+    assert picked.batch_size == by_number.batch_size == 1
+    assert torch.equal(picked.evicting.layers[0].keys, by_number.evicting.layers[0].keys)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_past_key_values_name_and_stats(qwen3):
     model = _fresh(qwen3)

@@ -7,6 +7,8 @@ integration (``kvpolicy.hf``) is a thin adapter over ``attend``.
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -195,7 +197,14 @@ class EvictingCache:
 
     def select_rows(self, index: torch.Tensor | Sequence[int]) -> None:
         """Keep batch rows ``index [B']`` of every layer, in that order (beam reordering,
-        ``repeat_interleave`` for several samples per prompt, dropping finished rows)."""
+        ``repeat_interleave`` for several samples per prompt, dropping finished rows). Integer
+        row numbers only: a bool mask or a float index is refused, not read as numbers."""
+        if isinstance(index, torch.Tensor):
+            if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+                raise ValueError(f"index must hold row numbers (an integer tensor), got a {index.dtype} tensor"
+                                 + (": for a mask, pass mask.nonzero().flatten()" if index.dtype == torch.bool else ""))
+        elif any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in index):
+            raise ValueError(f"index must hold row numbers (ints), got {list(index)!r:.80}")
         index = torch.as_tensor(index, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")

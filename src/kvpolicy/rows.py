@@ -82,6 +82,11 @@ class RowCounters:
         self._rows()
         return self._tokens
 
+    def held(self) -> torch.Tensor:
+        """``[B]`` slots held per row (after the current step), read without leaving the fast path."""
+        alike = self._alike
+        return self._counts if alike is None else torch.full_like(self.observed, alike.held)
+
     def seen(self) -> torch.Tensor:
         """``[B]`` real tokens seen per row, read without leaving the fast path."""
         alike = self._alike

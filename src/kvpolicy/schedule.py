@@ -35,8 +35,8 @@ class Schedule(BaseModel):
 
     After each decoded token is appended, eviction fires when a layer holds ``L > budget`` slots
     and ``L % interval == 0`` (``count="slots"``; ``count="tokens"`` tests the tokens seen
-    instead, as R-KV does: each row's own real tokens, so a padded row evicts as it would alone).
-    It keeps ``budget`` slots: the ``recent`` newest slots are never candidates and always kept;
+    instead, as R-KV does: each row's own real tokens, so a padded row evicts as it would alone);
+    a step of several tokens that passes a multiple without ending on it evicts at its end. It keeps ``budget`` slots: the ``recent`` newest slots are never candidates and always kept;
     the ``L - recent`` older slots compete for the other ``budget - recent``. Attention scorers see the last ``window`` post-RoPE queries.
     """
 
@@ -114,28 +114,31 @@ class Schedule(BaseModel):
             return (top // self.interval + 1) * self.interval
         return top + self.interval
 
-    def due(self, slots: Any, tokens: Any, *, prompt: bool = False) -> Any:
+    def due(self, slots: Any, tokens: Any, *, prompt: bool = False, added: Any = 1) -> Any:
         """The one "is an eviction due" rule, for ints or ``[B]`` long tensors alike.
 
-        ``slots`` held after ``tokens`` real tokens seen; ``prompt``: this step completed the
-        prompt. Prefill never evicts unless the policy compresses a long prompt once it is in;
-        after that, eviction fires when more than ``budget`` slots are held (``evict_above``, when
-        set: a threshold's rows may hold fewer than the budget and still evict) and the counted
-        number (slots, or tokens for ``count="tokens"``) is a multiple of ``interval``. The
-        caches, the evaluation loops and vLLM's slot ledger all ask this method.
+        ``slots`` held after ``tokens`` real tokens seen, ``added`` of them by this step;
+        ``prompt``: this step completed the prompt. Prefill never evicts unless the policy
+        compresses a long prompt once it is in; after that, eviction fires when more than
+        ``budget`` slots are held (``evict_above``, when set: a threshold's rows may hold fewer
+        than the budget and still evict) and the step reached a multiple of ``interval`` in the
+        counted number (slots, or tokens for ``count="tokens"``): a step of one token lands on
+        it, a longer one may pass it and evicts at its end (``tokens_to_eviction`` gives the
+        chunk that lands exactly). The caches, the evaluation loops and vLLM's slot ledger all
+        ask this method.
         """
         if prompt:
             return (slots > self.fires_above) & self.compress_prompt
         counted = slots if self.count == "slots" else tokens
-        return (slots > self.fires_above) & (counted % self.interval == 0)
+        return (slots > self.fires_above) & (counted // self.interval > (counted - added) // self.interval)
 
-    def step_due(self, slots: Any, tokens: Any, phase: Phase) -> Any:
-        """``due`` after a step of ``phase`` (``step_phase``): a prefill chunk never evicts (the
-        prompt is not in yet), the step completing the prompt evicts as ``due(prompt=True)``,
-        a decode step as ``due``. Ints or ``[B]`` tensors, as ``due``."""
+    def step_due(self, slots: Any, tokens: Any, phase: Phase, added: Any = 1) -> Any:
+        """``due`` after a step of ``phase`` (``step_phase``) that added ``added`` real tokens: a
+        prefill chunk never evicts (the prompt is not in yet), the step completing the prompt
+        evicts as ``due(prompt=True)``, a decode step as ``due``. Ints or ``[B]`` tensors, as ``due``."""
         if phase == "prefill":
             return (slots > self.fires_above) & False  # False, or a tensor of them shaped as slots
-        return self.due(slots, tokens, prompt=phase == "prompt")
+        return self.due(slots, tokens, prompt=phase == "prompt", added=added)
 
     def fires(self, slots: int, tokens: int) -> bool:
         """Whether a decode step leaving ``slots`` held after ``tokens`` positions evicts."""

@@ -221,7 +221,7 @@ class LayerGroup:
         self.phase = self._phase(t)
         self._plan_long_step(t, token_valid)
         self._plan_new_positions(t, token_valid)
-        self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, self.phase))
+        self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, self.phase, added))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = self.extent_now, needed
@@ -238,11 +238,13 @@ class LayerGroup:
         count = alike.held
         after = count + t
         self._reserve(after)
+        if self.rows.alike is None:  # growing read the rows' tensors (a layout's own reading): plan per row
+            return self._plan(t, None, None)
         ring = self.ring.advance(t, None)
         self._plan_long_step(t, None)
         self._plan_new_positions(t, None)
         self.phase = self._phase(t)
-        self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.phase)))
+        self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.phase, t)))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
         self.extent_before, self.extent_now = count, after

@@ -258,7 +258,10 @@ class KVPolicyCache(Cache):
             self.evicting.select_rows(torch.arange(b).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.evicting.select_rows(torch.as_tensor(indices).reshape(-1))
+        indices = torch.as_tensor(indices).reshape(-1)
+        if indices.dtype == torch.bool:  # a mask, as DynamicCache indexes its tensors with one
+            indices = indices.nonzero().flatten()
+        self.evicting.select_rows(indices)
 
     # -- unsupported --------------------------------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:

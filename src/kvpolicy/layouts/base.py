@@ -158,9 +158,9 @@ class SlotLayout(ABC):
         """Slots per head to allocate when ``needed`` do not fit."""
 
     @abstractmethod
-    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
-        """Whether rows holding ``after`` slots after ``tokens`` real tokens evict (ints or
-        ``[B]`` tensors) after a step of ``phase``, as ``Schedule.step_due``."""
+    def due(self, after: Any, tokens: Any, phase: Phase, added: Any) -> Any:
+        """Whether rows holding ``after`` slots after ``tokens`` real tokens, ``added`` of them by
+        this step, evict (ints or ``[B]`` tensors) after a step of ``phase``, as ``Schedule.step_due``."""
 
     def begin_step(self, t: int) -> None:  # noqa: B027  (a hook)
         """After the group planned a step of ``t`` tokens. Nothing by default."""

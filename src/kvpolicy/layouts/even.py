@@ -27,8 +27,8 @@ class EvenRows(SlotLayout):
     def capacity_for(self, needed: int) -> int:
         return self.group.schedule.capacity_for(needed)
 
-    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
-        return self.group.schedule.step_due(after, tokens, phase)
+    def due(self, after: Any, tokens: Any, phase: Phase, added: Any) -> Any:
+        return self.group.schedule.step_due(after, tokens, phase, added)
 
     def tokens_to_next_eviction(self) -> int:
         group = self.group

@@ -72,7 +72,8 @@ class HeadRuns(EvenRows):
             EvenRows.grow(self, capacity)
             return
         buffers = self.buffers
-        move = self.heads.regrown(buffers.capacity, capacity, self.group.rows.counts)
+        # held(): growing inside a step planned on the rows' fast path must not leave it
+        move = self.heads.regrown(buffers.capacity, capacity, self.group.rows.held())
         for name, old in buffers.tensors():
             new = buffers.empty(name, capacity)
             move.apply(old, new)

@@ -84,7 +84,7 @@ class SelectRows(EvenRows):
             capacity = -(-capacity // self.page_choice) * self.page_choice
         return capacity
 
-    def due(self, after: Any, tokens: Any, phase: Phase) -> Any:
+    def due(self, after: Any, tokens: Any, phase: Phase, added: Any) -> Any:
         return torch.zeros_like(after, dtype=torch.bool) if isinstance(after, torch.Tensor) else False
 
     def begin_step(self, t: int) -> None:

@@ -166,7 +166,7 @@ class SlotLedger:
         if state.awaiting:  # whether it is due depends on its layer's budget: decided in ``decide``
             state.awaited_steps.append((tokens_after, prompt_len))
             return False
-        due = bool(sched.step_due(state.slots, state.tokens, step_phase(before, tokens_after, prompt_len)))
+        due = bool(sched.step_due(state.slots, state.tokens, step_phase(before, tokens_after, prompt_len), added))
         if state.replay:
             # A replay chunk never crosses an eviction point, and fires exactly at each one.
             point = state.replay[0]

@@ -1,0 +1,71 @@
+"""Steps of several tokens after the prompt (a chunked decode, a second turn fed at once):
+
+- the schedule's rule fires when a step *reaches* a multiple of ``interval``, ending on it or
+  passing it (a step of one token can only end on it), against a brute-force reading of it;
+- a cache fed such steps keeps evicting: its slots stay bounded (steps of 2 after an odd prompt
+  used to pass every multiple and never evict, growing without bound);
+- a per-head layout (Ada-KV, thresholds) grows its buffers inside such a step without leaving
+  the rows' fast path in the middle of it (it used to stop on an internal assertion).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpolicy import EvictingCache, load_policy
+from kvpolicy.schedule import Schedule
+
+
+@given(count=st.sampled_from(["slots", "tokens"]), budget=st.integers(2, 60), interval=st.integers(1, 30),
+       before=st.integers(0, 200), added=st.integers(0, 40), padding=st.integers(0, 9))
+def test_due_when_a_step_reaches_a_multiple_of_the_interval(count, budget, interval, before, added, padding):
+    s = Schedule(budget=budget, recent=1, interval=interval, window=1, count=count)
+    slots, tokens = before + added, before + padding + added
+    counted = slots if count == "slots" else tokens
+    reached = any(k % interval == 0 for k in range(counted - added + 1, counted + 1))
+    want = slots > budget and reached
+    assert bool(s.due(slots, tokens, added=added)) == want
+    as_rows = s.due(torch.tensor([slots, slots]), torch.tensor([tokens, tokens]), added=torch.tensor([added, added]))
+    assert as_rows.tolist() == [want, want]
+    if added == 1:  # one token: the rule as it always read, on the count alone
+        assert bool(s.due(slots, tokens)) == (slots > budget and counted % interval == 0)
+
+
+def _qkv(g: torch.Generator, t: int, b: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 4, t, 8, generator=g), torch.randn(b, 2, t, 8, generator=g), torch.randn(b, 2, t, 8, generator=g)
+
+
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(["snapkv", "h2o", "streamingllm", "rkv", "ada-snapkv", "dms"]), prompt=st.integers(1, 40),
+       steps=st.lists(st.integers(1, 7), min_size=20, max_size=60), seed=st.integers(0, 2**16))
+def test_a_cache_fed_several_tokens_a_step_stays_bounded(name, prompt, steps, seed):
+    over = {"budget": 16, "recent": 4, "interval": 4} | ({"window": 4} if name != "streamingllm" else {"recent": 12})
+    if name == "dms":
+        over = {"budget": 16, "recent": 4, "interval": 4}
+    policy = load_policy(name, **over)
+    cache = EvictingCache(policy, num_layers=1, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    cache.attend(0, *_qkv(g, prompt))
+    top = max(prompt, policy.schedule.budget) + policy.schedule.interval
+    for t in steps:
+        cache.attend(0, *_qkv(g, t))
+        # per-head counts: one head may hold more than the budget, the layer's heads together do not
+        held = int(cache.layers[0].counts[0]) if not policy.per_head else int(cache.head_counts(0).sum()) / 2
+        assert held <= top + t, (held, top, t)  # before the eviction due at this step's end
+    assert sum(s.evictions for s in cache.stats()) > 0
+
+
+@pytest.mark.parametrize("name", ["ada-snapkv", "dms"])
+def test_a_per_head_layout_grows_inside_a_step_of_several_tokens(name):
+    policy = load_policy(name, budget=16, recent=4, interval=4, **({"window": 3} if name == "ada-snapkv" else {}))
+    cache = EvictingCache(policy, num_layers=1, seed=0)
+    g = torch.Generator().manual_seed(0)
+    cache.attend(0, *_qkv(g, 15))  # the prompt, within the budget
+    for _ in range(12):  # steps of 3 grow the buffers while every row is alike
+        out = cache.attend(0, *_qkv(g, 3))
+        assert out.shape == (1, 4, 3, 8) and bool(torch.isfinite(out).all())
+    counts = cache.head_counts(0)
+    assert sum(s.evictions for s in cache.stats()) > 0 and int(counts.max()) <= 16 + 4 + 3
