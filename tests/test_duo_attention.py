@@ -190,6 +190,9 @@ def test_a_profile_for_another_model_is_refused_before_any_work(tmp_path):
         kvpolicy.EvictingCache(policy, num_layers=4, num_kv_heads=2)
     with pytest.raises(PolicyError, match=r"3 layers x 2 KV heads, this model has 3 x 4"):
         policy.layer_schedules(3, 4)
+    # its KV heads not known yet: the layers alone are compared, and no head count is made up
+    with pytest.raises(PolicyError, match=r"3 layers x 2 KV heads, this model has 4 layers$"):
+        kvpolicy.EvictingCache(policy, num_layers=4)
     k, v, q = make_tensors(b=1, hkv=4, hq=8, n=40, d=8, w=4, seed=0)
     with pytest.raises(ValueError, match=r"allocation 'duo': the head profile .* is for 3 layers x 2 KV heads"):
         policy.select_heads(k, v, q, layer_idx=0, budget=16)

@@ -100,8 +100,14 @@ class DuoAllocation(Allocation):
         return torch.tensor(self._retrieval, dtype=torch.bool)
 
     def check_model(self, num_layers: int, num_kv_heads: int) -> None:
+        """Refuse a model of another shape than the profile's (``num_kv_heads`` 0: not known yet,
+        the layers alone are compared, and the message claims no head count)."""
         p = self._profile
-        p.check_shape(num_layers, num_kv_heads if num_kv_heads else p.num_kv_heads)
+        if num_kv_heads:
+            p.check_shape(num_layers, num_kv_heads)
+        elif p.num_layers != num_layers:
+            raise ValueError(f"profile {p.describe()} is for a model with {p.num_layers} layers x {p.num_kv_heads} "
+                             f"KV heads, this model has {num_layers} layers")
 
     def _streaming_slots(self, recent: int) -> int:
         return recent + self.sinks

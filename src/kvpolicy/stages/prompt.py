@@ -34,7 +34,8 @@ class PromptReservation(Reservation):
             length = int(inp.prompt_lengths[row])
             before = int(protected[row, head].sum())
             raise SelectionError(
-                f"reservation 'prompt': row {row} has a prompt of {length} tokens, which with the {before} slots "
+                f"reservation 'prompt': a prompt of {length} tokens (row {row} of this eviction's input, whose rows are "
+                f"the batch rows due, every layer stacked) which with the {before} slots "
                 f"protected before it (recent buffer {inp.num_slots - inp.num_candidates}, earlier reservations) "
                 f"needs {int(total[row, head])} slots, more than the budget of {inp.budget}: the policy keeps the "
                 "whole prompt, so raise the budget (or lower schedule.recent), or shorten the prompt"
