@@ -77,6 +77,11 @@ def test_unknown_stage_parameter(tmp_path):
         ("n: 4", "n: -1", "n"),
         ("{type: attention}", "{type: attention, kernel: 4}", "odd"),
         ("{type: attention}", "{type: attention, pooling: median}", "pooling"),
+        # a boolean for a number: pydantic's lax mode would read it as 1 or 0 (interval 1)
+        ("interval: 8", "interval: true", "interval must be a number, got true"),
+        ("budget: 32", "budget: false", "budget must be a number, got false"),
+        ("n: 4", "n: true", "n must be a number, got true"),
+        ("{type: attention}", "{type: attention, kernel: true}", "kernel must be a number"),
     ],
 )
 def test_bad_schedule_or_sizes_fail_at_load(tmp_path, old, new, pattern):
@@ -114,6 +119,9 @@ def test_stochastic_selector_rejects_signed_scores():
 def test_overrides():
     p = kvpolicy.load_policy("vase-attnv", budget=512)
     assert p.budget == 512
+    for field in ("interval", "seed", "window"):  # as overrides too, where EvictingCache(seed=True) refused already
+        with pytest.raises(PolicyError, match=f"{field} must be a number, got true"):
+            kvpolicy.load_policy("vase-attnv", **{field: True})
     with pytest.raises(PolicyError, match="unknown override 'bugdet'"):
         kvpolicy.load_policy("vase-attnv", bugdet=512)
     with pytest.raises(PolicyError, match="recent"):

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import documents
-from .documents import PolicyError, read_policy_text, read_source
+from .documents import PolicyError, read_policy_text, read_source, refuse_bool_numbers
 from .schedule import Schedule
 from .stages.base import declared_for
 from .stages.merge_drop import DropMerge
@@ -42,6 +42,11 @@ class PolicyConfig(BaseModel):
     """A policy as data: its schedule and its stages (scorer -> reservations -> selector)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     name: str = Field(..., min_length=1)
     description: str = ""

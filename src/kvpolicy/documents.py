@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
@@ -17,6 +17,29 @@ if sys.version_info >= (3, 11):
     from importlib.resources.abc import Traversable
 else:  # Python 3.10 has it in importlib.abc only
     from importlib.abc import Traversable
+
+
+def refuse_bool_numbers(model: Any, data: Any) -> Any:
+    """The body of a pydantic ``model_validator(mode="before")`` of a policy document's model:
+    refuse ``true``/``false`` given for a field that takes a number (pydantic's lax mode reads
+    them as 1 and 0, so ``interval: true`` would evict at every token), naming the field.
+    Returns ``data`` unchanged."""
+    if isinstance(data, dict):
+        for name, field in model.model_fields.items():
+            value = data.get(field.alias or name)
+            if isinstance(value, bool) and _takes_number(field.annotation):
+                raise ValueError(f"{name} must be a number, got {str(value).lower()} (a boolean)")
+    return data
+
+
+def _takes_number(annotation: Any) -> bool:
+    """Whether a field annotated ``annotation`` takes an int or a float and no bool."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    types = [a for a in get_args(annotation) if isinstance(a, type) or get_args(a)]  # not Literal values
+    return bool not in types and any(_takes_number(a) for a in types)
 
 
 class PolicyError(ValueError):

@@ -7,6 +7,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .documents import refuse_bool_numbers
+
 _RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
 #: Upper bound of every slot count of a schedule (16,777,216): far beyond any model's context,
 #: and small enough that capacities and indices stay exact in float32 and int32 arithmetic.
@@ -67,6 +69,7 @@ class Schedule(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_relative_recent(cls, data: Any) -> Any:
+        refuse_bool_numbers(cls, data)
         if isinstance(data, dict) and isinstance(data.get("recent"), str):
             m = _RELATIVE.match(data["recent"])
             if m is None:

@@ -11,8 +11,9 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
+from ..documents import refuse_bool_numbers
 from .data_file import DataFile
 from .model_facts import Fact, ModelFacts
 
@@ -32,6 +33,11 @@ class Stage(BaseModel, ABC):
     """Base of every stage: a frozen pydantic model named by ``type`` in policy files."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     kind: ClassVar[StageKind]
     type_name: ClassVar[str]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..documents import refuse_bool_numbers
 from ..schedule import Schedule
 from ..stages.base import Allocation, Merge, Selector
 from ..stages.quest import QuestScorer
@@ -31,6 +32,11 @@ class RecallConfig(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        return refuse_bool_numbers(cls, data)
 
     budget: Annotated[int, Field(ge=0)] | Literal["schedule"] = Field(
         ..., description="Slots per KV head of the recall buffer, in whole pages (0: the slow tier is kept but "
