@@ -142,6 +142,28 @@ def test_a_cache_decides_each_layers_budget_once_from_the_prompt():
         cache.reset()
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_batch_of_rows_deciding_budgets_together_is_said_out_loud(batch):
+    """CAKE's budgets are the batch's (its reference sums the preference over the rows), so a row
+    of a batch keeps other slots than alone, against the caches' "a row decodes as it would
+    alone": a batch of more than one row is warned about when the budgets are decided; one row is not."""
+    import warnings
+
+    policy = kvpolicy.load_policy("cake", budget=20, recent=4, window=4, interval=4)
+    cache = EvictingCache(policy, 2)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in range(2):
+            cache.step(layer, torch.randn(batch, 2, 40, 8, generator=g), torch.randn(batch, 2, 40, 8, generator=g),
+                       torch.randn(batch, 4, 40, 8, generator=g))
+        cache.evict_due()
+    said = [w for w in caught if issubclass(w.category, kvpolicy.PolicyWarning)]
+    assert len(said) == (batch > 1)
+    if said:
+        assert "from the 2 rows of the batch together" in str(said[0].message)
+
+
 def test_select_mode_is_refused():
     with pytest.raises(PolicyError, match="evict mode only"):
         EvictingCache(kvpolicy.load_policy("cake@select", compress_prompt=False), 2)

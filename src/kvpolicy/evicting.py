@@ -8,13 +8,14 @@ integration (``kvpolicy.hf``) is a thin adapter over ``attend``.
 from __future__ import annotations
 
 import numbers
-
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .config import PolicyError
+from .documents import PolicyWarning
 from .eviction import new_queries
 from .executor import Executor
 from .layouts import layout_for
@@ -172,6 +173,14 @@ class EvictingCache:
             raise CacheStateError(
                 f"allocation {self.policy.allocation.type_name!r} decides the layer budgets once every layer holds the "
                 "prompt: every layer must finish the step before the first eviction"
+            )
+        batch = max(g.batch for g in groups if g is not None)
+        if batch > 1:  # the documents' "a row decodes as it would alone" does not hold: say so, loudly
+            warnings.warn(
+                f"allocation {self.policy.allocation.type_name!r} decides one set of layer budgets from the "
+                f"{batch} rows of the batch together (CAKE's reference sums its preference over the batch), so each "
+                "row keeps other slots than it would alone; for rows exact alone, give each row a cache of its own "
+                "(vLLM decides per request)", PolicyWarning, stacklevel=3,
             )
         inputs = []
         for layer, group in enumerate(groups):
