@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import numbers
-
 from collections.abc import Mapping
 
 import torch
