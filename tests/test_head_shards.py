@@ -69,8 +69,9 @@ def test_shards_of_the_heads_keep_what_all_heads_keep(name, data):
     n = data.draw(st.integers(40, 80), label="n")
     seed = data.draw(st.integers(0, 2**63 - 1), label="seed")
     evictions = data.draw(st.integers(0, 5), label="evictions")
-    # keep_protected keeps sinks + recent only: its recent buffer is what the budget leaves.
-    recent = 28 if name == "streamingllm" else 8
+    # keep_protected keeps sinks + recent only: its recent buffer is what the budget leaves;
+    # arkvale keeps whole pages of 32: the budget less its recent buffer is one page.
+    recent = {"streamingllm": 28, "arkvale": 0}.get(name, 8)
     policy = kvpolicy.load_policy(name, budget=32, recent=recent, window=4, seed=seed)
     keys, values, queries = make_tensors(b=2, hkv=hkv, hq=hkv * group, n=n, d=8, w=4, seed=seed % 1000)
     # Policies that read the model (CriticalKV's output projection) read each shard's heads' slice.
