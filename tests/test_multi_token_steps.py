@@ -1,7 +1,8 @@
 """Steps of several tokens after the prompt (a chunked decode, a second turn fed at once):
 
-- the schedule's rule fires when a step *reaches* a multiple of ``interval``, ending on it or
-  passing it (a step of one token can only end on it), against a brute-force reading of it;
+- the schedule's rule fires at the end of a step whose tokens, appended one at a time, would
+  have made it fire (a multiple of ``interval`` passed while more than the budget is held),
+  against a brute-force reading of it;
 - a cache fed such steps keeps evicting: its slots stay bounded (steps of 2 after an odd prompt
   used to pass every multiple and never evict, growing without bound);
 - a per-head layout (Ada-KV, thresholds) grows its buffers inside such a step without leaving
@@ -25,8 +26,8 @@ def test_due_when_a_step_reaches_a_multiple_of_the_interval(count, budget, inter
     s = Schedule(budget=budget, recent=1, interval=interval, window=1, count=count)
     slots, tokens = before + added, before + padding + added
     counted = slots if count == "slots" else tokens
-    reached = any(k % interval == 0 for k in range(counted - added + 1, counted + 1))
-    want = slots > budget and reached
+    # appended one at a time: it fires at a multiple of interval passed while more than the budget is held
+    want = any(k % interval == 0 and slots - (counted - k) > budget for k in range(counted - added + 1, counted + 1))
     assert bool(s.due(slots, tokens, added=added)) == want
     as_rows = s.due(torch.tensor([slots, slots]), torch.tensor([tokens, tokens]), added=torch.tensor([added, added]))
     assert as_rows.tolist() == [want, want]

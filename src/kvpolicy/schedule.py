@@ -38,7 +38,8 @@ class Schedule(BaseModel):
     After each decoded token is appended, eviction fires when a layer holds ``L > budget`` slots
     and ``L % interval == 0`` (``count="slots"``; ``count="tokens"`` tests the tokens seen
     instead, as R-KV does: each row's own real tokens, so a padded row evicts as it would alone);
-    a step of several tokens that passes a multiple without ending on it evicts at its end. It keeps ``budget`` slots: the ``recent`` newest slots are never candidates and always kept;
+    a step of several tokens evicts at its end if, appended one at a time, they would have made it
+    fire on the way. It keeps ``budget`` slots: the ``recent`` newest slots are never candidates and always kept;
     the ``L - recent`` older slots compete for the other ``budget - recent``. Attention scorers see the last ``window`` post-RoPE queries.
     """
 
@@ -122,18 +123,20 @@ class Schedule(BaseModel):
 
         ``slots`` held after ``tokens`` real tokens seen, ``added`` of them by this step;
         ``prompt``: this step completed the prompt. Prefill never evicts unless the policy
-        compresses a long prompt once it is in; after that, eviction fires when more than
-        ``budget`` slots are held (``evict_above``, when set: a threshold's rows may hold fewer
-        than the budget and still evict) and the step reached a multiple of ``interval`` in the
-        counted number (slots, or tokens for ``count="tokens"``): a step of one token lands on
-        it, a longer one may pass it and evicts at its end (``tokens_to_eviction`` gives the
-        chunk that lands exactly). The caches, the evaluation loops and vLLM's slot ledger all
-        ask this method.
+        compresses a long prompt once it is in; after that, eviction fires when the counted
+        number (slots, or tokens for ``count="tokens"``) is a multiple of ``interval`` while more
+        than ``budget`` slots are held (``evict_above``, when set: a threshold's rows may hold
+        fewer than the budget and still evict). A step of one token asks it at its end; a longer
+        step evicts at its end if its tokens, appended one at a time, would have made it fire on
+        the way (``tokens_to_eviction`` gives the chunk that ends exactly there). The caches, the
+        evaluation loops and vLLM's slot ledger all ask this method.
         """
         if prompt:
             return (slots > self.fires_above) & self.compress_prompt
         counted = slots if self.count == "slots" else tokens
-        return (slots > self.fires_above) & (counted // self.interval > (counted - added) // self.interval)
+        last = counted - counted % self.interval  # the step's last multiple, if the step reached it
+        # the most slots held at a multiple within the step: at the last one
+        return (last > counted - added) & (slots - (counted - last) > self.fires_above)
 
     def step_due(self, slots: Any, tokens: Any, phase: Phase, added: Any = 1) -> Any:
         """``due`` after a step of ``phase`` (``step_phase``) that added ``added`` real tokens: a
