@@ -434,6 +434,25 @@ def test_a_bounded_slow_tier_drops_by_its_rule_and_counts(drop):
     assert stats.written_bytes == (held_pages + stats.pages_dropped) * page * per_token
 
 
+def test_a_prompt_larger_than_the_whole_slow_tier_counts_its_cut_pages_as_written_and_dropped():
+    """A 100-token prompt's first eviction brings more pages than a tier of 4 pages holds: the
+    oldest are cut at once, counted as written and dropped, so ``written_bytes`` is still
+    ``(held + dropped)`` pages (it counted only the pages kept, while they counted as dropped)."""
+    page, per_token = 4, _token_bytes()
+    recall = {"budget": 8, "page_size": page, "interval": 1, "capacity": 16, "drop": "oldest",
+              "scorer": {"type": "quest", "page_size": page}}
+    cache = EvictingCache(load_policy(_spec(GREEDY, {"budget": 32, "recent": 4, "interval": 8, "window": 8}, recall)),
+                          num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    cache.attend(0, *_qkv(g, 100, b=1))
+    for _ in range(9):
+        cache.attend(0, *_qkv(g, 1, b=1))
+    stats, slow = cache.tier_stats(), _layout(cache, 0).slow
+    held_pages = int(slow.page_valid.sum())
+    assert held_pages <= 4 * HKV and stats.pages_dropped > 0
+    assert stats.written_bytes == (held_pages + stats.pages_dropped) * page * per_token
+
+
 def test_moved_bytes_count_only_missed_pages_unbounded():
     """Unbounded tier, quest recall of 2 pages out of many at every step: ``moved_bytes`` is the
     missed pages' keys, values and positions; ``written_bytes`` every evicted page's."""
@@ -561,6 +580,7 @@ _OK = {"budget": 16, "page_size": 8}
         ({**_OK, "capacity": 20}, {}, ["recall.capacity", "whole pages"]),
         ({**_OK, "capacity": 8}, {}, ["recall.capacity", "recall.budget"]),
         (_OK, {"allocation": {"type": "adaptive", "floor": 0.2}}, ["recall", "'adaptive'"]),
+        (_OK, {"allocation": {"type": "pyramid", "beta": 20}}, ["recall", "'pyramid'", "layers keep different budgets"]),
         (_OK, {"merge": {"type": "similar"}}, ["recall", "merge 'similar'"]),
         (_OK, {"scorer": {"type": "key_norm"}, "schedule": {**_SCHED, "window": 0}}, ["recall", "schedule.window"]),
         ({"budget": 16, "page_size": 16}, {"scorer": {"type": "quest", "page_size": 16}},
@@ -568,7 +588,7 @@ _OK = {"budget": 16, "page_size": 8}
     ],
     ids=["no-room", "not-whole-pages", "schedule-not-whole-pages", "above-schedule-budget", "page-not-dividing-interval",
          "select-mode", "scorer-without-summaries", "unknown-summary", "capacity-not-whole-pages", "capacity-below-budget",
-         "per-head-allocation", "merge", "window-0", "eviction-ranks-part-of-a-page"],
+         "per-head-allocation", "per-layer-allocation", "merge", "window-0", "eviction-ranks-part-of-a-page"],
 )
 def test_refused_at_load_naming_the_field(recall, extra, names):
     data = {**_spec(GREEDY, _SCHED), **copy.deepcopy(extra), "recall": recall}

@@ -143,7 +143,12 @@ class RecallConfig(BaseModel):
             name = allocation.type_name if allocation.per_head else selector.type_name
             raise ValueError(
                 f"recall with {name!r}, whose heads keep different counts: not served yet (the slow tier pages "
-                "each head's evictions alike); use a uniform or per-layer allocation"
+                "each head's evictions alike); use a uniform allocation"
+            )
+        if allocation.uneven:  # a layer of a small budget would get a recall buffer of no whole pages, or above it
+            raise ValueError(
+                f"recall with allocation {allocation.type_name!r}, whose layers keep different budgets: not served yet "
+                "(each layer's recall buffer and pages would have to follow its own budget); use a uniform allocation"
             )
         if merge.merges:
             raise ValueError(

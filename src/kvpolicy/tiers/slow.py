@@ -169,6 +169,8 @@ class SlowTier:
         if self.capacity_pages is not None and n_new > self.capacity_pages:
             # An eviction larger than the whole tier (a long prompt's): its newest pages stay.
             cut = n_new - self.capacity_pages
+            # the cut pages count as written and dropped at once: written = (held + dropped) pages
+            self.bytes_written += sum(t[:, :, :, :cut].numel() * t.element_size() for t in (keys, values, positions))
             keys, values, positions = keys[:, :, :, cut:], values[:, :, :, cut:], positions[:, :, :, cut:]
             self.pages_dropped += cut * lyr * h * r
             n_new = self.capacity_pages
