@@ -237,9 +237,7 @@ class LayerGroup:
         assert alike is not None
         count = alike.held
         after = count + t
-        self._reserve(after)
-        if self.rows.alike is None:  # growing read the rows' tensors (a layout's own reading): plan per row
-            return self._plan(t, None, None)
+        self._reserve(after)  # growing reads the rows through RowCounters.held(): the fast path stays
         ring = self.ring.advance(t, None)
         self._plan_long_step(t, None)
         self._plan_new_positions(t, None)
