@@ -134,6 +134,23 @@ def test_attention_row_without_real_queries_scores_zero():
     assert bool((got[1] == 0).all()) and bool((got[0, :, :8] > 0).all())
 
 
+def test_query_attention_softmax_is_float32_for_float64_inputs():
+    """The spec: softmax in float32 whatever the cache dtype. float64 logits, softmaxed in float32
+    by hand, causal and over valid slots; ``window_attention`` already did this, ``query_attention``
+    (G-KV's smoothed scorer) softmaxed float64 inputs in float64."""
+    from kvpolicy.stages.attention import query_attention
+
+    k, v, q = make_tensors(b=1, hkv=2, hq=4, n=12, d=8, w=3, seed=5)
+    k, v, q = k.double() * 40, v.double(), q.double() * 40  # large logits: float32 rounding shows
+    inp = make_input(k, v, q, recent=2)
+    got = query_attention(inp)  # [1, Hkv, W, N]
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q.reshape(1, 2, 2, 3, 8) / math.sqrt(8), k)
+    visible = inp.positions[:, :, None, :] <= inp.query_positions[:, None, :, None]  # [1, Hkv, W, N]
+    want = torch.softmax(logits.float().masked_fill(~visible[:, :, None], float("-inf")), -1).mean(2)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("params", [VASE, RKV], ids=["vase", "rkv"])
 def test_attention_low_precision_inputs(dtype, params):

@@ -182,7 +182,8 @@ def query_attention(
     """``[R, Hkv, W, N]``: each window query's own attention to each slot of ``rows``, its
     softmax over the valid slots it can see (position at most its own: causal), the ``G`` query
     heads of a KV head reduced per query. Queries outside ``queries`` (``[B, W]`` bool, default
-    ``inp.query_valid``) weigh 0 everywhere. In float32 (float64 for float64 inputs).
+    ``inp.query_valid``) weigh 0 everywhere. Softmax in float32 whatever the cache dtype (the
+    logits of float64 inputs are formed in float64 first), as ``window_attention``'s.
 
     For stages that need each query apart (a per-query threshold, a reduction over the group
     before the window's); ``window_attention`` sums over the window without forming this tensor.
@@ -191,9 +192,9 @@ def query_attention(
     keys = inp.keys[rows]
     r, hkv, n, d = keys.shape
     g, w = inp.group_size, inp.queries.shape[2]
-    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # never softmax in half precision
+    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # never multiply in half precision
     q = inp.queries[rows].to(dtype).reshape(r, hkv, g, w, d) * (1.0 / math.sqrt(d))
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype))
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype)).float()  # softmax in float32, as the spec's
     qpos = inp.query_positions
     chosen = inp.query_valid if queries is None else queries & inp.query_valid
     visible = (
