@@ -409,3 +409,22 @@ def test_select_mode_does_not_read_padding_it_never_stores():
     assert cache.layers[0].counts == [12, 9]
     out = cache.attend(0, torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("name", ["oracle-topk", "quest", "snapkv"])
+def test_values_wider_than_keys_in_either_mode(name):
+    """Values ``[B, Hkv, T, Dv]`` with ``Dv != D``: a decode step of grouped queries (``G > 1``)
+    shaped its output with the queries' width and failed, in either mode, and the selecting step
+    allocated its output the same way. Attention is linear in the values
+    and these choices read keys and queries only, so the output of values ``[..., 16]`` is the
+    outputs of their two halves, each attended alone, side by side."""
+    torch.manual_seed(3)
+    steps = [(torch.randn(2, 4, t, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 16)) for t in (24, 1, 1, 1, 1, 1)]
+    outputs = []
+    for part in (slice(None), slice(0, 8), slice(8, 16)):
+        small = {"recent": 4, "interval": 4, "window": 4} if name == "snapkv" else {}
+        cache = EvictingCache(load_policy(name, budget=20, **small), 1)
+        outputs.append([cache.attend(0, q, k, v[..., part]) for q, k, v in steps])
+    for whole, first, second in zip(*outputs, strict=True):
+        assert whole.shape[-1] == 16
+        torch.testing.assert_close(whole, torch.cat([first, second], -1), rtol=0, atol=1e-6)

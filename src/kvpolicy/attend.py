@@ -49,7 +49,7 @@ def attend(
             may also pass ``[B, Hkv, 1, L]``, a mask per KV head.
 
     Returns:
-        ``[B, Hq, T, D]``. A query whose row attends no real slot gets a finite, meaningless output.
+        ``[B, Hq, T, Dv]``. A query whose row attends no real slot gets a finite, meaningless output.
     """
     b, hq, t, d = query.shape
     hkv, length = keys.shape[1], keys.shape[2]
@@ -77,7 +77,7 @@ def attend(
         # The group's queries act as G query rows of KV head h: no K/V repeat, one SDPA call.
         q = query.reshape(b, hkv, g, d)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        return out.reshape(b, hq, 1, d)
+        return out.reshape(b, hq, 1, values.shape[-1])
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
 
 

@@ -136,7 +136,7 @@ class SelectRows(EvenRows):
             return super().attend(layer, queries, scaling)
         i = self.group.member[layer]
         keys, values = self.buffers.keys[i : i + 1], self.buffers.values[i : i + 1]
-        out = queries.new_empty(queries.shape)
+        out = queries.new_empty(*queries.shape[:-1], values.shape[-1])  # values may be wider than keys
         for row_sel, count, index, valid, pages, page_size, tail in self.chosen_slots(layer):
             if pages is not None:  # whole pages read as pages of the buffers, the tail's pages last
                 tail_pages = torch.arange(tail // page_size, -(-count // page_size), device=pages.device)
