@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from helpers import make_tensors
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvpolicy
@@ -277,6 +277,56 @@ def test_profile_allocation_follows_the_weights(tmp_path):
     keys, values, queries = make_tensors(b=1, hkv=2, hq=4, n=60, w=4, seed=3)
     keep, counts = policy.select_heads(keys, values, queries, budget=budgets[1], layer_idx=1)
     assert counts.tolist() == [[2 * budgets[1] - 6, 6]]
+
+
+def test_a_profile_share_below_a_heads_protected_slots_is_refused_at_cache_build(tmp_path):
+    """A streaming head's floor share (0.2 x 256 = 51) below its recent buffer (64) was accepted,
+    then the heads' guarantees added up to more than the layer's total and the fourth eviction
+    stopped on a SelectionError mid-decode. Reservations count as protected too."""
+    path = tmp_path / "heads.yaml"
+    HeadProfile.from_weights(torch.tensor([[1.0, 0.0]])).save(path)
+    doc = {"name": "p", "schedule": {"budget": 256, "recent": 64, "interval": 64, "window": 64},
+           "scorer": ATTENTION, "selector": {"type": "greedy"}, "allocation": {"type": "profile", "path": str(path)}}
+    with pytest.raises(PolicyError, match=r"layer 0, KV head 1 gets a share of 51 slots, fewer than its 64 protected"):
+        EvictingCache(load_policy(doc), 1)
+    doc["allocation"]["floor"] = 0.25  # 64: exactly the recent buffer
+    EvictingCache(load_policy(doc), 1)
+    doc["reservations"] = [{"type": "sinks", "n": 4}]
+    with pytest.raises(PolicyError, match=r"share of 64 slots, fewer than its 68 protected"):
+        EvictingCache(load_policy(doc), 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(w0=st.floats(0.0, 4.0), w1=st.floats(0.5, 4.0), floor=st.floats(0.0, 1.0), recent=st.integers(1, 12),
+       sinks=st.integers(0, 4), prompt=st.integers(1, 60))
+def test_an_accepted_profile_keeps_every_layers_total_at_every_eviction(tmp_path_factory, w0, w1, floor, recent,
+                                                                        sinks, prompt):
+    path = tmp_path_factory.mktemp("profile") / "heads.yaml"
+    HeadProfile.from_weights(torch.tensor([[w0, w1], [w1, w0]])).save(path)
+    doc = {"name": "p", "schedule": {"budget": 24, "recent": recent, "interval": 4, "window": 4},
+           "scorer": ATTENTION, "selector": {"type": "greedy"},
+           "reservations": [{"type": "sinks", "n": sinks}] if sinks else [],
+           "allocation": {"type": "profile", "path": str(path), "floor": floor}}
+    try:
+        policy = load_policy(doc)
+        cache = EvictingCache(policy, 2)
+    except PolicyError:
+        return  # refused before any work: fine
+    budgets = [s.budget for s in policy.layer_schedules(2, 2)]
+    torch.manual_seed(0)
+    x = lambda t: torch.randn(1, 2, t, 8)  # noqa: E731
+    for layer in (0, 1):
+        cache.step(layer, x(prompt), x(prompt), x(prompt))
+    evictions = [0, 0]
+    for _ in range(40):
+        for layer in (0, 1):
+            cache.step(layer, x(1), x(1), x(1))
+        cache.evict_due()
+        for layer in (0, 1):
+            if cache.layers[layer].stats.evictions > evictions[layer]:  # this layer evicted now
+                evictions[layer] = cache.layers[layer].stats.evictions
+                assert int(cache.head_counts(layer).sum()) == 2 * budgets[layer]
+    assume(sum(evictions) > 0)
 
 
 def test_vllm_refuses_uneven_budgets_it_cannot_bound(tmp_path):

@@ -286,6 +286,13 @@ class Allocation(Stage):
         """
         raise NotImplementedError(f"allocation {self.type_name!r} does not share slots per head")
 
+    def head_budgets(self, layer: int, layer_budget: int, recent: int) -> list[int] | None:
+        """``per_head`` stages whose shares the model's shape alone fixes (a head profile): the
+        slots each KV head of ``layer`` keeps when the layer keeps ``Hkv * layer_budget``
+        (``recent``: the schedule's recent buffer). None: heads share by the data (Ada-KV).
+        ``layer_schedules`` refuses a share below its head's protected slots."""
+        return None
+
     def head_cap(self, budget: int, num_kv_heads: int) -> int | None:
         """``per_head`` stages: the most slots one KV head of a layer can keep at an eviction,
         whatever the data, with ``budget`` per head on average (a paged engine reserves this much
@@ -332,6 +339,16 @@ class Allocation(Stage):
                     policy_name,
                 )
             schedules[budget] = schedule.model_copy(update={"budget": budget})
+        for layer, budget in enumerate(budgets):
+            for head, share in enumerate(self.head_budgets(layer, budget, schedule.recent) or []):
+                protected = schedule.recent + sum(r.reserved_beside(share, schedule.recent) for r in reservations)
+                if share < protected:  # kept anyway, the layer's total would not hold
+                    raise PolicyError(
+                        [f"allocation: layer {layer}, KV head {head} gets a share of {share} slots, fewer than its "
+                         f"{protected} protected slots (recent {schedule.recent} and reservations): raise the "
+                         "allocation's floor or the budget, or lower recent"],
+                        policy_name,
+                    )
         return [schedules[b] for b in budgets]
 
 

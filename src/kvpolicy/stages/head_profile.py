@@ -21,8 +21,9 @@ class ProfileAllocation(Allocation):
     The shares are fixed: layer ``l``'s budget is the mean of its heads' shares, and head ``h``
     keeps its share at every eviction. A head that holds fewer slots than its share (the first
     evictions) keeps all of them, and the rest goes to the other heads' best candidates, so
-    every eviction still keeps the layer's total. A share never goes below the head's
-    protected slots (a streaming head keeps its sinks and recent buffer).
+    every eviction still keeps the layer's total. A share below the head's protected slots
+    (its recent buffer and reservations) is refused when the cache is built: ``floor * budget``
+    must cover them.
     """
 
     type_name: ClassVar[str] = "profile"
@@ -62,8 +63,9 @@ class ProfileAllocation(Allocation):
         shares = self._shares()
         return largest_remainder((budget * shares.mean(1)).tolist(), budget * num_layers)
 
-    def head_budgets(self, layer: int, layer_budget: int) -> list[int]:
-        """The shares of ``layer``'s heads when the layer keeps ``Hkv * layer_budget`` slots."""
+    def head_budgets(self, layer: int, layer_budget: int, recent: int = 0) -> list[int]:
+        """The shares of ``layer``'s heads when the layer keeps ``Hkv * layer_budget`` slots
+        (``recent`` plays no part: the floor must cover it, as ``layer_schedules`` checks)."""
         row = self._shares()[layer]
         return largest_remainder((row * (row.numel() * layer_budget / row.sum())).tolist(), row.numel() * layer_budget)
 
