@@ -488,3 +488,33 @@ def test_smollm2_generation_under_budget():
         assert all(s.evictions > 0 for s in cache.stats())
         words = text.split()
         assert len(words) > 10 and len(set(words)) > 5, text
+
+
+# -- a prompt prefilled in chunks (generate(prefill_chunk_size=...)) ------------------------------
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "ada-snapkv", "pyramidkv", "vase-attnv", "quest"])
+def test_chunked_prefill_keeps_what_the_prompt_in_one_forward_keeps(qwen3, name):
+    """transformers prefills in chunks of ``prefill_chunk_size``; the cache took the first chunk
+    for the whole prompt and evicted inside the rest (snapkv: 5 evictions where 3 were due,
+    other tokens). ``generate`` now declares the prompt (``expect_prompt``): the same tokens, the
+    same evictions, the same kept positions as the prompt in one forward, padded rows included."""
+    ids, mask = _prompt(length=70, pads=(0, 9), seed=4)
+    runs = []
+    for chunk in (None, 16):
+        model = _fresh(qwen3)
+        cache = KVPolicyCache(_policy(name), model)
+        tokens = _generate(model, cache, ids, mask, 30, prefill_chunk_size=chunk)
+        runs.append((tokens, [s.evictions for s in cache.stats()], [v.positions for v in cache.evicting.layers]))
+    (tokens, evictions, positions), (tokens_c, evictions_c, positions_c) = runs
+    assert torch.equal(tokens, tokens_c)
+    assert evictions == evictions_c and (name == "quest" or sum(evictions) > 0)
+    assert all(torch.equal(a, b) for a, b in zip(positions, positions_c, strict=True))
+
+
+def test_chunked_prefill_onto_a_cache_that_holds_tokens_is_refused(qwen3):
+    model = _fresh(qwen3)
+    ids, mask = _prompt(batch=1, length=20, pads=(0,))
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    first = _generate(model, cache, ids, mask, 10)
+    follow = torch.cat([first, torch.randint(3, VOCAB, (1, 40))], dim=1)
+    with pytest.raises(NotImplementedError, match=r"prefill_chunk_size.*holds tokens already"):
+        _generate(model, cache, follow, torch.ones_like(follow), 5, prefill_chunk_size=16)

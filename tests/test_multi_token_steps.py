@@ -70,3 +70,67 @@ def test_a_per_head_layout_grows_inside_a_step_of_several_tokens(name):
         assert out.shape == (1, 4, 3, 8) and bool(torch.isfinite(out).all())
     counts = cache.head_counts(0)
     assert sum(s.evictions for s in cache.stats()) > 0 and int(counts.max()) <= 16 + 4 + 3
+
+
+# -- a prompt declared, then fed in chunks (EvictingCache.expect_prompt) ---------------------------
+def _decode(policy: str, splits: list[int], declare: bool, prompt: int = 70, new: int = 30, pad: int = 9, **over):
+    """Two layers, a left-padded batch of two: the prompt fed in steps ending at ``splits`` (and
+    at ``prompt``), then ``new`` one-token steps. Returns each layer's kept positions, the
+    evictions, and every step's output."""
+    g = torch.Generator().manual_seed(2)
+    total = prompt + new
+    q, k, v = (torch.randn(2, h, total, 8, generator=g) for h in (4, 2, 2))
+    valid = torch.ones(2, total, dtype=torch.bool)
+    valid[1, :pad] = False
+    cache = EvictingCache(load_policy(policy, **over), 2)
+    if declare:
+        cache.expect_prompt(prompt)
+    bounds = [0, *sorted(set(splits) - {0, prompt}), prompt, *range(prompt + 1, total + 1)]
+    outs = []
+    for s0, s1 in zip(bounds[:-1], bounds[1:], strict=False):
+        for layer in (0, 1):
+            outs.append(cache.attend(layer, q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], valid[:, s0:s1]))
+    return [view.positions for view in cache.layers], [s.evictions for s in cache.stats()], outs[-2:]
+
+
+SMALL = {"budget": 32, "recent": 8, "interval": 8, "window": 8}
+
+
+@settings(max_examples=12, deadline=None)
+@given(policy=st.sampled_from(["snapkv", "h2o", "ada-snapkv", "pyramidkv", "random-prompt", "tova"]),
+       splits=st.lists(st.integers(1, 69), max_size=5))
+def test_a_declared_prompt_fed_in_chunks_keeps_what_one_step_keeps(policy, splits):
+    over = {"budget": 96} if policy == "random-prompt" else {"budget": 32} if policy == "tova" else SMALL
+    whole = _decode(policy, [], declare=False, **over)
+    chunked = _decode(policy, splits, declare=True, **over)
+    assert whole[1] == chunked[1]
+    assert all(torch.equal(a, b) for a, b in zip(whole[0], chunked[0], strict=True))
+    for a, b in zip(whole[2], chunked[2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_undeclared_chunks_after_the_first_are_decode_steps():
+    """Without ``expect_prompt`` the first step is the prompt (a custom loop's chunks after it
+    are decode steps and evict): the rule the declaration exists to change."""
+    assert _decode("snapkv", [16, 32, 48], declare=False, **SMALL)[1] != _decode("snapkv", [], declare=False, **SMALL)[1]
+
+
+def test_expect_prompt_refuses_what_it_cannot_mean():
+    from kvpolicy.state import CacheStateError
+
+    cache = EvictingCache(load_policy("snapkv", **SMALL), 1)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            cache.expect_prompt(bad)
+    cache.expect_prompt(20)
+    q, k, v = torch.randn(1, 4, 30, 8), torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    with pytest.raises(ValueError, match=r"declared as 20 tokens .* runs from 0 to 30"):
+        cache.attend(0, q, k, v)
+    cache.attend(0, q[:, :, :12], k[:, :, :12], v[:, :, :12])
+    with pytest.raises(ValueError, match=r"runs from 12 to 24"):
+        cache.attend(0, q[:, :, 12:24], k[:, :, 12:24], v[:, :, 12:24])
+    with pytest.raises(CacheStateError, match="holds tokens already"):
+        cache.expect_prompt(40)
+    cache.reset()  # forgets the declaration too: the first step is the prompt again
+    cache.attend(0, q, k, v)
+    assert cache.tokens_seen() == 30

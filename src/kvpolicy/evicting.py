@@ -106,6 +106,7 @@ class EvictingCache:
             )
         self._nominal_schedules = list(self.schedules)
         self._prompt_decided = False
+        self._prompt_tokens: int | None = None  # a prompt declared to come in several steps
 
     def __repr__(self) -> str:
         return f"EvictingCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.tokens_seen()})"
@@ -264,11 +265,32 @@ class EvictingCache:
         """Padded positions appended to ``layer_idx`` (RoPE positions grow with it)."""
         return self.layers[self._check_index(layer_idx)].stats.tokens_seen
 
+    def expect_prompt(self, tokens: int) -> None:
+        """Declare that the next ``tokens`` token positions (padding included), fed in any number
+        of steps, are the prompt: the steps before its last never evict, and the step that
+        completes it is the prompt step, so a prompt fed in chunks keeps exactly what it keeps fed
+        as one step (``kvpolicy.schedule.step_phase``). Without it the first step is the prompt.
+
+        Raises:
+            ValueError: ``tokens`` is not a positive int.
+            CacheStateError: the cache holds tokens already (declare before the first step, or
+                after ``reset()``).
+
+        A step that runs on past the declared end is refused: end a step at the prompt's end.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"expect_prompt takes a positive int of token positions, got {tokens!r}")
+        if any(g is not None for g in self._groups):
+            raise CacheStateError("expect_prompt declares a prompt before the first step: this cache holds tokens "
+                                  "already (call reset() first)")
+        self._prompt_tokens = tokens
+
     def reset(self) -> None:
         """Forget every token and free the buffers: the cache is then exactly a fresh one."""
         self._groups = [None] * len(self.layers)
         self.schedules = list(self._nominal_schedules)
         self._prompt_decided = False
+        self._prompt_tokens = None
 
     # -- internals ---------------------------------------------------------------------------
     def _unique_groups(self) -> list[LayerGroup]:
@@ -360,7 +382,7 @@ class EvictingCache:
         if layer_idx not in peers:
             peers.insert(0, layer_idx)
         query_heads = keys.shape[1] if queries is None else queries.shape[1]
-        group = LayerGroup(schedule, peers, keys, values, query_heads, token_valid, self._layout)
+        group = LayerGroup(schedule, peers, keys, values, query_heads, token_valid, self._layout, self._prompt_tokens)
         if self.independent_rows:
             group.rows.streams = torch.arange(group.batch)
         for i in peers:

@@ -38,7 +38,7 @@ class RowCounters:
         self.observed = zeros.clone()  # real tokens whose queries the policy's state has seen
         self._observed_alike: int | None = 0  # ... as one int while every row has the same
         self.streams = zeros.clone()  # each row's random stream (see kvpolicy.seeds)
-        self.prompt = zeros.clone()  # real tokens of each row's prompt (the group's first step)
+        self.prompt = zeros.clone()  # real tokens of each row's prompt (its steps before the first decode step)
 
     # -- reading ------------------------------------------------------------------------------
     def _rows(self) -> None:

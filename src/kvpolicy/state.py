@@ -78,6 +78,7 @@ class LayerGroup:
         query_heads: int,
         token_valid: torch.Tensor | None,
         layout: LayoutChoice,
+        prompt_tokens: int | None = None,
     ) -> None:
         b, _, t, _ = keys.shape
         self.schedule = schedule
@@ -86,7 +87,6 @@ class LayerGroup:
         self.rows = RowCounters(b)
         self.ring = QueryRing(len(layer_ids), b, query_heads, schedule.window, keys)
         added = _added(token_valid, b, t)
-        self.rows.prompt = added.clone()  # the first step is the prompt (step_phase's rule), per row
         #: Runs the policy over the group's slots (``kvpolicy.executor.Executor``).
         self.executor = layout.executor
         self.layout: SlotLayout = layout.build(self, keys, values, int(added.max()))
@@ -94,11 +94,12 @@ class LayerGroup:
         self.extent_now = self.extent_before = 0  # slots held by the longest row, after / before the step
         self.tokens_seen = 0  # padded positions, after the current step
         self.tokens_seen_before = 0
-        #: The prompt's tokens: this cache's first step is the prompt (``step_phase``, the rule
-        #: vLLM's ledger asks too, with each request's own prompt length).
-        self.prompt_tokens = t
+        #: The prompt's token positions: this cache's first step, unless a longer prompt was
+        #: declared (``EvictingCache.expect_prompt``: fed in chunks). ``step_phase`` reads it, the
+        #: rule vLLM's ledger asks too, with each request's own prompt length.
+        self.prompt_tokens = t if prompt_tokens is None else prompt_tokens
         #: The phase of the current step (``step_phase``).
-        self.phase: Phase = "prompt"
+        self.phase: Phase = self._phase(t)
         self.steps = 0  # steps begun
         self.layer_steps = [0] * len(layer_ids)  # steps each layer has written
         self.eviction_steps = 0
@@ -202,6 +203,7 @@ class LayerGroup:
         """The step's plan (``added [B]``: real tokens per row, host; None: ``t`` each), and the
         rows' counters advanced past it."""
         b, device = self.batch, self.device
+        self._check_prompt_end(t)
         if token_valid is not None and added is not None and bool((added == t).all()):
             token_valid = None  # every token real: the plain path
         if token_valid is None and self.rows.alike is not None:
@@ -219,6 +221,8 @@ class LayerGroup:
             placement = Scattered.of(before, t, token_valid, needed, device)
         ring = self.ring.advance(t, token_valid)
         self.phase = self._phase(t)
+        if self.phase != "decode":
+            self.rows.prompt += added.to(self.rows.prompt.device)  # each row's real prompt tokens
         self._plan_long_step(t, token_valid)
         self._plan_new_positions(t, token_valid)
         self.rows.advance(after, added, self.layout.due(after, self.rows.tokens + added, self.phase, added))
@@ -235,6 +239,7 @@ class LayerGroup:
         """``_plan`` when every row holds the same slots and every new token is real: ints only."""
         alike = self.rows.alike
         assert alike is not None
+        self._check_prompt_end(t)
         count = alike.held
         after = count + t
         self._reserve(after)  # growing reads the rows through RowCounters.held(): the fast path stays
@@ -242,6 +247,8 @@ class LayerGroup:
         self._plan_long_step(t, None)
         self._plan_new_positions(t, None)
         self.phase = self._phase(t)
+        if self.phase != "decode":
+            self.rows.prompt += t
         self.rows.advance_alike(t, bool(self.layout.due(after, alike.tokens + t, self.phase, t)))
         if self.long_step is not None:
             self.rows.mark_observed(slice(None))
@@ -255,6 +262,15 @@ class LayerGroup:
     def _phase(self, t: int) -> Phase:
         """The phase of the step of ``t`` tokens being planned (``step_phase``)."""
         return step_phase(self.tokens_seen, self.tokens_seen + t, self.prompt_tokens)
+
+    def _check_prompt_end(self, t: int) -> None:
+        """A declared prompt ends a step: one that ran on past it would be part prompt, part
+        decode, which no engine's prompt step is."""
+        if self.tokens_seen < self.prompt_tokens < self.tokens_seen + t:
+            raise ValueError(
+                f"the prompt was declared as {self.prompt_tokens} tokens (expect_prompt), but this step runs from "
+                f"{self.tokens_seen} to {self.tokens_seen + t}: end a step at the prompt's end"
+            )
 
     def _plan_long_step(self, t: int, token_valid: torch.Tensor | None) -> None:
         """A step with more queries than the window holds, under a policy that keeps state: each

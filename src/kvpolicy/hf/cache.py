@@ -17,14 +17,16 @@ Usage::
     cache.stats(), cache.memory_bytes()   # cache.tier_stats(): a two-tier policy's tiers
 
 Supported: greedy and sampled decoding, left-padded batches, ``num_return_sequences > 1``, beam
-search (rows are reordered in the static buffers), a second turn reusing the cache, models split
-across devices (``device_map="auto"``). Refused with an error: models with sliding-window,
+search (rows are reordered in the static buffers), a second turn reusing the cache, a chunked
+prefill (``prefill_chunk_size``: the prompt is declared, ``KVPolicyCache.expect_prompt``), models
+split across devices (``device_map="auto"``). Refused with an error: models with sliding-window,
 chunked, linear or shared-KV layers (every layer must be full attention, since an evicting cache
 cannot reproduce those masks exactly), rolling back (``crop``: assisted decoding) and offloading.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -179,6 +181,7 @@ class KVPolicyCache(Cache):
         super().__init__(layers=[KVPolicyLayer(self, i) for i in range(num_layers)])
         if model is not None:
             _use_kvpolicy_attention(model)
+            _declare_chunked_prompts(model)
 
     def __repr__(self) -> str:
         return f"KVPolicyCache({self.policy!r}, layers={len(self.layers)}, tokens_seen={self.get_seq_length()})"
@@ -215,6 +218,12 @@ class KVPolicyCache(Cache):
         """Evict what is due, append the step, record its queries, attend: ``[B, Hq, T, D]``."""
         self._staged_layer = None
         return self.evicting.attend(layer_idx, query, keys, values, token_valid, scaling=scaling)
+
+    def expect_prompt(self, tokens: int) -> None:
+        """The next ``tokens`` token positions, fed in any number of forwards, are the prompt
+        (``EvictingCache.expect_prompt``). ``generate(prefill_chunk_size=...)`` declares it for
+        you on a model this cache was built with."""
+        self.evicting.expect_prompt(tokens)
 
     # -- reporting ---------------------------------------------------------------------------
     def memory_bytes(self) -> int:
@@ -342,6 +351,37 @@ def _use_kvpolicy_attention(model: Any) -> None:
             f"{type(model).__name__} did not switch to kvpolicy attention (it does not dispatch attention through "
             "transformers' AttentionInterface), so it cannot be served exactly by KVPolicyCache"
         )
+
+
+def _declare_chunked_prompts(model: Any) -> None:
+    """Make ``generate(prefill_chunk_size=...)`` on ``model`` declare its prompt to a fresh
+    ``KVPolicyCache`` (``expect_prompt``) before the first chunk: the cache would otherwise take
+    the first chunk for the whole prompt and evict inside the rest. A chunked prefill onto a
+    cache that holds tokens (a second turn) is refused: its chunks would evict between them,
+    where the turn fed at once evicts at its end. Wraps this model's ``_prefill`` (transformers
+    5.x's prefill step, which chunks the prompt), once; other caches pass through untouched."""
+    prefill = getattr(model, "_prefill", None)
+    if prefill is None or getattr(prefill, "__kvpolicy_wrapped__", False):
+        return
+
+    @functools.wraps(prefill)
+    def prefill_declaring_the_prompt(input_ids: Any, generation_config: Any, model_kwargs: dict, *args: Any,
+                                     **kwargs: Any) -> Any:
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if isinstance(cache, KVPolicyCache) and getattr(generation_config, "prefill_chunk_size", None) is not None:
+            if cache.get_seq_length() > 0:
+                raise NotImplementedError(
+                    "generate(prefill_chunk_size=...) on a KVPolicyCache that holds tokens already (a second turn): "
+                    "its chunks would evict between them, where the turn fed in one forward evicts at its end; "
+                    "leave prefill_chunk_size unset for this call"
+                )
+            if input_ids.shape[-1] == 0:  # prompts given as inputs_embeds: their length is not the ids'
+                raise NotImplementedError("generate(prefill_chunk_size=...) from inputs_embeds on a KVPolicyCache")
+            cache.expect_prompt(int(input_ids.shape[-1]))
+        return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    prefill_declaring_the_prompt.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]
+    model._prefill = prefill_declaring_the_prompt
 
 
 def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
