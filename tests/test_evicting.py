@@ -210,6 +210,44 @@ def test_shape_and_argument_errors():
     assert stream.tokens_seen() == 0 and stream.layers[0].length == 0
 
 
+@pytest.mark.parametrize("name", ["snapkv", "quest"])
+def test_inputs_a_cache_cannot_serve_are_refused_before_anything_is_stored(name):
+    """Found from outside: each of these used to fail deep inside torch (or write nothing
+    sensible): keys, values and queries of mixed dtypes or devices; a step of no rows (after
+    ``select_rows([])``); a forward in grad mode with inputs that require grad (``bmm(out=)``
+    does not differentiate; select mode's summaries are written in place); a second turn
+    outside ``torch.inference_mode()`` onto buffers made inside it. The cache is unchanged."""
+    from kvpolicy.state import CacheStateError
+
+    cache = EvictingCache(_policy(name), num_layers=1)
+    g = torch.Generator().manual_seed(5)
+    k, v, q = _step_tensors(g, t=20)
+    with pytest.raises(ValueError, match=r"values are torch.float16 on cpu, keys torch.float32"):
+        cache.attend(0, q, k, v.half())
+    with pytest.raises(ValueError, match=r"queries are torch.float64 on cpu, keys torch.float32"):
+        cache.attend(0, q.double(), k, v)
+    with pytest.raises(ValueError, match=r"queries are torch.float32 on meta"):
+        cache.attend(0, q.to("meta"), k, v)
+    with pytest.raises(ValueError, match="at least one row"):
+        cache.attend(0, q[:0], k[:0], v[:0])
+    with pytest.raises(RuntimeError, match=r"serve inference: run the forward under torch.no_grad"):
+        cache.attend(0, q, k.requires_grad_(), v)
+    assert cache.tokens_seen() == 0
+    with torch.no_grad():  # the same tensors, grad off: served
+        cache.attend(0, q, k, v)
+    with torch.inference_mode():
+        fresh = EvictingCache(_policy(name), num_layers=1)
+        fresh.attend(0, q, k.detach(), v)
+    with pytest.raises(CacheStateError, match=r"made under torch.inference_mode\(\)"):
+        fresh.attend(0, *(x[:, :, :1] for x in (q, k.detach(), v)))
+    with torch.inference_mode():
+        fresh.attend(0, *(x[:, :, :1] for x in (q, k.detach(), v)))
+    assert fresh.tokens_seen() == 21
+    cache.select_rows(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one row"):
+        cache.attend(0, *(x[:0, :, :1] for x in (q, k.detach(), v)))
+
+
 @given(
     lead=st.lists(st.integers(1, 3), min_size=1, max_size=3), n=st.integers(1, 12), d=st.integers(1, 5),
     k=st.integers(1, 6), spare=st.integers(0, 4), seed=st.integers(0, 1000),

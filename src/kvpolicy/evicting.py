@@ -322,6 +322,11 @@ class EvictingCache:
                 "pass the step's post-RoPE queries"
             )
         group = self._groups[layer_idx]
+        if group is not None and group.buffers.keys.is_inference() and not torch.is_inference_mode_enabled():
+            raise CacheStateError(
+                "this cache's buffers were made under torch.inference_mode(), and tensors made there cannot be "
+                "written outside it: run this step under inference_mode too, or reset() the cache"
+            )
         if group is not None and not group.fits(keys, values):
             if group.steps != 1 or group.layer_steps[group.member[layer_idx]] != 0:
                 raise ValueError(
@@ -521,6 +526,16 @@ def _check_step(
         raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, T]")
     if t < 1:
         raise ValueError(f"a step appends at least one token, got keys {tuple(keys.shape)}")
+    if b < 1:
+        raise ValueError("a step needs at least one row (every row has finished: reset() the cache to start anew)")
+    for label, x in (("values", values), ("queries", queries)):
+        if x is not None and (x.dtype != keys.dtype or x.device != keys.device):
+            raise ValueError(f"{label} are {x.dtype} on {x.device}, keys {keys.dtype} on {keys.device}: a step's "
+                             "keys, values and queries share one dtype and device")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (keys, values, queries)):
+        # The slots are written in place and evictions are not differentiable.
+        raise RuntimeError("kvpolicy caches serve inference: run the forward under torch.no_grad() or "
+                           "torch.inference_mode() (these keys, values or queries require grad)")
     if queries is not None and (queries.shape[0] != b or queries.shape[2] != t or queries.shape[3] != d
                                 or queries.shape[1] % h):
         raise ValueError(f"queries {tuple(queries.shape)} must be [B={b}, Hq (a multiple of {h}), T={t}, D={d}]")
