@@ -278,6 +278,18 @@ def test_batch_select_indices_takes_row_numbers_or_a_mask(qwen3):
     by_number.batch_select_indices(torch.tensor([1]))
     assert picked.batch_size == by_number.batch_size == 1
     assert torch.equal(picked.evicting.layers[0].keys, by_number.evicting.layers[0].keys)
+    with pytest.raises(IndexError, match="a row mask of 2 entries for a batch of 1 rows"):
+        picked.batch_select_indices(torch.tensor([True, False]))  # it used to keep row 0 of 1, silently
+    assert picked.batch_size == 1
+
+
+def test_output_attentions_is_said_to_give_none(qwen3):
+    """kvpolicy attention returns no weights: asking for them gave an empty tuple, unexplained."""
+    model = _fresh(qwen3)
+    ids, mask = _prompt(batch=1, length=12, pads=(0,))
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    with pytest.warns(UserWarning, match="returns no attention weights"):
+        _generate(model, cache, ids, mask, 2, output_attentions=True, return_dict_in_generate=True)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -44,6 +44,7 @@ at import.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -233,6 +234,9 @@ def kvpolicy_attention(
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"kvpolicy attention does not support {unsupported!r}")
+    if kwargs.get("output_attentions"):  # said, as transformers says it for sdpa: not an empty tuple unexplained
+        warnings.warn("kvpolicy attention returns no attention weights: output_attentions=True gives none",
+                      UserWarning, stacklevel=2)
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise ValueError(
             "kvpolicy attention expects the [B, T] bool validity made by its mask function, got "

@@ -269,6 +269,8 @@ class KVPolicyCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         indices = torch.as_tensor(indices).reshape(-1)
         if indices.dtype == torch.bool:  # a mask, as DynamicCache indexes its tensors with one
+            if indices.numel() != self.batch_size:
+                raise IndexError(f"a row mask of {indices.numel()} entries for a batch of {self.batch_size} rows")
             indices = indices.nonzero().flatten()
         self.evicting.select_rows(indices)
 
