@@ -263,3 +263,45 @@ def test_gather_slots_equals_torch_gather_on_buffer_views(lead, n, d, k, spare, 
     assert torch.equal(gather_slots(x, index), want)
     y = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # slots are not rows of D: the fallback
     assert torch.equal(gather_slots(y, index), want)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "vase-attnv"])
+def test_the_documented_select_recipe_keeps_what_the_cache_keeps_for_uneven_rows(name):
+    """custom-loops.md, 'Only the algorithm': ``select`` on a cache's state keeps what the cache
+    keeps. Rows holding different counts are packed from slot 0, so a shorter row's padding sits
+    where ``select`` reads the recent buffer: it kept padding and dropped the row's newest slots
+    (found from outside). The batched call now refuses it; the per-row recipe agrees."""
+    policy = _policy(name, seed=2)
+    cache = EvictingCache(policy, num_layers=1)
+    g = torch.Generator().manual_seed(6)
+    k, v, q = _step_tensors(g, t=15)
+    valid = torch.ones(B, 15, dtype=torch.bool)
+    valid[0, :3] = False  # row 0 holds 3 slots fewer
+    cache.step(0, k, v, q, token_valid=valid)
+    checked = 0
+    for _ in range(30):
+        cache.step(0, *_step_tensors(g))
+        view = cache.layers[0]
+        if not view.eviction_due:
+            continue
+        window, window_valid = view.window()
+        if len(set(view.counts)) > 1:
+            with pytest.raises(ValueError, match=r"slot_valid: row \d has padding after a real slot"):
+                policy.select(view.keys, view.values, window, slot_valid=view.valid, query_valid=window_valid,
+                              positions=view.positions, layer_idx=0, evictions=view.evictions, streams=view.streams,
+                              seed=cache.seed)
+        due = view.group.due.clone()  # [B]: the rows due
+        want = []
+        for r, n in enumerate(view.counts):
+            kept = policy.select(
+                view.keys[r : r + 1, :, :n], view.values[r : r + 1, :, :n], window[r : r + 1],
+                query_valid=window_valid[r : r + 1], positions=view.positions[r : r + 1, :, :n],
+                layer_idx=0, evictions=view.evictions[r : r + 1], streams=view.streams[r : r + 1], seed=cache.seed,
+            )
+            want.append(view.positions[r : r + 1, :, :n].gather(-1, kept)[0])
+        cache.evict_due()
+        for r in range(B):
+            if due[r]:
+                assert torch.equal(view.positions[r, :, : int(view.counts[r])], want[r])
+                checked += 1
+    assert checked >= 4

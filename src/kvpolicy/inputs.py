@@ -154,3 +154,19 @@ def check_tensors(keys, values, queries, slot_valid, query_valid, positions) -> 
         devices.add(t.device)
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def check_recent_padding(slot_valid: torch.Tensor | None, recent: int) -> None:
+    """The recent buffer is the last ``recent`` columns: refuse padding there that follows a real
+    slot (a row packed from slot 0 that holds fewer slots, as a cache's state is). Its newest
+    tokens would then compete as candidates while its padding stood in for them."""
+    if slot_valid is None or recent < 1:
+        return
+    tail = min(recent, slot_valid.shape[-1])
+    after_real = (slot_valid.cumsum(-1) > 0)[..., -tail:] & ~slot_valid[..., -tail:]
+    if bool(after_real.any()):
+        row = int(after_real.nonzero()[0, 0])
+        raise ValueError(
+            f"slot_valid: row {row} has padding after a real slot among the last {tail} columns, the recent buffer: "
+            "pad rows on the left (their newest tokens last), or select each row on its own slots"
+        )

@@ -17,7 +17,7 @@ import torch
 
 from .config import PolicyConfig, load_config
 from .documents import PolicyError
-from .inputs import MAX_HEAD_OFFSET, check_tensors, eviction_input
+from .inputs import MAX_HEAD_OFFSET, check_recent_padding, check_tensors, eviction_input
 from .schedule import Schedule
 from .stages import guards
 from .stages.base import EvictionInput, Stage, StateField, state_field_names, window_positions
@@ -304,7 +304,8 @@ class Policy:
                 recent buffer.
             values: ``[B, Hkv, N, Dv]``.
             queries: ``[B, Hq, W, D]`` the window of recent post-RoPE queries, ``Hq % Hkv == 0``.
-            slot_valid: ``[B, N]`` or ``[B, Hkv, N]`` bool, False for padding (default: all True).
+            slot_valid: ``[B, N]`` or ``[B, Hkv, N]`` bool, False for padding (default: all True);
+                padding after a real slot among the last ``recent`` columns is refused (pad on the left).
             query_valid: ``[B, W]`` bool, False for window entries without a real query.
             positions: ``[B, N]`` or ``[B, Hkv, N]`` long token index of each slot among its row's
                 real tokens (default: ``0 .. N-1``; ``-1`` for padding).
@@ -349,6 +350,7 @@ class Policy:
         self._check_prompt_lengths(prompt_lengths)
         if n <= self.budget:
             return torch.arange(n, device=keys.device).expand(b, hkv, n).clone()
+        check_recent_padding(slot_valid, self.schedule.recent)
         inp = eviction_input(
             keys, values, queries, budget=self.budget, recent=self.schedule.recent,
             slot_valid=slot_valid, query_valid=query_valid, positions=positions,
@@ -493,6 +495,7 @@ class Policy:
         """
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
         check_tensors(keys, values, queries, slot_valid, query_valid, positions)
+        check_recent_padding(slot_valid, self.schedule.recent)
         b, hkv, n, _ = keys.shape
         self._check_facts_for_heads(kwargs.get("model"), kwargs.get("head_offset", 0), hkv, queries.shape[1],
                                     keys.shape[3])
