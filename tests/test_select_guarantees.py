@@ -511,3 +511,13 @@ def test_a_policy_that_is_not_stochastic_keeps_the_same_slots_on_every_call(name
     if not policy.stochastic:
         assert all(torch.equal(kept[0], k) for k in kept[1:]), (name, seed)
     event(f"stochastic={policy.stochastic}")
+
+
+@pytest.mark.parametrize("budget", [10.5, -3, True, 4])
+def test_select_heads_refuses_a_budget_it_cannot_keep(budget):
+    """A float budget reached ``topk`` as a TypeError, a negative one a message about the recent
+    buffer's 'kept' slots (found from outside); 4 is the recent buffer itself: no candidate."""
+    policy = kvpolicy.load_policy("ada-snapkv", budget=16, recent=4, interval=4, window=4)
+    k, v, q = make_tensors(b=1, hkv=2, hq=4, n=30, d=8, w=4, seed=2)
+    with pytest.raises(ValueError, match=r"budget must be an int above the recent buffer \(4\)"):
+        policy.select_heads(k, v, q, budget=budget)

@@ -501,6 +501,8 @@ class Policy:
                                     keys.shape[3])
         self._check_prompt_lengths(kwargs.get("prompt_lengths"))
         budget = self.budget if budget is None else budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= self.schedule.recent:
+            raise ValueError(f"budget must be an int above the recent buffer ({self.schedule.recent}), got {budget!r}")
         seed = self.resolve_seed(kwargs.pop("seed", None))
         state = self._given_state(kwargs.pop("state", None), b, hkv, n, keys.device, slot_valid, positions)
         inp = eviction_input(
