@@ -249,6 +249,30 @@ def test_budgets_that_leave_no_candidate_are_refused():
         EvictingCache(policy, 3)
 
 
+@pytest.mark.parametrize(("doc", "refusal"), [
+    ({"selector": {"type": "chunks", "chunk_size": 9}, "allocation": {"type": "pyramid", "beta": 15.8}},
+     r"layer 1 gets a budget of 5 slots: selector\.chunk_size \(9\) is larger"),
+    ({"selector": {"type": "chunks", "chunk_size": 18}, "allocation": {"type": "layers", "budgets": [3, 1]}},
+     r"layer 1 gets a budget of 12 slots: selector\.chunk_size \(18\)"),
+    ({"selector": {"type": "threshold", "threshold": 0.0, "cap": 20}, "allocation": {"type": "pyramid", "beta": 2}},
+     r"layer 1 gets a budget of 14 slots: selector\.cap \(20\)"),
+    ({"mode": "select", "scorer": {"type": "quest", "page_size": 16, "granularity": "page"}, "selector": "greedy",
+      "allocation": {"type": "pyramid"}, "schedule": {"budget": 20, "recent": 4, "interval": 1, "window": 1}},
+     r"layer 0 gets a budget of 35 slots: scorer\.page_size 16 with granularity page must divide(.|\n)*"
+     r"layer 1 gets a budget of 5 slots: scorer\.page_size 16 with granularity page needs"),
+])
+def test_every_layer_budget_passes_the_checks_the_policy_budget_passed(doc, refusal):
+    """A chunk, a threshold's cap or a page that fits the policy's budget may not fit a smaller
+    layer's: refused when the layer budgets are known (the cache is built), naming the layer,
+    instead of failing mid-decode (chunks) or attending past the layer's budget (quest pages)."""
+    policy = load_policy({**SMALL, "scorer": {"type": "key_norm"}, **doc,
+                          "schedule": {**SMALL["schedule"], "window": 0, **doc.get("schedule", {})}})
+    with pytest.raises(PolicyError, match=refusal):
+        EvictingCache(policy, 2)
+    with pytest.raises(PolicyError, match=refusal):
+        policy.layer_schedules(2)
+
+
 def test_a_profile_for_another_model_shape_is_refused(tmp_path):
     path = tmp_path / "heads.yaml"
     HeadProfile.from_weights(torch.ones(3, 2)).save(path)

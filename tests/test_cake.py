@@ -142,6 +142,21 @@ def test_a_cache_decides_each_layers_budget_once_from_the_prompt():
         cache.reset()
 
 
+def test_budgets_decided_from_the_prompt_pass_the_stages_checks():
+    """A layer budget CAKE decides at the prompt gets the checks the policy's budget got at load:
+    a chunk larger than a layer's room is a PolicyError naming the layer there, not a ValueError
+    from the selector at an eviction."""
+    doc = {**kvpolicy.load_policy("cake", budget=20, recent=4, window=4, interval=4).config.to_dict(),
+           "selector": {"type": "chunks", "chunk_size": 16}}  # fits the policy's 20 - 4 slots, not a smaller layer's
+    cache = EvictingCache(kvpolicy.load_policy(doc), 2)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(PolicyError, match=r"allocation: layer 0 gets a budget of 12 slots: selector\.chunk_size"):
+        for layer in range(2):
+            cache.step(layer, torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g),
+                       (1 + 4 * layer) * torch.randn(1, 4, 40, 8, generator=g))
+        cache.evict_due()
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_batch_of_rows_deciding_budgets_together_is_said_out_loud(batch):
     """CAKE's budgets are the batch's (its reference sums the preference over the rows), so a row

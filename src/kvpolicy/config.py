@@ -128,22 +128,8 @@ class PolicyConfig(BaseModel):
                 f"schedule.evict_above is for a selector that sets each head's count (threshold): selector "
                 f"{self.selector.type_name!r} keeps the budget, so eviction below it would free nothing"
             )
-        reserved = sum(r.reserved_beside(sched.budget, sched.recent) for r in self.reservations)
-        if sched.recent + reserved > sched.budget:
-            raise ValueError(
-                f"the policy protects more slots than the budget holds: recent {sched.recent} + "
-                f"reserved {reserved} > budget {sched.budget}"
-            )
-        if self.selector.sets_counts:  # the budget is each head's pool: the counts must fit it
-            self.selector.check_pool(sched.budget, sched.recent + reserved)
-        if self.selector.needs_scores:
-            if self.scorer is None:
-                raise ValueError(f"selector {self.selector.type_name!r} ranks by score but the policy has no scorer")
-        elif sched.recent + reserved != sched.budget:
-            raise ValueError(
-                f"selector {self.selector.type_name!r} keeps the protected slots only, so recent "
-                f"({sched.recent}) + reserved ({reserved}) must equal the budget ({sched.budget})"
-            )
+        if self.selector.needs_scores and self.scorer is None:
+            raise ValueError(f"selector {self.selector.type_name!r} ranks by score but the policy has no scorer")
         if self.selector.type_name == "stochastic" and self.scorer is not None and self.scorer.may_be_negative:
             raise ValueError("the stochastic selector samples in proportion to scores that must be non-negative")
         page = None if self.scorer is None else self.scorer.choice_page_size
@@ -156,13 +142,32 @@ class PolicyConfig(BaseModel):
                 f"{'reads' if len(readers) == 1 else 'read'} the window's queries: set schedule.window to "
                 "at least 1"
             )
-        for stage in [self.scorer, *self.reservations, self.selector, self.merge]:
-            for s in stage.walk() if stage is not None else ():  # nested stages checked too
-                s.validate_schedule(sched)
+        self.check_schedule(sched)
         if self.recall is not None:
             self.recall.check_policy(self.mode, sched, self.allocation, self.selector, self.merge)
             self._check_whole_pages(sched, self.recall.page_size)
         return self
+
+    def check_schedule(self, sched: Schedule) -> None:
+        """Raise ``ValueError`` naming the field if the stages cannot run under ``sched``: the
+        policy's schedule at load, and each layer's own where layers keep different budgets
+        (``Policy.layer_schedules``), so every budget is checked once it is known."""
+        reserved = sum(r.reserved_beside(sched.budget, sched.recent) for r in self.reservations)
+        if sched.recent + reserved > sched.budget:
+            raise ValueError(
+                f"the policy protects more slots than the budget holds: recent {sched.recent} + "
+                f"reserved {reserved} > budget {sched.budget}"
+            )
+        if self.selector.sets_counts:  # the budget is each head's pool: the counts must fit it
+            self.selector.check_pool(sched.budget, sched.recent + reserved)
+        if not self.selector.needs_scores and sched.recent + reserved != sched.budget:
+            raise ValueError(
+                f"selector {self.selector.type_name!r} keeps the protected slots only, so recent "
+                f"({sched.recent}) + reserved ({reserved}) must equal the budget ({sched.budget})"
+            )
+        for stage in [self.scorer, *self.reservations, self.selector, self.merge]:
+            for s in stage.walk() if stage is not None else ():  # nested stages checked too
+                s.validate_schedule(sched)
 
     def _check_whole_pages(self, sched: Schedule, page: int) -> None:
         """A two-tier policy whose eviction ranks pages of the recall's size (ArkVale's design: one

@@ -8,6 +8,7 @@ model-fact checks sit beside ``ModelFacts`` and the layer schedules beside ``All
 from __future__ import annotations
 
 import secrets
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -525,12 +526,32 @@ class Policy:
 
         Raises:
             PolicyError: the allocation cannot serve this model (a profile or a per-layer list
-                for another shape) or leaves a layer whose budget holds no candidate after the
-                protected slots; the problem names the ``allocation`` field.
+                for another shape), leaves a layer whose budget holds no candidate after the
+                protected slots, or gives a layer a budget its stages refuse (the checks the
+                policy's schedule passed at load: a chunk or a page larger than the layer's room);
+                the problem names the ``allocation`` field and the layer.
         """
-        return self.config.allocation.layer_schedules(
+        return self._checked(self.config.allocation.layer_schedules(
             self.schedule, self.config.reservations, num_layers, num_kv_heads, self.name
-        )
+        ))
+
+    def _checked(self, schedules: list[Schedule]) -> list[Schedule]:
+        """``schedules``, once every layer's budget passes the load's checks of the policy's own
+        (``PolicyConfig.check_schedule``): refused otherwise, naming each layer of a new budget."""
+        problems, seen = [], {self.schedule.budget}
+        for layer, schedule in enumerate(schedules):
+            if schedule.budget in seen:
+                continue
+            seen.add(schedule.budget)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the policy's own schedule warned at load
+                    self.config.check_schedule(schedule)
+            except ValueError as exc:
+                problems.append(f"allocation: layer {layer} gets a budget of {schedule.budget} slots: {exc}")
+        if problems:
+            raise PolicyError(problems, self.name)
+        return schedules
 
     def prompt_schedules(self, inputs: Sequence[EvictionInput]) -> list[Schedule]:
         """``from_prompt`` allocations (CAKE): each layer's schedule from what every layer holds
@@ -539,8 +560,9 @@ class Policy:
         ``kvpolicy.vllm.paged_cache.decide_layer_budgets``) both decide through this.
 
         Raises:
-            PolicyError: the allocation gave budgets that do not add up to the layers' total or
-                leave a layer no candidate after the recent buffer.
+            PolicyError: the allocation gave budgets that do not add up to the layers' total,
+                leave a layer no candidate after the recent buffer, or that the layer's stages
+                refuse (as ``layer_schedules``).
         """
         schedule = self.schedule
         budgets = self.config.allocation.prompt_budgets(schedule.budget, schedule.recent, inputs)
@@ -551,7 +573,7 @@ class Policy:
                  f"budgets above the recent {schedule.recent}, adding up to {layers * schedule.budget}, were due"],
                 self.name,
             )
-        return [schedule.model_copy(update={"budget": b}) for b in budgets]
+        return self._checked([schedule.model_copy(update={"budget": b}) for b in budgets])
 
 
 def keep_top(priority: torch.Tensor, k_keep: int) -> torch.Tensor:

@@ -38,23 +38,21 @@ class ChunkSelector(Selector):
     )
 
     def validate_schedule(self, schedule: Schedule) -> None:
-        room = schedule.budget - schedule.recent
+        self._check_room(schedule.budget, schedule.recent)
+
+    def _check_room(self, budget: int, recent: int) -> None:
+        room = budget - recent
         if self.chunk_size > room:
             raise ValueError(
                 f"selector.chunk_size ({self.chunk_size}) is larger than the slots the budget leaves "
-                f"to chunks (budget {schedule.budget} - recent {schedule.recent} = {room}): not one whole chunk "
-                "could be kept"
+                f"to chunks (budget {budget} - recent {recent} = {room}): not one whole chunk could be kept"
             )
 
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
         if scores is None:  # never: needs_scores is True, so the executor always passes them
             raise ValueError(f"the {self.type_name!r} selector needs scores")
-        room = inp.budget - (inp.num_slots - inp.num_candidates)
-        if self.chunk_size > room:  # a per-layer allocation may give a layer less than the schedule's budget
-            raise ValueError(
-                f"selector 'chunks': chunk_size ({self.chunk_size}) is larger than the {room} slots this layer's "
-                f"budget ({inp.budget}) leaves after its recent buffer"
-            )
+        # Every layer's schedule passed validate_schedule; this catches a budget given to Policy.select_heads.
+        self._check_room(inp.budget, inp.num_slots - inp.num_candidates)
         b, h, n = scores.shape
         cand = inp.candidate_mask
         big = torch.iinfo(torch.long).max
