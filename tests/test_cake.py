@@ -179,6 +179,16 @@ def test_a_batch_of_rows_deciding_budgets_together_is_said_out_loud(batch):
         assert "from the 2 rows of the batch together" in str(said[0].message)
 
 
+@pytest.mark.parametrize("kernel", [2, 4])
+def test_an_even_kernel_is_refused_at_load(kernel):
+    """As the attention scorer's: an even kernel cannot pool aligned, refused naming the field
+    before any work (it failed at the first eviction with a bare ValueError)."""
+    doc = {"name": "x", "schedule": {"budget": 8, "recent": 2, "interval": 4, "window": 2},
+           "scorer": {"type": "cake_attention", "kernel": kernel}, "selector": {"type": "greedy"}}
+    with pytest.raises(PolicyError, match=rf"scorer\.kernel: kernel must be odd .* got {kernel}"):
+        kvpolicy.load_policy(doc)
+
+
 def test_select_mode_is_refused():
     with pytest.raises(PolicyError, match="evict mode only"):
         EvictingCache(kvpolicy.load_policy("cake@select", compress_prompt=False), 2)

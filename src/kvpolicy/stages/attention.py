@@ -58,8 +58,8 @@ class AttentionScorer(Scorer):
 
     @model_validator(mode="after")
     def _odd_kernel(self) -> AttentionScorer:
-        if self.pooling != "none" and self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd so the pooled scores stay aligned, got {self.kernel}")
+        if self.pooling != "none":
+            odd_kernel(self.kernel)
         return self
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
@@ -208,6 +208,13 @@ def query_attention(
     else:
         reduced = probs.mean(2) if group_reduce == "mean" else probs.sum(2)
     return reduced.nan_to_num_(0.0)  # a query that sees no slot weighs nothing
+
+
+def odd_kernel(kernel: int) -> int:
+    """``kernel``, refused at load unless odd: ``_pool`` pads ``kernel // 2`` on each side."""
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd so the pooled scores stay aligned, got {kernel}")
+    return kernel
 
 
 def _pool(scores: torch.Tensor, kind: str, kernel: int) -> torch.Tensor:

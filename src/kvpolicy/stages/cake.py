@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
-from .attention import _pool
+from .attention import _pool, odd_kernel
 from .base import Allocation, EvictionInput, Scorer
 
 
@@ -117,11 +117,11 @@ class CakeScorer(Scorer):
     reads_queries: ClassVar[bool] = True
 
     gamma: float = Field(200.0, ge=0.0, le=1e9, allow_inf_nan=False, description="Weight of the variance.")
-    kernel: int = Field(5, ge=1, le=1023, description="Average-pooling kernel (odd), stride 1, zero padding.")
+    kernel: Annotated[int, AfterValidator(odd_kernel)] = Field(
+        5, ge=1, le=1023, description="Average-pooling kernel (odd), stride 1, zero padding."
+    )
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
-        if self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be odd so the pooled scores stay aligned, got {self.kernel}")
         probs = window_probabilities(inp)  # [B, Hkv, G, W, N]
         rows = inp.query_valid.to(probs.device)[:, None, None, :, None].float()
         count = rows.sum(3).clamp_min(1)
