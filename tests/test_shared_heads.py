@@ -4,11 +4,14 @@ layer``) only ever see heads that hold the same tokens."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import make_input, make_tensors, random_steps
 
-from kvpolicy import EvictingCache, load_policy
+from kvpolicy import EvictingCache, PolicyError, SelectionError, load_policy
+from kvpolicy.policy import Policy
 from kvpolicy.stages import AttentionScorer, SharedHeadsScorer
 
 
@@ -45,16 +48,62 @@ def test_every_head_keeps_the_same_tokens_through_many_evictions():
     assert cache.stats()[0].evictions >= 8
 
 
-@pytest.mark.parametrize("scorer", [SHARED, {"type": "current_attention", "head_reduce": "layer"}],
-                         ids=["shared_heads", "current_attention_layer"])
-def test_heads_that_hold_different_tokens_are_refused(scorer):
-    """A per-head Range reservation makes the heads keep different tokens at the first eviction;
-    at the next, the stage that combines them slot by slot refuses, naming itself."""
-    policy = _policy(scorer, reservations=[
-        {"type": "top_scores", "scorer": {"type": "value_magnitude", "metric": "range"}, "n": 4}])
-    cache = EvictingCache(policy, num_layers=1)
+COMBINING = pytest.mark.parametrize("scorer", [SHARED, {"type": "current_attention", "head_reduce": "layer"}],
+                                    ids=["shared_heads", "current_attention_layer"])
+RANGE = {"type": "top_scores", "scorer": {"type": "value_magnitude", "metric": "range"}, "n": 4}
+
+
+@COMBINING
+@pytest.mark.parametrize(("extra", "apart"), [
+    ({"selector": "stochastic"}, "selector 'stochastic'"),  # per-head draws
+    ({"reservations": [RANGE]}, "reservations[0] 'top_scores'"),  # per-head scores
+    ({"allocation": {"type": "duo", "path": "builtin:smollm2-135m-passkey.yaml", "streaming_fraction": 0.5, "sinks": 2}}, "allocation 'duo'"),  # per-head shares
+    ({"combine": "value_magnitude"}, "scorer 'combination'"),  # a per-head term beside it
+])
+def test_a_policy_known_to_choose_per_head_is_refused_at_load(scorer, extra, apart):
+    """The heads would hold different tokens after the first eviction and the second would stop:
+    refused at load instead, naming the stage that combines the heads and the one that decides per head."""
+    extra = dict(extra)
+    if "combine" in extra:  # combination[shared, per-head]
+        scorer = {"type": "combination", "terms": [{"weight": 1.0, "scorer": scorer},
+                                                   {"weight": 1.0, "scorer": {"type": extra.pop("combine")}}]}
+    with pytest.raises(PolicyError, match=rf"scorer '{scorer_name(scorer)}' combines the KV heads slot by slot.*"
+                                          rf"{re.escape(apart)} decides per head"):
+        _policy(scorer, **extra)
+
+
+def scorer_name(scorer: dict) -> str:
+    return scorer["terms"][0]["scorer"]["type"] if scorer["type"] == "combination" else scorer["type"]
+
+
+@COMBINING
+@pytest.mark.parametrize("extra", [
+    {"reservations": [{"type": "sinks", "n": 2}]},
+    {"reservations": [{**RANGE, "scorer": SHARED}]},  # a Range of shared scores
+    {"selector": {"type": "chunks", "chunk_size": 4}},
+    {"allocation": {"type": "adaptive"}},
+    {"selector": "stochastic", "mode": "select"},  # select mode evicts nothing: every head holds every token
+    {"combine": {"type": "normalized", "scorer": SHARED}},
+])
+def test_policies_that_keep_the_heads_alike_load(scorer, extra):
+    extra = dict(extra)
+    if "combine" in extra:
+        scorer = {"type": "combination", "terms": [{"weight": 1.0, "scorer": scorer},
+                                                   {"weight": 0.5, "scorer": extra.pop("combine")}]}
+    _policy(scorer, **extra)
+
+
+@COMBINING
+def test_heads_that_hold_different_tokens_are_refused_at_the_eviction(scorer):
+    """Past load's checks (a plugin's stage that chooses per head, here a Range reservation put in
+    place of the loaded one), the heads keep different tokens at the first eviction; at the next,
+    the stage that combines them slot by slot refuses with a SelectionError naming itself."""
+    policy = _policy(scorer, reservations=[{"type": "sinks", "n": 2}])
+    per_head = _policy({"type": "key_norm"}, reservations=[RANGE]).config.reservations
+    config = policy.config.model_copy(update={"reservations": per_head})
+    cache = EvictingCache(Policy(config), num_layers=1)
     name = scorer["type"]
-    with pytest.raises(ValueError, match=rf"scorer '{name}' combines the KV heads slot by slot.*differ"):
+    with pytest.raises(SelectionError, match=rf"scorer '{name}' combines the KV heads slot by slot.*differ"):
         for k, v, q, _ in random_steps(1, 2, 4, 8, prompt=20, n=12, seed=5):
             cache.attend(0, q, k, v)
     assert cache.stats()[0].evictions >= 1  # the first eviction ran: the heads were aligned then
@@ -76,6 +125,6 @@ def test_select_with_heads_of_different_tokens_is_refused():
     k, v, q = make_tensors(b=1, hkv=2, hq=4, n=20, w=4, seed=7)
     positions = torch.arange(20).expand(1, 2, 20).clone()
     positions[0, 1] += 3  # head 1 holds other tokens
-    with pytest.raises(ValueError, match="combines the KV heads slot by slot"):
+    with pytest.raises(SelectionError, match="scorer 'shared_heads' combines the KV heads slot by slot"):
         _policy(SHARED).select(k, v, q, positions=positions)
     assert _policy(SHARED).select(k, v, q).shape == (1, 2, 16)  # aligned heads: fine

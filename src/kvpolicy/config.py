@@ -143,6 +143,7 @@ class PolicyConfig(BaseModel):
                 "at least 1"
             )
         self.check_schedule(sched)
+        self._check_heads_alike()
         if self.recall is not None:
             self.recall.check_policy(self.mode, sched, self.allocation, self.selector, self.merge)
             self._check_whole_pages(sched, self.recall.page_size)
@@ -168,6 +169,26 @@ class PolicyConfig(BaseModel):
         for stage in [self.scorer, *self.reservations, self.selector, self.merge]:
             for s in stage.walk() if stage is not None else ():  # nested stages checked too
                 s.validate_schedule(sched)
+
+    def _check_heads_alike(self) -> None:
+        """A stage that combines the KV heads slot by slot (``Stage.combines_heads``) needs every head
+        to hold the same tokens at each eviction, so an evicting policy must choose alike in every
+        head: where a stage is known to choose per head, the heads would differ after the first
+        eviction and the next would be refused. (Select mode evicts nothing: every head holds every token.)"""
+        stages = (self.scorer, *self.reservations, self.selector)
+        combining = [s for stage in stages if stage is not None for s in stage.walk() if s.combines_heads]
+        if self.mode != "evict" or not combining:
+            return
+        roles = [*([("scorer", self.scorer)] if self.selector.needs_scores else []),
+                 *((f"reservations[{i}]", r) for i, r in enumerate(self.reservations)),
+                 ("selector", self.selector), ("allocation", self.allocation)]
+        apart = [f"{role} {stage.type_name!r}" for role, stage in roles if stage is not None and not stage.heads_alike]
+        if apart:
+            raise ValueError(
+                f"{combining[0].kind} {combining[0].type_name!r} combines the KV heads slot by slot, so every head "
+                f"must keep the same tokens, but {apart[0]} decides per head: the heads would hold different tokens "
+                "after the first eviction; share its scores too (shared_heads), or drop the stage that combines them"
+            )
 
     def _check_whole_pages(self, sched: Schedule, page: int) -> None:
         """A two-tier policy whose eviction ranks pages of the recall's size (ArkVale's design: one

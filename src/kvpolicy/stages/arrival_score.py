@@ -42,6 +42,10 @@ class ArrivalScoreScorer(Scorer):
         return self.scorer.may_be_negative
 
     @property
+    def heads_alike(self) -> bool:
+        return self.scorer.heads_alike
+
+    @property
     def state_fields(self) -> Mapping[str, StateField]:
         return _STATE
 

@@ -59,6 +59,11 @@ class Scorer(Stage):
         """Whether scores can be negative (a sampling selector needs non-negative weights)."""
         return False
 
+    @property
+    def heads_alike(self) -> bool:
+        """``Stage.heads_alike``: False unless the scorer gives every KV head of a row the same scores."""
+        return False
+
     def score_packed(self, inp: EvictionInput) -> torch.Tensor | None:
         """``score(inp)`` on select mode's packed rows, computed faster, or None (the default)
         to decline: a scorer that defines it declares that select mode may choose directly

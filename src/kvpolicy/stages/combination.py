@@ -33,6 +33,10 @@ class CombinationScorer(Scorer):
     def may_be_negative(self) -> bool:
         return any(t.weight < 0 or t.scorer.may_be_negative for t in self.terms)
 
+    @property
+    def heads_alike(self) -> bool:
+        return all(t.scorer.heads_alike for t in self.terms)
+
     def score(self, inp: EvictionInput) -> torch.Tensor:
         # Each term checked on its own (a [B, N] term would broadcast in the sum; a non-finite one
         # is named), one synchronisation per term.

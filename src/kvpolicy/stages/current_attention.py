@@ -55,6 +55,14 @@ class CurrentAttentionScorer(Scorer):
     def couples_heads(self) -> bool:
         return self.head_reduce == "layer"
 
+    @property
+    def combines_heads(self) -> bool:
+        return self.head_reduce == "layer"
+
+    @property
+    def heads_alike(self) -> bool:
+        return self.head_reduce == "layer"
+
     def score(self, inp: EvictionInput) -> torch.Tensor:
         if self.head_reduce == "layer":
             inp.require_same_tokens_in_every_head(self)

@@ -112,6 +112,10 @@ class DuoAllocation(Allocation):
     def _streaming_slots(self, recent: int) -> int:
         return recent + self.sinks
 
+    @property
+    def heads_alike(self) -> bool:
+        return False  # fixed shares differ by head
+
     def layer_budgets(self, budget: int, num_layers: int, recent: int) -> list[int]:
         self.check_model(num_layers, 0)
         stream = self._streaming_slots(recent)

@@ -58,6 +58,10 @@ class ProfileAllocation(Allocation):
         weights = self._profile.head_weights()
         return self.floor + (1 - self.floor) * weights.numel() * weights / weights.sum()
 
+    @property
+    def heads_alike(self) -> bool:
+        return False  # fixed shares differ by head
+
     def layer_budgets(self, budget: int, num_layers: int, recent: int) -> list[int]:
         self.check_model(num_layers, 0)
         shares = self._shares()

@@ -279,16 +279,18 @@ class EvictionInput:
         return self.slot_valid & (idx < self.num_candidates)
 
     def require_same_tokens_in_every_head(self, stage: AskingStage) -> None:
-        """Raise ``ValueError`` unless every KV head of each row holds the same tokens in the same
-        slots (the same validity and positions): what a stage that combines the heads slot by
-        slot needs, since slot ``j`` of two heads is otherwise two different tokens."""
+        """Raise a ``SelectionError`` naming ``stage`` unless every KV head of each row holds the same
+        tokens in the same slots (the same validity and positions): what a stage that combines the
+        heads slot by slot needs, since slot ``j`` of two heads is otherwise two different tokens."""
         if self.num_kv_heads < 2:
             return
         valid = self.slot_valid
         pos = self.positions.masked_fill(~valid, -1)
         if bool((valid == valid[:, :1]).all()) and bool((pos == pos[:, :1]).all()):
             return
-        raise ValueError(
+        from .guards import SelectionError  # not at the top: guards imports base, which imports this module
+
+        raise SelectionError(
             f"{stage.kind} {stage.type_name!r} combines the KV heads slot by slot, so every KV head of a row must "
             "hold the same tokens, but here they differ: a per-head allocation, or a stage that chose per head at "
             "an earlier eviction (a Range reservation, sampling), made them differ"

@@ -26,6 +26,10 @@ class NormalizedScorer(Scorer):
     def may_be_negative(self) -> bool:
         return self.scorer.may_be_negative
 
+    @property
+    def heads_alike(self) -> bool:
+        return self.scorer.heads_alike
+
     def score(self, inp: EvictionInput) -> torch.Tensor:
         scores = run_scorer(self.scorer, inp, where=f" (in scorer {self.type_name!r})").float()
         cand = inp.candidate_mask

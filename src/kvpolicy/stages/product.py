@@ -33,6 +33,10 @@ class ProductScorer(Scorer):
     def may_be_negative(self) -> bool:
         return any(f.offset < 0 or f.scorer.may_be_negative for f in self.factors)
 
+    @property
+    def heads_alike(self) -> bool:
+        return all(f.scorer.heads_alike for f in self.factors)
+
     def score(self, inp: EvictionInput) -> torch.Tensor:
         total = None
         for i, factor in enumerate(self.factors):

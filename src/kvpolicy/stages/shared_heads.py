@@ -20,8 +20,10 @@ class SharedHeadsScorer(Scorer):
     Slot ``j`` is combined across heads, so every head of a row must hold the same tokens: true
     as long as the policy keeps the same slots in every head (greedy or chunk selection over
     these scores, position-based reservations), and checked at every eviction
-    (``EvictionInput.require_same_tokens_in_every_head``); a per-head allocation or a stage that
-    chooses per head is refused there. It couples the heads (``couples_heads``), so it is
+    (``EvictionInput.require_same_tokens_in_every_head``). An evicting policy whose choice is
+    known to differ by head (another scorer beside it in a combination, the stochastic selector,
+    a Range reservation of per-head scores, fixed per-head shares) is refused at load
+    (``combines_heads``). It couples the heads (``couples_heads``), so it is
     refused under tensor parallelism.
     """
 
@@ -37,6 +39,14 @@ class SharedHeadsScorer(Scorer):
 
     @property
     def couples_heads(self) -> bool:
+        return True
+
+    @property
+    def combines_heads(self) -> bool:
+        return True
+
+    @property
+    def heads_alike(self) -> bool:
         return True
 
     def score(self, inp: EvictionInput) -> torch.Tensor:

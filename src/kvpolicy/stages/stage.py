@@ -71,7 +71,7 @@ class Stage(BaseModel, ABC):
         """This stage, then every stage nested anywhere in its fields (a reservation's scorer, a
         combination's terms: stage-valued fields, lists of them, and models holding them), depth
         first, each object once. What a stage declares (``stochastic``, ``reads_queries``, ``reads_values``,
-        ``couples_heads``, ``key_page_sizes``, ``needs_model``, ``state_fields``,
+        ``couples_heads``, ``combines_heads``, ``key_page_sizes``, ``needs_model``, ``state_fields``,
         ``validate_schedule``) is collected by the policy over every stage it walks, so a stage
         that nests others need not pass their declarations on."""
         seen: list[Stage] = []
@@ -100,6 +100,22 @@ class Stage(BaseModel, ABC):
         over all query heads of the layer, as TOVA's): a shard of the heads (a tensor-parallel
         rank) cannot then choose alone, so such a policy is refused where heads are sharded."""
         return False
+
+    @property
+    def combines_heads(self) -> bool:
+        """True when the stage combines the KV heads of a row slot by slot (``shared_heads``, TOVA's
+        ``current_attention``), so every head must hold the same tokens at each eviction
+        (``EvictionInput.require_same_tokens_in_every_head``): an evicting policy holding it is
+        refused at load unless its scorer, reservations, selector and allocation are ``heads_alike``."""
+        return False
+
+    @property
+    def heads_alike(self) -> bool:
+        """Whether, given KV heads that hold the same tokens, the stage's result is the same in every
+        head (a shared score; slots chosen by position or by alike scores; counts alike): False
+        for a stage that chooses per head (per-head draws, fixed per-head shares). Default True;
+        a scorer's default is False (one score per head)."""
+        return True
 
     @property
     def key_page_sizes(self) -> frozenset[int]:

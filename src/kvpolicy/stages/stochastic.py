@@ -26,6 +26,10 @@ class StochasticSelector(Selector):
 
     temperature: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="A finite float above 0.")
 
+    @property
+    def heads_alike(self) -> bool:
+        return False  # each head draws its own Gumbel keys
+
     def priority(self, scores: torch.Tensor | None, inp: EvictionInput) -> torch.Tensor:
         if scores is None:  # never: needs_scores is True, so the executor always passes them
             raise ValueError(f"the {self.type_name!r} selector needs scores")

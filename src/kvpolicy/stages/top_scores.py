@@ -47,6 +47,10 @@ class TopScoresReservation(Reservation):
             raise ValueError(f"n must not be negative, got {self.n}")
         return self.n
 
+    @property
+    def heads_alike(self) -> bool:
+        return self.scorer.heads_alike
+
     def reserved_count(self, budget: int) -> int:
         return self.count(budget)
 
