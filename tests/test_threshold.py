@@ -194,6 +194,24 @@ def test_dms_builtin_runs_at_the_prompt_and_while_decoding():
     assert cache.stats()[0].evictions >= 3  # every 8 tokens while decoding
 
 
+@pytest.mark.parametrize("scorer", [{"type": "attention"}, {"type": "attention", "softmax_over": "all", "kernel": 1},
+                                    {"type": "redundancy", "over": "candidates"}, {"type": "key_norm"}])
+@pytest.mark.parametrize("pad", [False, True])
+def test_select_heads_keeps_every_slot_while_none_is_a_candidate(scorer, pad):
+    """N <= recent: no candidate, so nothing is scored (scorers need one) and every slot is kept,
+    as select keeps every slot at N <= budget; at N = recent + 1 the threshold decides again."""
+    recent, budget = 6, 27
+    policy = kvpolicy.load_policy({"name": "x", "schedule": {"budget": budget, "recent": recent, "interval": 2, "window": 4},
+                                   "scorer": scorer, "selector": {"type": "threshold", "threshold": 0.4, "floor": 6}})
+    for n in range(1, recent + 2):
+        k = torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(n))
+        slot_valid = (torch.arange(n) >= int(pad))[None]  # a padding slot first
+        keep, counts = policy.select_heads(k, k.clone(), torch.randn(1, 2, 2, 8), slot_valid=slot_valid)
+        assert bool((counts <= budget).all())
+        if n <= recent:
+            assert bool(keep.all()) and counts.tolist() == [[n, n]]
+
+
 def test_select_is_refused_with_the_way_out():
     policy = threshold_policy(-2.0)
     k = torch.randn(1, 1, 40, 4)

@@ -492,7 +492,7 @@ class Policy:
         row's counts add up to ``Hkv * min(N, budget)``; under a uniform or per-layer allocation
         every head keeps ``min(N, budget)``, the slots ``select`` returns. Under a selector that
         sets the counts (a threshold) each head keeps its own count, at most ``budget``, whatever
-        ``N`` is.
+        ``N`` is (every slot, unscored, while none is a candidate: ``N <= recent``).
         """
         slot_valid, query_valid, positions = (kwargs.get(k) for k in ("slot_valid", "query_valid", "positions"))
         check_tensors(keys, values, queries, slot_valid, query_valid, positions)
@@ -510,9 +510,9 @@ class Policy:
             keys, values, queries, budget=budget, recent=self.schedule.recent, seed=seed, state=state, **kwargs
         )
         inp = self.observe(inp)[0]
-        if self.config.selector.sets_counts:  # a threshold applies however few slots are held
+        if self.config.selector.sets_counts and inp.num_candidates > 0:  # a threshold applies however few are held
             return self.select_heads_from(inp)
-        if n <= budget:
+        if n <= budget:  # every slot kept, nothing scored (a threshold's too, when none is a candidate)
             keep = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device)
             return keep, torch.full((b, hkv), n, dtype=torch.long, device=keys.device)
         if self.config.allocation.per_head:
