@@ -409,6 +409,9 @@ def test_schema_schedule_fields_come_from_schedule():
     recent = schedule["properties"]["recent"]
     assert {"type": "integer", "minimum": 0} in recent["anyOf"]
     assert any(branch.get("type") == "string" and "pattern" in branch for branch in recent["anyOf"])
+    validator = _validator({**policy_json_schema()["$defs"]["Schedule"], "$defs": policy_json_schema()["$defs"]})
+    assert list(validator.iter_errors({"budget": 8, "recent": 2, "evict_above": "recent"})) == []
+    assert list(validator.iter_errors({"budget": 8, "evict_above": "budget"})) != []
 
 
 def _validator(schema):
@@ -419,7 +422,9 @@ def _validator(schema):
 
 def test_schema_is_valid_json_schema_and_accepts_every_builtin_policy():
     validator = _validator(policy_json_schema())
-    for name in BUILTIN_POLICIES:
+    builtins = sorted(name for name, p in get_registry().policies.items() if p.plugin == "kvpolicy")
+    assert set(BUILTIN_POLICIES) < set(builtins)
+    for name in builtins:  # every one shipped, dms's evict_above: recent included
         source = get_registry().policies[name].obj
         data = yaml.safe_load(source.read_text())
         errors = [e.message for e in validator.iter_errors(data)]

@@ -77,12 +77,14 @@ def policy_json_schema(registry: Registry | None = None) -> dict[str, Any]:
 
 
 def schedule_json_schema() -> dict[str, Any]:
-    """``Schedule`` as JSON schema, with ``recent`` as an int or the string ``"budget - N"``."""
+    """``Schedule`` as JSON schema, with the strings its before-validator resolves: ``recent`` as an
+    int or ``"budget - N"``, ``evict_above`` as an int, ``"recent"`` or null."""
     body, _ = _generate(Schedule)
     recent = body["properties"]["recent"]
     integer = {"type": "integer", "minimum": recent.pop("minimum", 0)}
     recent.pop("type", None)
     recent["anyOf"] = [integer, {"type": "string", "pattern": _RELATIVE.pattern}]
+    body["properties"]["evict_above"]["anyOf"].insert(1, {"const": "recent"})
     return body
 
 
