@@ -292,8 +292,10 @@ def test_show_bad_override_is_a_clean_error(capsys):
 def test_show_override_breaking_the_policy_names_the_field(capsys):
     code, _, err = run(capsys, "show", "vase-attnv", "--budget", "32")
     assert code == 2
-    assert "budget" in err
+    assert "override budget=32: schedule: budget (32)" in err  # not the file's line, which says 1024
     assert "Traceback" not in err
+    code, _, err = run(capsys, "show", "snapkv", "--set", "budget=true")
+    assert code == 2 and "override budget=True: schedule: budget must be a number" in err
 
 
 # -- validate -----------------------------------------------------------------------------------

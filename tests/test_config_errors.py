@@ -319,6 +319,24 @@ def test_reservation_counts_are_bounded():
         kvpolicy.load_policy({**cfg, "reservations": [top]})
 
 
+def test_a_problem_an_override_makes_is_blamed_on_it_not_on_the_files_line():
+    """snapkv.yaml's line 8 says budget: 1024; the 8 is the override's."""
+    with pytest.raises(PolicyError) as caught:
+        kvpolicy.load_policy("snapkv", budget=8)
+    assert caught.value.problems == [
+        "override budget=8: schedule: budget (8) must be above the recent buffer (64): otherwise no slot is ever a "
+        "candidate"
+    ]
+    with pytest.raises(PolicyError, match=r"override budget=True: schedule: budget must be a number"):
+        kvpolicy.load_policy("snapkv").with_overrides(budget=True)
+    # a problem of the document itself keeps its line, beside the override's
+    bad = "name: p\nschedule: {budget: 64, recent: 8}\nscorer: {type: attention, kernel: 4}\nselector: greedy\n"
+    with pytest.raises(PolicyError) as caught:
+        kvpolicy.load_policy(bad, recent=64)
+    assert any(p.startswith("line 3: scorer") for p in caught.value.problems), caught.value.problems
+    assert not any(p.startswith("line") and "recent" in p for p in caught.value.problems), caught.value.problems
+
+
 def test_overrides_on_a_schedule_that_is_not_a_mapping():
     with pytest.raises(PolicyError, match="schedule is not a mapping"):
         kvpolicy.load_policy({"name": "t", "schedule": 5, "selector": "greedy"}, budget=64)

@@ -8,6 +8,7 @@ way from a document (text, file, mapping) to a validated ``PolicyConfig``.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -338,8 +339,28 @@ def load_config(
             text, name = read_source(Path(document) if isinstance(document, os.PathLike) else document, name)
         data, lines = read_policy_text(text, name)
     if overrides and isinstance(data, Mapping):
-        data = apply_overrides(data, overrides)
+        document, data = data, apply_overrides(data, overrides)
+        try:
+            return parse_policy(data, name, lines), data
+        except PolicyError as exc:
+            raise _blame_overrides(exc, document, overrides, name, lines) from None
     return parse_policy(data, name, lines), data
+
+
+def _blame_overrides(
+    exc: PolicyError, document: Mapping[str, Any], overrides: Mapping[str, Any], name: str, lines: dict[tuple, int]
+) -> PolicyError:
+    """``exc`` with each problem the document alone does not have put on the overrides: its line is
+    the file's (``budget: 1024``), not the overriding value's."""
+    try:
+        parse_policy(document, name, lines)
+        own: set[str] = set()
+    except PolicyError as alone:
+        own = set(alone.problems)
+    said = "override " + ", ".join(f"{key}={value!r}" for key, value in overrides.items())
+    return PolicyError(
+        [p if p in own else f"{said}: {re.sub(r'^line [0-9]+: ', '', p)}" for p in exc.problems], name
+    )
 
 
 
