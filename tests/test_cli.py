@@ -294,8 +294,10 @@ def test_show_override_breaking_the_policy_names_the_field(capsys):
     assert code == 2
     assert "override budget=32: schedule: budget (32)" in err  # not the file's line, which says 1024
     assert "Traceback" not in err
+    code, out, _ = run(capsys, "show", "snapkv", "--set", "budget=128", "--set", "compress_prompt=true")
+    assert code == 0 and "budget: 128" in out  # --set values arrive parsed, not as strings
     code, _, err = run(capsys, "show", "snapkv", "--set", "budget=true")
-    assert code == 2 and "override budget=True: schedule: budget must be a number" in err
+    assert code == 2 and "override budget=True: schedule.budget: budget must be a number" in err
 
 
 # -- validate -----------------------------------------------------------------------------------

@@ -89,6 +89,34 @@ def test_bad_schedule_or_sizes_fail_at_load(tmp_path, old, new, pattern):
         load_text(tmp_path, GOOD.replace(old, new))
 
 
+@pytest.mark.parametrize(("old", "new", "pattern"), [
+    ("budget: 32", "budget: '16'", r"line 3: schedule\.budget: budget must be a number, got the string '16'"),
+    ("interval: 8", "interval: '8'", r"line 5: schedule\.interval: interval must be a number"),
+    ("{type: attention}", "{type: attention, kernel: '5.0'}", r"line 7: scorer\.kernel: kernel must be a number"),
+    ("{type: attention}", "{type: key_norm, low_norm_first: 'true'}",
+     r"line 7: scorer\.low_norm_first: low_norm_first must be true or false, got the string 'true'"),
+    ("{type: attention}", "{type: combination, terms: [{weight: '0.5', scorer: key_norm}]}",
+     r"scorer\.terms\.0\.weight: weight must be a number"),
+    ("{type: attention}", "{type: combination, terms: [{weight: true, scorer: key_norm}]}",
+     r"scorer\.terms\.0\.weight: weight must be a number, got true"),
+    ("n: 4", "n: '4'", r"line 9: reservations\.0\.n: n must be a number"),
+    ("name: t", "name: t\nseed: '3'", r"line 2: seed: seed must be a number"),
+])
+def test_quoted_numbers_and_bools_are_refused_as_booleans_are(tmp_path, old, new, pattern):
+    """Strict, as pydantic's strict mode: a quoted '16' is a string, not the number 16 (a bool was
+    refused for a number already, and recent: ' 4 ' too), named at the field's line."""
+    with pytest.raises(PolicyError, match=pattern):
+        load_text(tmp_path, GOOD.replace(old, new))
+
+
+def test_the_strings_the_schedule_reads_and_parsed_overrides_still_load(tmp_path):
+    assert load_text(tmp_path, GOOD.replace("recent: 8", "recent: budget - 4")).schedule.recent == 28
+    assert kvpolicy.load_policy("dms").schedule.evict_above == kvpolicy.load_policy("dms").schedule.recent
+    assert kvpolicy.load_policy("snapkv", budget=128, compress_prompt=True).budget == 128
+    with pytest.raises(PolicyError, match='recent must be an int or "budget - N"'):
+        load_text(tmp_path, GOOD.replace("recent: 8", "recent: ' 4 '"))
+
+
 def test_too_many_reserved_slots():
     cfg = {
         "name": "t", "schedule": {"budget": 32, "recent": 8, "interval": 8, "window": 8},
@@ -327,7 +355,7 @@ def test_a_problem_an_override_makes_is_blamed_on_it_not_on_the_files_line():
         "override budget=8: schedule: budget (8) must be above the recent buffer (64): otherwise no slot is ever a "
         "candidate"
     ]
-    with pytest.raises(PolicyError, match=r"override budget=True: schedule: budget must be a number"):
+    with pytest.raises(PolicyError, match=r"override budget=True: schedule\.budget: budget must be a number"):
         kvpolicy.load_policy("snapkv").with_overrides(budget=True)
     # a problem of the document itself keeps its line, beside the override's
     bad = "name: p\nschedule: {budget: 64, recent: 8}\nscorer: {type: attention, kernel: 4}\nselector: greedy\n"

@@ -16,10 +16,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from . import documents
-from .documents import PolicyError, read_policy_text, read_source, refuse_bool_numbers
+from .documents import PolicyError, read_policy_text, read_source, refuse_lax_scalar
 from .schedule import Schedule
 from .stages.base import declared_for
 from .stages.merge_drop import DropMerge
@@ -44,10 +52,10 @@ class PolicyConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     name: str = Field(..., min_length=1)
     description: str = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
@@ -19,27 +19,39 @@ else:  # Python 3.10 has it in importlib.abc only
     from importlib.abc import Traversable
 
 
-def refuse_bool_numbers(model: Any, data: Any) -> Any:
-    """The body of a pydantic ``model_validator(mode="before")`` of a policy document's model:
-    refuse ``true``/``false`` given for a field that takes a number (pydantic's lax mode reads
-    them as 1 and 0, so ``interval: true`` would evict at every token), naming the field.
-    Returns ``data`` unchanged."""
-    if isinstance(data, dict):
-        for name, field in model.model_fields.items():
-            value = data.get(field.alias or name)
-            if isinstance(value, bool) and _takes_number(field.annotation):
-                raise ValueError(f"{name} must be a number, got {str(value).lower()} (a boolean)")
-    return data
+def refuse_lax_scalar(model: Any, name: str | None, value: Any) -> Any:
+    """The body of a pydantic ``field_validator("*", mode="before")`` of a policy document's model:
+    refuse, naming the field, what pydantic's lax mode would convert, as its strict mode does:
+    ``true``/``false`` for a field that takes a number (read as 1 and 0, ``interval: true`` would
+    evict at every token), and a string for one that takes a number or a bool (``budget: '16'``,
+    ``low_norm_first: 'true'``) unless the field names that string itself (``budget: schedule``).
+    Overrides from the command line arrive parsed (``--set budget=16`` is an int). Returns
+    ``value`` unchanged."""
+    ann = model.model_fields[name].annotation if name in model.model_fields else None
+    if isinstance(value, bool) and _takes(ann, (int, float)):
+        raise ValueError(f"{name} must be a number, got {str(value).lower()} (a boolean)")
+    if isinstance(value, str) and not _takes(ann, (str,)) and value not in _literals(ann):
+        if _takes(ann, (int, float)):
+            raise ValueError(f"{name} must be a number, got the string {value!r}: write it unquoted")
+        if _takes(ann, (bool,)):
+            raise ValueError(f"{name} must be true or false, got the string {value!r}: write it unquoted")
+    return value
 
 
-def _takes_number(annotation: Any) -> bool:
-    """Whether a field annotated ``annotation`` takes an int or a float and no bool."""
-    if annotation is bool:
-        return False
-    if annotation in (int, float):
+def _takes(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field annotated ``annotation`` takes one of ``kinds`` (int and float only where it
+    takes no bool: a bool is an int to Python)."""
+    if annotation in kinds:
         return True
     types = [a for a in get_args(annotation) if isinstance(a, type) or get_args(a)]  # not Literal values
-    return bool not in types and any(_takes_number(a) for a in types)
+    return (bool in kinds or bool not in types) and any(_takes(a, kinds) for a in types)
+
+
+def _literals(annotation: Any) -> set[Any]:
+    """The values of every ``Literal`` in ``annotation``."""
+    if get_origin(annotation) is Literal:
+        return set(get_args(annotation))
+    return set().union(*(_literals(a) for a in get_args(annotation)))
 
 
 class PolicyError(ValueError):

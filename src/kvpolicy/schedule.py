@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from .documents import refuse_bool_numbers
+from .documents import refuse_lax_scalar
 
 _RELATIVE = re.compile(r"^\s*budget\s*-\s*(\d+)\s*$")
 #: Upper bound of every slot count of a schedule (16,777,216): far beyond any model's context,
@@ -70,7 +70,6 @@ class Schedule(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _resolve_relative_recent(cls, data: Any) -> Any:
-        refuse_bool_numbers(cls, data)
         if isinstance(data, dict) and isinstance(data.get("recent"), str):
             m = _RELATIVE.match(data["recent"])
             if m is None:
@@ -81,6 +80,13 @@ class Schedule(BaseModel):
         if isinstance(data, dict) and data.get("evict_above") == "recent":  # follows an overridden recent
             data = {**data, "evict_above": data.get("recent", cls.model_fields["recent"].default)}
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "recent" and isinstance(value, str):  # "budget - N" without an int budget
+            return value  # pydantic reports it, beside the budget's own problem
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     @model_validator(mode="after")
     def _check(self) -> Schedule:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..documents import refuse_lax_scalar
 from .base import EvictionInput, Scorer
 from .guards import run_scorer
 from .spec import ScorerSpec
@@ -16,6 +17,11 @@ class WeightedTerm(BaseModel):
     """One term of a combination: ``weight * scorer``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     weight: float = Field(..., allow_inf_nan=False, description="A finite float (inf or nan is refused).")
     scorer: ScorerSpec

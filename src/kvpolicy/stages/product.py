@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..documents import refuse_lax_scalar
 from .base import EvictionInput, Scorer
 from .guards import run_scorer
 from .spec import ScorerSpec
@@ -16,6 +17,11 @@ class Factor(BaseModel):
     """One factor of a product: ``scorer + offset``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     scorer: ScorerSpec
     offset: float = Field(0.0, allow_inf_nan=False, description="Added to the scores before multiplying.")

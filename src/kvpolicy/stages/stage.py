@@ -11,9 +11,9 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from ..documents import refuse_bool_numbers
+from ..documents import refuse_lax_scalar
 from .data_file import DataFile
 from .model_facts import Fact, ModelFacts
 
@@ -34,10 +34,10 @@ class Stage(BaseModel, ABC):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     kind: ClassVar[StageKind]
     type_name: ClassVar[str]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..documents import refuse_bool_numbers
+from ..documents import refuse_lax_scalar
 from ..schedule import Schedule
 from ..stages.base import Allocation, Merge, Selector
 from ..stages.quest import QuestScorer
@@ -33,10 +33,10 @@ class RecallConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
-        return refuse_bool_numbers(cls, data)
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_lax_scalar(cls, info.field_name, value)
 
     budget: Annotated[int, Field(ge=0)] | Literal["schedule"] = Field(
         ..., description="Slots per KV head of the recall buffer, in whole pages (0: the slow tier is kept but "
