@@ -248,6 +248,19 @@ def test_the_arguments_lm_eval_passes_to_every_model_are_accepted(tiny_model):
     assert lm.batch_size == 3 and lm.policy is not None and lm.policy.budget == 96
 
 
+def test_model_args_win_over_the_settings_lm_eval_passes_to_every_model(tiny_model):
+    """The documented ``--model_args ...,device=cpu`` with lm-eval's own --batch_size and --device
+    (cuda:0 unless told) was ``got multiple values for keyword argument 'device'``."""
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    lm_eval_extras = {"batch_size": 16, "max_batch_size": None, "device": "cuda:0"}
+    lm = KVPolicyLM.create_from_arg_string(f"pretrained={tiny_model},policy=snapkv,budget=96,device=cpu,batch_size=2",
+                                           lm_eval_extras)
+    assert lm.batch_size == 2 and lm.device.type == "cpu"
+    lm = KVPolicyLM.create_from_arg_obj({"pretrained": str(tiny_model), "device": "cpu"}, lm_eval_extras)
+    assert lm.batch_size == 16 and lm.device.type == "cpu"
+
+
 def test_with_no_policy_the_model_matches_lm_evals_hf_model(tiny_model, task_file):
     """The baseline beside a policy: lm-eval's own ``hf`` model (available after the import) and
     the kvpolicy model without a policy generate the same answers and score the same."""
@@ -405,10 +418,11 @@ def test_lm_task_problems_are_reported_before_model_work(tiny_model, task_file, 
 # -- lm-eval's own command line ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_lm_eval_command_line_with_the_kvpolicy_model(tiny_model, task_file, tmp_path):
+    """The documented form: device and dtype in --model_args beside lm-eval's own --batch_size."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "kvpolicy.eval.lmeval", "--model", "kvpolicy", "--model_args",
-         f"pretrained={tiny_model},policy=snapkv,budget=96,records={tmp_path / 's.jsonl'}",
+         f"pretrained={tiny_model},policy=snapkv,budget=96,dtype=float32,device=cpu,records={tmp_path / 's.jsonl'}",
          "--tasks", str(task_file), "--batch_size", "2", "--limit", "3", "--apply_chat_template"],
         env=env, capture_output=True, text=True, timeout=300,
     )

@@ -205,6 +205,23 @@ class KVPolicyLM(TemplateLM):
 
     # -- configuration -------------------------------------------------------------------------
     @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None) -> KVPolicyLM:
+        """lm-eval's constructor: ``arg_dict`` (``--model_args``) and ``additional_config`` (its own
+        ``--batch_size``, ``--max_batch_size`` and ``--device``, passed to every model). A name in
+        both is the model's own setting, so ``model_args`` wins (``--device`` defaults to cuda:0)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None) -> KVPolicyLM:
+        """``create_from_arg_obj`` of ``key=value,...`` (lm-eval's ``--model_args``)."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
     def accepted_args(cls) -> list[str]:
         """The ``model_args`` names this model takes, sorted."""
         params = inspect.signature(cls.__init__).parameters.values()
