@@ -159,9 +159,21 @@ def test_a_text_shorter_than_the_budget_is_refused(tiny_model, tmp_path, capsys)
     assert "not more than the largest budget" in " ".join(capsys.readouterr().err.split())
 
 
-def test_resume_refuses_new_options(tmp_path, capsys):
-    assert main(["eval", "--resume", str(tmp_path), "--budgets", "96"]) == 2
-    assert "--resume continues a run" in capsys.readouterr().err
+@pytest.mark.parametrize("flags", [
+    ["--budgets", "96"], ["--seed", "0"], ["--samples", "4"], ["--temperature", "0"], ["--limit", "1"],
+    ["--device", "cuda"], ["--dtype", "bfloat16"], ["--out", "elsewhere"], ["--tasks", "chain_sum"],
+    ["--max-new-tokens", "8"], ["--batch-size", "2"], ["--pass-k", "1"], ["--top-k", "0"], ["--top-p", "0.9"],
+    ["--no-chat-template"], ["--thinking", "off"], ["--include-path", "x"], ["--progress-every", "0"],
+    ["--device-map", "auto"], ["--set", "lm.samples=4"], ["--config", "c.yaml"],
+])
+@pytest.mark.parametrize("mode", ["--resume", "--report"])
+def test_resume_refuses_every_flag_that_would_change_the_run(tmp_path, capsys, monkeypatch, flags, mode):
+    """Before, --samples, --temperature, --limit, --device, --dtype, --out, ... were accepted and ignored."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", mode, str(tmp_path), *flags, "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{mode} continues a run as configured" in err and f"drop {flags[0]}" in err
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_chunked_feeding_evicts_exactly_like_token_by_token(tiny_model):

@@ -43,7 +43,8 @@ def add_eval_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="a saved run configuration (config.yaml) to start from")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in RUN_DIR")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in RUN_DIR, as configured "
+                                                       "(no other flag but --no-progress)")
     p.add_argument("--report", metavar="RUN_DIR", help="run nothing: write RUN_DIR's metrics.json, tables and plots "
                                                        "from the pairs it has finished")
     p.add_argument("--model", help="'bundled' (default: SmolLM2-135M GGUF), a model folder, a .gguf file or a "
@@ -128,6 +129,17 @@ def build_config(args: argparse.Namespace):
     return EvalConfig.build(apply_sets(data, args.sets), "options")
 
 
+#: The flags a resumed run (or a report) takes: they change no figure, file or folder.
+OUTPUT_ONLY = ("resume", "report", "no_progress")
+
+
+def _run_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that would change a run (every one but ``OUTPUT_ONLY``), as typed."""
+    skip = {*OUTPUT_ONLY, "command", "func"}
+    given = [k for k, v in vars(args).items() if k not in skip and v is not None and v is not False and v != []]
+    return ["--set" if k == "sets" else "--" + k.replace("_", "-") for k in given]
+
+
 def _split(items: Sequence[str] | None) -> list[str] | None:
     """Accept both ``a b`` and ``a,b``."""
     if items is None:
@@ -149,10 +161,11 @@ def run_command(args: argparse.Namespace) -> int:
                 raise EvalError("--report and --resume both name a run folder: give one")
             args.resume = args.report
         if args.resume:
-            given = [k for k in ("config", "model", "policies", "budgets", "metrics", "text", "seed", "lm_tasks")
-                     if getattr(args, k)]
-            if given or args.sets:
-                raise EvalError(f"--resume continues a run as configured; drop {', '.join('--' + g for g in given) or '--set'}")
+            given = _run_flags(args)
+            if given:
+                flag = "--report" if args.report else "--resume"
+                raise EvalError(f"{flag} continues a run as configured in its config.yaml (and in its folder); "
+                                f"drop {', '.join(given)}")
             config = None
         else:
             config = build_config(args)
