@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -198,6 +199,31 @@ def test_loglikelihood_runs_through_the_cache_and_matches_the_model(tiny_model):
     (ll_ev, _), = evicting._loglikelihood_tokens([((None, None), ctx, long_cont)])
     (ll_full, _), = full._loglikelihood_tokens([((None, None), ctx, long_cont)])
     assert ll_ev != pytest.approx(ll_full)
+
+
+def test_a_pair_that_generated_nothing_reports_no_cost(tiny_model, task_file, tmp_path):
+    """A resumed pair whose samples were all recorded before the kill: its cost was not measured.
+    Before, KV MiB read 0.0 (the best, bold, in the Pareto plot) and peak MiB the idle process's."""
+    import lm_eval
+
+    from kvpolicy.eval.config import LMSettings
+    from kvpolicy.eval.lmeval import KVPolicyLM
+    from kvpolicy.eval.metrics.lm import grade, load_tasks
+
+    s = LMSettings(tasks=[str(task_file)], limit=2)
+    values = []
+    for _ in range(2):  # the second session finds every sample recorded
+        lm = KVPolicyLM(str(tiny_model), policy="snapkv", budget=96, records=str(tmp_path / "s.jsonl"),
+                        progress_every=0)
+        manager, tasks = load_tasks(s)
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), task_manager=manager, limit=2,
+                                          log_samples=True, bootstrap_iters=0, apply_chat_template=True)
+        values.append(grade(results, tasks, lm, s).values)
+    first, again = values
+    assert first["lm_new_tokens"] > 0 and first["lm_kv_mib"] > 0 and first["lm_peak_mib"] > 0
+    assert again["lm_new_tokens"] == 0 and again["pass@1"] == first["pass@1"]
+    for name in ("lm_tok_s", "lm_kv_mib", "lm_peak_mib", "evict_share"):
+        assert math.isnan(again[name]), name
 
 
 # -- registration and model_args ----------------------------------------------------------------------

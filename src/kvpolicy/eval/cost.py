@@ -323,8 +323,14 @@ class CostTracker:
         self.total.add(stats)
 
     def summary(self) -> dict[str, float | None]:
-        """The run's cost; a two-tier policy's tier figures too (``TierCost.values``)."""
+        """The run's cost; a two-tier policy's tier figures too (``TierCost.values``). When nothing
+        was generated (every sample recorded by an earlier session) nothing was measured: every
+        figure but the counts is NaN, never the zero of an empty total or an idle process's peak."""
         t = self.total
+        if not t.new_tokens:
+            nan = float("nan")
+            return {"tokens_per_s": nan, "peak_mib": nan, "kv_mib": nan, "kv_held_mib": nan, "evict_share": nan,
+                    "new_tokens": t.new_tokens, "seconds": t.seconds}
         out: dict[str, float | None] = {
             "tokens_per_s": t.new_tokens / t.seconds if t.seconds > 0 else float("nan"),
             "peak_mib": peak_memory_mib(str(self.device)),
