@@ -13,6 +13,7 @@ import torch
 from kvpolicy import load_policy
 from kvpolicy.eval.cli import main
 from kvpolicy.eval.decoding import Stream
+from kvpolicy.eval.records import DamagedRecordWarning
 
 pytest.importorskip("reasoning_gym")
 pytest.importorskip("matplotlib")
@@ -174,6 +175,68 @@ def test_resume_refuses_every_flag_that_would_change_the_run(tmp_path, capsys, m
     err = " ".join(capsys.readouterr().err.split())
     assert f"{mode} continues a run as configured" in err and f"drop {flags[0]}" in err
     assert not (tmp_path / "elsewhere").exists()
+
+
+def _finished_run(tiny_model: Path, run: Path) -> dict[str, str]:
+    """A run folder whose two pairs finished (written by hand: no model work), its files' texts."""
+    from kvpolicy.eval.config import EvalConfig
+
+    run.mkdir()
+    config = EvalConfig(model=str(tiny_model), policies=["snapkv"], budgets=[96], metrics=["perplexity"])
+    rows = [{"key": k, "policy": p, "budget": b, "mode": m, "values": {"ppl": 2.0, "ppl_ratio": r}, "seconds": 1.0}
+            for k, p, b, m, r in (("full", "full", None, "full", 1.0), ("snapkv@96", "snapkv", 96, "evict", 1.1))]
+    files = {"config.yaml": config.to_yaml(), "results.jsonl": "".join(json.dumps(r) + "\n" for r in rows),
+             "predictions.jsonl": "".join(json.dumps({"key": r["key"], "n": i}) + "\n" for i, r in enumerate(rows)),
+             "reference.json": json.dumps({"perplexity": {"ppl": 2.0}})}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    return files
+
+
+@pytest.mark.parametrize("name", ["results.jsonl", "reference.json"])
+@pytest.mark.parametrize("mode", ["--resume", "--report"])
+def test_a_damaged_run_file_is_named_with_its_line_not_a_traceback(tiny_model, tmp_path, capsys, name, mode):
+    """Before, a half-written results.jsonl or reference.json ended --resume and --report with a
+    JSONDecodeError traceback."""
+    run = tmp_path / "run"
+    text = _finished_run(tiny_model, run)[name]
+    (run / name).write_text(text[: len(text) // 2 + 3])
+    assert main(["eval", mode, str(run), "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert str(run / name) in "".join(err.split()) and "Traceback" not in err  # rich may wrap the path
+    assert ("line 2 is not a finished pair's row" in err) if name == "results.jsonl" else ("is damaged" in err)
+    assert (run / name).read_text() == text[: len(text) // 2 + 3]  # left as it was, for the user to mend
+
+
+def test_a_damaged_prediction_line_is_moved_aside_and_the_rest_kept(tiny_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    text = _finished_run(tiny_model, run)["predictions.jsonl"]
+    lines = text.splitlines(keepends=True)
+    (run / "predictions.jsonl").write_text(lines[0] + "{not json\n" + lines[1] + lines[1][:9])
+    with pytest.warns(DamagedRecordWarning) as caught:
+        assert main(["eval", "--report", str(run), "--no-progress"]) == 0, capsys.readouterr().err
+    assert [str(w.message).split(" is ")[0] for w in caught] == [f"{run / 'predictions.jsonl'}: line {n}"
+                                                                 for n in (2, 4)]
+    assert (run / "predictions.jsonl").read_text() == text
+    aside = [json.loads(x) for x in (run / "predictions.jsonl.damaged").read_text().splitlines()]
+    assert [(a["line"], a["text"]) for a in aside] == [(2, "{not json"), (4, lines[1][:9])]
+
+
+def test_reference_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    from kvpolicy.eval import records
+    from kvpolicy.eval.runner import RunFolder
+
+    folder = RunFolder(tmp_path)
+    folder.save_references({"fidelity": {"answers": [1, 2]}})
+
+    def killed(src, dst):  # the rename that would have put the new file in place never happens
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(records.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        folder.save_references({"fidelity": {"answers": list(range(10000))}})
+    assert folder.references() == {"fidelity": {"answers": [1, 2]}}
+    assert [p.name for p in tmp_path.iterdir()] == ["reference.json"]
 
 
 def test_chunked_feeding_evicts_exactly_like_token_by_token(tiny_model):

@@ -100,6 +100,27 @@ def test_lines_that_are_not_records_are_moved_aside(tmp_path, text, why):
     assert path.read_bytes() == _line(_record(0)) + _line(_record(1))
 
 
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [({"response": ...}, "no response"), ({"response": None}, "a wrong type: response None"),
+     ({"tokens": "many"}, "a wrong type: tokens 'many'"), ({"response": 5}, "a wrong type: response 5"),
+     ({"sample": True}, "a wrong type: sample True"), ({"sample": -1}, "sample -1 below 0"),
+     ({"rep4": "x", "loop": 1}, "a wrong type: rep4 'x', loop 1"), ({"doc_id": 7}, "a wrong type: doc_id 7")],
+)
+def test_a_line_with_every_key_field_but_a_bad_field_is_not_a_record(tmp_path, edit, why):
+    """Reported: a record without its response (KeyError on reuse), with "tokens": "many" (a
+    TypeError in grading) or "response": null (graded as the text "None") passed as a record.
+    (``...`` in ``edit``: the field deleted.)"""
+    bad = {k: v for k, v in {**_record(1), **edit}.items() if v is not ...}
+    path = tmp_path / "samples.jsonl"
+    path.write_bytes(_line(_record(0)) + _line(bad) + _line(_record(2)))
+    store, messages = _load(path)
+    assert sorted(r["doc_id"] for r in store) == ["0", "2"]
+    assert len(messages) == 1 and f"line 2 is not a record: {why}" in messages[0]
+    assert [json.loads(base64.b64decode(a["base64"])) for a in _aside(path)] == [bad]
+    assert path.read_bytes() == _line(_record(0)) + _line(_record(2))
+
+
 # -- any damage to any byte --------------------------------------------------------------------------
 _records = st.lists(st.text(max_size=12), min_size=1, max_size=6).map(
     lambda texts: [_record(i, t) for i, t in enumerate(texts)]

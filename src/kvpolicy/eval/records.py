@@ -3,7 +3,8 @@
 The file is both the run's per-sample data and its resume point: a sample whose record is there
 is never generated again. So a valid record is never deleted. Loading checks every line:
 
-- a line that is not a record (a hand edit, a disk fault) is reported (``DamagedRecordWarning``,
+- a line that is not a record (a hand edit, a disk fault; a field missing or of the wrong type,
+  ``record_problem``) is reported (``DamagedRecordWarning``,
   with its line number) and moved aside, out of the file, into ``<file>.damaged`` beside it
   (e.g. ``samples.jsonl.damaged``; see ``set_aside`` for its form), and the file is rewritten
   without it (a new file renamed over the old one, after the line is safe in ``.damaged``);
@@ -52,16 +53,50 @@ def record_key(record: dict[str, Any]) -> SampleKey:
             str(record["prompt_hash"]))
 
 
-def parse_record(line: bytes) -> dict[str, Any] | None:
-    """The record on ``line`` (UTF-8 JSON of an object with every ``record_key`` field), else None."""
+_NUMBER = (int, float)
+#: What a record holds, by type: the fields every record has, then those that may be None (not
+#: measured) or absent (older records). A line with any other type is not a record.
+REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
+    "key": (str,), "task": (str,), "doc_id": (str,), "sample": (int,), "prompt_hash": (str,), "response": (str,)}
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "policy": (str,), "budget": (int,), "prompt_tokens": (int,), "tokens": (int,), "finish": (str,),
+    "ended": (bool,), "thought_closed": (bool,), "rep4": _NUMBER, "loop": (bool,), "loop_period": (int,),
+    "loop_span": (int,), "seconds": _NUMBER, "output": (str,)}
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int to Python, never to a record: True is not 1 token
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+
+def record_problem(record: Any) -> str | None:
+    """Why ``record`` (parsed JSON) is not a record, or None when it is one."""
+    if not isinstance(record, dict):
+        return f"JSON {type(record).__name__}, not an object"
+    missing = [name for name in REQUIRED_FIELDS if name not in record]
+    if missing:
+        return f"no {', '.join(missing)}"
+    wrong = [name for name, types in REQUIRED_FIELDS.items() if not _is(record[name], types)]
+    wrong += [name for name, types in OPTIONAL_FIELDS.items()
+              if record.get(name) is not None and not _is(record[name], types)]
+    if wrong:
+        return "a wrong type: " + ", ".join(f"{name} {record[name]!r}"[:60] for name in wrong)
+    if record["sample"] < 0:
+        return f"sample {record['sample']} below 0"
+    return None
+
+
+def parse_record(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The record on ``line`` (UTF-8 JSON of an object that ``record_problem`` accepts) and "",
+    else None and why not."""
     try:
         record = json.loads(line.decode("utf-8"))
-        if not isinstance(record, dict):
-            return None
-        record_key(record)
-    except (ValueError, KeyError, TypeError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None
-    return record
+    except UnicodeDecodeError:  # a ValueError: first
+        return None, "not a record: not UTF-8"
+    except (ValueError, RecursionError):
+        return None, "not a record: not JSON"
+    why = record_problem(record)
+    return (None, f"not a record: {why}") if why else (record, "")
 
 
 def damaged_path(path: Path) -> Path:
@@ -131,6 +166,29 @@ def set_aside(path: Path, damaged: list[tuple[int, bytes, str]]) -> Path:
     return aside
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file beside ``path`` and rename it over ``path`` (atomic: a crash
+    leaves the old file or the new one, never a part of either); an existing file's mode is kept."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), os.stat(path).st_mode & 0o777 if path.exists() else 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def warn_damaged(path: Path, damaged: list[tuple[int, bytes, str]], aside: Path, stacklevel: int = 2) -> None:
+    """One ``DamagedRecordWarning`` per line of ``path`` moved to ``aside``."""
+    for n, line, why in damaged:
+        warnings.warn(f"{path}: line {n} is {why}; moved to {aside}: {_excerpt(line)}",
+                      DamagedRecordWarning, stacklevel=stacklevel + 1)
+
+
 class SampleStore:
     """Records in a JSONL file (``path``), indexed by ``record_key``; ``None`` path: memory only."""
 
@@ -149,14 +207,14 @@ class SampleStore:
             kept: list[bytes] = []
             damaged: list[tuple[int, bytes, str]] = []
             for n, line in enumerate(lines, start=1):
-                record = parse_record(line)
+                record, why = parse_record(line)
                 if record is None:
-                    damaged.append((n, line, "not a record"))
+                    damaged.append((n, line, why))
                     continue
                 self._records[record_key(record)] = record
                 kept.append(line + b"\n")
             if tail:
-                record = parse_record(tail)
+                record, _ = parse_record(tail)
                 if record is None:  # a run killed mid-write
                     damaged.append((len(lines) + 1, tail, "a torn last line (no newline): not a whole record"))
                 else:  # whole but for its newline: kept, and the newline added so appends start a line
@@ -172,26 +230,8 @@ class SampleStore:
                         os.close(out)
                 return
             aside = set_aside(self.path, damaged)  # safe there before the file loses them
-            self._replace(b"".join(kept))
-        for n, line, why in damaged:
-            warnings.warn(f"{self.path}: line {n} is {why}; moved to {aside}: {_excerpt(line)}",
-                          DamagedRecordWarning, stacklevel=3)
-
-    def _replace(self, data: bytes) -> None:
-        """Write ``data`` to a new file beside ``path`` and rename it over ``path`` (atomic: a crash
-        leaves the old file or the new one, never a part of either)."""
-        assert self.path is not None
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), os.stat(self.path).st_mode & 0o777)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            replace_file(self.path, b"".join(kept))
+        warn_damaged(self.path, damaged, aside, stacklevel=3)
 
     def __len__(self) -> int:
         return len(self._records)

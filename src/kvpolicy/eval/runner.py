@@ -31,6 +31,7 @@ from .models import (
     resolve_model,
 )
 from .progress import PairEta
+from .records import replace_file, set_aside, warn_damaged
 from .report import progress_bar, ranking_markdown, shown_columns, write_plots
 
 
@@ -222,28 +223,52 @@ class RunFolder:
         (self.path / "config.yaml").write_text(text, encoding="utf-8")
 
     def finished(self) -> dict[str, dict]:
+        """The rows of the finished pairs. A line that is not a row is an ``EvalError`` naming it:
+        it stands for a pair's work, so the user decides (mend it, or delete it to run the pair again)."""
         rows = {}
         if self.results_file.is_file():
-            for line in self.results_file.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    rows[row["key"]] = row
+            for n, raw in enumerate(self.results_file.read_bytes().split(b"\n"), start=1):
+                if not raw.strip():
+                    continue
+                row, why = _json_object(raw, needs={"key": str, "values": dict})
+                if row is None:
+                    raise EvalError(
+                        f"{self.results_file}: line {n} is not a finished pair's row ({why}): "
+                        f"{raw[:80].decode('utf-8', errors='replace')!r}; mend the line, or delete it to run "
+                        "that pair again (a run killed while writing it leaves it cut short)")
+                rows[row["key"]] = row
         return rows
 
     def drop_unfinished_predictions(self, done: set[str]) -> None:
+        """Keep the predictions of the finished pairs; a line that is not a prediction (a hand
+        edit, a line cut short) is moved to ``predictions.jsonl.damaged`` with a warning."""
         if not self.predictions_file.is_file():
             return
-        lines = self.predictions_file.read_text(encoding="utf-8").splitlines()
-        kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("key") in done]
-        self.predictions_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        kept, damaged = [], []
+        for n, raw in enumerate(self.predictions_file.read_bytes().split(b"\n"), start=1):
+            if not raw.strip():
+                continue
+            pred, why = _json_object(raw, needs={"key": str})
+            if pred is None:
+                damaged.append((n, raw, f"not a prediction: {why}"))
+            elif pred["key"] in done:
+                kept.append(raw + b"\n")
+        if damaged:
+            warn_damaged(self.predictions_file, damaged, set_aside(self.predictions_file, damaged))
+        replace_file(self.predictions_file, b"".join(kept))
 
     def references(self) -> dict[str, dict]:
-        if self.reference_file.is_file():
-            return json.loads(self.reference_file.read_text(encoding="utf-8"))
-        return {}
+        """The full cache's references (``reference.json``); damaged, an ``EvalError`` naming it."""
+        if not self.reference_file.is_file():
+            return {}
+        refs, why = _json_object(self.reference_file.read_bytes(), needs={})
+        if refs is None:
+            raise EvalError(f"{self.reference_file} is damaged ({why}); delete it and --resume computes the "
+                            "full cache's references again")
+        return refs
 
     def save_references(self, refs: dict[str, dict]) -> None:
-        self.reference_file.write_text(json.dumps(refs), encoding="utf-8")
+        replace_file(self.reference_file, json.dumps(refs).encode("utf-8"))  # whole, or the old file
 
     def append(self, row: dict, predictions: list[dict]) -> None:
         with self.predictions_file.open("a", encoding="utf-8") as f:
@@ -277,6 +302,20 @@ class RunFolder:
 
 def _json_default(x: Any) -> Any:
     return str(x)
+
+
+def _json_object(raw: bytes, needs: dict[str, type]) -> tuple[dict | None, str]:
+    """The JSON object in ``raw`` with the fields ``needs`` of their types, and ""; else None and why not."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return None, f"not JSON: {exc}"
+    if not isinstance(obj, dict):
+        return None, f"JSON {type(obj).__name__}, not an object"
+    wrong = [name for name, kind in needs.items() if not isinstance(obj.get(name), kind)]
+    if wrong:
+        return None, f"no {', '.join(wrong)} of the right type"
+    return obj, ""
 
 
 @dataclass
