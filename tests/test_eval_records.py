@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpolicy.eval.records import DamagedRecordWarning, SampleStore, damaged_path
+from kvpolicy.eval.records import DamagedRecordWarning, SampleStore, damaged_path, record_key
 
 
 def _record(i: int, response: str | None = None, run: str = "snapkv@96") -> dict:
@@ -28,7 +28,7 @@ def _line(record: dict) -> bytes:
 
 
 def _key(record: dict) -> tuple:
-    return (record["key"], record["task"], record["doc_id"], record["sample"], record["prompt_hash"])
+    return record_key(record)
 
 
 def _aside(path: Path) -> list[dict]:

@@ -201,6 +201,44 @@ def test_loglikelihood_runs_through_the_cache_and_matches_the_model(tiny_model):
     assert ll_ev != pytest.approx(ll_full)
 
 
+def test_records_are_reused_only_under_the_settings_they_were_made_with(tiny_model, task_file, tmp_path, capsys):
+    """Reported: one records file shared by a run at seed 0, then seed 1, then another model: the
+    later runs generated nothing and returned the first run's responses."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpolicy.eval.lmeval import KVPolicyLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
+    other = copy.deepcopy(model)  # another checkpoint of the same shape
+    with torch.no_grad():
+        next(other.parameters()).mul_(1.5)
+
+    def run(records: Path | None, **changes):
+        args = {"policy": "snapkv", "budget": 96, "seed": 0, "model": model, **changes}
+        lm = KVPolicyLM("tiny", tokenizer=tok, records=None if records is None else str(records),
+                        progress_every=0, **args)
+        got = _responses(_evaluate(lm, task_file, limit=2, gen_kwargs={"temperature": 0.9, "do_sample": True}))
+        return got, lm.cost.total.new_tokens
+
+    shared = tmp_path / "shared.jsonl"
+    first, generated = run(shared)
+    assert generated > 0
+    assert run(shared) == (first, 0)  # the same settings: every sample reused
+    capsys.readouterr()
+    for changes in ({"seed": 1}, {"model": other}, {"policy_seed": 7}, {"budget": 100, "key": "snapkv@96"},
+                    {"policy": "streamingllm", "key": "snapkv@96"}):
+        got, generated = run(shared, **changes)
+        assert generated > 0, changes
+        if "seed" in changes or "model" in changes:
+            assert got == run(None, **changes)[0] != first, changes  # what these settings generate
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not reusing 2 sample(s) recorded" in err and "seed 0 there, 1 now" in err
+    assert run(shared, seed=1) == (run(None, seed=1)[0], 0)  # seed 1's records, made above, are reused
+
+
 def test_a_pair_that_generated_nothing_reports_no_cost(tiny_model, task_file, tmp_path):
     """A resumed pair whose samples were all recorded before the kill: its cost was not measured.
     Before, KV MiB read 0.0 (the best, bold, in the Pareto plot) and peak MiB the idle process's."""

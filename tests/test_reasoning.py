@@ -12,7 +12,7 @@ import torch
 
 from kvpolicy.eval import reasoning as r
 from kvpolicy.eval.progress import LineProgress, format_duration
-from kvpolicy.eval.records import SampleStore
+from kvpolicy.eval.records import SampleStore, record_key
 from kvpolicy.eval.sampling import SamplingParams, next_tokens, sample_key
 
 
@@ -168,11 +168,11 @@ def test_sample_store_survives_a_torn_last_line(tmp_path):
     with path.open("a") as f:
         f.write(json.dumps(_record(3))[:25])  # killed mid-write
     again = SampleStore(path)
-    assert len(again) == 3 and again.get(("snapkv@96", "t", "2", 0, "h"))["response"] == "r2"
+    assert len(again) == 3 and again.get(record_key(_record(2)))["response"] == "r2"
     again.add(_record(3))
     lines = path.read_text().splitlines()
     assert [json.loads(x)["doc_id"] for x in lines] == ["0", "1", "2", "3"]
-    assert SampleStore(None).get(("a", "b", "c", 0, "d")) is None
+    assert SampleStore(None).get(("a", "b", "c", 0, "d", "null")) is None
 
 
 def test_progress_lines_have_rate_and_eta():

@@ -32,7 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-SampleKey = tuple[str, str, str, int, str]  # (run key, task, doc id, sample, prompt hash)
+# (run key, task, doc id, sample, prompt hash, settings_key of the settings it was made under)
+SampleKey = tuple[str, str, str, int, str, str]
 
 #: Appended to a record file's name for the file its damaged lines are moved to.
 DAMAGED_SUFFIX = ".damaged"
@@ -48,9 +49,15 @@ def prompt_hash(context: str, settings: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def settings_key(settings: dict[str, Any] | None) -> str:
+    """The settings a record was made under (model, seeds, policy: see ``KVPolicyLM.settings``) as
+    part of its key: a record is reused only under equal settings. None: an older record's, unknown."""
+    return json.dumps(settings, sort_keys=True)
+
+
 def record_key(record: dict[str, Any]) -> SampleKey:
     return (str(record["key"]), str(record["task"]), str(record["doc_id"]), int(record["sample"]),
-            str(record["prompt_hash"]))
+            str(record["prompt_hash"]), settings_key(record.get("settings")))
 
 
 _NUMBER = (int, float)
@@ -61,7 +68,7 @@ REQUIRED_FIELDS: dict[str, tuple[type, ...]] = {
 OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
     "policy": (str,), "budget": (int,), "prompt_tokens": (int,), "tokens": (int,), "finish": (str,),
     "ended": (bool,), "thought_closed": (bool,), "rep4": _NUMBER, "loop": (bool,), "loop_period": (int,),
-    "loop_span": (int,), "seconds": _NUMBER, "output": (str,)}
+    "loop_span": (int,), "seconds": _NUMBER, "output": (str,), "settings": (dict,)}
 
 
 def _is(value: Any, types: tuple[type, ...]) -> bool:

@@ -18,13 +18,17 @@ usually too short to trigger an eviction: measure eviction with generative tasks
 
 Every generated sample can be written to a JSONL file (``records=PATH``) as soon as it finishes;
 samples already in that file are not generated again (``--resume`` of ``kvpolicy eval``, or the
-same ``lm_eval`` command after an interruption). Progress is printed as lines on stderr.
+same ``lm_eval`` command after an interruption) when they were made under the same ``settings``
+(the model's weights, tokenizer, dtype and device, the seeds, the resolved policy): a record made
+under others is not reused, and a line says how they differ. Progress is printed as lines on stderr.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import inspect
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -43,7 +47,7 @@ from ..cost import CostTracker, cache_tier_stats
 from ..decoding import Generation, Prompt, Stream, generate_batch, input_device, new_cache, stop_token_ids
 from ..progress import LineProgress, format_bytes, format_duration
 from ..reasoning import find_loop, repeated_ngram_share, strip_thinking
-from ..records import SampleStore, prompt_hash
+from ..records import SampleStore, prompt_hash, settings_key
 from ..sampling import SamplingParams, sample_key
 
 log = logging.getLogger("kvpolicy.eval.lmeval")
@@ -73,6 +77,33 @@ def _to_int(value: Any, name: str) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode("utf-8")).hexdigest()[:16]
+
+
+@torch.no_grad()
+def model_fingerprint(model: Any) -> str:
+    """A short hash of a model's weights: each parameter's name, shape and 256 of its values, spread
+    over it. It tells two checkpoints apart (another folder, a fine-tune saved over the same one)
+    without reading every byte of a large model."""
+    h = hashlib.sha256()
+    for name, param in model.named_parameters():
+        h.update(f"{name}{tuple(param.shape)}".encode())
+        if param.device.type != "meta":  # offloaded by a device map: its name and shape only
+            flat = param.detach().reshape(-1)
+            h.update(flat[:: max(1, flat.numel() // 256)][:256].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _differences(records: list[dict[str, Any]], now: dict[str, Any]) -> str:
+    """How the settings of ``records`` differ from ``now``: ``seed 0 there, 1 now; ...``."""
+    if any(r.get("settings") is None for r in records):
+        return "their settings were not recorded (an older kvpolicy)"
+    fields = {k: sorted({str(r["settings"].get(k)) for r in records} - {str(now.get(k))})
+              for k in {k for r in records for k in r["settings"]} | set(now)}
+    return "; ".join(f"{k} {', '.join(v)} there, {now.get(k)} now" for k, v in sorted(fields.items()) if v)
 
 
 def _unknown_args_message(unknown: Sequence[str], accepted: Sequence[str]) -> str:
@@ -175,6 +206,8 @@ class KVPolicyLM(TemplateLM):
             self.model_name = str(pretrained)
         self.model = model
         self._device = input_device(model)
+        self._model_id = model_fingerprint(model)
+        self._tokenizer_id = _digest(sorted(self.tokenizer.get_vocab().items()))
         self.base_attn = str(model.config._attn_implementation)
         if self.base_attn == "kvpolicy":
             self.base_attn = "sdpa"
@@ -195,6 +228,7 @@ class KVPolicyLM(TemplateLM):
         self.policy = self._load_policy(policy, budget)
         self.policy_seed = None if self.policy is None else self.policy.resolve_seed(
             None if policy_seed is None else _to_int(policy_seed, "policy_seed"))
+        self._fresh_seed = self.policy is not None and policy_seed is None and self.policy.config.seed is None
         self.key = key or ("full" if self.policy is None else f"{self.policy.name}@{self.policy.budget}")
         self.store = SampleStore(records)
         self.eos_ids = stop_token_ids(self.tokenizer, model)
@@ -244,10 +278,27 @@ class KVPolicyLM(TemplateLM):
         vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
         return THINK_END if THINK_END in vocab else None
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What a sample depends on besides its record key (task, problem, index, prompt and
+        decoding parameters): a recorded sample is reused only under equal settings."""
+        policy = None if self.policy is None else (
+            f"{self.policy.name}@{self.policy.budget}#{_digest(self.policy.config.to_dict())}")
+        # seed: null asks for a fresh policy seed each session: any session's draw is as good
+        policy_seed = "fresh" if self._fresh_seed else self.policy_seed
+        return {"model": self._model_id, "tokenizer": self._tokenizer_id, "dtype": str(self.model.dtype),
+                "device": self._device.type, "seed": self.seed, "policy": policy, "policy_seed": policy_seed,
+                "max_length": self.max_length, "add_bos_token": self.add_bos_token}
+
+    def recorded(self) -> list[dict[str, Any]]:
+        """The records of this run (its key) made under its settings."""
+        return [r for r in self.store.for_run(self.key) if r.get("settings") == self.settings]
+
     def set_policy(self, policy: Policy | None, key: str | None = None) -> None:
         """Evaluate another policy with the same loaded model (``None``: the full cache)."""
         self.policy = policy
         self.policy_seed = None if policy is None else policy.resolve_seed(None)
+        self._fresh_seed = policy is not None and policy.config.seed is None
         self.key = key or ("full" if policy is None else f"{policy.name}@{policy.budget}")
 
     # -- what lm-eval asks of a model ----------------------------------------------------------
@@ -367,17 +418,24 @@ class KVPolicyLM(TemplateLM):
                                self._prompt_ids(context, params.max_new_tokens), self._opens_thinking(context), h))
         results: list[str | None] = [None] * len(items)
         pending = []
+        settings = self.settings
+        made_under = settings_key(settings)
         for it in items:
-            record = self.store.get((self.key, it.task, it.doc_id, it.sample, it.hash))
+            record = self.store.get((self.key, it.task, it.doc_id, it.sample, it.hash, made_under))
             if record is not None:
                 results[it.index] = str(record["response"])
             else:
                 pending.append(it)
-        label = f"{self.key} {','.join(sorted({it.task for it in items}))}"
+        tasks = {it.task for it in items}
+        label = f"{self.key} {','.join(sorted(tasks))}"
         progress = LineProgress(label, len(items), every=self.progress_every, done=len(items) - len(pending))
         if len(pending) < len(items):
             progress.print(f"kvpolicy: {self.key}: {len(items) - len(pending)} of {len(items)} samples already "
                            "recorded; generating the rest")
+        others = [r for r in self.store.for_run(self.key) if r["task"] in tasks and r.get("settings") != settings]
+        if pending and others:
+            progress.print(f"kvpolicy: {self.key}: not reusing {len(others)} sample(s) recorded in {self.store.path} "
+                           f"under other settings ({_differences(others, settings)})")
         for _, same_params in groupby(sorted(pending, key=lambda it: repr(it.params)), key=lambda it: repr(it.params)):
             group = sorted(same_params, key=lambda it: (it.sample, -len(it.ids), it.index))
             for sample, same_sample in groupby(group, key=lambda it: it.sample):
@@ -421,6 +479,7 @@ class KVPolicyLM(TemplateLM):
         loop = find_loop(gen.tokens)
         return {
             "key": self.key, "task": it.task, "doc_id": it.doc_id, "sample": it.sample, "prompt_hash": it.hash,
+            "settings": self.settings,
             "policy": "full" if self.policy is None else self.policy.name,
             "budget": None if self.policy is None else self.policy.budget,
             "prompt_tokens": len(it.ids), "tokens": len(gen.tokens), "finish": gen.finish, "ended": gen.ended,

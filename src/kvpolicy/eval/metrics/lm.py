@@ -234,7 +234,7 @@ def _by_doc(samples: Iterable[dict]) -> dict[str, dict]:
 
 def grade(results: dict, tasks: dict[str, Any], lm: Any, s: LMSettings) -> MetricResult:
     """Grade every sample; summarise per task and over tasks (macro mean)."""
-    records = {(r["task"], r["doc_id"], r["sample"]): r for r in lm.store.for_run(lm.key)}
+    records = {(r["task"], r["doc_id"], r["sample"]): r for r in lm.recorded()}
     values: dict[str, Any] = {}
     predictions: list[dict[str, Any]] = []
     per_task: dict[str, dict[str, float]] = {}
