@@ -25,7 +25,7 @@ from kvpolicy.eval.runner import RunFolder, plan_run
 
 # What a shard may choose for itself; every other field must equal the earlier shard's, except the
 # settings of metrics the shard does not run.
-SHARD_FIELDS = ("policies", "budgets", "metrics", "refusals")
+SHARD_FIELDS = ("policies", "budgets", "metrics", "refusals", "resolved_policies")
 METRIC_SECTIONS = ("perplexity", "fidelity", "passkey", "accuracy", "reconstruction", "speed", "lm")
 
 
@@ -69,6 +69,8 @@ def main(argv: list[str]) -> int:
     for name in ("policies", "budgets", "metrics"):
         if getattr(args, name):
             data[name] = getattr(args, name)
+            if name != "metrics":  # other pairs than a saved run's: resolved from their names and files
+                data.pop("resolved_policies", None)
     pairs = start_shard(data, args.config, args.out, args.source)
     print(f"{args.out}: {pairs} pairs to run: kvpolicy eval --resume {args.out}")
     return 0

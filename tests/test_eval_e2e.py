@@ -128,6 +128,44 @@ def test_config_rerun_and_resume_reproduce_a_run(tiny_model, tmp_path):
     assert _comparable(_rows(partial)) == _comparable(rows)
 
 
+def test_resume_and_config_run_the_saved_policies_after_the_file_changed(tiny_model, tmp_path, monkeypatch):
+    """Reported: config.yaml's resolved policies were dropped on load, so --resume and --config
+    read the policy file again: edited, the run mixed two versions; from another directory, its
+    relative path was not found."""
+    import yaml
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    mine = load_policy("snapkv", recent=16, interval=16, window=16).config.to_dict()
+    (work / "mine.yaml").write_text(yaml.safe_dump({**mine, "name": "mine"}))
+    monkeypatch.chdir(work)
+    run = tmp_path / "run"
+    args = ["--metrics", "perplexity", "--set", "perplexity.tokens=200", "--no-progress"]
+    assert main(["eval", "--model", str(tiny_model), "--policies", "mine.yaml", "--budgets", "32", "48", *args,
+                 "--out", str(run)]) == 0
+    rows = _comparable(_rows(run))
+
+    partial = tmp_path / "partial"  # killed during mine@48
+    partial.mkdir()
+    for name in ("config.yaml", "reference.json"):
+        (partial / name).write_text((run / name).read_text())
+    (partial / "results.jsonl").write_text("".join((run / "results.jsonl").read_text().splitlines(True)[:2]))
+    (work / "mine.yaml").write_text(yaml.safe_dump({**mine, "name": "mine", "schedule": {
+        **mine["schedule"], "recent": 4, "interval": 4, "window": 4}}))  # the user edits the file
+
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", "--resume", str(partial), "--no-progress"]) == 0
+    assert _comparable(_rows(partial)) == rows
+    again = tmp_path / "again"
+    assert main(["eval", "--config", str(run / "config.yaml"), "--out", str(again), *args[-1:]]) == 0
+    assert _comparable(_rows(again)) == rows
+    assert (again / "config.yaml").read_text().split("versions:")[0] == (run / "config.yaml").read_text().split(
+        "versions:")[0]
+    # Other budgets are other pairs: the policies are resolved from their names and files again.
+    assert main(["eval", "--config", str(run / "config.yaml"), "--budgets", "48", "--out", str(tmp_path / "b"),
+                 "--no-progress"]) == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

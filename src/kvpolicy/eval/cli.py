@@ -91,6 +91,7 @@ def build_config(args: argparse.Namespace):
     from .config import EvalConfig, apply_sets
 
     data = EvalConfig.load(args.config).model_dump() if args.config else {}
+    saved_pairs = _pairs(data)
     flags = {
         "model": args.model,
         "policies": _split(args.policies),
@@ -126,7 +127,15 @@ def build_config(args: argparse.Namespace):
         data["lm"] = {**dict(data.get("lm") or {}), **lm}
     if args.lm_tasks and args.metrics is None:
         data["metrics"] = ["lm"]
-    return EvalConfig.build(apply_sets(data, args.sets), "options")
+    data = apply_sets(data, args.sets)
+    if _pairs(data) != saved_pairs:  # other pairs than the saved run's: resolved from names and files now
+        data.pop("resolved_policies", None)
+    return EvalConfig.build(data, "options")
+
+
+def _pairs(data: dict) -> tuple:
+    """What decides a configuration's (policy, budget) pairs."""
+    return data.get("policies"), sorted(set(data.get("budgets") or []))
 
 
 #: The flags a resumed run (or a report) takes: they change no figure, file or folder.

@@ -1,7 +1,8 @@
 """The configuration of an evaluation run: what to compare, on what, with which metrics.
 
-A run's ``config.yaml`` is this model dumped with every policy resolved to a mapping, so
-``kvpolicy eval --config runs/X/config.yaml`` repeats the run even if policy files change.
+A run's ``config.yaml`` is this model dumped with every pair's policy resolved to a mapping
+(``resolved_policies``), so ``kvpolicy eval --config runs/X/config.yaml`` and ``--resume runs/X``
+repeat the run even if policy files change or move.
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ class EvalConfig(BaseModel):
     reconstruction: ReconstructionSettings = Field(default_factory=ReconstructionSettings)
     speed: SpeedSettings = Field(default_factory=SpeedSettings)
     lm: LMSettings = Field(default_factory=LMSettings)
+    resolved_policies: dict[str, dict[str, Any]] | None = Field(
+        None, description="Written by a run into its config.yaml: each pair's policy (name@budget) as resolved when "
+                          "the run started, or {refused: why}. When given, these are the pairs run (--resume, "
+                          "--config), not the policies and budgets read again from names and files.")
 
     @field_validator("budgets")
     @classmethod
@@ -184,7 +189,6 @@ class EvalConfig(BaseModel):
         if not isinstance(data, dict):
             raise EvalError(f"{path}: a configuration is a mapping, got {type(data).__name__}")
         data.pop("versions", None)  # written for the record, not inputs
-        data.pop("resolved_policies", None)
         return cls.build(data, source=str(path))
 
     @classmethod

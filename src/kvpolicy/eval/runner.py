@@ -108,7 +108,10 @@ def expand_policies(specs: list[str | dict[str, Any]]) -> list[str | dict[str, A
 
 def resolve_policies(config: EvalConfig) -> list[Pair]:
     """Every (policy, budget) pair, loaded and validated. A budget too small for a policy is an
-    error here, or with ``refusals: report`` a refused pair that the run shows and skips."""
+    error here, or with ``refusals: report`` a refused pair that the run shows and skips. A saved
+    run's configuration gives its pairs as resolved then (``resolved_policies``)."""
+    if config.resolved_policies is not None:
+        return [_saved_pair(key, entry) for key, entry in config.resolved_policies.items()]
     pairs = []
     for budget in config.budgets:
         for spec in expand_policies(config.policies):
@@ -128,6 +131,23 @@ def resolve_policies(config: EvalConfig) -> list[Pair]:
     if dupes:
         raise EvalError(f"two policies share a name: {', '.join(dupes)} (set a distinct 'name' in each file)")
     return pairs
+
+
+def _saved_pair(key: str, entry: dict[str, Any]) -> Pair:
+    """The pair ``key`` (``name@budget``) of ``resolved_policies``: its policy as resolved when the
+    run started, or its refusal."""
+    name, _, budget = key.rpartition("@")
+    if not budget.isdigit():
+        raise EvalError(f"resolved_policies: {key!r} is not name@budget")
+    if "refused" in entry:
+        return Pair(name, int(budget), None, refused=str(entry["refused"]))
+    try:
+        policy = load_policy(entry)
+    except Exception as exc:  # PolicyError, or a plugin's stage no longer installed
+        raise EvalError(f"resolved_policies: {key!r} no longer loads: {exc}") from None
+    if f"{policy.name}@{policy.budget}" != key:
+        raise EvalError(f"resolved_policies: {key!r} holds the policy {policy.name}@{policy.budget}")
+    return Pair(policy.name, policy.budget, policy)
 
 
 def _policy_name(spec: str | dict[str, Any]) -> str:
@@ -167,7 +187,8 @@ def plan_run(config: EvalConfig) -> Plan:
             raise EvalError(f"the text {text_name} has {len(ids)} tokens, not more than the largest budget")
     for metric in metrics:
         metric.prepare(tokenizer, ids, [p for p in policies if metric.runs_at(p.budget)])
-    resolved = {p.key: p.policy.config.to_dict() for p in pairs if p.policy is not None}
+    resolved = {p.key: {"refused": p.refused} if p.policy is None else p.policy.config.to_dict() for p in pairs}
+    resolved = json.loads(json.dumps(resolved, default=str))  # plain YAML types only
     return Plan(config, source, device, tokenizer, metrics, [Pair(FULL, None, None), *pairs], text_name, resolved)
 
 
@@ -215,12 +236,8 @@ class RunFolder:
         return RunFolder(path)
 
     def write_config(self, plan: Plan) -> None:
-        import yaml
-
-        text = plan.config.to_yaml(versions())
-        resolved = json.loads(json.dumps(plan.resolved, default=str))  # plain YAML types only
-        text += yaml.safe_dump({"resolved_policies": resolved}, sort_keys=False)
-        (self.path / "config.yaml").write_text(text, encoding="utf-8")
+        config = plan.config.model_copy(update={"resolved_policies": plan.resolved})
+        (self.path / "config.yaml").write_text(config.to_yaml(versions()), encoding="utf-8")
 
     def finished(self) -> dict[str, dict]:
         """The rows of the finished pairs. A line that is not a row is an ``EvalError`` naming it:
