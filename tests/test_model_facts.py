@@ -198,3 +198,58 @@ class _RecorderPlugin:
     @kvpolicy.hookimpl
     def kvpolicy_stages(self):
         return [_Recorder]
+
+
+def _tiny(config_cls, **extra):
+    """A tiny random transformers decoder of ``config_cls`` (2 layers, heads of 16)."""
+    transformers = pytest.importorskip("transformers")
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**base, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+LONG = {"rope_theta": 10000.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("config_cls,extra,why", [
+    ("CohereConfig", {}, "interleaved"),
+    ("SmolLM3Config", {"no_rope_layers": [0, 1]}, r"layer\(s\) \[0\] apply no RoPE"),
+    ("LlamaConfig", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}},
+     r"'dynamic' scaling\) rescales with the sequence's length"),
+    ("LlamaConfig", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                         "long_factor": [2.0] * 8, **LONG}}, "'longrope' scaling"),
+    ("Gemma3TextConfig", {"head_dim": 16, "layer_types": ["full_attention"] * 2}, "differs by layer type"),
+])
+def test_a_rope_that_is_not_one_rotate_half_rotation_per_position_is_left_out_with_why(config_cls, extra, why):
+    """Found from outside: these models' RoPE facts were given, and wrong (Cohere's interleaved
+    pairs, SmolLM3's layers without RoPE, a dynamic or longrope table that depends on the longest
+    position asked, and asking rescaled the model's own rotary embedding in place), or building
+    them failed on a TypeError (Gemma3's per-layer-type RoPE). Now the fact is missing, with the
+    reason, which a policy reading it reports when its cache is built; other facts stay."""
+    from kvpolicy.hf import model_facts as hf_facts
+
+    model = _tiny(config_cls, **extra)
+    rotary = model.model.rotary_emb
+    before = {name: b.clone() for name, b in rotary.named_buffers()}
+    facts = hf_facts(model)
+    assert "rope" not in facts.available and "output_projection" in facts.available
+    assert all(torch.equal(before[name], b) for name, b in rotary.named_buffers())  # never rescaled
+    with pytest.raises(PolicyError, match=why):
+        kvpolicy.KVPolicyCache(kvpolicy.load_policy("expected-attention", budget=128), model)
+    kvpolicy.KVPolicyCache(kvpolicy.load_policy("criticalkv", budget=128), model)  # needs only o_proj
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                  {"rope_type": "yarn", "factor": 4.0, **LONG}])
+def test_a_scaled_rope_of_fixed_rotations_is_given(rope):
+    """Scalings whose rotation of a position does not depend on the sequence stay served, and
+    equal the model's own rotary embedding, past its original length too."""
+    from kvpolicy.hf import model_facts as hf_facts
+
+    model = _tiny("LlamaConfig", rope_parameters=rope)
+    positions = torch.tensor([0, 5, 63, 500])
+    cos, sin = hf_facts(model).rope(positions)
+    want_cos, want_sin = model.model.rotary_emb(torch.zeros(1), positions[None])
+    assert torch.equal(cos, want_cos[0].float()) and torch.equal(sin, want_sin[0].float())

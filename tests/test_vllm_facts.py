@@ -133,7 +133,7 @@ def test_what_a_vllm_model_cannot_give_is_missing_with_the_reason():
     assert "rope" not in facts(rotary_emb=gptj).available
     assert "is_neox_style False" in facts(rotary_emb=gptj).why_missing("rope")
     partial = facts(rotary_emb=RotaryEmbedding(16, 8, 64, 10000.0))
-    assert "partial RoPE" in partial.why_missing("rope")
+    assert "partial or interleaved RoPE" in partial.why_missing("rope")
     per_layer = iter([RotaryEmbedding(16, 16, 64, 10000.0), RotaryEmbedding(16, 16, 64, 500.0)])
     assert "rotate differently" in facts(rotary_of=lambda: next(per_layer)).why_missing("rope")
 

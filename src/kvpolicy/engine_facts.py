@@ -63,8 +63,8 @@ def partial_rope(rotary_dims: int, head_dim: int) -> str | None:
     if rotary_dims == head_dim:
         return None
     return (
-        f"its rotary embedding covers {rotary_dims} of the head's {head_dim} dimensions "
-        "(partial RoPE), which the rotate-half convention over the whole head cannot describe"
+        f"its rotary embedding's table has {rotary_dims} entries for the head's {head_dim} dimensions "
+        "(a partial or interleaved RoPE), which the rotate-half convention over the whole head cannot describe"
     )
 
 

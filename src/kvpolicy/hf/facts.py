@@ -2,13 +2,14 @@
 
 ``KVPolicyCache(policy, model)`` builds them when the policy's stages read any
 (``Policy.needs_model``); what the vLLM builder (``kvpolicy.vllm.facts``) makes the same way is
-in ``kvpolicy.engine_facts``. A fact the model cannot give (no rotary embedding found, a partial
-rotary embedding, no ``o_proj`` in an attention layer) is left out with the reason, which the
-refusal of a policy needing it reports.
+in ``kvpolicy.engine_facts``. A fact the model cannot give (no rotary embedding found; a partial,
+interleaved, per-layer-type or length-dependent one; layers without RoPE; no ``o_proj`` in an
+attention layer) is left out with the reason, which the refusal of a policy needing it reports.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -26,19 +27,15 @@ def model_facts(model: Any) -> ModelFacts:
 
     rope_fn = None
     rotary = _rotary_embedding(model)
-    if rotary is None:
-        missing["rope"] = f"{type(model).__name__} has no rotary embedding module (rotary_emb)"
+    modules = _attention_modules(model, shape.num_layers)
+    why = _rope_refusal(model, rotary, modules, shape.head_dim)
+    if why is not None:
+        missing["rope"] = why
     else:
-        probe_cos, _ = _call_rotary(rotary, torch.zeros(1, dtype=torch.long))
-        partial = partial_rope(int(probe_cos.shape[-1]), shape.head_dim)
-        if partial is not None:
-            missing["rope"] = partial
-        else:
-            def rope_fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return _call_rotary(rotary, positions)
+        def rope_fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _call_rotary(rotary, positions)
 
     projection_fn = None
-    modules = _attention_modules(model, shape.num_layers)
     linears = {i: getattr(m, "o_proj", None) for i, m in enumerate(modules)}
     absent = [i for i, p in linears.items() if not isinstance(p, torch.nn.Linear)]
     if absent:
@@ -50,6 +47,40 @@ def model_facts(model: Any) -> ModelFacts:
             missing["output_projection"] = why
 
     return shape.facts(rope_fn=rope_fn, output_projection_fn=projection_fn, missing=missing)
+
+
+#: Rotary embeddings whose rotation of a position depends on the sequence (transformers rescales
+#: them, in place, from the longest position of a call): no fixed rotation per position.
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def _rope_refusal(model: Any, rotary: torch.nn.Module | None, modules: list[torch.nn.Module | None],
+                  head_dim: int) -> str | None:
+    """Why the model's RoPE cannot be ``ModelFacts.rope`` (one rotate-half rotation per position,
+    the same in every layer), or None. Checked before the rotary embedding is first called."""
+    if rotary is None:
+        return f"{type(model).__name__} has no rotary embedding module (rotary_emb)"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict) or "layer_type" in inspect.signature(rotary.forward).parameters:
+        return "its rotary embedding differs by layer type (local and global RoPE), one RoPE for every layer cannot describe it"
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        return (f"its RoPE ({rope_type!r} scaling) rescales with the sequence's length, so a position has no fixed "
+                "rotation to give")
+    nope = [i for i, m in enumerate(modules) if m is not None and not getattr(m, "use_rope", True)]
+    if nope:
+        return f"layer(s) {nope[:5]} apply no RoPE (NoPE layers), which one RoPE for every layer cannot describe"
+    try:
+        cos, sin = _call_rotary(rotary, torch.tensor([0, 1, 7]))
+    except (TypeError, ValueError) as exc:  # another calling convention (complex frequencies, MLA's)
+        return f"its rotary embedding does not give (cos, sin) for position ids: {exc}"
+    partial = partial_rope(int(cos.shape[-1]), head_dim)
+    if partial is not None:
+        return partial
+    half = head_dim // 2
+    if not (torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])):
+        return ("its rotary embedding is interleaved (each frequency rotates two adjacent dimensions), not rotate-half "
+                "(frequency i rotating dimensions i and i + D/2)")
+    return None
 
 
 def _rotary_embedding(model: Any) -> torch.nn.Module | None:
