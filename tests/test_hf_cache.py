@@ -451,9 +451,34 @@ def test_mask_function_tells_kvpolicy_caches_from_others(qwen3):
     assert torch.equal(kvpolicy_mask(kv_offset=0, **args), sdpa_mask(kv_offset=0, **args))  # [B, 1, T, T]
     # The errors of the kvpolicy path stay; another cache gets the mask it asks for.
     args["mask_function"] = sliding_window_causal_mask_function(4)
-    with pytest.raises(NotImplementedError, match="plain causal attention only"):
-        kvpolicy_mask(kv_offset=KVPOLICY_KV_OFFSET, **args)
+    unservable = kvpolicy_mask(kv_offset=KVPOLICY_KV_OFFSET, **args)
     assert torch.equal(kvpolicy_mask(kv_offset=0, **args), sdpa_mask(kv_offset=0, **args))
+    # ... refused by the layer that attends with it (a model may build masks for layer types it lacks)
+    from kvpolicy.hf.attention import kvpolicy_attention
+
+    model = _fresh(qwen3)
+    cache = KVPolicyCache(_policy("snapkv"), model)
+    k, v = torch.randn(2, 2, 24, 32), torch.randn(2, 2, 24, 32)
+    tagged, v = cache.update(k, v, 0)
+    with pytest.raises(NotImplementedError, match="plain causal attention only"):
+        kvpolicy_attention(model.model.layers[0].self_attn, torch.randn(2, 8, 24, 32), tagged, v, unservable)
+
+
+def test_a_mask_built_for_layer_types_the_model_lacks_is_not_refused():
+    """Qwen2-MoE builds a sliding-window mask whatever its layers: with every layer full attention
+    it was refused at its first forward, though exact (found from outside). It now decodes as
+    DynamicCache does at a budget above the length."""
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0, use_sliding_window=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids, mask = left_padded_prompt(256, 2, 12, (0, 3), 1)
+    want = _generate(_fresh(model), DynamicCache(config=model.config), ids, mask, 6)
+    got = _generate(model, KVPolicyCache(load_policy("snapkv", budget=512), model), ids, mask, 6)
+    assert torch.equal(got, want)
 
 
 def test_refuses_sliding_window_models():
@@ -530,3 +555,18 @@ def test_chunked_prefill_onto_a_cache_that_holds_tokens_is_refused(qwen3):
     follow = torch.cat([first, torch.randint(3, VOCAB, (1, 40))], dim=1)
     with pytest.raises(NotImplementedError, match=r"prefill_chunk_size.*holds tokens already"):
         _generate(model, cache, follow, torch.ones_like(follow), 5, prefill_chunk_size=16)
+
+
+@pytest.mark.parametrize("config_cls", ["DeepseekV2Config", "DeepseekV3Config"])
+def test_multi_head_latent_attention_is_refused_when_the_cache_is_built(config_cls):
+    """DeepSeek's MLA was accepted, then its first forward failed with a message about kvpolicy
+    attention not being called (a batch: a shape error); found from outside."""
+    config = getattr(transformers, config_cls)(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+        max_position_embeddings=256, pad_token_id=0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match=r"multi-head latent attention \(config.kv_lora_rank\)"):
+        KVPolicyCache(load_policy("snapkv", budget=128), model)

@@ -114,6 +114,17 @@ class _KVPolicyOffset(int):
 KVPOLICY_KV_OFFSET: int = _KVPolicyOffset(0)
 
 
+class _UnservableMask:
+    """A mask kvpolicy attention cannot serve exactly (a sliding window, a chunk, an overlay), in
+    place of the mask: refused by the layer that attends with it, so a model that builds such a
+    mask for layer types it does not have (Qwen2-MoE builds a sliding one) is still served."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
 def kvpolicy_mask(
     batch_size: int,
     q_length: int,
@@ -145,7 +156,7 @@ def kvpolicy_mask(
 
     if mask_function is not None and mask_function is not causal_mask_function:
         name = getattr(mask_function, "__qualname__", repr(mask_function))
-        raise NotImplementedError(
+        return _UnservableMask(
             f"kvpolicy attention supports plain causal attention only; the model asked for mask "
             f"function {name} (sliding window, chunked, bidirectional, packed sequences or a mask "
             "overlay), which cannot be served exactly over an evicting cache"
@@ -237,6 +248,8 @@ def kvpolicy_attention(
     if kwargs.get("output_attentions"):  # said, as transformers says it for sdpa: not an empty tuple unexplained
         warnings.warn("kvpolicy attention returns no attention weights: output_attentions=True gives none",
                       UserWarning, stacklevel=2)
+    if isinstance(attention_mask, _UnservableMask):
+        raise NotImplementedError(attention_mask.why)
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
         raise ValueError(
             "kvpolicy attention expects the [B, T] bool validity made by its mask function, got "

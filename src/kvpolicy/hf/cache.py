@@ -315,6 +315,11 @@ def _check_layers(config: PreTrainedConfig) -> int:
             layer_types = ["full_attention"] * num_layers
     if getattr(config, "kv_sharing_modes", None) is not None:
         raise ValueError("KVPolicyCache does not support models that share KV caches between layers")
+    if getattr(config, "kv_lora_rank", None) is not None:  # DeepSeek-V2/V3 and their kin
+        raise ValueError(
+            "KVPolicyCache does not support multi-head latent attention (config.kv_lora_rank): its layers cache "
+            "a compressed latent and a RoPE part, not one key and one value per KV head"
+        )
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
         raise ValueError(
