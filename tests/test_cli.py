@@ -347,6 +347,8 @@ def test_validate_reports_yaml_syntax_errors_and_missing_files(capsys, tmp_path)
     assert code == 1
     assert f"{bad}:" in out and "not valid YAML" in out
     assert "missing.yaml: no such policy file" in out
+    code, out, err = run(capsys, "validate", str(tmp_path))  # it exists: said so, not "no such file"
+    assert code != 0 and f"{tmp_path} is a directory, not a policy file" in out + err
 
 
 # -- schema -------------------------------------------------------------------------------------

@@ -250,16 +250,49 @@ def test_failing_hook_warns_and_the_rest_still_loads():
     assert "attention" in registry.stages["scorer"]
 
 
-def test_non_stage_class_is_refused_with_a_warning():
-    registry = Registry(autoload=False)
+def test_what_a_plugin_gives_is_checked_entry_by_entry_naming_it():
+    """Found from outside: a stage class missing its abstract method registered silently (then
+    failed at load without a field path), a Stage of no kind raised a bare AttributeError, a str
+    returned by kvpolicy_stages was read character by character, a policy given as 42 registered
+    and then read as a file name, and registering a plugin twice raised pluggy's ValueError.
+    Each bad entry is now skipped with a warning naming it; the plugin's good entries stay."""
+    from kvpolicy.stages.base import Stage
 
-    class NotAStage(Contract2Plugin):
+    class NoScore(Scorer):
+        type_name: ClassVar[str] = "test_noscore"
+
+    class NoKind(Stage):
+        type_name: ClassVar[str] = "test_nokind"
+
+    class Mixed(Contract2Plugin):
         @kvpolicy.hookimpl
         def kvpolicy_stages(self):
-            return [dict]
+            return [dict, NoScore, NoKind, ConstantScorer]
 
-    with pytest.warns(PluginLoadWarning, match="not a Scorer, Reservation, Selector or Allocation"):
-        registry.register_plugin(NotAStage(), name="not-a-stage")
+        @kvpolicy.hookimpl
+        def kvpolicy_policies(self):
+            return {"num-pol": 42, 7: "name: x", "fine-pol": {"name": "fine-pol"}}
+
+    registry = Registry(autoload=False)
+    with pytest.warns(PluginLoadWarning) as caught:
+        assert registry.register_plugin(Mixed(), name="mixed")
+    said = [str(w.message) for w in caught]
+    for why in ("<class 'dict'> is not a stage class", "NoScore does not implement score",
+                "NoKind subclasses Stage itself", "policy 'num-pol' is a int, not a YAML document",
+                "a policy is named 7, not by a str"):
+        assert any(why in message for message in said), (why, said)
+    assert "constant_test" in registry.stages["scorer"] and "test_noscore" not in registry.stages["scorer"]
+    assert "fine-pol" in registry.policies and "num-pol" not in registry.policies
+
+    class Text(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_stages(self):
+            return "abc"
+
+    with pytest.warns(PluginLoadWarning, match="kvpolicy_stages must return a list of stage classes, got str"):
+        registry.register_plugin(Text(), name="text")
+    with pytest.warns(PluginLoadWarning, match="'mixed' is not registered: this object, or another plugin"):
+        assert not registry.register_plugin(Mixed(), name="mixed")
 
 
 def test_broken_entry_point_warns_with_its_name(monkeypatch):

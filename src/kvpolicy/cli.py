@@ -528,7 +528,8 @@ def _policy_source(name: str) -> str | Path:
         raise CommandError(f"no such policy file: {name} ({exc})") from None
     if looks_like_a_file:
         if not is_file:
-            raise CommandError(f"no such policy file: {name}")
+            raise CommandError(f"{name} is a directory, not a policy file" if path.is_dir()
+                               else f"no such policy file: {name}")
         return path
     if "\n" in name or ":" in name:  # load_policy would read it as YAML text: not on the command line
         known = ", ".join(sorted(registry.policies))

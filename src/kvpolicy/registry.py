@@ -9,6 +9,7 @@ and says why.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -69,7 +70,12 @@ class Registry:
         Returns whether it was registered: a plugin of another plugin contract is skipped with
         a ``PluginLoadWarning``, as at discovery (and so is nothing under a blocked name).
         """
-        name = self.pm.register(plugin, name=name)
+        try:
+            name = self.pm.register(plugin, name=name)
+        except ValueError:  # pluggy: this plugin object, or another under its name, is registered
+            warnings.warn(f"kvpolicy plugin {name!r} is not registered: this object, or another plugin under its name, "
+                          "is registered already", PluginLoadWarning, stacklevel=2)
+            return False
         if name is None:  # the name is blocked and pluggy registered nothing
             return False
         if not self._admit(plugin, repr(name)):
@@ -145,9 +151,15 @@ class Registry:
                 )
 
     def _add_stages(self, plugin: str, classes: Any) -> None:
-        for cls in classes or ():
-            if not (isinstance(cls, type) and issubclass(cls, Stage)) or cls.__dict__.get("type_name") is None:
-                raise TypeError(f"{cls!r} is not a Scorer, Reservation, Selector or Allocation with a type_name")
+        if classes is None:
+            return
+        if isinstance(classes, (str, bytes, Mapping)) or not isinstance(classes, (list, tuple)):
+            raise TypeError(f"kvpolicy_stages must return a list of stage classes, got {type(classes).__name__}")
+        for cls in classes:
+            problem = _stage_class_problem(cls)
+            if problem is not None:  # this class alone is skipped, the plugin's others are kept
+                warnings.warn(f"kvpolicy plugin {plugin!r}: {problem}; it is skipped", PluginLoadWarning, stacklevel=4)
+                continue
             table = self.stages[cls.kind]
             if cls.type_name in table:
                 warnings.warn(
@@ -160,7 +172,17 @@ class Registry:
             table[cls.type_name] = Registered(cls.type_name, plugin, cls)
 
     def _add_policies(self, plugin: str, policies: Mapping[str, Any]) -> None:
-        for pname, source in (policies or {}).items():
+        if policies is None:
+            return
+        if not isinstance(policies, Mapping):
+            raise TypeError(f"kvpolicy_policies must return a mapping of name to policy, got {type(policies).__name__}")
+        for pname, source in policies.items():
+            problem = (f"a policy is named {pname!r}, not by a str" if not isinstance(pname, str) else
+                       None if isinstance(source, (str, os.PathLike, Mapping)) else
+                       f"policy {pname!r} is a {type(source).__name__}, not a YAML document, a file path or a mapping")
+            if problem is not None:  # this policy alone is skipped
+                warnings.warn(f"kvpolicy plugin {plugin!r}: {problem}; it is skipped", PluginLoadWarning, stacklevel=4)
+                continue
             if pname in self.policies:
                 warnings.warn(
                     f"kvpolicy plugin {plugin!r}: policy {pname!r} is already registered by "
@@ -189,6 +211,19 @@ class Registry:
             raise ValueError(f"a {kind} needs a 'type' key; registered {kind}s: {known}")
         params = {k: v for k, v in spec.items() if k != "type"}
         return self.stage_class(kind, str(spec["type"])).model_validate(params)
+
+
+def _stage_class_problem(cls: Any) -> str | None:
+    """Why ``cls`` cannot be registered as a stage (None: it can)."""
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        return f"{cls!r} is not a stage class (a subclass of Scorer, Reservation, Selector, Allocation or Merge)"
+    if getattr(cls, "kind", None) not in STAGE_KINDS:
+        return f"{cls.__name__} subclasses Stage itself, not one of its kinds (Scorer, Reservation, ...)"
+    if cls.__dict__.get("type_name") is None:
+        return f"{cls.__name__} declares no type_name of its own"
+    if inspect.isabstract(cls):
+        return f"{cls.__name__} does not implement {', '.join(sorted(cls.__abstractmethods__))}"
+    return None
 
 
 _REGISTRY: Registry | None = None
