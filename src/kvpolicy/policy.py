@@ -488,9 +488,11 @@ class Policy:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``select`` for any allocation: ``(keep [B, Hkv, N] bool, counts [B, Hkv] long)``.
 
-        Arguments as ``select`` (``budget``: the layer's budget, default the schedule's). Each
-        row's counts add up to ``Hkv * min(N, budget)``; under a uniform or per-layer allocation
-        every head keeps ``min(N, budget)``, the slots ``select`` returns. Under a selector that
+        Arguments as ``select`` (``budget``: the layer's budget, default the schedule's). Under a
+        uniform or per-layer allocation every head keeps ``min(N, budget)``, the slots ``select``
+        returns (a row holding fewer valid slots than that keeps padding among them, never over a
+        valid slot). A per-head allocation counts what each head keeps of its valid slots: a
+        row's counts add up to ``Hkv * min(valid slots, budget)`` where every head holds as many. Under a selector that
         sets the counts (a threshold) each head keeps its own count, at most ``budget``, whatever
         ``N`` is (every slot, unscored, while none is a candidate: ``N <= recent``).
         """
