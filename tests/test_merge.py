@@ -297,3 +297,41 @@ def test_generate_decodes_padded_rows_as_alone_under_a_merge(name, one_thread):
     ids, mask = left_padded_prompt(512, 2, 20, (0, 6), 3)
     policy = load_policy(name, budget=24, recent=4, interval=4, window=4)
     assert_rows_decode_as_alone(fresh(model), policy, ids, mask, 48)
+
+
+def test_similar_merges_its_top_fraction_when_the_quantile_falls_among_tokens_below_the_threshold():
+    """Tokens below ``similarity_threshold`` rank as -inf; a ``1 - merge_fraction`` quantile
+    between two of them was lerp(-inf, -inf) = NaN, which no similarity reaches, so nothing
+    merged (found from outside). One evicted token passes (cosine ~0.98), three do not: at a
+    fraction of 0.5 or 0.34 the passing one is in the top fraction and merges."""
+    kept = torch.tensor([1.0, 0, 0, 0])
+    evicted = [torch.tensor([1.0, 0.2, 0, 0]), torch.eye(4)[1], torch.eye(4)[2], torch.eye(4)[3]]
+    keys = torch.stack([kept, *evicted])[None, None]  # [1, 1, 5, 4]
+    values = torch.randn(1, 1, 5, 4, generator=torch.Generator().manual_seed(0))
+    keep = torch.tensor([True, False, False, False, False])[None, None]
+    inp = EvictionInput(keys, values, torch.zeros(1, 1, 1, 4), budget=5, num_candidates=5,
+                        slot_valid=torch.ones(1, 1, 5, dtype=torch.bool), query_valid=torch.ones(1, 1, dtype=torch.bool),
+                        positions=torch.arange(5)[None, None])
+    merged = [SimilarMerge(similarity_threshold=0.5, merge_fraction=f).merge(inp, keep).values[0, 0, 0] for f in
+              (1.0, 0.5, 0.34)]
+    assert not torch.equal(merged[0], values[0, 0, 0])
+    assert torch.equal(merged[1], merged[0]) and torch.equal(merged[2], merged[0])  # the same one token merged
+
+
+def test_d2o_leaves_a_head_that_keeps_nothing_as_it_was():
+    """A threshold selector that nothing passes, recent 0: a head keeps no slot, so its evicted
+    tokens have nowhere to merge. d2o's similarity threshold became -inf there and the next
+    eviction stopped on d2o's own non-finite state (found from outside); it now stays put."""
+    policy = load_policy({"name": "t", "schedule": {"budget": 6, "recent": 0, "interval": 2, "window": 0,
+                                                    "evict_above": 0},
+                          "scorer": {"type": "key_norm"}, "selector": {"type": "threshold", "threshold": 1e9},
+                          "merge": {"type": "d2o"}})
+    cache = EvictingCache(policy, 1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        t = 4 if step == 0 else 1
+        k, v, q = (torch.randn(1, h, t, 8, generator=g) for h in (2, 2, 4))
+        cache.attend(0, q, k, v)
+        state = cache.layers[0].state
+        assert bool(torch.isfinite(state["d2o.threshold"]).all())
+    assert state["d2o.evictions"].max() == 0  # never a merge: the moving average never started

@@ -67,9 +67,9 @@ class D2OMerge(Merge):
         n_evicted = evicted.sum(-1)
         s_bar = torch.where(evicted, sim, 0.0).sum(-1) / n_evicted.clamp_min(1)
         moved = torch.where(evictions > 0, self.ema * threshold + (1.0 - self.ema) * s_bar, s_bar)
-        has = n_evicted > 0
+        has = (n_evicted > 0) & (keep & inp.slot_valid).any(-1)  # a head keeping nothing has nowhere to merge
         threshold = torch.where(has, moved, threshold).float()
-        merging = evicted & (sim >= threshold[..., None])
+        merging = evicted & has[..., None] & (sim >= threshold[..., None])
         weight = torch.exp(torch.where(merging, sim, 0.0)) * mass
         v = inp.values.float()
         num, den, hit = fold(v, weight, target, merging)

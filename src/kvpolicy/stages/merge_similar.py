@@ -64,4 +64,7 @@ class SimilarMerge(Merge):
         q = torch.tensor(1.0 - self.merge_fraction, dtype=torch.float32, device=sim.device)
         rank = q * (count - 1).clamp_min(0).float()
         below, above = rank.long(), rank.ceil().long()
-        return ordered.gather(-1, below).lerp(ordered.gather(-1, above), rank - below)
+        low = ordered.gather(-1, below)
+        # From a -inf neighbour (a token below similarity_threshold) lerp gives NaN, which no
+        # similarity reaches: the quantile there is -inf, as the interpolation tends to.
+        return torch.where(torch.isneginf(low), low, low.lerp(ordered.gather(-1, above), rank - below))
