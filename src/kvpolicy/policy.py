@@ -492,7 +492,9 @@ class Policy:
         uniform or per-layer allocation every head keeps ``min(N, budget)``, the slots ``select``
         returns (a row holding fewer valid slots than that keeps padding among them, never over a
         valid slot). A per-head allocation counts what each head keeps of its valid slots: a
-        row's counts add up to ``Hkv * min(valid slots, budget)`` where every head holds as many. Under a selector that
+        row's counts add up to ``Hkv * min(valid slots, budget)`` where every head holds as many.
+        A threshold counts the protected slots it keeps, the recent buffer's padding among them
+        where a row's left padding reaches into it. Under a selector that
         sets the counts (a threshold) each head keeps its own count, at most ``budget``, whatever
         ``N`` is (every slot, unscored, while none is a candidate: ``N <= recent``).
         """
