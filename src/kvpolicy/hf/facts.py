@@ -29,11 +29,13 @@ def model_facts(model: Any) -> ModelFacts:
     rotary = _rotary_embedding(model)
     modules = _attention_modules(model, shape.num_layers)
     why = _rope_refusal(model, rotary, modules, shape.head_dim)
-    if why is not None:
-        missing["rope"] = why
+    if why is not None or rotary is None:
+        missing["rope"] = why or "no rotary embedding"
     else:
+        served = rotary
+
         def rope_fn(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return _call_rotary(rotary, positions)
+            return _call_rotary(served, positions)
 
     projection_fn = None
     linears = {i: getattr(m, "o_proj", None) for i, m in enumerate(modules)}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import Reservation
+from .errors import SelectionError
 
 if TYPE_CHECKING:
     from .base import Allocation, EvictionInput, Merge, Scorer, Selector, Stage
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
 #: strictly above every candidate's priority (clamped to this).
 F32_MAX = torch.finfo(torch.float32).max
 
-
-class SelectionError(ValueError):
-    """An eviction refused at run time; the message names the input (``keys``, ``values``,
-    ``queries``) or the stage (``scorer 'attention'``, ``reservation 'sinks'``, ...) at fault."""
 
 
 def check_inputs(inp: EvictionInput) -> None:

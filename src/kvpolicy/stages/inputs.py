@@ -11,6 +11,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from .. import seeds
+from .errors import SelectionError
 from .model_facts import Fact, ModelFacts
 
 
@@ -288,8 +289,6 @@ class EvictionInput:
         pos = self.positions.masked_fill(~valid, -1)
         if bool((valid == valid[:, :1]).all()) and bool((pos == pos[:, :1]).all()):
             return
-        from .guards import SelectionError  # not at the top: guards imports base, which imports this module
-
         raise SelectionError(
             f"{stage.kind} {stage.type_name!r} combines the KV heads slot by slot, so every KV head of a row must "
             "hold the same tokens, but here they differ: a per-head allocation, or a stage that chose per head at "
