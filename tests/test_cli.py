@@ -11,7 +11,7 @@ from typing import ClassVar
 import pytest
 import torch
 import yaml
-from helpers import Contract2Plugin
+from helpers import Contract2Plugin, file_size_limit
 
 import kvpolicy
 from kvpolicy.cli import NEEDS, POLICY_MODES, first_clause, locate_problem, main, parse_overrides
@@ -360,6 +360,25 @@ def test_schema_command_prints_json(capsys, tmp_path):
     code, _, _ = run(capsys, "schema", "--output", str(target))
     assert code == 0
     assert json.loads(target.read_text()) == policy_json_schema()
+
+
+def test_schema_output_is_replaced_whole_or_not_at_all(capsys, tmp_path):
+    """A write that fails (here: a file size limit, as a full disk) is one line, exit 2, and leaves
+    the schema written before whole, with no temporary file beside it."""
+    target = tmp_path / "policy.schema.json"
+    assert run(capsys, "schema", "-o", str(target))[0] == 0
+    before = target.read_bytes()
+    assert len(before) > 2048
+    target.write_bytes(before[:-1] + b" ")  # a good schema, told apart from the one the next run writes
+    kept = target.read_bytes()
+    with file_size_limit(2048):
+        code, _, err = run(capsys, "schema", "-o", str(target))
+    assert code == 2 and err.startswith("kvpolicy: error: ") and err.count("\n") == 1, err
+    assert target.read_bytes() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+    for bad, message in ((tmp_path, "is a directory"), (tmp_path / "no" / "s.json", "no such folder")):
+        code, _, err = run(capsys, "schema", "-o", str(bad))
+        assert code == 2 and message in err, err
 
 
 def test_schema_lists_every_registered_stage():

@@ -36,6 +36,7 @@ PRIMITIVES = frozenset({
     "kvpolicy.schedule",  # the schedule stages validate against
     "kvpolicy.documents",  # YAML under the rules of policy files, PolicyError
     "kvpolicy.profile_format",  # the head-profile file the profile allocation reads
+    "kvpolicy.files",  # output files checked before the work and replaced whole (profiles, calibrations)
 })
 
 

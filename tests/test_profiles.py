@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import file_size_limit
 from hf_util import tiny_qwen3
 from hypothesis import given
 from hypothesis import strategies as st
@@ -88,6 +89,20 @@ def test_file_written_as_documented(tmp_path):
     assert "- [0.3, 1.2, 0.8]\n" in text  # one line per layer
     assert yaml.safe_load(text) == {"kvpolicy_profile": 1, "model": "SmolLM2", "num_layers": 2, "num_kv_heads": 3,
                                     "method": "concentration", "weights": WEIGHTS}
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_save_replaces_the_file_whole_or_not_at_all(tmp_path, suffix):
+    """A save that fails midway (a file size limit, as a full disk) leaves the profile saved
+    before, not a truncated file that looks complete, and no temporary file."""
+    path = tmp_path / f"p{suffix}"
+    small = HeadProfile.from_weights(WEIGHTS, model="m")
+    small.save(path)
+    big = HeadProfile.from_weights([[0.1 * i + 0.001 * j for j in range(40)] for i in range(40)], model="m")
+    with file_size_limit(4096), pytest.raises(OSError):
+        big.save(path)
+    assert HeadProfile.load(path) == small
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_profile_is_frozen_and_compares_by_data(tmp_path):

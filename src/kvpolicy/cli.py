@@ -24,6 +24,7 @@ import yaml
 from . import __version__
 from .config import PolicyConfig
 from .documents import PolicyError, load_yaml
+from .files import check_output, replace_file
 from .loading import load_policy
 from .policy import Policy
 from .registry import PluginLoadWarning, Registry, UnknownStageError, get_registry
@@ -272,7 +273,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
     else:
-        args.output.write_text(text, encoding="utf-8")
+        replace_file(check_output(args.output), text.encode("utf-8"))  # never a truncated schema
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from .documents import PolicyError, decode_policy_bytes, read_policy_text
+from .files import replace_file
 
 #: The profile format this kvpolicy reads and writes (``kvpolicy_profile`` in the file).
 PROFILE_FORMAT = 1
@@ -215,7 +216,8 @@ class HeadProfile(BaseModel):
     def save(self, path: str | Path) -> None:
         """Write the profile: JSON for a ``.json`` name, YAML for ``.yaml`` / ``.yml``.
 
-        Floats are written exactly (``load`` gives back an equal profile).
+        Floats are written exactly (``load`` gives back an equal profile). The file is replaced
+        atomically (``kvpolicy.files.replace_file``).
         """
         path = Path(path)
         kind = _file_kind(path, str(path), error=ValueError)
@@ -226,7 +228,7 @@ class HeadProfile(BaseModel):
             # Flow style for the innermost lists: one line per layer.
             text = "# kvpolicy head profile\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None,
                                                                 width=10_000)
-        path.write_text(text, encoding="utf-8")
+        replace_file(path, text.encode("utf-8"))  # whole or not at all: a full disk leaves no truncated profile
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as its file holds it (only one of ``weights`` and ``classes``)."""

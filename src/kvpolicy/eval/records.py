@@ -24,13 +24,14 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from ..files import replace_file
 
 # (run key, task, doc id, sample, prompt hash, settings_key of the settings it was made under)
 SampleKey = tuple[str, str, str, int, str, str]
@@ -171,22 +172,6 @@ def set_aside(path: Path, damaged: list[tuple[int, bytes, str]]) -> Path:
         _write_all(fd, out)
         os.fsync(fd)
     return aside
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file beside ``path`` and rename it over ``path`` (atomic: a crash
-    leaves the old file or the new one, never a part of either); an existing file's mode is kept."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), os.stat(path).st_mode & 0o777 if path.exists() else 0o644)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def warn_damaged(path: Path, damaged: list[tuple[int, bytes, str]], aside: Path, stacklevel: int = 2) -> None:

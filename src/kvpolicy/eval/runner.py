@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import PolicyError
+from ..files import replace_file
 from ..loading import load_policy
 from ..policy import Policy
 from .config import FULL, POLICY_SETS, EvalConfig, EvalError
@@ -31,7 +32,7 @@ from .models import (
     resolve_model,
 )
 from .progress import PairEta
-from .records import replace_file, set_aside, warn_damaged
+from .records import set_aside, warn_damaged
 from .report import progress_bar, ranking_markdown, shown_columns, write_plots
 
 
