@@ -699,8 +699,27 @@ def test_calibrate_refuses_bad_arguments_before_loading_a_model(capsys, tmp_path
     assert code == 2 and message in err
 
 
-def test_calibrate_writes_a_file_the_triattention_scorer_loads(capsys, tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize("target, message", [
+    ("d.safetensors", "--output: d.safetensors is a directory"),
+    ("ro/q.safetensors", "--output: cannot write into ro (permission denied or a read-only file system)"),
+])
+def test_calibrate_refuses_an_unwritable_output_before_loading_a_model(capsys, tmp_path, monkeypatch, target, message):
+    import kvpolicy.eval.models as models
+    import kvpolicy.files
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.safetensors").mkdir()
+    (tmp_path / "ro").mkdir()
+    real_access = kvpolicy.files.os.access  # a read-only mount (chmod does not stop root, who runs some CIs)
+    monkeypatch.setattr(kvpolicy.files.os, "access", lambda p, m: str(p) != "ro" and real_access(p, m))
+    monkeypatch.setattr(models, "resolve_model", lambda spec: pytest.fail("the model was looked for"))
+    code, _, err = run(capsys, "calibrate", "-o", target)
+    assert code == 2 and err == f"kvpolicy: error: {message}\n"
+
+
+def _calibrate_on_tiny_qwen3(monkeypatch, tmp_path):
+    """``kvpolicy calibrate`` on a tiny random Qwen3 (2 layers, vocab 64) and a tokenizer of
+    ids 3..62 (its ``--text``: ``text.txt``, 460 tokens)."""
     from hf_util import tiny_qwen3
 
     import kvpolicy.eval.models as models
@@ -717,6 +736,25 @@ def test_calibrate_writes_a_file_the_triattention_scorer_loads(capsys, tmp_path,
     monkeypatch.setattr(models, "load_model", lambda src, dtype, device: model)
     text = tmp_path / "text.txt"
     text.write_text("some calibration prose " * 20, encoding="utf-8")
+    return text
+
+
+def test_calibrate_reports_a_failed_write_on_one_line_and_leaves_no_file(capsys, tmp_path, monkeypatch):
+    """A write that fails after the model ran (a full disk: here a file size limit) is one line,
+    exit 2, naming the file; no partial file is left."""
+    pytest.importorskip("transformers")
+    text = _calibrate_on_tiny_qwen3(monkeypatch, tmp_path)
+    out = tmp_path / "tiny.safetensors"
+    with file_size_limit(1024):
+        code, _, err = run(capsys, "calibrate", "--text", str(text), "--tokens", "200", "-o", str(out))
+    assert code == 2 and err.splitlines()[-1] == f"kvpolicy: error: --output: cannot write {out}: File too large"
+    assert "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_calibrate_writes_a_file_the_triattention_scorer_loads(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    text = _calibrate_on_tiny_qwen3(monkeypatch, tmp_path)
     out = tmp_path / "tiny.safetensors"
     code, _, err = run(capsys, "calibrate", "--text", str(text), "--tokens", "200", "-o", str(out))
     assert code == 0, err

@@ -489,6 +489,15 @@ def test_profile_command_errors(tiny_model_folder, text_file, tmp_path, capsys, 
     assert not (tmp_path / "p.yaml").exists()
 
 
+def test_profile_command_refuses_a_directory_as_output_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import kvpolicy.eval.models as models
+
+    monkeypatch.setattr(models, "resolve_model", lambda spec: pytest.fail("the model was looked for"))
+    (tmp_path / "p.yaml").mkdir()
+    code, _, stderr = run(capsys, "profile", "-o", str(tmp_path / "p.yaml"))
+    assert code == 2 and stderr == f"kvpolicy: error: --output: {tmp_path / 'p.yaml'} is a directory\n"
+
+
 def test_profile_command_unknown_model(tmp_path, capsys):
     code, _, stderr = run(capsys, "profile", "--model", str(tmp_path / "nowhere"), "-o", str(tmp_path / "p.yaml"))
     assert code == 2 and "unknown model" in stderr

@@ -325,8 +325,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.output.suffix.lower() not in (".yaml", ".yml", ".json"):
         raise CommandError(f"--output must end in .yaml, .yml or .json, got {str(args.output)!r}")
-    if not args.output.parent.is_dir():  # found out before the model runs, not after
-        raise CommandError(f"--output: no such folder: {args.output.parent}")
+    check_output(args.output)  # found out before the model runs, not after
     if args.method == "passkey" and args.window is not None:
         raise CommandError("--window is for the concentration method (passkey scores the answer's positions)")
     if args.method == "concentration" and args.depth is not None:
@@ -358,7 +357,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if isinstance(exc, PolicyError):
             raise
         raise CommandError(str(exc)) from None
-    profile.save(args.output)
+    _save(profile, args.output)
     _print_profile_summary(profile.head_weights(), args.method)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
@@ -402,8 +401,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.output.suffix.lower() != ".safetensors":
         raise CommandError(f"--output must end in .safetensors, got {str(args.output)!r}")
-    if not args.output.parent.is_dir():  # found out before the model runs, not after
-        raise CommandError(f"--output: no such folder: {args.output.parent}")
+    check_output(args.output)  # found out before the model runs, not after
     if args.tokens < 2:
         raise CommandError(f"--tokens must be at least 2, got {args.tokens}")
     try:
@@ -430,7 +428,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if isinstance(exc, PolicyError):
             raise
         raise CommandError(str(exc)) from None
-    calibration.save(args.output)
+    _save(calibration, args.output)
     shape = calibration.shape
     print(f"wrote {args.output}: {calibration.model}, {shape['num_layers']} layers x {shape['num_attention_heads']} "
           f"query heads x {shape['head_dim'] // 2} frequency pairs", file=sys.stderr)
@@ -445,9 +443,18 @@ def _add_fingerprint(args: argparse.Namespace, source: Any, model: Any) -> int:
     with warnings.catch_warnings():  # the file lacks the fingerprint: that is why it is given
         warnings.simplefilter("ignore", CalibrationWarning)
         old = QueryCalibration.load(args.add_fingerprint)
-    old.with_fingerprint(model_facts(model)).save(args.output)
+    _save(old.with_fingerprint(model_facts(model)), args.output)
     print(f"wrote {args.output}: {args.add_fingerprint} with the fingerprint of {source.name}", file=sys.stderr)
     return 0
+
+
+def _save(data: Any, path: Path) -> None:
+    """``data.save(path)``; a write that fails all the same (a full disk) is a ``CommandError``
+    naming the file. The saves replace the file whole, so nothing truncated is left."""
+    try:
+        data.save(path)
+    except OSError as exc:
+        raise CommandError(f"--output: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _print_profile_summary(weights: Any, method: str) -> None:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
+from ..files import replace_file
 from .base import DataFile, EvictionInput, Scorer
 from .fingerprint import FINGERPRINT_FORMAT, ModelFingerprint
 from .model_facts import Fact, ModelFacts
@@ -176,7 +177,9 @@ class QueryCalibration:
         return calibration
 
     def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
+        """Write the file, replaced whole (``kvpolicy.files.replace_file``): a failed write is an
+        ``OSError`` and leaves what was there."""
+        from safetensors.torch import save
 
         meta = {"kvpolicy_calibration": str(CALIBRATION_FORMAT), "model": self.model,
                 **{k: str(v) for k, v in self.shape.items()}, **self.info}
@@ -186,7 +189,7 @@ class QueryCalibration:
             meta.update(fingerprint=str(FINGERPRINT_FORMAT), hidden_size=str(self.fingerprint.named_shape["hidden_size"]))
             tensors.update(fingerprint_rope=self.fingerprint.rope.contiguous(),
                            fingerprint_o_proj=self.fingerprint.o_proj.contiguous())
-        save_file(tensors, str(path), metadata=meta)
+        replace_file(path, save(tensors, metadata=meta))
 
     def check_model(self, facts: ModelFacts, *, check_model: bool = True) -> None:
         """``CalibrationError`` unless the calibration was measured on the model ``facts`` describe:
