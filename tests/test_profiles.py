@@ -498,6 +498,45 @@ def test_profile_command_refuses_a_directory_as_output_before_loading_the_model(
     assert code == 2 and stderr == f"kvpolicy: error: --output: {tmp_path / 'p.yaml'} is a directory\n"
 
 
+@pytest.fixture(scope="module")
+def small_vocab_folder(tmp_path_factory) -> Path:
+    """A model of 64 input embeddings saved with the byte tokenizer (258 ids): a folder whose
+    tokenizer outruns its model, as the converter's tiny Qwen3 with SmolLM2's tokenizer."""
+    folder = tmp_path_factory.mktemp("small-vocab")
+    tiny_llama(layers=2, heads=4, kv_heads=2, vocab=64).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+def test_token_ids_beyond_the_models_vocabulary_are_one_line(one_thread, small_vocab_folder, text_file, tmp_path,
+                                                              capsys, command):
+    """Ids the model's embedding has no row for: exit 2, naming the largest id and the vocabulary
+    size, not an IndexError from inside the embedding."""
+    largest = max(byte_tokenizer()(TEXT[:2000], add_special_tokens=False)["input_ids"][:160])
+    assert largest >= 64
+    out = tmp_path / ("p.yaml" if command == "profile" else "c.safetensors")
+    code, _, stderr = run(capsys, command, "--model", str(small_vocab_folder), "--text", str(text_file),
+                          "--tokens", "160", "-o", str(out))
+    assert code == 2, stderr
+    assert stderr.splitlines()[-1] == (f"kvpolicy: error: token id {largest} is outside the model's vocabulary of 64 "
+                                       "(ids 0 to 63): the tokenizer does not match the model (use the model's own "
+                                       "tokenizer, or a text whose tokens the model has)")
+    assert not out.exists()
+
+
+def test_compute_profile_and_calibrate_refuse_ids_outside_the_vocabulary():
+    from kvpolicy.calibrate import measure_query_calibration
+
+    model = tiny_llama(vocab=64)
+    for ids in ([1, 64, 3, 5], [1, -1, 3, 5]):
+        bad = max(ids) if max(ids) >= 64 else min(ids)
+        with pytest.raises(ValueError, match=rf"^token id {bad} is outside the model's vocabulary of 64"):
+            compute_profile(model, ids, window=2)
+        with pytest.raises(ValueError, match=rf"^token id {bad} is outside the model's vocabulary of 64"):
+            measure_query_calibration(model, ids)
+
+
 def test_profile_command_unknown_model(tmp_path, capsys):
     code, _, stderr = run(capsys, "profile", "--model", str(tmp_path / "nowhere"), "-o", str(tmp_path / "p.yaml"))
     assert code == 2 and "unknown model" in stderr

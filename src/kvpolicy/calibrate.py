@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .hf.facts import model_facts
+from .profiles import check_token_ids
 from .stages.model_facts import unrotate
 from .stages.triattention import QueryCalibration
 
@@ -38,6 +39,7 @@ def measure_query_calibration(model: Any, input_ids: torch.Tensor | list[int], *
         ids = ids[0]
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"input_ids must be [T] or [1, T] with T >= 2, got shape {list(ids.shape)}")
+    check_token_ids(model, ids)
     facts = model_facts(model)
     if "rope" not in facts.available:
         raise ValueError(f"cannot calibrate {facts.name!r}: its RoPE is unknown ({facts.why_missing('rope')})")

@@ -30,6 +30,7 @@ __all__ = [
     "HeadProfile",
     "Method",
     "ProfileError",
+    "check_token_ids",
     "compute_profile",
     "concentration_calibration",
     "passkey_calibration",
@@ -105,6 +106,23 @@ def passkey_calibration(tokenizer, text: str, tokens: int, seed: int = 0, depth:
                        f"{tokens} tokens, passkey {key} at depth {depth:g}")
 
 
+def check_token_ids(model: Any, ids: torch.Tensor) -> None:
+    """``ValueError`` unless every id of ``ids`` has a row in ``model``'s input embedding, naming
+    the largest id and the vocabulary size. A folder whose tokenizer has a larger vocabulary than
+    its model (the converter's tiny Qwen3 ships SmolLM2's) would otherwise fail deep inside the
+    embedding, with an ``IndexError`` that names neither."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    size = getattr(embedding, "num_embeddings", None)
+    if not isinstance(size, int) or ids.numel() == 0:
+        return  # no embedding to check against: the model reports what it finds
+    largest, smallest = int(ids.max()), int(ids.min())
+    if largest >= size or smallest < 0:
+        bad = largest if largest >= size else smallest
+        raise ValueError(f"token id {bad} is outside the model's vocabulary of {size} (ids 0 to {size - 1}): "
+                         "the tokenizer does not match the model (use the model's own tokenizer, or a text whose "
+                         "tokens the model has)")
+
+
 def compute_profile(
     model: Any,
     input_ids: torch.Tensor | Sequence[int],
@@ -153,6 +171,7 @@ def compute_profile(
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"input_ids must be [T] or [1, T] (one row), got shape {list(ids.shape)}")
+    check_token_ids(model, ids)
     length = ids.shape[0]
     if not 1 <= window < length:
         raise ValueError(f"window must be in [1, {length - 1}] for {length} tokens, got {window}")

@@ -53,8 +53,10 @@ def smollm2_folder(out: str | Path | None = None) -> Path:
 
 def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
     """A randomly initialised tiny ``Qwen3ForCausalLM`` (hidden 256, 4 layers, 8 heads, 2 KV
-    heads, head_dim 64, vocab 4096), with SmolLM2's tokenizer truncated to nothing: prompts are
-    given as token ids."""
+    heads, head_dim 64, vocab 4096), with SmolLM2's tokenizer copied whole, for detokenising: its
+    49,152 ids outrun the model's 4,096, so ordinary text tokenizes to ids the model lacks. Prompts
+    are given as token ids below 4096 (``kvpolicy profile`` and ``calibrate`` refuse a text with
+    larger ones, naming the largest)."""
     folder = Path(out) if out is not None else DEFAULT_ROOT / f"tiny-qwen3-{seed}"
     if _done(folder):
         return folder
