@@ -537,6 +537,28 @@ def test_compute_profile_and_calibrate_refuse_ids_outside_the_vocabulary():
             measure_query_calibration(model, ids)
 
 
+@pytest.mark.parametrize("command", ["profile", "calibrate"])
+@pytest.mark.parametrize(("device", "message"), [
+    ("bogus", "unknown device 'bogus': give cpu, cuda, cuda:N, mps, xpu or auto"),
+    ("meta", "device 'meta': models run on cpu, cuda, mps, xpu (or auto)"),
+    ("mps", "device 'mps' requested but MPS is not available on this machine"),
+    ("cuda:1", "device 'cuda:1' requested but this machine has 1 CUDA device(s)"),
+])
+def test_a_bad_device_is_one_line_before_the_model_loads(tiny_model_folder, text_file, tmp_path, capsys, monkeypatch,
+                                                         command, device, message):
+    import kvpolicy.eval.models as models
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, whatever this machine has
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / ("p.yaml" if command == "profile" else "c.safetensors")
+    code, _, stderr = run(capsys, command, "--model", str(tiny_model_folder), "--text", str(text_file),
+                          "--device", device, "-o", str(out))
+    assert (code, stderr) == (2, f"kvpolicy: error: {message}\n")
+    assert models.resolve_device("cuda:0") == "cuda:0"
+
+
 def test_profile_command_unknown_model(tmp_path, capsys):
     code, _, stderr = run(capsys, "profile", "--model", str(tmp_path / "nowhere"), "-o", str(tmp_path / "p.yaml"))
     assert code == 2 and "unknown model" in stderr

@@ -196,13 +196,32 @@ def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu",
     return model.to(device).eval()  # type: ignore[arg-type]
 
 
+#: The device types a model is run on; the others torch names (meta, lazy, ...) hold no weights to run.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
 def resolve_device(device: str) -> str:
+    """``auto``: CUDA when available, else the CPU. Any other name is checked before a model is
+    loaded (``EvalError`` naming it): a device string torch reads, of a type in ``DEVICE_TYPES``,
+    available on this machine, its index (``cuda:N``) among the devices there."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EvalError(f"device {device!r} requested but CUDA is not available")
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError):  # torch's message lists every type it knows, most of them useless here
+        raise EvalError(f"unknown device {device!r}: give cpu, cuda, cuda:N, mps, xpu or auto") from None
+    if kind.type not in DEVICE_TYPES:
+        raise EvalError(f"device {device!r}: models run on {', '.join(DEVICE_TYPES)} (or auto)")
+    if kind.type == "cpu":
+        return device
+    backend = torch.backends.mps if kind.type == "mps" else getattr(torch, kind.type, None)
+    if backend is None or not backend.is_available():
+        raise EvalError(f"device {device!r} requested but {kind.type.upper()} is not available on this machine")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if kind.index is not None and kind.index >= count:
+        raise EvalError(f"device {device!r} requested but this machine has {count} {kind.type.upper()} device(s)")
     return device
 
 
