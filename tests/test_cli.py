@@ -777,6 +777,8 @@ def test_calibrate_adds_the_models_fingerprint_to_a_file_measured_before_fingerp
 
     model = tiny_qwen3(layers=2, vocab=64)
     models_by_name = {"tiny": model, "other": tiny_qwen3(layers=2, vocab=64, seed=1), "deep": tiny_qwen3(layers=3, vocab=64)}
+    for name, m in models_by_name.items():  # as loaded from a folder of that name
+        m.config._name_or_path = name
     monkeypatch.setattr(models, "resolve_model", lambda spec: models.ModelSource(spec, tmp_path))
     monkeypatch.setattr(models, "load_model", lambda src, dtype, device: models_by_name[src.name])
     from kvpolicy.calibrate import measure_query_calibration
@@ -799,3 +801,30 @@ def test_calibrate_adds_the_models_fingerprint_to_a_file_measured_before_fingerp
         stamped.check_model(model_facts(models_by_name["other"]))
     code, _, err = run(capsys, "calibrate", "--model", "deep", "--add-fingerprint", str(old), "-o", str(out))
     assert code == 2 and "num_layers = 2, but the model" in err
+    # A file that records a fingerprint already: another model's is refused, naming both (it was
+    # replaced before: the file then claimed a model it was not measured on); the same model's adds nothing.
+    again = tmp_path / "again.safetensors"
+    code, _, err = run(capsys, "calibrate", "--model", "other", "--add-fingerprint", str(out), "-o", str(again))
+    assert code == 2 and not again.exists()
+    assert err.startswith(f"kvpolicy: error: calibration {out} already records the fingerprint of the model it was "
+                          "measured on, 'tiny'; 'other' is another model (its weights differ"), err
+    code, _, err = run(capsys, "calibrate", "--model", "tiny", "--add-fingerprint", str(out), "-o", str(again))
+    assert code == 0 and f"wrote {again}: nothing added, {out} already records the fingerprint of tiny" in err
+    copy, stamped = kvpolicy.stages.QueryCalibration.load(again), kvpolicy.stages.QueryCalibration.load(out)
+    assert copy == stamped and copy.info == stamped.info
+    assert torch.equal(copy.fingerprint.o_proj, stamped.fingerprint.o_proj)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text", "t.txt"], "--text and --tokens are for measuring; --add-fingerprint measures nothing"),
+    (["--tokens", "64"], "--text and --tokens are for measuring; --add-fingerprint measures nothing"),
+    ([], "no such calibration file: old.safetensors"),
+])
+def test_calibrate_add_fingerprint_refuses_before_loading_the_model(capsys, tmp_path, monkeypatch, argv, message):
+    import kvpolicy.eval.models as models
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "resolve_model", lambda spec: models.ModelSource(spec, tmp_path))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = run(capsys, "calibrate", "--add-fingerprint", "old.safetensors", *argv, "-o", "new.safetensors")
+    assert code == 2 and err.startswith(f"kvpolicy: error: {message}"), err

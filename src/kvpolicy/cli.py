@@ -386,13 +386,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                                                       "a .gguf file or a Hugging Face id (org/name)")
     p.add_argument("--text", metavar="FILE", help="a UTF-8 calibration text file (default: reasoning-gym's "
                                                   "public-domain prose, in_the_year_2889.txt)")
-    p.add_argument("--tokens", type=int, default=4096, help="calibration tokens fed to the model (default: 4096)")
+    p.add_argument("--tokens", type=int, help="calibration tokens fed to the model (default: 4096)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="float32",
                    help="the model's dtype (default: float32); the statistics are computed in float64")
     p.add_argument("--add-fingerprint", type=Path, metavar="FILE",
                    help="measure nothing: write FILE, a calibration measured on --model before kvpolicy recorded "
-                        "model fingerprints, with the model's fingerprint added (its statistics unchanged)")
+                        "model fingerprints, with the model's fingerprint added (its statistics unchanged); "
+                        "refused for a file that records another model's fingerprint")
     p.add_argument("--output", "--out", "-o", type=Path, required=True, metavar="FILE",
                    help="the calibration file to write (.safetensors)")
     p.set_defaults(func=cmd_calibrate)
@@ -402,6 +403,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.output.suffix.lower() != ".safetensors":
         raise CommandError(f"--output must end in .safetensors, got {str(args.output)!r}")
     check_output(args.output)  # found out before the model runs, not after
+    if args.add_fingerprint is not None and (args.text is not None or args.tokens is not None):
+        raise CommandError("--text and --tokens are for measuring; --add-fingerprint measures nothing: give one or "
+                           "the other")
+    if args.tokens is None:
+        args.tokens = 4096
     if args.tokens < 2:
         raise CommandError(f"--tokens must be at least 2, got {args.tokens}")
     try:
@@ -416,7 +422,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         source = resolve_model(args.model)
         device = resolve_device(args.device)
         if args.add_fingerprint is not None:  # no text: nothing is measured
-            return _add_fingerprint(args, source, load_model(source, resolve_dtype(args.dtype, device), device))
+            return _add_fingerprint(args, source, lambda: load_model(source, resolve_dtype(args.dtype, device), device))
         text, text_name = read_text(args.text)
         ids = load_tokenizer(source)(text, add_special_tokens=False)["input_ids"]
         if len(ids) < args.tokens:
@@ -435,16 +441,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_fingerprint(args: argparse.Namespace, source: Any, model: Any) -> int:
-    """``kvpolicy calibrate --add-fingerprint FILE``: FILE with the fingerprint of the model loaded."""
+def _add_fingerprint(args: argparse.Namespace, source: Any, load_model: Callable[[], Any]) -> int:
+    """``kvpolicy calibrate --add-fingerprint FILE``: FILE with the fingerprint of the model
+    ``load_model`` loads (FILE is read first: a missing or broken one costs no model load)."""
     from .hf.facts import model_facts
     from .stages.triattention import CalibrationWarning, QueryCalibration
 
     with warnings.catch_warnings():  # the file lacks the fingerprint: that is why it is given
         warnings.simplefilter("ignore", CalibrationWarning)
         old = QueryCalibration.load(args.add_fingerprint)
-    _save(old.with_fingerprint(model_facts(model)), args.output)
-    print(f"wrote {args.output}: {args.add_fingerprint} with the fingerprint of {source.name}", file=sys.stderr)
+    stamped = old.with_fingerprint(model_facts(load_model()))
+    _save(stamped, args.output)
+    if stamped is old:
+        print(f"wrote {args.output}: nothing added, {args.add_fingerprint} already records the fingerprint of "
+              f"{source.name}", file=sys.stderr)
+    else:
+        print(f"wrote {args.output}: {args.add_fingerprint} with the fingerprint of {source.name}", file=sys.stderr)
     return 0
 
 

@@ -114,12 +114,23 @@ class QueryCalibration:
     def with_fingerprint(self, facts: ModelFacts) -> QueryCalibration:
         """This calibration with the fingerprint of the model ``facts`` describe, its statistics
         unchanged: for a file measured on that model before kvpolicy recorded fingerprints
-        (``kvpolicy calibrate --add-fingerprint FILE``). Refuses a model of another shape; that the
-        file was measured on this model is the caller's word."""
+        (``kvpolicy calibrate --add-fingerprint FILE``). Refuses a model of another shape, and a
+        file that records another model's fingerprint already (that fingerprint is the file's own
+        word); a file that records this model's is returned as it is. That a file without one was
+        measured on this model is the caller's word."""
         self.check_model(facts, check_model=False)
         fingerprint, why = facts.model_fingerprint()
         if fingerprint is None:
             raise CalibrationError(f"the model {facts.name!r} gives no fingerprint: {why or 'not given'}")
+        if self.fingerprint is not None:
+            difference = self.fingerprint.difference(fingerprint)
+            if difference is not None:  # replacing it would make the file serve a model it was not measured on
+                raise CalibrationError(
+                    f"calibration {self.source} already records the fingerprint of the model it was measured on, "
+                    f"{self.model!r}; {facts.name!r} is another model ({difference}): measure one for it with "
+                    "`kvpolicy calibrate`"
+                )
+            return self
         return QueryCalibration(self.model, self.shape, self.q_mean, self.q_abs_mean, self.info, self.source,
                                 fingerprint=fingerprint)
 
