@@ -244,9 +244,16 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (3 if args.quick else 7)
     registry = kvpolicy.get_registry()
     # Policies whose stages read the model (RoPE, output projections) need a model's facts, which
-    # random tensors have none of: left out unless named.
+    # random tensors have none of: left out, and refused by name, before anything is timed.
     names = args.policies or sorted(n for n, r in registry.policies.items()
                                     if r.plugin == "kvpolicy" and not kvpolicy.load_policy(n).needs_model)
+    try:
+        needs_model = [n for n in names if kvpolicy.load_policy(n).needs_model]
+    except kvpolicy.PolicyError as err:
+        ap.error(str(err).splitlines()[-1].strip())
+    if needs_model:
+        ap.error(f"{', '.join(needs_model)}: the policy reads the model (its RoPE, output projections), and the "
+                 "random tensors timed here come from no model: time it on a model instead (decode_bench.py)")
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 CPU, "
           f"Hkv={args.kv_heads} Hq={args.q_heads} D={args.head_dim} W={args.window} "

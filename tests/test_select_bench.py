@@ -40,3 +40,16 @@ def test_the_loop_covers_the_policies_it_implements(name):
 @pytest.mark.parametrize("name", ["snapkv-paper", "h2o", "ada-snapkv", "pyramidkv", "snapkv-merge", "quest", "tova"])
 def test_the_loop_leaves_out_what_it_does_not_implement(name):
     assert not select_bench.LoopPolicy.covers(kvpolicy.load_policy(name))
+
+
+@pytest.mark.parametrize(("names", "message"), [
+    (["snapkv", "triattention"], "triattention: the policy reads the model"),
+    (["criticalkv", "expected-attention"], "criticalkv, expected-attention: the policy reads the model"),
+    (["nope"], "unknown policy 'nope'"),
+])
+def test_a_policy_random_tensors_cannot_serve_is_refused_before_any_timing(capsys, names, message):
+    with pytest.raises(SystemExit) as exit_:
+        select_bench.main(["--policies", *names, "--repeats", "1"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and message in err.splitlines()[-1], err
+    assert out == ""  # refused before the table began
