@@ -11,7 +11,9 @@ rounds of each tree and their ratio (after / before)::
     python benchmarks/compare_trees.py --before /tmp/before --after . --rounds 3 -- state_bench.py --quick
 
 The benchmark scripts themselves are taken from the ``--after`` tree, so both trees run the same
-measurement code; only the library differs.
+measurement code; only the library differs. A tree without ``src/kvpolicy`` is refused, and each
+run checks that the kvpolicy it imported is its tree's (an installed kvpolicy that wins over
+``PYTHONPATH`` would otherwise compare a tree with itself).
 """
 
 from __future__ import annotations
@@ -61,26 +63,59 @@ def tables(text: str) -> dict[tuple[str, str, str], float]:
     return out
 
 
+#: What each run executes: ``python -c CHILD SRC SCRIPT ARGS...`` imports kvpolicy, refuses one
+#: that is not under SRC, then runs SCRIPT as ``python SCRIPT ARGS...`` would.
+CHILD = """\
+import runpy, sys
+from pathlib import Path
+import kvpolicy
+src, script = Path(sys.argv[1]).resolve(), sys.argv[2]
+if not Path(kvpolicy.__file__).resolve().is_relative_to(src):
+    sys.exit(f"kvpolicy was imported from {kvpolicy.__file__}, not from {src}: another install wins over PYTHONPATH")
+sys.argv, sys.path[0] = sys.argv[2:], str(Path(script).resolve().parent)
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def source_tree(tree: Path) -> Path:
+    """``tree``'s ``src`` folder; ``ValueError`` unless it holds a kvpolicy package."""
+    src = tree.resolve() / "src"
+    if not (src / "kvpolicy" / "__init__.py").is_file():
+        raise ValueError(f"{tree} is not a kvpolicy source tree: no {src / 'kvpolicy' / '__init__.py'}")
+    return src
+
+
 def run(tree: Path, script: Path, args: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "src")}
-    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, check=False)
+    src = source_tree(tree)
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(src), str(script), *args], env=env, capture_output=True,
+                          text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{script.name} under {tree} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
     return done.stdout
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="the source tree before the change")
     ap.add_argument("--after", type=Path, default=Path("."), help="the source tree after it (default: here)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keep", type=Path, default=None, help="a folder to write each run's output to")
     ap.add_argument("benchmark", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS]")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     bench = a.benchmark[1:] if a.benchmark[:1] == ["--"] else a.benchmark
     if not bench:
         ap.error("name the benchmark: -- SCRIPT [ARGS]")
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
+    for flag, tree in (("--before", a.before), ("--after", a.after)):
+        try:
+            source_tree(tree)
+        except ValueError as exc:
+            ap.error(f"{flag}: {exc}")
     script = a.after.resolve() / "benchmarks" / bench[0]
+    if not script.is_file():
+        ap.error(f"no such benchmark: {script}")
     got: dict[str, list[dict]] = {"before": [], "after": []}
     if a.keep is not None:
         a.keep.mkdir(parents=True, exist_ok=True)
