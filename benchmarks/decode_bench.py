@@ -28,6 +28,7 @@ are the model plus the cache.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 import warnings
@@ -40,6 +41,7 @@ from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM, StaticCach
 
 import kvpolicy  # noqa: E402
 from kvpolicy.eval.cost import PolicyTimer, cache_bytes, time_policy  # noqa: E402
+from kvpolicy.files import check_output  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 
 
@@ -134,7 +136,7 @@ def fits(policy: kvpolicy.Policy, model) -> bool:
     return True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="up to 1024 generated tokens")
     ap.add_argument("--max-new", type=int, default=None, help="generated tokens (default 4096, quick 1024)")
@@ -146,7 +148,14 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="also write a PNG: tokens/s and KV bytes vs generated length")
     ap.add_argument("--overhead-only", action="store_true", help="only the step-overhead table")
     ap.add_argument("--trials", type=int, default=5, help="alternating trials of the step-overhead table")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.plot:  # found out now, not after the whole run
+        if importlib.util.find_spec("matplotlib") is None:
+            ap.error("--plot needs matplotlib: pip install matplotlib")
+        try:
+            check_output(args.plot, "--plot")
+        except OSError as exc:
+            ap.error(str(exc))
     torch.set_num_threads(args.threads)
     max_new = args.max_new or (1024 if args.quick else 4096)
     checkpoints = [c for c in (128, 256, 512, 1024, 2048, 4096, 8192, 16384) if c < max_new] + [max_new]

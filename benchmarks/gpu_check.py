@@ -61,7 +61,10 @@ import transformers  # noqa: E402
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 import kvpolicy  # noqa: E402
+from kvpolicy.eval.config import EvalError  # noqa: E402
 from kvpolicy.eval.cost import cache_bytes  # noqa: E402
+from kvpolicy.eval.models import resolve_device  # noqa: E402
+from kvpolicy.files import check_output, replace_file  # noqa: E402
 from kvpolicy.hf import KVPolicyCache  # noqa: E402
 from kvpolicy.hf.padded_rows import check_padded_rows  # noqa: E402
 
@@ -304,7 +307,7 @@ def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="small sizes (CPU, CI): about a minute on 2 cores")
@@ -313,13 +316,21 @@ def main() -> int:
                     choices=["exactness", "speed", "long_context"])
     ap.add_argument("--speed-caches", nargs="*", default=list(SPEED_CACHES))
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default; 1 with --small)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads or args.small:  # tiny models decode fastest on one thread
         torch.set_num_threads(args.threads or 1)
-    device = torch.device(args.device)
-    sizes = SMALL if args.small else FULL
+    # A bad device or output folder: one line now, not a traceback in the first part.
+    try:
+        device = torch.device(resolve_device(args.device))
+    except EvalError as exc:
+        ap.error(f"--device: {exc}")
     out = Path(args.out or f"runs/gpu-check-{device.type}")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        check_output(out / "gpu_check.json", "--out")
+    except OSError as exc:
+        ap.error(f"--out {out}: {exc.strerror or exc}")
+    sizes = SMALL if args.small else FULL
     start = time.perf_counter()
     report: dict[str, Any] = {"env": environment(device), "sizes": asdict(sizes), "errors": {}}
 
@@ -328,8 +339,9 @@ def main() -> int:
 
     def write() -> None:
         report["seconds"] = time.perf_counter() - start
-        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-        (out / "gpu_check.md").write_text(markdown(report))
+        # whole files only: each part's write replaces the last, and a failed one keeps it
+        replace_file(out / "gpu_check.json", json.dumps(report, indent=2).encode("utf-8"))
+        replace_file(out / "gpu_check.md", markdown(report).encode("utf-8"))
 
     log(f"kvpolicy GPU check on {device} ({'small' if args.small else 'full'} sizes); writing to {out}")
     parts = {"exactness": lambda: exactness(device, log), "speed": lambda: speed(sizes, device, args.speed_caches, log),

@@ -30,6 +30,7 @@ from kvpolicy.eval.data import read_text, text_ids
 from kvpolicy.eval.decoding import Stream
 from kvpolicy.eval.metrics.perplexity import perplexity, token_nll
 from kvpolicy.eval.models import load_model, load_tokenizer, resolve_model
+from kvpolicy.files import check_output, replace_file
 
 
 def dms(threshold: float, pool: int, recent: int, interval: int) -> kvpolicy.Policy:
@@ -120,6 +121,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--out", type=Path, help="also write the figures as JSON")
     args = ap.parse_args(argv)
+    if args.out is not None:  # found out now, not after the whole run
+        try:
+            check_output(args.out, "--out")
+        except OSError as exc:
+            ap.error(str(exc))
 
     t0 = time.perf_counter()
     source = resolve_model("bundled")
@@ -145,8 +151,8 @@ def main(argv: list[str]) -> int:
     print(f"full cache ppl {full['ppl']:.3f}; {args.tokens} tokens, prefill {args.prefill}, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out is not None:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "full": full, "rows": rows},
-                                       indent=2))
+        record = {"args": {k: str(v) for k, v in vars(args).items()}, "full": full, "rows": rows}
+        replace_file(args.out, json.dumps(record, indent=2).encode("utf-8"))
     return 0
 
 
