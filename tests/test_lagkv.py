@@ -194,3 +194,14 @@ def test_packed_rows_reduce_partitions_by_reshape_exactly_as_by_scatter(b, h, n,
     by_scatter = LagScorer._states_score(x, index, in_part, scored, parts)
     by_reshape = LagScorer._states_score(x, index, in_part, scored, parts, (sink, full, lag))
     assert torch.equal(by_scatter, by_reshape)
+
+
+def test_sinks_the_budget_cannot_keep_are_refused_at_load():
+    """The spec: LagKV's sink tokens are always kept. More sinks than the budget leaves to
+    candidates were accepted and then cut (found from outside)."""
+    doc = {"name": "l", "schedule": {"budget": 24, "recent": 4, "interval": 4, "window": 0},
+           "scorer": {"type": "lag", "sink": 21, "lag_size": 8}, "selector": "greedy"}
+    with pytest.raises(kvpolicy.PolicyError, match=r"scorer.sink \(21\) is more than .*budget 24 - recent 4 = 20"):
+        kvpolicy.load_policy(doc)
+    doc["scorer"]["sink"] = 20
+    kvpolicy.load_policy(doc)

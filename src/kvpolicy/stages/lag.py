@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pydantic import Field
 
 from .base import EvictionInput, Scorer
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
 
 
 class LagScorer(Scorer):
@@ -51,6 +54,14 @@ class LagScorer(Scorer):
         "share (the official code; kvpress's default). False: raw scores ranked across partitions (kvpress's "
         "cross_scoring).",
     )
+
+    def validate_schedule(self, schedule: Schedule) -> None:
+        room = schedule.budget - schedule.recent
+        if self.sink > room:  # the sinks are always kept (the spec): more than the candidates keep cannot be
+            raise ValueError(
+                f"scorer.sink ({self.sink}) is more than the slots the budget leaves to candidates (budget "
+                f"{schedule.budget} - recent {schedule.recent} = {room}): the sinks, ranked first, could not all be kept"
+            )
 
     def score(self, inp: EvictionInput) -> torch.Tensor:
         if inp.head_dim < 2 or inp.values.shape[-1] < 2:
