@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
     StaticCache,
 )
 
-from kvpolicy import KVPolicyCache, load_policy  # noqa: E402
+from kvpolicy import KVPolicyCache, PolicyWarning, load_policy  # noqa: E402
 from kvpolicy.hf import register, replaced_implementation  # noqa: E402
 
 VOCAB = 4096
@@ -570,3 +570,13 @@ def test_multi_head_latent_attention_is_refused_when_the_cache_is_built(config_c
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match=r"multi-head latent attention \(config.kv_lora_rank\)"):
         KVPolicyCache(load_policy("snapkv", budget=128), model)
+
+
+def test_a_transformers_without_the_prefill_step_is_said_not_quietly_served(qwen3, monkeypatch):
+    """The chunked prompt is declared through transformers' ``_prefill``: a transformers that
+    renames it would let a chunked prefill evict inside the prompt again, so the cache says so."""
+    from transformers.generation.utils import GenerationMixin
+
+    monkeypatch.delattr(GenerationMixin, "_prefill")
+    with pytest.warns(PolicyWarning, match="cannot declare its prompt"):
+        KVPolicyCache(_policy("snapkv"), _fresh(qwen3))

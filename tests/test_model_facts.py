@@ -253,3 +253,13 @@ def test_a_scaled_rope_of_fixed_rotations_is_given(rope):
     cos, sin = hf_facts(model).rope(positions)
     want_cos, want_sin = model.model.rotary_emb(torch.zeros(1), positions[None])
     assert torch.equal(cos, want_cos[0].float()) and torch.equal(sin, want_sin[0].float())
+
+
+def test_a_length_dependent_rope_is_found_from_the_config_when_the_module_does_not_say(monkeypatch):
+    """A rotary module without ``rope_type`` (a renamed attribute) must not pass a dynamic
+    scaling as a fixed rotation: the config names it too."""
+    from kvpolicy.hf import model_facts as hf_facts
+
+    model = _tiny("LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    monkeypatch.delattr(model.model.rotary_emb, "rope_type")
+    assert "'dynamic' scaling" in hf_facts(model).why_missing("rope")

@@ -27,12 +27,15 @@ cannot reproduce those masks exactly), rolling back (``crop``: assisted decoding
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
+import transformers
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..documents import PolicyWarning
 from ..evicting import EvictingCache, LayerView
 from ..loading import load_policy
 from ..policy import Policy
@@ -368,13 +371,21 @@ def _declare_chunked_prompts(model: Any) -> None:
     where the turn fed at once evicts at its end. Wraps this model's ``_prefill`` (transformers
     5.x's prefill step, which chunks the prompt), once; other caches pass through untouched."""
     prefill = getattr(model, "_prefill", None)
-    if prefill is None or getattr(prefill, "__kvpolicy_wrapped__", False):
+    if prefill is None:  # another transformers: said, since the cache would evict inside a chunked prompt
+        warnings.warn(
+            f"{type(model).__name__} has no _prefill (transformers {transformers.__version__}): "
+            "generate(prefill_chunk_size=...) cannot declare its prompt to a KVPolicyCache, which would then "
+            "evict inside the prompt; leave prefill_chunk_size unset", PolicyWarning, stacklevel=3,
+        )
+        return
+    if getattr(prefill, "__kvpolicy_wrapped__", False):
         return
 
     @functools.wraps(prefill)
     def prefill_declaring_the_prompt(input_ids: Any, generation_config: Any, model_kwargs: dict, *args: Any,
                                      **kwargs: Any) -> Any:
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        # By type, not by the argument's name (cache, past_key_values: transformers renamed it once)
+        cache = next((v for v in model_kwargs.values() if isinstance(v, KVPolicyCache)), None)
         if isinstance(cache, KVPolicyCache) and getattr(generation_config, "prefill_chunk_size", None) is not None:
             if cache.get_seq_length() > 0:
                 raise NotImplementedError(

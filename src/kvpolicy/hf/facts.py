@@ -62,7 +62,7 @@ def _rope_refusal(model: Any, rotary: torch.nn.Module | None, modules: list[torc
     the same in every layer), or None. Checked before the rotary embedding is first called."""
     if rotary is None:
         return f"{type(model).__name__} has no rotary embedding module (rotary_emb)"
-    rope_type = getattr(rotary, "rope_type", "default")
+    rope_type = getattr(rotary, "rope_type", None) or _configured_rope_type(model)
     if isinstance(rope_type, dict) or "layer_type" in inspect.signature(rotary.forward).parameters:
         return "its rotary embedding differs by layer type (local and global RoPE), one RoPE for every layer cannot describe it"
     if rope_type in _LENGTH_DEPENDENT_ROPE:
@@ -83,6 +83,17 @@ def _rope_refusal(model: Any, rotary: torch.nn.Module | None, modules: list[torc
         return ("its rotary embedding is interleaved (each frequency rotates two adjacent dimensions), not rotate-half "
                 "(frequency i rotating dimensions i and i + D/2)")
     return None
+
+
+def _configured_rope_type(model: Any) -> str:
+    """The RoPE type the model's config names (``rope_parameters`` or the older ``rope_scaling``),
+    read where the rotary module does not carry it: a renamed attribute must not hide a scaling."""
+    config = model.config.get_text_config(decoder=True)
+    for field in ("rope_parameters", "rope_scaling"):
+        found = getattr(config, field, None)
+        if isinstance(found, dict):
+            return str(found.get("rope_type", found.get("type", "default")))
+    return "default"
 
 
 def _rotary_embedding(model: Any) -> torch.nn.Module | None:
