@@ -33,7 +33,7 @@ def test_defaults_follow_kvpress():
 
 
 @pytest.mark.parametrize("norm, reduce", [(1, "mean"), (2, "max")])
-@pytest.mark.parametrize("tile", [1 << 24, 7])
+@pytest.mark.parametrize("tile", [1 << 24, 1 << 20, 7])
 def test_output_value_norm_matches_reference_on_stacked_layers(norm, reduce, tile):
     """Rows of two layers stacked in one call (as the executor evicts a group) each read their
     own layer's projection; tiling does not change the result."""

@@ -35,7 +35,7 @@ class OutputValueNormScorer(Scorer):
     norm: Literal[1, 2] = Field(1, description="The norm over the hidden dimension: 1 (CriticalKV) or 2.")
     group_reduce: Literal["mean", "max"] = Field("mean", description="Over the query heads of a KV head.")
     tile_elements: int = Field(
-        1 << 24, ge=1, le=1 << 28,
+        1 << 20, ge=1, le=1 << 28,
         description="Projected entries computed per tile (performance only; results do not depend on it).",
     )
 
@@ -70,11 +70,14 @@ class OutputValueNormScorer(Scorer):
             hidden = weight.shape[-1]
             weight = weight.view(hkv, g, d, hidden)
             values = inp.values[rows, :, first:]  # [R, Hkv, N - first, D]
-            chunk = max(1, self.tile_elements // max(1, rows.numel() * hkv * g * hidden))
-            for s0 in range(0, n - first, chunk):
-                v = values[:, :, s0 : s0 + chunk].float()
-                projected = torch.einsum("rhnd,hgde->rhgne", v, weight)  # [R, Hkv, G, n, hidden]
-                norms = projected.abs().sum(-1) if self.norm == 1 else projected.norm(dim=-1)
-                reduced = norms.mean(2) if self.group_reduce == "mean" else norms.amax(2)
-                out[rows, :, s0 : s0 + chunk] = reduced
+            # One KV head at a time, in tiles of slots: its weight slice stays in cache while
+            # the tiles pass (a tile over every head re-read the whole projection per tile).
+            chunk = max(1, self.tile_elements // max(1, rows.numel() * g * hidden))
+            for h in range(hkv):
+                for s0 in range(0, n - first, chunk):
+                    v = values[:, h, s0 : s0 + chunk].float()
+                    projected = torch.einsum("rnd,gde->rgne", v, weight[h])  # [R, G, n, hidden]
+                    norms = projected.abs_().sum(-1) if self.norm == 1 else projected.norm(dim=-1)  # a fresh tensor: abs in place
+                    reduced = norms.mean(1) if self.group_reduce == "mean" else norms.amax(1)
+                    out[rows, h, s0 : s0 + chunk] = reduced
         return out
