@@ -62,7 +62,10 @@ class TwoTierRows(EvenRows):
         self._recalling = None
         if not self.slots_recalled or t != 1 or self.group.phase != "decode":
             return
-        due = recall_due(self.group.rows.seen(), self.recall.interval) & (self.slow.pages_held > 0)
+        rows = self.group.rows
+        due = recall_due(rows.seen(), self.recall.interval) & (self.slow.pages_held > 0)
+        if rows.alike is None:  # a row whose token is padding recalls nothing on its (meaningless) query
+            due &= rows.counts > rows.counts_before
         if bool(due.any()):
             self._recalling = due.nonzero().squeeze(1)
 
