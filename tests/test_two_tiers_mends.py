@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpolicy import EvictingCache, load_policy
+from kvpolicy import EvictingCache, PolicyError, load_policy
 from kvpolicy.layouts.two_tier import TwoTierRows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,3 +65,26 @@ def test_a_padding_decode_token_does_not_recall_so_the_row_decodes_as_alone(inte
     assert stats.pages_recalled > 0 and checked > 100
     for name in ("moved_bytes", "written_bytes", "pages_recalled", "hits", "pages_dropped"):
         assert getattr(stats, name) == sum(getattr(s, name) for s in rows), name
+
+
+@pytest.mark.parametrize("scorer", ["quest", "landmark"])
+def test_a_recall_scorer_page_size_other_than_the_recalls_is_refused_not_ignored(scorer):
+    """The slow tier's pages are ``recall.page_size`` tokens whatever the recall scorer's own
+    ``page_size`` says: ``recall: {page_size: 8, scorer: {type: quest, page_size: 32}}`` loaded and
+    recalled pages of 8, the 32 silently ignored. It is refused, naming both fields; a scorer that
+    does not name its page size takes the recall's, so the policy's file says what it runs and
+    reloads as it is."""
+    spec = load_policy("snapkv").config.to_dict()
+    spec["schedule"] = {**spec["schedule"], "budget": 64, "recent": 8, "interval": 32, "window": 8}
+    spec["recall"] = {"budget": 32, "page_size": 8, "scorer": {"type": scorer, "page_size": 32}}
+    with pytest.raises(PolicyError, match=r"recall\.scorer\.page_size 32 .*recall\.page_size 8"):
+        load_policy(spec)
+    spec["recall"] = {"budget": 32, "page_size": 16, "scorer": {"type": scorer}}  # landmark's default is 8, quest's 16
+    policy = load_policy(spec)
+    assert policy.config.recall is not None and policy.config.recall.scorer.page_size == 16
+    described = policy.config.to_dict()
+    assert described["recall"]["scorer"]["page_size"] == 16
+    assert load_policy(described).config.recall == policy.config.recall
+    # the same size written out loads as it did
+    spec["recall"] = {"budget": 32, "page_size": 16, "scorer": {"type": scorer, "page_size": 16}}
+    assert load_policy(spec).config.recall == policy.config.recall

@@ -85,6 +85,7 @@ class RecallConfig(BaseModel):
         unknown = sorted(set(self.summaries) - set(SUMMARIES))
         if unknown:
             raise ValueError(f"recall.summaries: unknown kind(s) {unknown}; known: {sorted(SUMMARIES)}")
+        self._align_scorer_pages()
         reads = self.scorer.recall_summaries
         if not reads:
             raise ValueError(
@@ -98,6 +99,21 @@ class RecallConfig(BaseModel):
                 f"(known: {sorted(SUMMARIES)})"
             )
         return self
+
+    def _align_scorer_pages(self) -> None:
+        """The slow tier's pages are ``page_size`` tokens, whatever a recall scorer's own
+        ``page_size`` (quest's, landmark's) says: a different one written out is refused, one left
+        to its default takes ``page_size``, so that the resolved policy says what it runs."""
+        scorer = self.scorer
+        if "page_size" not in type(scorer).model_fields or scorer.page_size == self.page_size:  # type: ignore[attr-defined]
+            return
+        if "page_size" in scorer.model_fields_set:
+            raise ValueError(
+                f"recall.scorer.page_size {scorer.page_size} differs from recall.page_size {self.page_size}: "  # type: ignore[attr-defined]
+                "the slow tier's pages, which the recall scorer ranks, are recall.page_size tokens; drop "
+                "recall.scorer.page_size or make the two equal"
+            )
+        object.__setattr__(self, "scorer", scorer.model_copy(update={"page_size": self.page_size}))
 
     def _check_slots(self, slots: int) -> None:
         p = self.page_size
