@@ -88,3 +88,38 @@ def test_a_recall_scorer_page_size_other_than_the_recalls_is_refused_not_ignored
     # the same size written out loads as it did
     spec["recall"] = {"budget": 32, "page_size": 16, "scorer": {"type": scorer, "page_size": 16}}
     assert load_policy(spec).config.recall == policy.config.recall
+
+
+def test_step_hands_the_recall_buffer_first_then_the_kept_slots():
+    """``EvictingCache.step`` under a recall block, as its docs now say: once a recall has filled
+    the buffer, ``[B, Hkv, Rb + L]``, the ``Rb`` recall-buffer slots first (``valid`` per KV head:
+    the recalled pages' slots), then the kept slots (``slot < counts[r]``); attention of the step's
+    query over them is ``attend``'s. (The docs said ``valid`` is ``slot < counts[r]`` over ``L``
+    slots, which holds only until the first recall.)"""
+    recall = {"budget": 16, "page_size": 8, "scorer": {"type": "landmark", "page_size": 8}}
+    policy = _policy("snapkv", recall)
+    stepped, attending = EvictingCache(policy, 1), EvictingCache(policy, 1)
+    g = torch.Generator().manual_seed(1)
+    widened = 0
+    for step in range(30):
+        q, k, v = _qkv(g, 2, 50 if step == 0 else 1)
+        keys, values, valid = stepped.step(0, k, v, q)
+        want = attending.attend(0, q, k, v)
+        counts = torch.tensor(stepped.layers[0].counts)
+        held = stepped.layers[0].length
+        rb = keys.shape[2] - held
+        assert rb in (0, 16)
+        kept = torch.arange(held)[None, None, :] < counts[:, None, None]
+        assert torch.equal(valid[:, :, rb:], kept.expand(-1, HKV, -1))
+        if rb:
+            buffer = _layout(stepped).buffer
+            assert torch.equal(valid[:, :, :rb], buffer.positions[0] >= 0)
+            assert torch.equal(keys[:, :, :rb], buffer.keys[0]) and torch.equal(values[:, :, :rb], buffer.values[0])
+            widened += 1
+        if step:
+            group = HQ // HKV
+            logits = (q @ keys.repeat_interleave(group, 1).transpose(-1, -2)) * D**-0.5
+            logits = logits.masked_fill(~valid.repeat_interleave(group, 1)[:, :, None, :], float("-inf"))
+            out = logits.softmax(-1) @ values.repeat_interleave(group, 1)
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    assert widened > 10

@@ -124,7 +124,9 @@ class EvictingCache:
 
         Rows are packed: row ``r``'s real tokens sit in slots ``[0, counts[r])`` and padding is
         never stored, so ``valid [B, Hkv, L]`` is ``slot < counts[r]``. Inside a multi-token
-        chunk, causality is by token order (``attend`` applies it for you).
+        chunk, causality is by token order (``attend`` applies it for you). Under a two-tier
+        policy (a ``recall`` block), once a recall has filled the recall buffer, its ``Rb`` slots
+        come first: ``[B, Hkv, Rb + L]``, ``valid`` per KV head over them, then the kept slots.
 
         Args:
             layer_idx: the layer, ``0 <= layer_idx < num_layers``.
