@@ -243,6 +243,17 @@ def test_inputs_a_cache_cannot_serve_are_refused_before_anything_is_stored(name)
     with torch.inference_mode():
         fresh.attend(0, *(x[:, :, :1] for x in (q, k.detach(), v)))
     assert fresh.tokens_seen() == 21
+    # Every other write outside inference_mode is refused by name too, before anything moves.
+    with pytest.raises(CacheStateError, match=r"select rows under inference_mode too"):
+        fresh.select_rows(torch.tensor([0]))
+    if fresh.policy.mode == "evict":
+        with torch.inference_mode():
+            for _ in range(fresh.tokens_to_next_eviction() or 0):
+                fresh.attend(0, *(x[:, :, :1] for x in (q, k.detach(), v)))
+        with pytest.raises(CacheStateError, match=r"evict under inference_mode too"):
+            fresh.evict_due()
+        with torch.inference_mode():
+            assert fresh.evict_due() > 0
     cache.select_rows(torch.tensor([], dtype=torch.long))
     with pytest.raises(ValueError, match="at least one row"):
         cache.attend(0, *(x[:0, :, :1] for x in (q, k.detach(), v)))

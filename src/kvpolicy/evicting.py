@@ -162,7 +162,10 @@ class EvictingCache:
         """Run every pending eviction now (they otherwise run when the next step begins);
         return how many rows were evicted, summed over layer groups."""
         groups = self._unique_groups()
-        if any(g.any_due for g in groups):
+        due = [g for g in groups if g.any_due]
+        for group in due:
+            _check_writable(group, "evict")
+        if due:
             self._decide_from_prompt()
         return sum(self.executor.evict(g) for g in groups)
 
@@ -220,9 +223,12 @@ class EvictingCache:
         index = torch.as_tensor(index, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
-        for group in self._unique_groups():
+        groups = self._unique_groups()
+        for group in groups:
             if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < group.batch:
                 raise IndexError(f"row index out of range for a batch of {group.batch}: {index.tolist()}")
+            _check_writable(group, "select rows")
+        for group in groups:
             group.select_rows(index)
 
     # -- reporting ---------------------------------------------------------------------------
@@ -324,11 +330,8 @@ class EvictingCache:
                 "pass the step's post-RoPE queries"
             )
         group = self._groups[layer_idx]
-        if group is not None and group.buffers.keys.is_inference() and not torch.is_inference_mode_enabled():
-            raise CacheStateError(
-                "this cache's buffers were made under torch.inference_mode(), and tensors made there cannot be "
-                "written outside it: run this step under inference_mode too, or reset() the cache"
-            )
+        if group is not None:
+            _check_writable(group, "run this step")
         if group is not None and not group.fits(keys, values):
             if group.steps != 1 or group.layer_steps[group.member[layer_idx]] != 0:
                 raise ValueError(
@@ -543,3 +546,13 @@ def _check_step(
         raise ValueError(f"queries {tuple(queries.shape)} must be [B={b}, Hq (a multiple of {h}), T={t}, D={d}]")
     if token_valid is not None and (tuple(token_valid.shape) != (b, t) or token_valid.dtype != torch.bool):
         raise ValueError(f"token_valid must be [B={b}, T={t}] bool, got {tuple(token_valid.shape)} {token_valid.dtype}")
+
+
+def _check_writable(group: LayerGroup, action: str) -> None:
+    """Refuse, by name, writing outside ``torch.inference_mode()`` into buffers made inside it
+    (torch would fail deep inside the write, perhaps with some layers written already)."""
+    if group.buffers.keys.is_inference() and not torch.is_inference_mode_enabled():
+        raise CacheStateError(
+            "this cache's buffers were made under torch.inference_mode(), and tensors made there cannot be "
+            f"written outside it: {action} under inference_mode too, or reset() the cache"
+        )
