@@ -251,3 +251,53 @@ def test_evicting_cache_out_of_step_and_mid_step_errors():
     cache.step(0, k1, v1, q1)
     with pytest.raises(CacheStateError, match="begun with"):
         cache.step(1, k, v, q)  # the prompt's 10 tokens where the step has 1
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "cake", "layers"])
+def test_layers_of_their_own_budgets_are_held_to_one_step(name):
+    """Per-layer budgets give layers buffers of their own (one group each), whose own checks see
+    only their own layers. Found from outside: under ``pyramidkv`` and ``cake`` a layer could run
+    ahead of the others (an interrupted forward, then the next one: layer 0 counted 12 tokens,
+    the others 10), a cache built for more layers than the model served it, rows were reordered
+    in the middle of a step and layers took steps of other lengths or batch sizes, all
+    silently. Each is now the ``CacheStateError`` a cache of one budget raises."""
+    if name == "layers":
+        policy = load_policy({"name": "l", "schedule": dict(SMALL), "scorer": {"type": "attention"},
+                              "selector": {"type": "greedy"}, "allocation": {"type": "layers", "budgets": [3, 2, 1]}})
+    else:
+        policy = _small(name)
+    (k, v, q), (k1, v1, q1), (k2, v2, q2) = _steps(seed=12, n=3)
+    cache = EvictingCache(policy, 3)
+    for layer in range(3):
+        cache.step(layer, k, v, q)
+    assert len({id(g) for g in cache._groups}) == 3  # a group per layer: what the checks must span
+    cache.step(0, k1, v1, q1)  # the forward stops after layer 0
+    with pytest.raises(CacheStateError, match=r"cannot reorder rows: layers \[1, 2\]"):
+        cache.select_rows([1, 0])
+    with pytest.raises(CacheStateError, match=r"layers \[1, 2\] did not write the last step"):
+        cache.step(0, k2, v2, q2)
+    with pytest.raises(CacheStateError, match="begun with 2 rows of 1 tokens"):
+        cache.step(1, k, v, q)  # the prompt's 10 tokens where the step has 1
+    with pytest.raises(CacheStateError, match="begun with 2 rows of 1 tokens"):
+        cache.step(1, k1[:1], v1[:1], q1[:1])  # one row where the step has 2
+    assert [cache.tokens_seen(layer) for layer in range(3)] == [11, 10, 10]
+    cache.step(1, k1, v1, q1)
+    cache.step(2, k1, v1, q1)
+    cache.select_rows([1, 0])  # every layer wrote the step: served
+    cache.step(0, k2, v2, q2)
+    assert [cache.tokens_seen(layer) for layer in range(3)] == [12, 11, 11]
+
+    first = EvictingCache(policy, 3)
+    first.step(0, k, v, q)
+    with pytest.raises(CacheStateError, match="begun with 2 rows of 10 tokens"):
+        first.step(1, k[:1], v[:1], q[:1])  # the prompt of one row where layer 0's has 2
+
+    four = EvictingCache(policy if name != "layers" else _small("pyramidkv"), 4)  # the model has 3
+    for layer in range(3):
+        four.step(layer, k, v, q)
+    with pytest.raises(CacheStateError, match=r"layers \[3\] did not write the last step"):
+        four.step(0, k1, v1, q1)
+    four.reset()
+    for layer in range(4):
+        four.step(layer, k, v, q)
+    four.step(0, k1, v1, q1)  # a reset cache serves its 4 layers

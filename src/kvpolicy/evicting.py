@@ -95,6 +95,7 @@ class EvictingCache:
             raise ValueError(f"layer_devices has {len(layer_devices)} entries for {num_layers} layers")
         self._layer_devices = [None if d is None else torch.device(d) for d in (layer_devices or [None] * num_layers)]
         self._groups: list[LayerGroup | None] = [None] * num_layers
+        self._front: tuple[int, int, int] | None = None  # the latest step opened: (step, rows, tokens)
         self.layers = [LayerView(self, i) for i in range(num_layers)]
         # An allocation that decides the layer budgets from the prompt (CAKE) does so once every
         # layer holds it, before the first eviction; until then the schedules are provisional.
@@ -223,6 +224,7 @@ class EvictingCache:
         index = torch.as_tensor(index, dtype=torch.long)
         if index.dim() != 1:
             raise ValueError(f"index must be 1-D, got shape {tuple(index.shape)}")
+        self._require_aligned("reorder rows")
         groups = self._unique_groups()
         for group in groups:
             if index.numel() and not 0 <= int(index.min()) <= int(index.max()) < group.batch:
@@ -296,6 +298,7 @@ class EvictingCache:
     def reset(self) -> None:
         """Forget every token and free the buffers: the cache is then exactly a fresh one."""
         self._groups = [None] * len(self.layers)
+        self._front = None
         self.schedules = list(self._nominal_schedules)
         self._prompt_decided = False
         self._prompt_tokens = None
@@ -330,6 +333,7 @@ class EvictingCache:
                 "pass the step's post-RoPE queries"
             )
         group = self._groups[layer_idx]
+        opens = self._check_other_groups(layer_idx, group, keys)
         if group is not None:
             _check_writable(group, "run this step")
         if group is not None and not group.fits(keys, values):
@@ -349,11 +353,67 @@ class EvictingCache:
                 self._decide_from_prompt()
             self.executor.before_step(group, keys.shape[2])
             group.begin_step(keys.shape[2], token_valid)
+        if opens is not None:  # the step has begun: later layers join it
+            self._front = opens
         group.write(layer_idx, keys, values, queries)
         if self._from_prompt and not self._prompt_decided and self._step_complete():
             if any(g.any_due for g in self._unique_groups()):
                 self._decide_from_prompt()  # as soon as every layer holds the prompt: schedules final
         return group
+
+    def _check_other_groups(
+        self, layer_idx: int, group: LayerGroup | None, keys: torch.Tensor
+    ) -> tuple[int, int, int] | None:
+        """Refuse an append that opens a step the other layer groups do not share. Layers of
+        other budgets (per-layer allocations) or devices have buffers of their own, so a group's
+        own checks (``LayerGroup.require_complete``, ``LayerGroup.write``) see only its layers:
+        every layer must write each step once, of one batch size and length. ``_front`` is the
+        latest step a group opened, ``(step, rows, tokens)``: a group that opens the next one
+        checks every layer once; the others opening it check its shape. Returns the new front when
+        this append opens the next step (``_append`` records it once the step has begun)."""
+        if group is None or (group.steps == 1 and not group.written(layer_idx)):
+            target = 1  # a layer's first step (or its first chunk, of another shape than its peers')
+        elif group.written(layer_idx):
+            target = group.steps + 1
+        else:
+            return None  # joins a step its group opened, checked then (and by LayerGroup.write)
+        front = self._front
+        if front is not None and target == front[0]:
+            if keys.shape[0] != front[1] or keys.shape[2] != front[2]:
+                raise CacheStateError(
+                    f"layer {layer_idx} appends keys {tuple(keys.shape)} but this step was begun with "
+                    f"{front[1]} rows of {front[2]} tokens, which it has not written (a forward was "
+                    "interrupted, or refused: call reset() before reusing the cache)"
+                )
+            return None
+        if front is not None and target < front[0]:
+            if target == 1:
+                return None  # a layer appending for the first time late: _new_group says so
+            behind = [layer_idx]  # the other layers are on a later step
+        elif front is None or (group is not None and len(group.member) == len(self.layers)):
+            behind = []  # the first step of all, or one group of every layer: its own checks see them
+        else:
+            behind = [i for i, g in enumerate(self._groups) if g is None or not g.written(i) or g.steps != front[0]]
+        if behind:
+            raise CacheStateError(
+                f"cannot begin a step: layers {behind[:8]} did not write the last step. A forward was "
+                "interrupted, or the cache serves a model with another number of layers. Call reset() before "
+                "reusing it."
+            )
+        return (target, keys.shape[0], keys.shape[2])
+
+    def _require_aligned(self, action: str) -> None:
+        """Every layer has written the same, latest step (across groups: see ``_check_other_groups``)."""
+        first = self._groups[0]
+        if self._front is None or (first is not None and len(first.member) == len(self.layers)):
+            return  # nothing appended yet, or one group of every layer: LayerGroup.require_complete
+        latest = self._front[0]
+        behind = [i for i, g in enumerate(self._groups) if g is None or g.steps != latest or not g.written(i)]
+        if behind:
+            raise CacheStateError(
+                f"cannot {action}: layers {behind[:8]} did not write the last step. A forward was interrupted, "
+                "or the cache serves a model with another number of layers. Call reset() before reusing it."
+            )
 
     def _step_complete(self) -> bool:
         """Whether every layer has written the same, current step."""
