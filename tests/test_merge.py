@@ -335,3 +335,25 @@ def test_d2o_leaves_a_head_that_keeps_nothing_as_it_was():
         state = cache.layers[0].state
         assert bool(torch.isfinite(state["d2o.threshold"]).all())
     assert state["d2o.evictions"].max() == 0  # never a merge: the moving average never started
+
+
+@pytest.mark.parametrize("name", ["cam", "d2o"])
+@pytest.mark.parametrize(("batch", "hkv", "prompt"), [(1, 1, 1), (1, 1, 6), (2, 1, 4), (1, 2, 4), (2, 2, 1)])
+def test_h2o_merges_keep_h2os_slots_when_their_state_is_updated_between_evictions(name, batch, hkv, prompt):
+    """A prompt shorter than the budget: before the first eviction the accumulated attention is
+    brought up to date between evictions (its window would lose unseen queries), while the merge's
+    own state (updated at evictions only) stays as it is. That update wrote the merge's state, a
+    view of the cache's buffer, onto itself: a RuntimeError ("refer to a single memory location")
+    where every row held one count and a layer had one KV head. Now the merge's fields are left where they are, and the
+    merge keeps H2O's slots (its scorer reads keys and queries only) at every step."""
+    over = {"budget": 12, "recent": 2, "interval": 3, "window": 3}
+    merged, h2o = EvictingCache(load_policy(name, **over), 1), EvictingCache(load_policy("h2o", **over), 1)
+    g = torch.Generator().manual_seed(4)
+    for t in [prompt] + [1] * 30:
+        k, v, q = (torch.randn(batch, hkv, t, D, generator=g), torch.randn(batch, hkv, t, D, generator=g),
+                   torch.randn(batch, 2 * hkv, t, D, generator=g))
+        merged.step(0, k, v, q)
+        h2o.step(0, k, v, q)
+        assert torch.equal(merged.layers[0].positions, h2o.layers[0].positions)
+        assert torch.equal(merged.layers[0].keys, h2o.layers[0].keys)
+    assert merged.layers[0].stats.evictions >= 5

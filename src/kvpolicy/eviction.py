@@ -129,7 +129,7 @@ def _with_own_masks(inp: EvictionInput) -> EvictionInput:
 
 def observe(policy: Policy, inp: EvictionInput) -> dict[str, torch.Tensor]:
     """An update between evictions: stages that see every query take the window's new ones;
-    stages updated once per eviction keep their state. The new fields, by stored name."""
+    stages updated once per eviction keep their state (left out). The new fields, by stored name."""
     return policy.observe(inp, eviction=False)[1]
 
 

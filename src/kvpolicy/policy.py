@@ -223,7 +223,9 @@ class Policy:
         the input with the new state, and the new fields by stored name (``state_fields``). Each
         stage's update is checked (``guards.run_state_update``); nothing is stored here, so a
         refused update leaves the caller's state as it was. ``eviction``: whether an eviction (or
-        a choice) follows; if not, stages that update only at evictions keep their state.
+        a choice) follows; if not, stages that update only at evictions keep their state, and
+        their fields are left out of the new fields: the caller's storage already holds them (and
+        the input's state may be a view of it, which a store must not write onto itself).
 
         With state, the inputs are checked here (``guards.check_inputs``), before any stage reads
         them: the selection that follows may pass ``inputs_checked=True``."""
@@ -236,7 +238,9 @@ class Policy:
             else dict(inp.state[key])
             for key, stage in self.stateful_stages.items()
         }
-        flat = {name: nested[key][field] for name, (key, field, _) in self.state_fields.items()}
+        updated = {key for key, stage in self.stateful_stages.items()
+                   if eviction or stage.state_updates == "every_query"}
+        flat = {name: nested[key][field] for name, (key, field, _) in self.state_fields.items() if key in updated}
         return replace(inp, state=nested), flat
 
     @property
