@@ -133,9 +133,11 @@ def attend_split(
             ``[B, Hkv or 1, L]`` bool or None (every slot). Each row must hold at least one valid
             slot in one of them.
 
-    Returns ``[B, Hq, 1, Dv]``: one softmax over both sets' logits side by side, in float32, and
-    each set's values read where they are (the kept slots are not copied each step: only the
-    logits, ``L1 + L2`` per query head, are joined).
+    Returns ``[B, Hq, 1, Dv]``: one softmax over both sets' logits side by side, in float32
+    (float64 for float64 inputs, which ``attend`` serves exactly too), and each set's values read
+    where they are (the kept slots are not copied each step: only the logits, ``L1 + L2`` per
+    query head, are joined). Float16 logits are computed in float32: a product of finite float16
+    inputs overflows float16 (``|q . k| > 65504``) where ``attend`` does not.
     """
     b, hq, t, d = query.shape
     if t != 1:
@@ -144,7 +146,11 @@ def attend_split(
     scale = d**-0.5 if scaling is None else scaling
     q = query.reshape(b, hkv, hq // hkv, d)
     split = first[0].shape[2]
-    logits = torch.cat([q @ first[0].transpose(-1, -2), q @ second[0].transpose(-1, -2)], dim=-1).float()  # [B, Hkv, G, L1 + L2]
+    keys = (first[0], second[0])
+    if query.dtype == torch.float16:  # float16 products overflow where attend's do not
+        q, keys = q.float(), (keys[0].float(), keys[1].float())
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    logits = torch.cat([q @ keys[0].transpose(-1, -2), q @ keys[1].transpose(-1, -2)], dim=-1).to(acc)  # [B, Hkv, G, L1 + L2]
     for part, (_, _, valid) in zip((logits[..., :split], logits[..., split:]), (first, second), strict=True):
         if valid is not None:
             part.masked_fill_(~valid[:, :, None, :], float("-inf"))
