@@ -259,6 +259,27 @@ def test_inputs_a_cache_cannot_serve_are_refused_before_anything_is_stored(name)
         cache.attend(0, *(x[:0, :, :1] for x in (q, k.detach(), v)))
 
 
+@pytest.mark.parametrize("name", ["snapkv", "quest", "h2o", "ada-snapkv"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_keys_of_a_dtype_the_cache_cannot_serve_are_refused_by_name_before_anything_is_stored(name, dtype):
+    """Integer, bool, complex or float8 keys reached the attention (or the first eviction) and
+    failed there with torch's own error ("expected scalar type Float but found Long"), after the
+    first step had allocated the layer's buffers in that dtype: every later float step was then
+    refused as not matching the cache. Now they are refused by name, and nothing is stored."""
+    cache = EvictingCache(_policy(name), num_layers=1)
+    g = torch.Generator().manual_seed(6)
+    k, v, q = _step_tensors(g, t=20)
+    with pytest.raises(ValueError, match=rf"^keys must be float32, float16, bfloat16 or float64, got {dtype}$"):
+        cache.attend(0, q.to(dtype), k.to(dtype), v.to(dtype))
+    assert cache.tokens_seen() == 0 and not cache.layers[0].is_allocated
+    out = cache.attend(0, q, k, v)  # the cache serves float inputs as a fresh one
+    assert torch.equal(out, EvictingCache(_policy(name), num_layers=1).attend(0, q, k, v))
+    with pytest.raises(ValueError, match=rf"^keys must be float32, float16, bfloat16 or float64, got {dtype}$"):
+        cache.attend(0, *(x[:, :, :1].to(dtype) for x in (q, k, v)))
+    with pytest.raises(TypeError, match=rf"^keys must be float32, float16, bfloat16 or float64, got {dtype}$"):
+        _policy(name).select_heads(k.to(dtype), v.to(dtype), q.to(dtype))  # float64 is served: the message says so
+
+
 @given(
     lead=st.lists(st.integers(1, 3), min_size=1, max_size=3), n=st.integers(1, 12), d=st.integers(1, 5),
     k=st.integers(1, 6), spare=st.integers(0, 4), seed=st.integers(0, 1000),

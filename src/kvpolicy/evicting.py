@@ -18,6 +18,7 @@ from .config import PolicyError
 from .documents import PolicyWarning
 from .eviction import new_queries
 from .executor import Executor
+from .inputs import FLOAT_DTYPES
 from .layouts import layout_for
 from .loading import load_policy
 from .policy import Policy
@@ -586,6 +587,8 @@ def _check_step(
     for label, x in (("keys", keys), ("values", values), ("queries", queries)):
         if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4):
             raise ValueError(f"{label} must be a 4-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if keys.dtype not in FLOAT_DTYPES:  # before the first step allocates buffers of it
+        raise ValueError(f"keys must be float32, float16, bfloat16 or float64, got {keys.dtype}")
     b, h, t, d = keys.shape
     if values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, T]")

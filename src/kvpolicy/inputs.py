@@ -13,7 +13,8 @@ from . import seeds
 from .stages.base import EvictionInput
 from .stages.model_facts import ModelFacts
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: The dtypes ``Policy.select`` and the caches serve: anything else is refused by name.
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def eviction_input(
@@ -126,8 +127,8 @@ def check_tensors(keys, values, queries, slot_valid, query_valid, positions) -> 
             raise TypeError(f"{label} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{label} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{label} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{label} must be float32, float16, bfloat16 or float64, got {t.dtype}")
     b, hkv, n, d = keys.shape
     if values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, N]")
