@@ -9,6 +9,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 from helpers import facts_for, load_fitting  # noqa: E402
@@ -301,3 +303,34 @@ def test_layers_of_their_own_budgets_are_held_to_one_step(name):
     for layer in range(4):
         four.step(layer, k, v, q)
     four.step(0, k1, v1, q1)  # a reset cache serves its 4 layers
+
+
+@pytest.mark.parametrize("name", ["snapkv", "vase-attnv", "h2o"])
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_padding_after_real_tokens_leaves_a_rows_query_window_as_alone(name, data):
+    """Found from outside: a padding token mid-decode (``token_valid`` False after the row's
+    real tokens) took a shared query-window entry, so the row's window lost a real query and
+    ``snapkv`` / ``vase-attnv`` kept other slots than the row alone (outputs 0.3-0.8 apart).
+    Padding anywhere, and chunks of several tokens, leave each row's window as it is alone."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    policy = load_policy(name, budget=12, recent=4, interval=4, window=data.draw(st.integers(1, 4), label="window"))
+    b, h, grp, d, prompt = 2, 2, 2, 8, data.draw(st.integers(1, 8), label="prompt")
+    chunks = data.draw(st.lists(st.integers(1, 3), min_size=8, max_size=24), label="chunks")
+    total = prompt + sum(chunks)
+    k, v = torch.randn(b, h, total, d, generator=g), torch.randn(b, h, total, d, generator=g)
+    q = torch.randn(b, h * grp, total, d, generator=g)
+    real = torch.ones(b, total, dtype=torch.bool)
+    real[1, prompt:] = torch.tensor(data.draw(st.lists(st.booleans(), min_size=total - prompt,
+                                                       max_size=total - prompt), label="row 1 real"))
+    batch, alone = EvictingCache(policy, 1), EvictingCache(policy, 1)
+    start = 0
+    for t in [prompt, *chunks]:
+        s = slice(start, start + t)
+        out = batch.attend(0, q[:, :, s], k[:, :, s], v[:, :, s], token_valid=real[:, s])
+        mine = real[1, s]
+        if bool(mine.any()):
+            idx = mine.nonzero().flatten() + start
+            solo = alone.attend(0, *(x[1:, :, idx] for x in (q, k, v)))
+            torch.testing.assert_close(out[1, :, mine.nonzero().flatten()], solo[0], rtol=1e-5, atol=1e-5)
+        start += t
