@@ -228,6 +228,8 @@ def test_inputs_a_cache_cannot_serve_are_refused_before_anything_is_stored(name)
         cache.attend(0, q.double(), k, v)
     with pytest.raises(ValueError, match=r"queries are torch.float32 on meta"):
         cache.attend(0, q.to("meta"), k, v)
+    with pytest.raises(ValueError, match=r"keys are on the meta device"):
+        cache.attend(0, *(x.to("meta") for x in (q, k, v)))
     with pytest.raises(ValueError, match="at least one row"):
         cache.attend(0, q[:0], k[:0], v[:0])
     with pytest.raises(RuntimeError, match=r"serve inference: run the forward under torch.no_grad"):

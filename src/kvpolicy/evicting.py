@@ -589,6 +589,8 @@ def _check_step(
             raise ValueError(f"{label} must be a 4-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if keys.dtype not in FLOAT_DTYPES:  # before the first step allocates buffers of it
         raise ValueError(f"keys must be float32, float16, bfloat16 or float64, got {keys.dtype}")
+    if keys.device.type == "meta":  # no data: some policies answered placeholders, others failed in torch
+        raise ValueError("keys are on the meta device, which holds no data: a cache stores and ranks real tensors")
     b, h, t, d = keys.shape
     if values.shape[:3] != keys.shape[:3]:
         raise ValueError(f"values {tuple(values.shape)} must match keys {tuple(keys.shape)} in [B, Hkv, T]")
