@@ -828,3 +828,13 @@ def test_calibrate_add_fingerprint_refuses_before_loading_the_model(capsys, tmp_
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     code, _, err = run(capsys, "calibrate", "--add-fingerprint", "old.safetensors", *argv, "-o", "new.safetensors")
     assert code == 2 and err.startswith(f"kvpolicy: error: {message}"), err
+
+
+def test_python_dash_m_runs_the_command_line():
+    """``python -m kvpolicy`` is the ``kvpolicy`` command (found from outside: there was no
+    ``__main__``), exit code included."""
+    ok = subprocess.run([sys.executable, "-m", "kvpolicy", "show", "snapkv"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "snapkv" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvpolicy", "show", "no-such-policy"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "no-such-policy" in bad.stderr
