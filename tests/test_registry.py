@@ -295,6 +295,49 @@ def test_what_a_plugin_gives_is_checked_entry_by_entry_naming_it():
         assert not registry.register_plugin(Mixed(), name="mixed")
 
 
+def test_a_type_name_that_is_not_a_word_is_skipped_and_breaks_nothing_else():
+    """Found from outside: a stage class whose ``type_name`` was not a str (``5``) registered,
+    could never be named in a policy file (types are read as str), and then broke every other
+    user: the "unknown scorer type" error and ``policy_json_schema`` sorted the registered names
+    and raised ``TypeError: '<' not supported between instances of 'int' and 'str'``. Such a
+    class (and an empty name) is now skipped with a warning naming it."""
+    from kvpolicy.schema import policy_json_schema
+
+    class IntName(Scorer):
+        type_name: ClassVar = 5
+
+        def score(self, inp):
+            return torch.zeros(inp.keys.shape[:3])
+
+    class EmptyName(Scorer):
+        type_name: ClassVar = ""
+
+        def score(self, inp):
+            return torch.zeros(inp.keys.shape[:3])
+
+    class Odd(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_stages(self):
+            return [IntName, EmptyName, ConstantScorer]
+
+    registry = Registry(autoload=False)
+    with pytest.warns(PluginLoadWarning) as caught:
+        assert registry.register_plugin(Odd(), name="odd")
+    said = [str(w.message) for w in caught]
+    assert any("IntName" in m and "type_name 5 is not a non-empty str" in m for m in said), said
+    assert any("EmptyName" in m and "type_name '' is not a non-empty str" in m for m in said), said
+    assert 5 not in registry.stages["scorer"] and "" not in registry.stages["scorer"]
+    assert "constant_test" in registry.stages["scorer"]
+    with pytest.raises(UnknownStageError, match="unknown scorer type 'nosuch'; registered scorers: .*constant_test"):
+        registry.stage_class("scorer", "nosuch")
+    reset_registry()
+    kvpolicy.registry._REGISTRY = registry
+    try:
+        assert policy_json_schema()
+    finally:
+        reset_registry()
+
+
 def test_broken_entry_point_warns_with_its_name(monkeypatch):
     from importlib.metadata import EntryPoint
 

@@ -221,6 +221,10 @@ def _stage_class_problem(cls: Any) -> str | None:
         return f"{cls.__name__} subclasses Stage itself, not one of its kinds (Scorer, Reservation, ...)"
     if cls.__dict__.get("type_name") is None:
         return f"{cls.__name__} declares no type_name of its own"
+    if not isinstance(cls.type_name, str) or not cls.type_name:
+        # Policy files name types by str; any other key could never be used and would break the
+        # sorted listings of registered names (error messages, the schema) for every user.
+        return f"{cls.__name__}'s type_name {cls.type_name!r} is not a non-empty str"
     if inspect.isabstract(cls):
         return f"{cls.__name__} does not implement {', '.join(sorted(cls.__abstractmethods__))}"
     return None
