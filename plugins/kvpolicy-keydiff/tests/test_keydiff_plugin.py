@@ -101,6 +101,18 @@ def test_fields_are_validated():
         KeyDiffScorer(eps=0.0)
 
 
+@pytest.mark.parametrize("eps", ["inf", "nan"])
+def test_non_finite_eps_is_refused_by_name(eps):
+    """Found from outside: ``eps: .inf`` loaded (load_policy promises finite floats only), and then
+    every key's unit vector was 0, every score 0, and the policy kept the first candidates
+    whatever the keys."""
+    with pytest.raises(ValueError, match="eps"):
+        KeyDiffScorer(eps=float(eps))
+    text = f"name: k\nschedule: {{budget: 8, recent: 2, window: 0}}\nscorer: {{type: keydiff, eps: .{eps}}}\nselector: greedy\n"
+    with pytest.raises(kvpolicy.PolicyError, match="scorer.eps"):
+        kvpolicy.load_policy(text)
+
+
 # -- in a policy -------------------------------------------------------------------------------
 def test_policy_keeps_the_odd_key_out():
     # Six candidates along +x, one along +y: with one candidate slot to keep, +y survives.

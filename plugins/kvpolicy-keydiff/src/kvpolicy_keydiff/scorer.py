@@ -27,7 +27,9 @@ class KeyDiffScorer(Scorer):
     type_name: ClassVar[str] = "keydiff"
 
     anchor: Anchor = Field("normalized_mean", description="Mean of unit-length keys, or of raw keys.")
-    eps: float = Field(1e-8, gt=0.0, description="Added to norms so that zero keys score 0.")
+    eps: float = Field(
+        1e-8, gt=0.0, allow_inf_nan=False, description="Added to norms so that zero keys score 0 (finite)."
+    )
 
     @property
     def may_be_negative(self) -> bool:
