@@ -338,6 +338,24 @@ def test_a_type_name_that_is_not_a_word_is_skipped_and_breaks_nothing_else():
         reset_registry()
 
 
+def test_a_plugin_policy_whose_file_is_missing_is_refused_as_a_missing_file():
+    """Found from outside: a plugin policy given as a path str that does not exist (a path
+    relative to the package, resolved against the working directory) was read as YAML text and
+    refused as "a policy file holds a mapping, got str". It is now "no such policy file", naming
+    the file, the policy and its plugin."""
+
+    class Missing(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_policies(self):
+            return {"gone-pol": "policies/not-there.yaml", "gone-dir": "policies/sub/x"}
+
+    registry = get_registry()
+    assert registry.register_plugin(Missing(), name="missing")
+    for name, path in (("gone-pol", "policies/not-there.yaml"), ("gone-dir", "policies/sub/x")):
+        with pytest.raises(kvpolicy.PolicyError, match=re.escape(f"no such policy file: {path} (policy {name!r} of plugin 'missing')")):
+            kvpolicy.load_policy(name)
+
+
 def test_broken_entry_point_warns_with_its_name(monkeypatch):
     from importlib.metadata import EntryPoint
 

@@ -60,6 +60,13 @@ def load_policy(
             if isinstance(registered, (Mapping, PolicyConfig, Policy, bytes, bytearray)):
                 return load_policy(registered, **overrides)
             if isinstance(registered, str) and not is_file(registered):
+                if "\n" not in registered and ":" not in registered and (
+                    Path(registered).suffix or len(Path(registered).parts) > 1
+                ):  # a path that is not there (never a policy document: those hold a ':')
+                    plugin = registry.policies[source].plugin
+                    raise PolicyError(
+                        [f"no such policy file: {registered} (policy {source!r} of plugin {plugin!r})"], source
+                    )
                 return Policy(*load_config(registered, overrides, name=f"<{source}>"))
             if isinstance(registered, str):
                 return Policy(*load_config(Path(registered), overrides, name=registered))
