@@ -356,6 +356,25 @@ def test_a_plugin_policy_whose_file_is_missing_is_refused_as_a_missing_file():
             kvpolicy.load_policy(name)
 
 
+def test_register_plugin_with_a_malformed_hook_warns_and_returns_false():
+    """Found from outside: at discovery a plugin whose hook takes arguments the hookspec lacks is
+    skipped with a PluginLoadWarning, but ``register_plugin`` (documented to skip "as at
+    discovery" and to return whether it registered) raised pluggy's PluginValidationError. It
+    now warns, naming the plugin and the hook, records it in ``skipped`` and returns False."""
+
+    class Malformed(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_stages(self, extra):
+            return [ConstantScorer]
+
+    registry = Registry(autoload=False)
+    with pytest.warns(PluginLoadWarning, match="kvpolicy plugin 'malformed' .*kvpolicy_stages"):
+        assert registry.register_plugin(Malformed(), name="malformed") is False
+    assert "malformed" in registry.skipped
+    assert "constant_test" not in registry.stages["scorer"]
+    assert registry.pm.get_plugin("malformed") is None
+
+
 def test_broken_entry_point_warns_with_its_name(monkeypatch):
     from importlib.metadata import EntryPoint
 

@@ -72,6 +72,10 @@ class Registry:
         """
         try:
             name = self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:  # a hook pluggy refuses: skipped, as at discovery
+            label = name if name is not None else self.pm.get_canonical_name(plugin)
+            self._skip(str(label), repr(label), f"failed to register and is skipped: {exc}".replace("\n", "; "))
+            return False
         except ValueError:  # pluggy: this plugin object, or another under its name, is registered
             warnings.warn(f"kvpolicy plugin {name!r} is not registered: this object, or another plugin under its name, "
                           "is registered already", PluginLoadWarning, stacklevel=2)
