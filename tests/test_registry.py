@@ -375,6 +375,30 @@ def test_register_plugin_with_a_malformed_hook_warns_and_returns_false():
     assert registry.pm.get_plugin("malformed") is None
 
 
+def test_a_plugin_policy_given_as_a_resource_in_a_zip_loads(tmp_path):
+    """Found from outside: the example plugins ship their policies as
+    ``importlib.resources.files(pkg) / "policies" / "x.yaml"``, and ``load_policy`` reads any
+    ``Traversable``; but the registry kept only ``os.PathLike`` sources, so the same plugin
+    installed from a zip (a zipapp, a zipped wheel on sys.path), where that is a ``zipfile.Path``,
+    lost its policy with "is a Path, not a YAML document". A Traversable is now registered."""
+    import zipfile
+
+    archive = tmp_path / "plugin.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("pkg/policies/zipped.yaml", "name: zipped\nschedule: {budget: 16, recent: 4}\nscorer: key_norm\nselector: greedy\n")
+    resource = zipfile.Path(archive) / "pkg" / "policies" / "zipped.yaml"
+
+    class Zipped(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_policies(self):
+            return {"zipped": resource}
+
+    registry = get_registry()
+    assert registry.register_plugin(Zipped(), name="zipped")
+    assert "zipped" in registry.policies
+    assert kvpolicy.load_policy("zipped", budget=32).schedule.budget == 32
+
+
 def test_broken_entry_point_warns_with_its_name(monkeypatch):
     from importlib.metadata import EntryPoint
 

@@ -83,7 +83,9 @@ def kvpolicy_stages() -> Sequence[type]:
 
 @hookspec
 def kvpolicy_policies() -> Mapping[str, Path | str | Mapping[str, Any]]:
-    """Return named policies: name -> YAML file path, YAML text or a policy mapping.
+    """Return named policies: name -> YAML file path (an ``os.PathLike``, or an
+    ``importlib.resources`` ``Traversable`` such as ``files(pkg) / "policies" / "x.yaml"``, which
+    holds in a zip too), YAML text or a policy mapping.
 
     Called once per plugin when the registry is built. The names become loadable with
     ``kvpolicy.load_policy(name)`` and are listed by ``kvpolicy policies``. Policies are validated

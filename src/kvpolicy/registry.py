@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import pluggy
+
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:  # Python 3.10 has it in importlib.abc only
+    from importlib.abc import Traversable
 
 from . import builtin, hookspecs
 from .hookspecs import ACCEPTED_CONTRACTS, CONTRACTS, PLUGIN_CONTRACT
@@ -182,8 +188,9 @@ class Registry:
             raise TypeError(f"kvpolicy_policies must return a mapping of name to policy, got {type(policies).__name__}")
         for pname, source in policies.items():
             problem = (f"a policy is named {pname!r}, not by a str" if not isinstance(pname, str) else
-                       None if isinstance(source, (str, os.PathLike, Mapping)) else
-                       f"policy {pname!r} is a {type(source).__name__}, not a YAML document, a file path or a mapping")
+                       None if isinstance(source, (str, os.PathLike, Mapping, Traversable)) else
+                       f"policy {pname!r} is a {type(source).__name__}, not a YAML document, a file path "
+                       "(or an importlib.resources Traversable) or a mapping")
             if problem is not None:  # this policy alone is skipped
                 warnings.warn(f"kvpolicy plugin {plugin!r}: {problem}; it is skipped", PluginLoadWarning, stacklevel=4)
                 continue
