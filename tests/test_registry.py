@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -616,3 +617,22 @@ def test_the_version_is_bumped_and_the_changelog_describes_it():
     assert changelog.index("## [Unreleased]") < changelog.index("## [0.2.0]")
     latest = changelog.split("## [0.2.0]")[1].split("## [0.1.0]")[0]
     assert "generator" in latest and "kvpolicy_contract" in latest and "Removed" in latest
+
+
+def test_a_misspelt_hook_is_warned_of_and_the_rest_of_the_plugin_loads():
+    """Found from outside: a hook implementation no hookspec names (``kvpolicy_stage`` for
+    ``kvpolicy_stages``) registered silently and was never called. It is now warned of, naming
+    it and the real hooks; the plugin's other hooks load."""
+
+    class Misspelt(Contract2Plugin):
+        @kvpolicy.hookimpl
+        def kvpolicy_stage(self):
+            return [ConstantScorer]
+
+    registry = Registry(autoload=False)
+    with pytest.warns(PluginLoadWarning, match=r"'misspelt' implements kvpolicy_stage, .*never called.*kvpolicy_stages"):
+        assert registry.register_plugin(Misspelt(), name="misspelt") is True
+    assert "constant_test" not in registry.stages["scorer"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)  # a plugin whose hooks are all known: no warning
+        assert Registry(autoload=False).register_plugin(Contract2Plugin(), name="plain") is True

@@ -111,11 +111,21 @@ class Registry:
         unregister it with a warning saying why (``label`` names it in the warning)."""
         problem = self._contract_problem(plugin)
         if problem is None:
+            self._warn_unknown_hooks(plugin, label)
             return True
         name = self.pm.get_name(plugin)
         self.pm.unregister(plugin)
         self._skip(str(name), label, f"is skipped: {problem}")
         return False
+
+    def _warn_unknown_hooks(self, plugin: Any, label: str) -> None:
+        """Warn of ``plugin``'s hook implementations that no hookspec names (a misspelt
+        ``kvpolicy_stage``, say): pluggy keeps them, and kvpolicy never calls them."""
+        unknown = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [] if hc.spec is None)
+        if unknown:
+            known = sorted(name for name in dir(hookspecs) if name.startswith("kvpolicy_"))
+            warnings.warn(f"kvpolicy plugin {label} implements {', '.join(unknown)}, which no kvpolicy hook is named: "
+                          f"they are never called (the hooks: {', '.join(known)})", PluginLoadWarning, stacklevel=4)
 
     def _contract_problem(self, plugin: Any) -> str | None:
         """Why ``plugin`` keeps no contract of ``ACCEPTED_CONTRACTS``, or None when it keeps one."""
