@@ -138,8 +138,9 @@ def redundancy(K, C: int, *, threshold: float | None = 0.5, over: str = "all", s
 
     ``over="all"``: rows and columns are every cached slot; ``"candidates"``: the first C only.
     Cosine similarity with a zero diagonal; for each row, the most recent column above
-    ``threshold`` (column 0 when none) is zeroed; mean over rows; softmax over columns; the
-    candidate columns are returned. Padding slots are neither rows nor columns.
+    ``threshold`` (column 0 when none: a left-padded row's first valid slot) is zeroed; mean
+    over rows; softmax over columns; the candidate columns are returned. Padding slots are
+    neither rows nor columns.
     """
     K = K.double()
     B, H, N, _ = K.shape
@@ -161,7 +162,7 @@ def redundancy(K, C: int, *, threshold: float | None = 0.5, over: str = "all", s
                 for i in range(M):
                     if not sv[i]:
                         continue
-                    last = 0
+                    last = sv.index(True)  # none above: the row's first cached token (j = 0 alone)
                     for j in range(M):
                         if sim[i][j] > threshold:
                             last = j

@@ -243,6 +243,29 @@ def test_redundancy_padding():
         torch.testing.assert_close(_cand(got, inp).double(), _cand(want, inp), rtol=1e-5, atol=1e-7)
 
 
+def test_redundancy_fallback_column_of_a_left_padded_row_is_its_first_token():
+    # Spec (Redundancy, R-KV): a row i with no column above the threshold zeroes column j = 0, the
+    # first *cached token*. In a left-padded row that is the first valid slot, not slot 0 (padding,
+    # whose similarity is 0 already): the row must score as it does alone. Independent float64
+    # reference written from the spec text; wide random keys, so many rows have no match.
+    g = torch.Generator().manual_seed(3)
+    n, pad, d, recent = 16, 3, 32, 4
+    k = torch.randn(1, 1, n, d, generator=g)
+    kd = k[0, 0].double()
+    kn = kd / (kd.norm(dim=-1, keepdim=True) + 1e-8)
+    c = kn @ kn.T
+    c.fill_diagonal_(0.0)
+    for i in range(n):
+        above = (c[i] > 0.5).nonzero().flatten()
+        c[i, int(above.max()) if len(above) else 0] = 0.0
+    want = torch.softmax(c.mean(0), -1)[: n - recent]
+    assert not bool(((kn @ kn.T).fill_diagonal_(0.0) > 0.5).any(-1).all())  # some rows fall back
+    padded = torch.cat([torch.zeros(1, 1, pad, d), k], 2)
+    inp = make_input(padded, padded, torch.zeros(1, 1, 1, d), recent=recent, slot_valid=left_padding(1, n + pad, [pad]))
+    got = RedundancyScorer(threshold=0.5, over="all").score(inp)[0, 0, pad : pad + n - recent]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-9)
+
+
 # -- leverage ---------------------------------------------------------------------------------------
 
 

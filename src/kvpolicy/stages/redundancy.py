@@ -55,7 +55,7 @@ class RedundancyScorer(Scorer):
         col_sum = torch.matmul(kn, kn.sum(2, keepdim=True).transpose(-1, -2)).squeeze(-1)
         col_sum -= (norm * scale).squeeze(-1).square()
         if self.threshold is not None:
-            col_sum -= self._threshold_correction(kn, self.threshold)
+            col_sum -= self._threshold_correction(kn, valid, self.threshold)
         n_rows = valid.sum(-1, keepdim=True).clamp_min(1).to(col_sum.dtype)
         mean_sim = (col_sum / n_rows).masked_fill(~valid, float("-inf"))
         red = torch.softmax(mean_sim, dim=-1).nan_to_num_(0.0)
@@ -66,17 +66,19 @@ class RedundancyScorer(Scorer):
         out[..., :c] = red[..., :c]
         return out
 
-    def _threshold_correction(self, kn: torch.Tensor, threshold: float) -> torch.Tensor:
+    def _threshold_correction(self, kn: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
         """``[B, H, M]``: per column, the sum of the entries the threshold step zeroes.
 
         Row ``i`` zeroes its most recent column ``j`` with ``C[i, j] > threshold`` (column 0 when
-        there is none). The similarity rows are computed in chunks against the keys in *reversed*
+        there is none: the row's first cached token, its first valid slot ``valid [B, H, M]``, so
+        a left-padded row scores as it does alone). The similarity rows are computed in chunks against the keys in *reversed*
         order, so that the most recent match is the first one: a bool mask and an ``argmax`` over
         it, without index-weighted temporaries.
         """
         b, h, m, d = kn.shape
         kn = kn.flatten(0, 1)  # [BH, M, D]
         kn_rev_t = kn.flip(1).transpose(1, 2)  # [BH, D, M], column m-1-j holds slot j
+        oldest = valid.flatten(0, 1).to(torch.uint8).argmax(-1)  # [BH]: first valid slot (0 when none)
         correction = kn.new_zeros(b * h, m)
         # Tiles of (rows of the flattened batch*head axis) x (similarity rows), sized so that a
         # tile's similarities stay in cache across the matmul, the threshold and the argmax.
@@ -98,7 +100,9 @@ class RedundancyScorer(Scorer):
                 first = mask.view(torch.uint8).argmax(-1, keepdim=True)  # [T, r, 1]
                 hit = sim.gather(-1, first)
                 found = hit > threshold
-                col = torch.where(found, m - 1 - first, 0)
-                val = torch.where(found, hit, sim[..., m - 1 :])  # no match: column 0 (last reversed)
+                fallback = oldest[b0:b1, None, None].expand(-1, stop - start, 1)  # [T, r, 1]
+                col = torch.where(found, m - 1 - first, fallback)
+                # no match: the row's first cached token (column 0 unless the row is left-padded)
+                val = torch.where(found, hit, sim.gather(-1, m - 1 - fallback))
                 correction[b0:b1].scatter_add_(-1, col.squeeze(-1), val.squeeze(-1))
         return correction.view(b, h, m)
