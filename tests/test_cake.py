@@ -28,7 +28,7 @@ def _probs(K, Q, qpos, slot_pos, b, h, g, w, G):
     return [x / sum(e) for x in e]
 
 
-def ref_preference(K, Q, qpos, *, tau1=1.0, tau2=1.0):
+def ref_preference(K, Q, qpos, *, tau1=1.0, tau2=1.0, log=False):
     """CAKE's preference: entropy summed over rows, heads, window queries and the slots before the
     window; the unbiased variance over the window's queries, summed over rows, heads and those slots."""
     K, Q = K.double(), Q.double()
@@ -45,7 +45,7 @@ def ref_preference(K, Q, qpos, *, tau1=1.0, tau2=1.0):
                     H += -sum(a * math.log(a + 1e-10) for a in col)
                     mean = sum(col) / W
                     V += sum((a - mean) ** 2 for a in col) / (W - 1)
-    return H ** (1 / tau1) * V ** (1 / tau2)
+    return math.log(H) / tau1 + math.log(V) / tau2 if log else H ** (1 / tau1) * V ** (1 / tau2)
 
 
 def ref_adjust(shares, total, cap):
@@ -140,6 +140,28 @@ def test_a_cache_decides_each_layers_budget_once_from_the_prompt():
                            torch.randn(1, 4, 1, 8, generator=g))
         assert [cache.layers[i].counts[0] for i in range(layers)] == [b + 3 for b in got]
         cache.reset()
+
+
+def test_a_small_tau_whose_preference_overflows_still_shares_the_total():
+    """tau1 = 0.001 raises a dispersion above 2 to a power past 1000: P overflowed to inf, inf / inf
+    is nan, and the first step stopped on a bare ValueError ('cannot convert float NaN to integer').
+    The shares are now the same proportions taken from log P, and add up to the uniform total."""
+    layers, budget, recent = 3, 20, 4
+    doc = {**kvpolicy.load_policy("cake", budget=budget, recent=recent, window=recent, interval=4).config.to_dict(),
+           "allocation": {"type": "cake", "tau1": 0.001, "tau2": 1.0}}
+    cache = EvictingCache(kvpolicy.load_policy(doc), layers)
+    g = torch.Generator().manual_seed(0)
+    prompt = [(torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g),
+               (1 + layer) * torch.randn(1, 4, 40, 8, generator=g)) for layer in range(layers)]
+    for layer, (k, v, q) in enumerate(prompt):
+        cache.step(layer, k, v, q)
+    logs = [ref_preference(k, q[:, :, -recent:], torch.arange(40 - recent, 40)[None], tau1=0.001, log=True)
+            for k, _, q in prompt]
+    assert max(logs) > 709  # P itself is past float64's range
+    prefs = [math.exp(x - max(logs)) for x in logs]
+    shares = [int(p / sum(prefs) * (budget - recent) * layers) for p in prefs]
+    want = [recent + s for s in ref_adjust(shares, (budget - recent) * layers, 40 - recent)]
+    assert [s.budget for s in cache.schedules] == want and sum(want) == budget * layers
 
 
 def test_budgets_decided_from_the_prompt_pass_the_stages_checks():

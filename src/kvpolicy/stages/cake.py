@@ -51,6 +51,19 @@ class CakeAllocation(Allocation):
 
     def preference(self, inp: EvictionInput) -> float:
         """``H^(1/tau1) V^(1/tau2)`` of one layer (every row summed), in float64."""
+        dispersion, shift = self._dispersion_shift(inp)
+        return float(dispersion ** (1 / self.tau1) * shift ** (1 / self.tau2))
+
+    def _log_preference(self, inp: EvictionInput) -> float:
+        """``log P`` of one layer (``-inf`` for ``P = 0``): its preference where ``P`` itself
+        overflows float64 (a small ``tau`` raises a dispersion above 1 to a huge power)."""
+        dispersion, shift = (float(x) for x in self._dispersion_shift(inp))
+        if dispersion <= 0 or shift <= 0:
+            return float("-inf")
+        return math.log(dispersion) / self.tau1 + math.log(shift) / self.tau2
+
+    def _dispersion_shift(self, inp: EvictionInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """``H`` and ``V`` of one layer (float64 scalars, at least 0)."""
         probs = window_probabilities(inp).double()  # [B, Hkv, G, W, N]
         device = inp.positions.device
         qpos = inp.query_positions.to(device).masked_fill(~inp.query_valid.to(device), 1 << 62)
@@ -62,7 +75,7 @@ class CakeAllocation(Allocation):
         count = rows.sum(3, keepdim=True).clamp_min(2)
         mean = (a * rows).sum(3, keepdim=True) / count
         shift = (((a - mean) * rows) ** 2).sum(3).div(count.squeeze(3) - 1).sum()
-        return float(dispersion.clamp_min(0) ** (1 / self.tau1) * shift.clamp_min(0) ** (1 / self.tau2))
+        return dispersion.clamp_min(0), shift.clamp_min(0)
 
     def prompt_budgets(self, budget: int, recent: int, inputs: Sequence[EvictionInput]) -> list[int]:
         layers = len(inputs)
@@ -70,6 +83,10 @@ class CakeAllocation(Allocation):
         total = (budget - recent) * layers
         held = max(int(inp.slot_valid.sum(-1).max()) for inp in inputs)
         cap = max(held - recent, budget - recent)  # CAKE caps at the slots before the window
+        if not math.isfinite(sum(prefs)):
+            # P overflowed (inf, or inf x 0 = nan): the same proportions from log P, the largest 1
+            logs = [self._log_preference(inp) for inp in inputs]
+            prefs = [math.exp(x - max(logs)) for x in logs] if max(logs) > float("-inf") else [0.0] * layers
         if not sum(prefs) > 0:  # no attention outside the window anywhere: the uniform share
             return [budget] * layers
         shares = [int(p / sum(prefs) * total) for p in prefs]
