@@ -237,6 +237,17 @@ def test_floor_above_1_names_the_field():
         _policy({"type": "adaptive", "floor": 1.5})
 
 
+@pytest.mark.parametrize(("budgets", "refusal"), [
+    ([True, 1], r"allocation.budgets: budgets\[0\] must be a number, got true \(a boolean\)"),
+    ([1, "3"], r"allocation.budgets: budgets\[1\] must be a number, got the string '3': write it unquoted"),
+])
+def test_a_layer_list_entry_lax_mode_would_convert_is_refused(budgets, refusal):
+    """``budgets: [true, 1]`` was read as [1, 1] and ``[1, '3']`` as [1, 3], where a scalar field
+    (``floor: true``, ``budget: '16'``) is refused by name."""
+    with pytest.raises(PolicyError, match=refusal):
+        _policy({"type": "layers", "budgets": budgets})
+
+
 def test_a_layer_list_of_the_wrong_length_is_refused_at_cache_build():
     policy = _policy({"type": "layers", "budgets": [1, 2, 3]})
     with pytest.raises(PolicyError, match=r"allocation: allocation.budgets has 3 entries but the model has 4 layers"):

@@ -25,6 +25,19 @@ class LayerListAllocation(Allocation):
 
     budgets: list[float] = Field(..., min_length=1, max_length=4096, description="One weight or budget per layer.")
 
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _numbers(cls, value: object) -> object:
+        """Refuse, by entry, what pydantic's lax mode would convert, as a scalar field does
+        (``documents.refuse_lax_scalar``): ``true`` read as 1, the string ``'3'`` as 3."""
+        if isinstance(value, (list, tuple)):
+            for i, b in enumerate(value):
+                if isinstance(b, bool):
+                    raise ValueError(f"budgets[{i}] must be a number, got {str(b).lower()} (a boolean)")
+                if isinstance(b, str):
+                    raise ValueError(f"budgets[{i}] must be a number, got the string {b!r}: write it unquoted")
+        return value
+
     @field_validator("budgets")
     @classmethod
     def _positive(cls, value: list[float]) -> list[float]:
