@@ -248,6 +248,13 @@ def test_a_layer_list_entry_lax_mode_would_convert_is_refused(budgets, refusal):
         _policy({"type": "layers", "budgets": budgets})
 
 
+@pytest.mark.parametrize(("budgets", "want"), [([1e308, 1e308], [24, 24]), ([1e308, 5e307], [32, 16])])
+def test_layer_weights_whose_sum_overflows_keep_their_proportions(budgets, want):
+    """Weights are read in proportion: [1e308, 1e308] summed to inf and the shares were nan, refused
+    with 'cannot convert float NaN to integer'. Now the same proportions as [1, 1] and [2, 1]."""
+    assert [s.budget for s in _policy({"type": "layers", "budgets": budgets}).layer_schedules(2)] == want
+
+
 def test_a_layer_list_of_the_wrong_length_is_refused_at_cache_build():
     policy = _policy({"type": "layers", "budgets": [1, 2, 3]})
     with pytest.raises(PolicyError, match=r"allocation: allocation.budgets has 3 entries but the model has 4 layers"):

@@ -54,8 +54,15 @@ class LayerListAllocation(Allocation):
 
     def layer_budgets(self, budget: int, num_layers: int, recent: int) -> list[int]:
         self.check_model(num_layers, 0)
-        total = sum(self.budgets)
-        return largest_remainder([b * budget * num_layers / total for b in self.budgets], budget * num_layers)
+        weights = self.budgets
+        total = sum(weights)
+        shares = [b * budget * num_layers / total for b in weights]
+        if not all(math.isfinite(x) for x in shares):  # the sum or a product overflowed: the same weights, scaled
+            top = max(weights)
+            weights = [b / top for b in weights]
+            total = sum(weights)
+            shares = [b * budget * num_layers / total for b in weights]
+        return largest_remainder(shares, budget * num_layers)
 
 
 def largest_remainder(shares: Sequence[float], total: int) -> list[int]:
