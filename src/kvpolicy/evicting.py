@@ -372,6 +372,8 @@ class EvictingCache:
         latest step a group opened, ``(step, rows, tokens)``: a group that opens the next one
         checks every layer once; the others opening it check its shape. Returns the new front when
         this append opens the next step (``_append`` records it once the step has begun)."""
+        if group is not None and len(group.member) == len(self.layers):
+            return None  # one group of every layer: its own checks see them all (the decode fast path)
         if group is None or (group.steps == 1 and not group.written(layer_idx)):
             target = 1  # a layer's first step (or its first chunk, of another shape than its peers')
         elif group.written(layer_idx):
@@ -589,7 +591,7 @@ def _check_step(
             raise ValueError(f"{label} must be a 4-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if keys.dtype not in FLOAT_DTYPES:  # before the first step allocates buffers of it
         raise ValueError(f"keys must be float32, float16, bfloat16 or float64, got {keys.dtype}")
-    if keys.device.type == "meta":  # no data: some policies answered placeholders, others failed in torch
+    if keys.is_meta:  # no data: some policies answered placeholders, others failed in torch
         raise ValueError("keys are on the meta device, which holds no data: a cache stores and ranks real tensors")
     b, h, t, d = keys.shape
     if values.shape[:3] != keys.shape[:3]:

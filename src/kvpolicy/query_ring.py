@@ -108,6 +108,9 @@ class QueryRing:
     def write(self, layer: int, queries: torch.Tensor, claim: RingClaim) -> None:
         """Store the last ``claim.take`` of ``queries [B, Hq, T, D]`` at the claimed entries."""
         take = claim.take
+        if not claim.repacks:  # every row alike: one write (the decode fast path)
+            self.queries[layer, :, :, claim.entries] = queries[:, :, queries.shape[2] - take:].to(self.queries.dtype)
+            return
         ring = self.queries[layer]  # [B, Hq, W, D]
         olds = [ring[r.row].clone() for r in claim.repacks]  # before the claimed entries are written over
         ring[:, :, claim.entries] = queries[:, :, queries.shape[2] - take:].to(self.queries.dtype)
