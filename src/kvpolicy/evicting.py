@@ -393,8 +393,8 @@ class EvictingCache:
             if target == 1:
                 return None  # a layer appending for the first time late: _new_group says so
             behind = [layer_idx]  # the other layers are on a later step
-        elif front is None or (group is not None and len(group.member) == len(self.layers)):
-            behind = []  # the first step of all, or one group of every layer: its own checks see them
+        elif front is None:
+            behind = []  # the first step of all
         else:
             behind = [i for i, g in enumerate(self._groups) if g is None or not g.written(i) or g.steps != front[0]]
         if behind:
@@ -410,9 +410,9 @@ class EvictingCache:
         first = self._groups[0]
         if self._front is None or (first is not None and len(first.member) == len(self.layers)):
             return  # nothing appended yet, or one group of every layer: LayerGroup.require_complete
-        latest = self._front[0]
-        behind = [i for i, g in enumerate(self._groups) if g is None or g.steps != latest or not g.written(i)]
-        if behind:
+        if not self._step_complete():
+            latest = self._front[0]
+            behind = [i for i, g in enumerate(self._groups) if g is None or g.steps != latest or not g.written(i)]
             raise CacheStateError(
                 f"cannot {action}: layers {behind[:8]} did not write the last step. A forward was interrupted, "
                 "or the cache serves a model with another number of layers. Call reset() before reusing it."
