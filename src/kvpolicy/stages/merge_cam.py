@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -20,6 +21,38 @@ if TYPE_CHECKING:
 
 _BOUNDED = {"mass": StateField(torch.float32, 1.0)}  # 1, plus the weight of every share received
 _ATTENTION = {"absorbed": StateField(torch.float32, 0.0)}  # the attention mass of every share received
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """What the window slots of an eviction receive (``CamMerge._spread``), by rank among them.
+
+    ``slots [B, Hkv, R]``: each rank's slot (``N`` past a row's last window slot), ``present [B,
+    Hkv, R]`` bool: a real rank; ``num [B, Hkv, R, Dv]``: the sum of ``share * v_i`` it received;
+    ``den``, ``hit [B, Hkv, N]``: by slot, the sum of shares and whether any arrived (counted,
+    not summed, so exact)."""
+
+    slots: torch.Tensor
+    present: torch.Tensor
+    num: torch.Tensor
+    den: torch.Tensor
+    hit: torch.Tensor
+
+    def targets_of(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, Hkv, N, ...]`` at each rank's slot: ``[B, Hkv, R, ...]`` (slot 0's at padding ranks)."""
+        index = torch.where(self.present, self.slots, 0)
+        if x.dim() == 3:
+            return x.gather(-1, index)
+        return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
+
+    def written(self, values: torch.Tensor, merged: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+        """``values`` as float32 with ``merged [B, Hkv, R, Dv]`` written over the slots ``changed
+        [B, Hkv, N]`` says (every other slot's value exactly as it was)."""
+        out = values.to(torch.float32, copy=True)
+        index = torch.where(self.present, self.slots, 0)
+        take = self.present & changed.gather(-1, index)
+        out[take.nonzero(as_tuple=True)[:2] + (index[take],)] = merged[take].to(torch.float32)
+        return out
 
 
 class CamMerge(Merge):
@@ -145,9 +178,10 @@ class CamMerge(Merge):
         """CaM's faithful rule: the merged values ``[B, Hkv, N, Dv]`` float32 when ``draws [B, Hkv,
         N]`` bool says which evicted slots merge (their Bernoulli outcomes; read on evicted slots
         with a window only): the draw is the only random part, so a test may hand it kvpress's mask."""
-        v = inp.values.float()
-        added, _, hit = self._spread(inp, keep, draws, torch.ones_like(v[..., 0]))
-        return torch.where(hit[..., None], v + added.float(), v)
+        spread = self._spread(inp, keep, draws, torch.ones(inp.values.shape[:3], dtype=torch.float32,
+                                                           device=inp.values.device))
+        v = spread.targets_of(inp.values.float())
+        return spread.written(inp.values, v + spread.num.float(), spread.hit)
 
     def merge_bounded(
         self, inp: EvictionInput, keep: torch.Tensor, draws: torch.Tensor,
@@ -156,10 +190,11 @@ class CamMerge(Merge):
         mass [B, Hkv, N] float32)``, each kept value the mass-weighted mean of its own and the
         shares it receives, each evicted token's weight 1 split evenly over its window."""
         mass = inp.state_of(self)["mass"].double()
-        v = inp.values.double()
-        num, den, hit = self._spread(inp, keep, draws, torch.ones_like(mass))  # each token weighs 1 in all
-        out = torch.where(hit[..., None], (mass[..., None] * v + num) / (mass + den)[..., None], v)
-        return out.float(), torch.where(hit, mass + den, mass).float()
+        spread = self._spread(inp, keep, draws, torch.ones_like(mass))  # each token weighs 1 in all
+        m, den = spread.targets_of(mass), spread.targets_of(spread.den)
+        v = spread.targets_of(inp.values).double()
+        merged = (m[..., None] * v + spread.num) / (m + den)[..., None]
+        return spread.written(inp.values, merged, spread.hit), torch.where(spread.hit, mass + spread.den, mass).float()
 
     def merge_attention(
         self, inp: EvictionInput, keep: torch.Tensor, draws: torch.Tensor,
@@ -171,43 +206,57 @@ class CamMerge(Merge):
         (weight ``A_t + M_t``) and the shares, its ``M_t`` growing by what it took."""
         a = inp.state_of(self.attention)["attention"].double()
         absorbed = inp.state_of(self)["absorbed"].double()
-        v = inp.values.double()
-        num, den, hit = self._spread(inp, keep, draws, a)  # each token gives A_i in all
+        spread = self._spread(inp, keep, draws, a)  # each token gives A_i in all
         room = (self.max_absorbed * a - absorbed).clamp_min(0.0)
-        scale = torch.where(den > room, room / den.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
-        num, den = num * scale[..., None], den * scale
+        scale = torch.where(spread.den > room, room / spread.den.clamp_min(torch.finfo(torch.float64).tiny), 1.0)
+        den = spread.den * scale
         own = a + absorbed
-        took = hit & (den > 0)
-        out = torch.where(took[..., None], (own[..., None] * v + num) / torch.where(took, own + den, 1.0)[..., None], v)
-        return out.float(), torch.where(took, absorbed + den, absorbed).float()
+        took = spread.hit & (den > 0)
+        num = spread.num * spread.targets_of(scale)[..., None]
+        own_t, den_t = spread.targets_of(own), spread.targets_of(den)
+        v = spread.targets_of(inp.values).double()
+        merged = (own_t[..., None] * v + num) / torch.where(spread.targets_of(took), own_t + den_t, 1.0)[..., None]
+        return spread.written(inp.values, merged, took), torch.where(took, absorbed + den, absorbed).float()
 
     def _spread(
         self, inp: EvictionInput, keep: torch.Tensor, draws: torch.Tensor, weight: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> _Spread:
         """Each merging token ``i`` (evicted, with a window, drawn) gives every slot of its window
-        ``weight_i / |window|``: per slot ``(sum of share * v_i [B, Hkv, N, Dv], sum of shares [B,
-        Hkv, N], hit [B, Hkv, N] bool)`` in ``weight``'s dtype, ``hit`` True on window slots that
-        received a share (counted, not summed, so exact)."""
+        ``weight_i / |window|``: what each window slot receives, in ``weight``'s dtype (``_Spread``).
+
+        A range-add over the window slots' ranks: ``+ share`` at a window's first rank, ``- share``
+        past its last, then a prefix sum. Only the merging tokens' and the window slots' values are
+        read (a third of the slots at an eviction each ``interval``), in the order a dense
+        scatter over every slot would add them, so the sums are the same bit for bit."""
         b, h, n, dv = inp.values.shape
         start, width, _, order = self._windows(inp, keep)
-        targets = self._targets(inp, keep)
+        targets_s = self._targets(inp, keep).gather(-1, order)
         merging = inp.slot_valid & ~keep & (width > 0) & draws
         share = torch.where(merging, weight / width.clamp_min(1).to(weight.dtype), 0.0)  # [B, Hkv, N]
-        v = inp.values.to(weight.dtype)
-        # Range-add over kept ranks: + share at the window's first rank, - share past its last.
-        lo = torch.where(merging, start, n)
-        hi = torch.where(merging, start + width, n)
-        delta = torch.zeros(b, h, n + 1, dv + 1, dtype=weight.dtype, device=v.device)
-        shared = torch.cat([share[..., None] * v, share[..., None]], -1)  # [B, Hkv, N, Dv + 1]
-        delta.scatter_add_(2, lo[..., None].expand(b, h, n, dv + 1), shared)
-        delta.scatter_add_(2, hi[..., None].expand(b, h, n, dv + 1), -shared)
-        count = torch.zeros(b, h, n + 1, dtype=torch.int32, device=v.device)
-        count.scatter_add_(2, lo, merging.int()).scatter_add_(2, hi, -merging.int())
-        added, touched = delta.cumsum(2)[:, :, :n], count.cumsum(2)[:, :, :n] > 0  # by target rank
-        rank = self._kept_rank(inp, targets, order)  # [B, Hkv, N] each target's rank (0 elsewhere)
-        got = added.gather(2, rank[..., None].expand(b, h, n, dv + 1))
-        hit = targets & touched.gather(2, rank)
-        return got[..., :dv], got[..., dv], hit
+        # The window slots by rank (their position order), and the merging tokens by slot index.
+        ranks = int(targets_s.sum(-1).max()) if targets_s.numel() else 0
+        by_rank = order.gather(-1, (~targets_s).int().argsort(dim=-1, stable=True)[..., :ranks])  # [B, Hkv, ranks]
+        present = torch.arange(ranks, device=keep.device) < targets_s.sum(-1, keepdim=True)
+        movers = int(merging.sum(-1).max()) if merging.numel() else 0
+        src = (~merging).int().argsort(dim=-1, stable=True)[..., :movers]  # [B, Hkv, movers]
+        moving = merging.gather(-1, src)
+        lo = torch.where(moving, start.gather(-1, src), ranks + 1)  # ranks + 1: a sink for padding entries
+        hi = torch.where(moving, (start + width).gather(-1, src), ranks + 1)
+        s = share.gather(-1, src)
+        v = inp.values.gather(2, src[..., None].expand(b, h, movers, dv)).to(weight.dtype)
+        shared = torch.cat([s[..., None] * v, s[..., None]], -1)  # [B, Hkv, movers, Dv + 1]
+        delta = torch.zeros(b, h, ranks + 2, dv + 1, dtype=weight.dtype, device=v.device)
+        delta.scatter_add_(2, lo[..., None].expand(b, h, movers, dv + 1), shared)
+        delta.scatter_add_(2, hi[..., None].expand(b, h, movers, dv + 1), -shared)
+        count = torch.zeros(b, h, ranks + 2, dtype=torch.int32, device=v.device)
+        count.scatter_add_(2, lo, moving.int()).scatter_add_(2, hi, -moving.int())
+        added, touched = delta.cumsum(2)[:, :, :ranks], (count.cumsum(2)[:, :, :ranks] > 0) & present
+        den = torch.zeros(b, h, n, dtype=weight.dtype, device=v.device)
+        hit = torch.zeros(b, h, n, dtype=torch.bool, device=v.device)
+        slot = torch.where(present, by_rank, n)  # padding entries to a sink column
+        den = torch.cat([den, den[..., :1]], -1).scatter_(-1, slot, added[..., dv])[..., :n]
+        hit = torch.cat([hit, hit[..., :1]], -1).scatter_(-1, slot, touched)[..., :n]
+        return _Spread(slot, present, added[..., :dv], den, hit)
 
     @staticmethod
     def _kept_rank(inp: EvictionInput, keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
