@@ -80,11 +80,14 @@ class LagScorer(Scorer):
         # Every slot held (packed rows, vLLM's): partition p is slots [sink + p * lag, sink + (p + 1) * lag)
         # of every row, reduced by a reshape instead of a scatter (the same minima and maxima).
         packed = (self.sink, max(n - self.sink, 0) // lag, lag) if bool(valid.all()) else None
-        score = self._states_score(inp.keys, index, in_part, scored, parts, packed)
-        if self.score_v_ratio:
-            score = score + self.score_v_ratio * self._states_score(inp.values, index, in_part, scored, parts, packed)
-        if self.rank_within_partition:
-            score = self._rank_within(score, index, rank - self.sink - part * lag, scored, parts)
+        if not bool(scored.any()):  # no partition has a reference yet (fewer than sink + 2 * lag held): 0 before the ranks below
+            score = torch.zeros(b, h, n, device=valid.device)
+        else:
+            score = self._states_score(inp.keys, index, in_part, scored, parts, packed)
+            if self.score_v_ratio:
+                score = score + self.score_v_ratio * self._states_score(inp.values, index, in_part, scored, parts, packed)
+            if self.rank_within_partition:
+                score = self._rank_within(score, index, rank - self.sink - part * lag, scored, parts)
         top = 1.0 + self.score_v_ratio
         recency = rank.float() / max(n, 1)
         tail = valid & (rank >= self.sink) & ~scored
