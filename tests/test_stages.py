@@ -399,3 +399,31 @@ def test_top_scores_reservation_matches_reference(include_prior, n):
             prot = set(prior[b, h].nonzero().squeeze(-1).tolist())
             want = ref.top_reservation(rng[b, h], list(range(26)), prot, count, include_prior)
             assert set(got[b, h].nonzero().squeeze(-1).tolist()) == want
+
+
+@pytest.mark.parametrize("softmax_over", ["all", "candidates"])
+def test_window_attention_hides_a_slot_whose_logit_overflows(softmax_over):
+    """The mask is a bias added to the logits (0 or -inf): a hidden slot whose logit overflows to
+    +inf would turn NaN under it. Hidden it must stay, as a masked fill hides it: a slot after
+    every query (causal) or a padding slot, its key large enough that q . k is +inf in float32."""
+    import dataclasses
+
+    from kvpolicy.stages.attention import window_attention
+
+    k, v, q = make_tensors(b=2, hkv=2, hq=4, n=10, d=8, w=3, seed=3)
+    q = q.abs() + 0.5
+    k[:, :, 9] = 3e38  # q . k / sqrt(8) overflows
+    slot_valid = torch.ones(2, 10, dtype=torch.bool)
+    slot_valid[1, 9] = False  # row 1: padding
+    inp = make_input(k, v, q, recent=0, slot_valid=slot_valid)
+    inp = dataclasses.replace(inp, query_positions=torch.tensor([[6, 7, 8], [6, 7, 8]]))  # row 0: slot 9 after them
+    weights = torch.ones(2, 3)
+    got = window_attention(inp, weights, softmax_over=softmax_over)  # [B, Hkv, G, N]
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q.reshape(2, 2, 2, 3, 8) / math.sqrt(8), k)
+    seen = slot_valid[:, None, None, None, :].expand_as(logits).clone()
+    if softmax_over == "all":
+        seen &= inp.positions[:, :, None, None, :] <= inp.query_positions[:, None, None, :, None]
+    want = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1).sum(3)
+    rows = [0, 1] if softmax_over == "all" else [1]  # candidates: row 0 sees its slot 9 and overflows, as it should
+    assert torch.isfinite(got[rows]).all()
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-6, atol=1e-6)

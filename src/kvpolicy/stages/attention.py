@@ -140,35 +140,51 @@ def window_attention(
     g_tile = g if reduce_first else max(1, min(g, tile_elements // max(1, w * c)))
     bh_tile = max(1, tile_elements // max(1, g * w * c)) if g_tile == g else 1
     in_place = inp.keys.device.type == "cpu"  # softmax(out=input) is only relied on on CPU
+    # What each query may see: [BH, W, C], or [BH, 1, C] where only padding is hidden; None: all.
+    seen = visible if visible is not None else valid[:, None, :] if masked else None
+    fill_empty = no_slot is not None and bool(no_slot.any())
     buf = None
+
+    def tile(b0: int, b1: int, g0: int, g1: int, k_tile: torch.Tensor, bias: torch.Tensor | None) -> None:
+        nonlocal buf
+        q_tile = q[b0:b1, g0:g1].reshape(b1 - b0, -1, d)
+        if q_tile.dtype == torch.float32:
+            if buf is None:
+                buf = q_tile.new_empty(bh_tile, g_tile * w, c)
+            logits = torch.bmm(q_tile, k_tile, out=buf[: b1 - b0, : (g1 - g0) * w])
+        else:
+            logits = torch.bmm(q_tile, k_tile).float()  # float64: softmax in float32 too
+        logits = logits.view(b1 - b0, g1 - g0, w, c)
+        if bias is not None:
+            logits.add_(bias[:, None])
+        elif seen is not None:
+            logits.masked_fill_(~seen[b0:b1, None], float("-inf"))
+        if reduce_first:
+            reduce = torch.amax if group_reduce == "max" else torch.mean
+            logits = reduce(logits, dim=1, keepdim=True) if group_reduce != "sum" else logits.sum(1, keepdim=True)
+        probs = torch.softmax(logits, dim=-1, out=logits) if in_place else torch.softmax(logits, dim=-1)
+        if fill_empty:  # their softmax is NaN; any other NaN is an overflow, left for the guard
+            probs = probs.masked_fill_(no_slot[b0:b1, None, :, None], 0.0)
+        # The window reduction as one batched mat-vec that reads the tile once.
+        out = scores[b0:b1, 0:1] if reduce_first else scores[b0:b1, g0:g1]
+        out.copy_(torch.matmul(weights[b0:b1, None, None, :], probs).squeeze(-2))
+
     for b0 in range(0, bh, bh_tile):
         b1 = min(bh, b0 + bh_tile)
         k_tile = keys[b0:b1].transpose(1, 2)
         if upcast_keys:
             k_tile = k_tile.float()  # once per tile of KV heads, shared by its query heads
+        # The mask as a bias added to the logits, 1 - 1/visible: 0 where a query sees a slot, -inf
+        # where not, several times cheaper than masked_fill_ with a bool mask on CPU.
+        bias = None if seen is None else torch.rsub(seen[b0:b1].view(torch.uint8).float().reciprocal_(), 1.0)
         for g0 in range(0, g, g_tile):
             g1 = min(g, g0 + g_tile)
-            q_tile = q[b0:b1, g0:g1].reshape(b1 - b0, -1, d)
-            if q_tile.dtype == torch.float32:
-                if buf is None:
-                    buf = q_tile.new_empty(bh_tile, g_tile * w, c)
-                logits = torch.bmm(q_tile, k_tile, out=buf[: b1 - b0, : (g1 - g0) * w])
-            else:
-                logits = torch.bmm(q_tile, k_tile).float()  # float64: softmax in float32 too
-            logits = logits.view(b1 - b0, g1 - g0, w, c)
-            if visible is not None:
-                logits.masked_fill_(~visible[b0:b1, None], float("-inf"))
-            elif masked:
-                logits.masked_fill_(~valid[b0:b1, None, None, :], float("-inf"))
-            if reduce_first:
-                reduce = torch.amax if group_reduce == "max" else torch.mean
-                logits = reduce(logits, dim=1, keepdim=True) if group_reduce != "sum" else logits.sum(1, keepdim=True)
-            probs = torch.softmax(logits, dim=-1, out=logits) if in_place else torch.softmax(logits, dim=-1)
-            if no_slot is not None:  # their softmax is NaN; any other NaN is an overflow, left for the guard
-                probs = probs.masked_fill_(no_slot[b0:b1, None, :, None], 0.0)
-            # The window reduction as one batched mat-vec that reads the tile once.
+            tile(b0, b1, g0, g1, k_tile, bias)
             out = scores[b0:b1, 0:1] if reduce_first else scores[b0:b1, g0:g1]
-            out.copy_(torch.matmul(weights[b0:b1, None, None, :], probs).squeeze(-2))
+            if bias is not None and bool(out.isnan().any()):
+                # A hidden logit that overflowed (+inf) turns NaN under the bias where masked_fill_
+                # would have hidden it: the tile again as masked_fill_ gives it, for every input.
+                tile(b0, b1, g0, g1, k_tile, None)
     return scores.view(b, hkv, g_out, c)
 
 
