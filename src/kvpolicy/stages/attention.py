@@ -142,7 +142,7 @@ def window_attention(
     in_place = inp.keys.device.type == "cpu"  # softmax(out=input) is only relied on on CPU
     # What each query may see: [BH, W, C], or [BH, 1, C] where only padding is hidden; None: all.
     seen = visible if visible is not None else valid[:, None, :] if masked else None
-    fill_empty = no_slot is not None and bool(no_slot.any())
+    empty = no_slot if no_slot is not None and bool(no_slot.any()) else None  # queries that see no slot
     buf = None
 
     def tile(b0: int, b1: int, g0: int, g1: int, k_tile: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -163,8 +163,8 @@ def window_attention(
             reduce = torch.amax if group_reduce == "max" else torch.mean
             logits = reduce(logits, dim=1, keepdim=True) if group_reduce != "sum" else logits.sum(1, keepdim=True)
         probs = torch.softmax(logits, dim=-1, out=logits) if in_place else torch.softmax(logits, dim=-1)
-        if fill_empty:  # their softmax is NaN; any other NaN is an overflow, left for the guard
-            probs = probs.masked_fill_(no_slot[b0:b1, None, :, None], 0.0)
+        if empty is not None:  # their softmax is NaN; any other NaN is an overflow, left for the guard
+            probs = probs.masked_fill_(empty[b0:b1, None, :, None], 0.0)
         # The window reduction as one batched mat-vec that reads the tile once.
         out = scores[b0:b1, 0:1] if reduce_first else scores[b0:b1, g0:g1]
         out.copy_(torch.matmul(weights[b0:b1, None, None, :], probs).squeeze(-2))
