@@ -126,7 +126,10 @@ def window_attention(
         qpos = qpos.to(slot_pos.device).repeat_interleave(hkv, dim=0)  # [BH, W]
         visible = valid[:, None, :] & (slot_pos[:, None, :] <= qpos[:, :, None])
         masked = True
-        no_slot = ~visible.any(-1)  # [BH, W]: a query that sees no slot (padding) has no mass
+        # [BH, W]: a query that sees no slot (padding) has no mass; from each row's first valid
+        # position, not a pass over ``visible``.
+        first = torch.where(valid, slot_pos, torch.iinfo(slot_pos.dtype).max).amin(-1)  # [BH]
+        no_slot = ~valid.any(-1)[:, None] | (first[:, None] > qpos)
     else:
         masked = not bool(valid.all())
         no_slot = ~valid.any(-1)[:, None] if masked else None  # rows of padding only (no attention mass)
