@@ -87,9 +87,12 @@ class ExpectedAttentionScorer(Scorer):
         cov = centred.transpose(-1, -2) @ centred / count[..., None]
         # The mean rotation over the future positions: R = diag(c) + diag(s) P, P x = rotate_half(x).
         newest = qpos.amax(-1).clamp_min(0)  # [B]
-        future = newest[:, None] + 1 + torch.arange(self.n_future_positions, device=newest.device)
-        fcos, fsin = facts.rope(future)  # [B, F, D]
-        c, s = fcos.mean(1), fsin.mean(1)  # [B, D]
+        # Once per distinct newest position: rows of one request share it in every layer (vLLM
+        # stacks a request's layers as rows), and each row's mean depends on it alone.
+        distinct, row_of = newest.unique(return_inverse=True)
+        future = distinct[:, None] + 1 + torch.arange(self.n_future_positions, device=newest.device)
+        fcos, fsin = facts.rope(future)  # [U, F, D]
+        c, s = fcos.mean(1)[row_of], fsin.mean(1)[row_of]  # [B, D]
         mu_future = c[:, None] * mu + s[:, None] * rotate_half(mu)
         if not self.use_covariance:
             return mu_future, torch.zeros_like(cov)
