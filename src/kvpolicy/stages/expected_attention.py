@@ -82,8 +82,9 @@ class ExpectedAttentionScorer(Scorer):
         used = (inp.query_valid & (qpos >= self.n_sink)).to(pre.device)
         weight = used.float()[:, None, :, None]
         count = used.sum(-1).clamp_min(1).float()[:, None, None]  # [B, 1, 1]
-        mu = (pre * weight).sum(2) / count
-        centred = (pre - mu[:, :, None]) * weight
+        every = bool(used.all())  # weights all 1 (x * 1.0 is x): the two products skipped
+        mu = (pre if every else pre * weight).sum(2) / count
+        centred = pre - mu[:, :, None] if every else (pre - mu[:, :, None]) * weight
         cov = centred.transpose(-1, -2) @ centred / count[..., None]
         # The mean rotation over the future positions: R = diag(c) + diag(s) P, P x = rotate_half(x).
         newest = qpos.amax(-1).clamp_min(0)  # [B]
