@@ -54,13 +54,15 @@ class ExpectedAttentionScorer(Scorer):
         mu, cov = self.future_statistics(inp)  # [B, Hq, D], [B, Hq, D, D]
         keys = inp.keys.float()
         logits = torch.einsum("bhgd,bhnd->bhgn", mu.view(b, hkv, g, d), keys) / math.sqrt(d)
-        if self.use_covariance:  # k^T Sigma' k in tiles of slots: [B, Hkv, G, n, D] at a time
-            cov = cov.view(b, hkv, g, d, d)
+        if self.use_covariance:  # k^T Sigma' k in tiles of slots: [B, Hkv, n, G, D] at a time
+            # The G heads' Sigma' side by side, [B * Hkv, D, G * D], laid out once for every tile.
+            cov = cov.view(b, hkv, g, d, d).permute(0, 1, 3, 2, 4).reshape(b * hkv, d, g * d)
             chunk = max(1, self.tile_elements // max(1, b * hkv * g * d))
             for s0 in range(0, n, chunk):
                 k = keys[:, :, s0 : s0 + chunk]
-                spread = torch.einsum("bhnd,bhgde->bhgne", k, cov)
-                logits[..., s0 : s0 + chunk] += (spread * k[:, :, None]).sum(-1) / (2 * d)
+                m = k.shape[2]
+                spread = torch.bmm(k.reshape(b * hkv, m, d), cov).view(b, hkv, m, g, d)
+                logits[..., s0 : s0 + chunk] += (spread * k[:, :, :, None]).sum(-1).transpose(2, 3) / (2 * d)
         inside = inp.slot_valid & (inp.positions >= self.n_sink)
         if self.softmax_over == "candidates":
             inside = inside & inp.candidate_mask
