@@ -27,10 +27,10 @@ _ATTENTION = {"absorbed": StateField(torch.float32, 0.0)}  # the attention mass 
 class _Spread:
     """What the window slots of an eviction receive (``CamMerge._spread``), by rank among them.
 
-    ``slots [B, Hkv, R]``: each rank's slot (``N`` past a row's last window slot), ``present [B,
-    Hkv, R]`` bool: a real rank; ``num [B, Hkv, R, Dv]``: the sum of ``share * v_i`` it received;
-    ``den``, ``hit [B, Hkv, N]``: by slot, the sum of shares and whether any arrived (counted,
-    not summed, so exact)."""
+    ``slots [B, Hkv, R]``: each rank's slot (0 at a padding rank), ``present [B, Hkv, R]`` bool:
+    a real rank; ``num [B, Hkv, R, Dv]``: the sum of ``share * v_i`` it received; ``den``, ``hit
+    [B, Hkv, N]``: by slot, the sum of shares and whether any arrived (counted, not summed, so
+    exact)."""
 
     slots: torch.Tensor
     present: torch.Tensor
@@ -40,18 +40,16 @@ class _Spread:
 
     def targets_of(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hkv, N, ...]`` at each rank's slot: ``[B, Hkv, R, ...]`` (slot 0's at padding ranks)."""
-        index = torch.where(self.present, self.slots, 0)
         if x.dim() == 3:
-            return x.gather(-1, index)
-        return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
+            return x.gather(-1, self.slots)
+        return x.gather(2, self.slots[..., None].expand(*self.slots.shape, x.shape[-1]))
 
     def written(self, values: torch.Tensor, merged: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
         """``values`` as float32 with ``merged [B, Hkv, R, Dv]`` written over the slots ``changed
         [B, Hkv, N]`` says (every other slot's value exactly as it was)."""
         out = values.to(torch.float32, copy=True)
-        index = torch.where(self.present, self.slots, 0)
-        take = self.present & changed.gather(-1, index)
-        out[take.nonzero(as_tuple=True)[:2] + (index[take],)] = merged[take].to(torch.float32)
+        take = self.present & changed.gather(-1, self.slots)
+        out[take.nonzero(as_tuple=True)[:2] + (self.slots[take],)] = merged[take].to(torch.float32)
         return out
 
 
@@ -251,19 +249,10 @@ class CamMerge(Merge):
         count = torch.zeros(b, h, ranks + 2, dtype=torch.int32, device=v.device)
         count.scatter_add_(2, lo, moving.int()).scatter_add_(2, hi, -moving.int())
         added, touched = delta.cumsum(2)[:, :, :ranks], (count.cumsum(2)[:, :, :ranks] > 0) & present
-        den = torch.zeros(b, h, n, dtype=weight.dtype, device=v.device)
-        hit = torch.zeros(b, h, n, dtype=torch.bool, device=v.device)
-        slot = torch.where(present, by_rank, n)  # padding entries to a sink column
-        den = torch.cat([den, den[..., :1]], -1).scatter_(-1, slot, added[..., dv])[..., :n]
-        hit = torch.cat([hit, hit[..., :1]], -1).scatter_(-1, slot, touched)[..., :n]
-        return _Spread(slot, present, added[..., :dv], den, hit)
-
-    @staticmethod
-    def _kept_rank(inp: EvictionInput, keep: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        keep_s = keep.gather(-1, order)
-        rank_s = keep_s.long().cumsum(-1) - 1
-        rank = torch.empty_like(rank_s).scatter_(-1, order, rank_s)
-        return torch.where(keep, rank, 0)
+        sink = torch.where(present, by_rank, n)  # padding ranks to a sink column, dropped
+        den = torch.zeros(b, h, n + 1, dtype=weight.dtype, device=v.device).scatter_(-1, sink, added[..., dv])[..., :n]
+        hit = torch.zeros(b, h, n + 1, dtype=torch.bool, device=v.device).scatter_(-1, sink, touched)[..., :n]
+        return _Spread(torch.where(present, by_rank, 0), present, added[..., :dv], den, hit)
 
     def _targets(self, inp: EvictionInput, keep: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, N]`` bool: the kept slots a window may hold (under ``attention``, not the
