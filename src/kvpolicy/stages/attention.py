@@ -177,9 +177,12 @@ def window_attention(
         k_tile = keys[b0:b1].transpose(1, 2)
         if upcast_keys:
             k_tile = k_tile.float()  # once per tile of KV heads, shared by its query heads
-        # The mask as a bias added to the logits, 1 - 1/visible: 0 where a query sees a slot, -inf
-        # where not, several times cheaper than masked_fill_ with a bool mask on CPU.
-        bias = None if seen is None else torch.rsub(seen[b0:b1].view(torch.uint8).float().reciprocal_(), 1.0)
+        # On CPU the mask is a bias added to the logits, 1 - 1/seen: 0 where a query sees a slot,
+        # -inf where not, several times cheaper there than masked_fill_ with a bool mask. Not on a
+        # GPU, where masked_fill_ is cheap and the overflow check below would synchronise each tile.
+        bias = None
+        if seen is not None and in_place:
+            bias = torch.rsub(seen[b0:b1].view(torch.uint8).float().reciprocal_(), 1.0)
         for g0 in range(0, g, g_tile):
             g1 = min(g, g0 + g_tile)
             tile(b0, b1, g0, g1, k_tile, bias)
