@@ -80,7 +80,9 @@ class LagScorer(Scorer):
         # Every slot held (packed rows, vLLM's): partition p is slots [sink + p * lag, sink + (p + 1) * lag)
         # of every row, reduced by a reshape instead of a scatter (the same minima and maxima).
         packed = (self.sink, max(n - self.sink, 0) // lag, lag) if bool(valid.all()) else None
-        if not bool(scored.any()):  # no partition has a reference yet (fewer than sink + 2 * lag held): 0 before the ranks below
+        # No partition has a reference yet (fewer than sink + 2 * lag held): every slot is a sink or
+        # the tail, whose scores below replace these, so the statistics are not computed.
+        if not bool(scored.any()):
             score = torch.zeros(b, h, n, device=valid.device)
         else:
             score = self._states_score(inp.keys, index, in_part, scored, parts, packed)
