@@ -434,3 +434,21 @@ def test_an_in_place_compaction_rewrites_only_what_moves_and_leaves_what_a_full_
         assert all(torch.equal(a, b) for a, b in zip(kept_slots(dst, kv), want, strict=True))
     for _, kv in caches[1:4]:  # in place: the whole cache alike, whatever was rewritten
         assert all(torch.equal(a, b) for x, y in zip(kv, caches[0][1], strict=True) for a, b in zip(x, y, strict=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 9), st.data())
+def test_a_requests_heads_are_uneven_when_some_head_holds_fewer_than_its_room(layers, kv_heads, room, data):
+    """``RequestRecord.uneven``, read at every step from the fewest count noted at the eviction,
+    is the test over every head's count: some head holds fewer slots than the request's room."""
+    from kvpolicy.vllm.requests import KeptSlots, RequestPolicy, RequestRecord
+    from kvpolicy.vllm.settings import Resolved
+
+    record = RequestRecord(RequestPolicy(Resolved(None, "none", 0), None))
+    assert not record.uneven  # before any eviction every head holds every slot
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, room), min_size=layers * kv_heads,
+                                             max_size=layers * kv_heads))).view(layers, kv_heads)
+    record.counted_heads(counts)
+    assert not record.uneven  # no kept slots recorded yet
+    record.kept = KeptSlots(torch.zeros(layers, kv_heads, room, dtype=torch.long))
+    assert record.uneven == bool((counts < room).any())

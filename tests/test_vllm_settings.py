@@ -305,3 +305,19 @@ def test_a_per_layer_split_the_model_cannot_take_is_refused_by_name():
         layer_schedules(tight, 30, 3)
     roomy = load_policy("pyramidkv", budget=32, recent=16, interval=16, window=16)
     assert min(s.budget for s in layer_schedules(roomy, 30, 3)) > 16
+
+
+def test_a_resolved_policy_is_loaded_once_per_process_and_distinct_policy():
+    """Every KV-cache group of a per-layer server asks for its request's policy: one load serves them."""
+    from kvpolicy.vllm import settings
+
+    r = resolve({"policy": "pyramidkv", "budget": 96})
+    before = settings.loaded.cache_info()
+    first = r.policy()
+    same = [Resolved.from_additional_config({"kvpolicy": r.to_dict()}).policy() for _ in range(30)]
+    assert all(p is first for p in same)
+    after = settings.loaded.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 30
+    other = resolve({"policy": "pyramidkv", "budget": 128}).policy()  # another YAML: its own load
+    assert other is not first and other.budget == 128 and first.budget == 96
+    assert Resolved(r.policy_yaml, r.source, r.seed + 1).policy().resolve_seed() == r.seed + 1

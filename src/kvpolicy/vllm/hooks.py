@@ -192,9 +192,6 @@ def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
     return None
 
 
-_PROMPT_POLICIES: dict[tuple[str | None, str | None], Any] = {}  # front end: by request and server policy YAML
-
-
 def _prompt_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
     """Why a request's prompt cannot be served by its policy (one that keeps the whole prompt,
     with a budget too small for it: ``Policy.prompt_refusal``), before it runs."""
@@ -204,11 +201,7 @@ def _prompt_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str |
     params, prompt = request.sampling_params, request.prompt_token_ids
     if server is None or params is None or prompt is None:
         return None
-    r = settings.request_policy(resolved_args, server)
-    key = (r.policy_yaml, server.policy_yaml)
-    if key not in _PROMPT_POLICIES:
-        _PROMPT_POLICIES[key] = r.policy()
-    policy = _PROMPT_POLICIES[key]
+    policy = settings.request_policy(resolved_args, server).policy()
     new_tokens = None if params.max_tokens is None else int(params.max_tokens)
     return None if policy is None else policy.prompt_refusal(len(prompt), new_tokens)
 
@@ -239,19 +232,12 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
                                   bool(vllm_config.cache_config.enable_prefix_caching), head_caps)
 
 
-_PER_LAYER: dict[str | None, bool] = {}  # by the server's resolved policy YAML
-
-
 def _per_layer_server(vllm_config: Any) -> bool:
     """Whether the server's policy keeps per-layer budgets (``settings.per_layer``)."""
     from . import settings
 
     server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-    if server is None:
-        return False
-    if server.policy_yaml not in _PER_LAYER:
-        _PER_LAYER[server.policy_yaml] = settings.per_layer(server.policy())
-    return _PER_LAYER[server.policy_yaml]
+    return server is not None and settings.per_layer(server.policy())
 
 
 def _install_scheduler() -> None:

@@ -334,7 +334,7 @@ class PagedCache:
         out = []
         for j, req_id in enumerate(held.req_ids):
             if place.counts is not None:
-                self.records[req_id].head_counts = place.counts[:, j].clone()
+                self.records[req_id].counted_heads(place.counts[:, j].clone())
             out.append(self._evicted(req_id, int(held.rows[j]), place.slots[j], new_tables[j], table))
         if self.trace is not None:  # per head, the kept mask [B, Hkv, N] and each head's count
             self.trace.eviction(step=self.step, head_offset=self.head_offset, layers=self.layer_ids, resolved=rp.resolved,
@@ -417,7 +417,7 @@ class PagedCache:
 
     def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
         """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""
-        rows = [i for i, q in enumerate(plan.req_ids) if self._uneven(self.records[q])]
+        rows = [i for i, q in enumerate(plan.req_ids) if self.records[q].uneven]
         self.head_decodes = [i for i in rows if int(plan.scheduled[i]) == 1]
         if not rows:
             return None
@@ -430,12 +430,6 @@ class PagedCache:
     def skipped_rows(self) -> list[int]:
         """The rows attended by ``attend_heads`` alone (one-token steps), which vLLM's kernel skips."""
         return self.head_decodes
-
-    @staticmethod
-    def _uneven(record: RequestRecord) -> bool:
-        """Whether the request's heads hold different counts (some head fewer than its room)."""
-        counts, kept = record.head_counts, record.kept
-        return counts is not None and kept is not None and bool((counts < kept.count).any())
 
     def attend_heads(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float,
                      kernel: CpuBlocks | None = None) -> None:

@@ -237,8 +237,10 @@ class RequestRecord:
     head_state: dict[str, torch.Tensor] | None = None
     observed: int = 0
     #: Per-head budgets (``Policy.per_head``): each head's kept count ``[Lyr, Hkv]`` (host) since its
-    #: last eviction; None: every head holds every slot of the block table.
+    #: last eviction, and the fewest of them (read at every step: ``uneven``); None: every head
+    #: holds every slot of the block table.
     head_counts: torch.Tensor | None = None
+    fewest_head: int | None = None
     #: Layer budgets decided from the prompt (CAKE): its layer schedule from its first eviction on
     #: (kept through preemption, for the replay), and whether its block table keeps the blocks past
     #: its kept slots until the scheduler, which learns the budget from the step's output, frees them.
@@ -251,6 +253,15 @@ class RequestRecord:
     #: The request's prompt tokens (vLLM's ``num_prompt_tokens``), set by every step that runs it
     #: (``PagedCache.begin_step``): what a stage reading the prompt gets (``prompt_lengths``).
     prompt_len: int | None = None
+
+    def counted_heads(self, counts: torch.Tensor) -> None:
+        """Each head's kept count ``[Lyr, Hkv]`` after an eviction under per-head budgets."""
+        self.head_counts, self.fewest_head = counts, int(counts.min())
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the request's heads hold different counts (some head fewer than its room)."""
+        return self.fewest_head is not None and self.kept is not None and self.fewest_head < self.kept.count
 
     def head_fields(self, layers: int, kv_heads: int, device: torch.device) -> dict[str, torch.Tensor]:
         """The request's per-head state fields, ``[Lyr, Hkv]`` each (initial on first use)."""

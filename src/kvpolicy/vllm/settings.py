@@ -30,6 +30,7 @@ This module imports nothing from vLLM at import time and nothing from ``kvpolicy
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from contextlib import nullcontext
@@ -104,7 +105,16 @@ class Resolved:
         return cls(r["policy_yaml"], r["source"], int(r["seed"]), r.get("trace"))
 
     def policy(self) -> Policy | None:
-        return None if self.policy_yaml is None else load_policy(self.policy_yaml, seed=self.seed)
+        """The policy, loaded once per process (``loaded``)."""
+        return None if self.policy_yaml is None else loaded(self.policy_yaml, self.seed)
+
+
+@functools.lru_cache(maxsize=64)
+def loaded(policy_yaml: str, seed: int) -> Policy:
+    """A resolved policy's YAML loaded, once per process and distinct policy: the front end, the
+    scheduler and every KV-cache group of a worker share it (a ``Policy`` is not changed once
+    loaded). A server of a group per layer would otherwise load it once per layer at its first step."""
+    return load_policy(policy_yaml, seed=seed)
 
 
 def requested(additional: Any) -> dict[str, Any] | None:
