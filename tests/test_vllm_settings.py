@@ -321,3 +321,24 @@ def test_a_resolved_policy_is_loaded_once_per_process_and_distinct_policy():
     other = resolve({"policy": "pyramidkv", "budget": 128}).policy()  # another YAML: its own load
     assert other is not first and other.budget == 128 and first.budget == 96
     assert Resolved(r.policy_yaml, r.source, r.seed + 1).policy().resolve_seed() == r.seed + 1
+
+
+def test_what_is_derived_per_policy_is_kept_for_the_policies_used_last():
+    """Clients may send any number of distinct policies: a long-running server keeps what it derived
+    for the ``size`` used last (``PerPolicy``), making each once while it is kept."""
+    from kvpolicy.vllm.settings import PerPolicy
+
+    made: list[str] = []
+
+    def make(key: str):
+        return lambda: made.append(key) or f"plan of {key}"
+
+    kept: PerPolicy[str, str] = PerPolicy(size=2)
+    assert kept.get_or_make("a", make("a")) == "plan of a"
+    assert kept.get_or_make("a", make("a")) == "plan of a" and made == ["a"]
+    kept.get_or_make("b", make("b"))
+    kept.get_or_make("a", make("a"))  # used last: "b" is now the oldest
+    kept.get_or_make("c", make("c"))
+    assert list(kept) == ["a", "c"] and made == ["a", "b", "c"]
+    kept.get_or_make("b", make("b"))  # dropped, so made again
+    assert made == ["a", "b", "c", "b"] and len(kept) == 2

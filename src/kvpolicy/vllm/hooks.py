@@ -33,6 +33,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from .settings import PerPolicy
+
 _INSTALLED = False
 
 
@@ -157,8 +159,8 @@ def _install_frontend() -> None:
         return request
 
 
-_SCHEDULES: dict[tuple[str | None, str | None], Any] = {}  # front end: by request and server policy YAML
-_MODEL_REFUSALS: dict[tuple[str | None, str, str | None], str | None] = {}  # front end: by policy YAML, model, server policy
+_SCHEDULES: PerPolicy[tuple[str | None, str | None], Any] = PerPolicy()  # front end: by request and server policy YAML
+_MODEL_REFUSALS: PerPolicy[tuple[str | None, str, str | None], str | None] = PerPolicy()  # by policy YAML, model, server's
 
 
 def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
@@ -170,14 +172,16 @@ def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
     r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
     server = settings.Resolved.from_additional_config(vllm_config.additional_config)
     key = (r.policy_yaml, str(vllm_config.model_config.model), None if server is None else server.policy_yaml)
-    if key not in _MODEL_REFUSALS:
+
+    def refusal() -> str | None:
         policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
         per_layer = _per_layer_server(vllm_config)
-        _MODEL_REFUSALS[key] = (settings.model_refusal(policy, vllm_config.model_config)
-                                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size))
-                                or settings.layer_group_refusal(policy, per_layer)
-                                or (_layer_split_refusal(vllm_config, policy) if per_layer else None))
-    return _MODEL_REFUSALS[key]
+        return (settings.model_refusal(policy, vllm_config.model_config)
+                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size))
+                or settings.layer_group_refusal(policy, per_layer)
+                or (_layer_split_refusal(vllm_config, policy) if per_layer else None))
+
+    return _MODEL_REFUSALS.get_or_make(key, refusal)
 
 
 def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
@@ -219,14 +223,16 @@ def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | N
         return None
     r = settings.request_policy(resolved_args, server)
     key = (r.policy_yaml, server.policy_yaml)
-    if key not in _SCHEDULES:
+
+    def schedules_of() -> tuple[list[Any], list[int | None]]:
         policy = r.policy()
         heads = sched_mod.kv_heads_per_rank(vllm_config)
         # Under per-layer budgets a block holds one layer: the request needs each layer's blocks.
         layers = list(range(sched_mod.num_layers(vllm_config))) if _per_layer_server(vllm_config) else None
-        _SCHEDULES[key] = (settings.group_schedules(policy, layers, heads),  # select mode: held whole, as `none`
-                           settings.group_head_caps(policy, layers, heads))
-    schedules, head_caps = _SCHEDULES[key]
+        return (settings.group_schedules(policy, layers, heads),  # select mode: held whole, as `none`
+                settings.group_head_caps(policy, layers, heads))
+
+    schedules, head_caps = _SCHEDULES.get_or_make(key, schedules_of)
     return sched_mod.pool_refusal(schedules, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
                                   int(vllm_config.cache_config.block_size),
                                   bool(vllm_config.cache_config.enable_prefix_caching), head_caps)

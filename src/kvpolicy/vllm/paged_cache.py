@@ -52,7 +52,7 @@ from .requests import (
     stacked_state,
     stored_state,
 )
-from .settings import Resolved
+from .settings import PerPolicy, Resolved
 from .support import KVPolicyVLLMError
 from .trace import EvictionTrace
 
@@ -96,7 +96,7 @@ class PagedCache:
         self.head_offset, self.prefix_caching = head_offset, prefix_caching
         self.resolve = policy_of
         self.ledger = SlotLedger()
-        self.policies: dict[str | None, RequestPolicy] = {}  # by resolved policy YAML
+        self.policies: PerPolicy[str | None, RequestPolicy] = PerPolicy()  # by resolved policy YAML
         self.records: dict[str, RequestRecord] = {}  # by request
         self.rings: dict[int, RequestQueryRing] = {}  # by window size
         # This step's chunks longer than their window under state that sees every query (seen layer
@@ -153,11 +153,9 @@ class PagedCache:
 
     def _policy_plan(self, r: Resolved) -> RequestPolicy:
         """A resolved policy as this cache runs it (``RequestPolicy.load``), once per distinct policy."""
-        rp = self.policies.get(r.policy_yaml)
-        if rp is None:
-            rp = self.policies[r.policy_yaml] = RequestPolicy.load(
-                r, self.check_policy, self.kv_heads, None if self.model_layers is None else (self.layer_ids[0], self.model_layers))
-        return rp
+        layer = None if self.model_layers is None else (self.layer_ids[0], self.model_layers)
+        return self.policies.get_or_make(r.policy_yaml,
+                                         lambda: RequestPolicy.load(r, self.check_policy, self.kv_heads, layer))
 
     def check_policy(self, policy: Policy | None) -> None:
         """Refuse a policy this rank cannot serve (``refusals.worker_refusal``'s reason)."""

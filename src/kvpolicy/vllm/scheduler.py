@@ -63,7 +63,7 @@ from ..schedule import Schedule
 from .budgets import evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
 from .plans import PolicyPlan
-from .settings import Resolved, request_policy
+from .settings import PerPolicy, Resolved, request_policy
 from .support import KVPolicyVLLMError
 from .trace import trace_stem
 
@@ -152,7 +152,7 @@ class SchedulerEviction:
         self.ledger = self.ledgers[0]
         self.server_per_layer = self.group_layers is not None
         self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)  # what a per-head bound counts
-        self.plans: dict[str | None, PolicyPlan] = {}  # each distinct policy's, by its resolved YAML
+        self.plans: PerPolicy[str | None, PolicyPlan] = PerPolicy()  # each distinct policy's, by its resolved YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
         self.trace = Path(resolved.trace) / f"{trace_stem('scheduler')}.jsonl" if resolved.trace else None
@@ -181,11 +181,9 @@ class SchedulerEviction:
         plan = request.__dict__.get(PLAN_ATTR)
         if plan is None:
             r = request_policy(request.sampling_params.extra_args, self.resolved)  # raises for unresolved settings
-            plan = self.plans.get(r.policy_yaml)
-            if plan is None:
-                plan = self.plans[r.policy_yaml] = PolicyPlan.build(
-                    r, self.group_layers, self.kv_heads, self.server_per_layer, self.scheduler.vllm_config.model_config,
-                    self.missing_facts, self.fingerprints)
+            plan = self.plans.get_or_make(r.policy_yaml, lambda: PolicyPlan.build(
+                r, self.group_layers, self.kv_heads, self.server_per_layer, self.scheduler.vllm_config.model_config,
+                self.missing_facts, self.fingerprints))
             request.__dict__[PLAN_ATTR] = plan
         return plan
 

@@ -33,9 +33,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import PolicyError
 from ..loading import load_policy
@@ -109,7 +111,34 @@ class Resolved:
         return None if self.policy_yaml is None else loaded(self.policy_yaml, self.seed)
 
 
-@functools.lru_cache(maxsize=64)
+#: How many distinct policies a process keeps what it derived from them for (``loaded``, ``PerPolicy``).
+POLICIES_KEPT = 64
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class PerPolicy(OrderedDict[K, V]):
+    """What a process derives once per distinct policy (a plan, a schedule, a refusal), kept for
+    the ``size`` policies used last: clients may send any number of distinct policies, and a
+    server that runs for months must not keep them all. A request keeps what it was given, so
+    dropping an entry only means deriving it again for the next request that names it."""
+
+    def __init__(self, size: int = POLICIES_KEPT) -> None:
+        super().__init__()
+        self.size = size
+
+    def get_or_make(self, key: K, make: Callable[[], V]) -> V:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = self[key] = make()
+        if len(self) > self.size:
+            self.popitem(last=False)
+        return value
+
+
+@functools.lru_cache(maxsize=POLICIES_KEPT)
 def loaded(policy_yaml: str, seed: int) -> Policy:
     """A resolved policy's YAML loaded, once per process and distinct policy: the front end, the
     scheduler and every KV-cache group of a worker share it (a ``Policy`` is not changed once
