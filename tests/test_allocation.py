@@ -495,3 +495,15 @@ def test_select_mode_attends_each_layers_own_budget():
             if held > budgets[layer]:  # a selection: the layer's budget plus the tokens since it chose
                 attended = valid.sum(-1)
                 assert bool((attended >= budgets[layer]).all()) and bool((attended < budgets[layer] + 8).all())
+
+
+def test_layer_schedules_are_computed_once_per_shape_and_handed_out_as_copies():
+    """Every KV-cache group of a vLLM worker asks for the same layer schedules: computed once per
+    (layers, KV heads), each caller gets its own list (changing it changes no other's)."""
+    policy = load_policy("pyramidkv", budget=96)
+    first = policy.layer_schedules(30, 3)
+    first[0] = None
+    again = policy.layer_schedules(30, 3)
+    assert again is not first and again[0] is not None and again == policy.layer_schedules(30, 3)
+    assert [s.budget for s in again] == [s.budget for s in load_policy("pyramidkv", budget=96).layer_schedules(30, 3)]
+    assert len(policy.layer_schedules(12, 3)) == 12  # another shape: its own

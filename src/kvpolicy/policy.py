@@ -41,6 +41,7 @@ class Policy:
         # The mapping the config was validated from: overrides re-apply to it, so that relative
         # fields (StreamingLLM's ``recent: budget - 4``) follow an overridden budget.
         self._source = dict(source) if isinstance(source, Mapping) else None
+        self._layer_schedules: dict[tuple[int, int | None], tuple[Schedule, ...]] = {}
 
     # -- descriptive ------------------------------------------------------------------------
     @property
@@ -539,9 +540,12 @@ class Policy:
                 policy's schedule passed at load: a chunk or a page larger than the layer's room);
                 the problem names the ``allocation`` field and the layer.
         """
-        return self._checked(self.config.allocation.layer_schedules(
-            self.schedule, self.config.reservations, num_layers, num_kv_heads, self.name
-        ))
+        key = (num_layers, num_kv_heads)
+        if key not in self._layer_schedules:  # a pure function of the policy: every group of a vLLM worker asks
+            self._layer_schedules[key] = tuple(self._checked(self.config.allocation.layer_schedules(
+                self.schedule, self.config.reservations, num_layers, num_kv_heads, self.name
+            )))
+        return list(self._layer_schedules[key])
 
     def _checked(self, schedules: list[Schedule]) -> list[Schedule]:
         """``schedules``, once every layer's budget passes the load's checks of the policy's own
