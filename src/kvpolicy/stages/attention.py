@@ -142,7 +142,7 @@ def window_attention(
     # which is what makes this faster than writing out the bare Q K^T product.
     g_tile = g if reduce_first else max(1, min(g, tile_elements // max(1, w * c)))
     bh_tile = max(1, tile_elements // max(1, g * w * c)) if g_tile == g else 1
-    in_place = inp.keys.device.type == "cpu"  # softmax(out=input) is only relied on on CPU
+    on_cpu = inp.keys.device.type == "cpu"  # softmax(out=input) and the mask as a bias: relied on on CPU only
     # What each query may see: [BH, W, C], or [BH, 1, C] where only padding is hidden; None: all.
     seen = visible if visible is not None else valid[:, None, :] if masked else None
     empty = no_slot if no_slot is not None and bool(no_slot.any()) else None  # queries that see no slot
@@ -165,7 +165,7 @@ def window_attention(
         if reduce_first:
             reduce = torch.amax if group_reduce == "max" else torch.mean
             logits = reduce(logits, dim=1, keepdim=True) if group_reduce != "sum" else logits.sum(1, keepdim=True)
-        probs = torch.softmax(logits, dim=-1, out=logits) if in_place else torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1, out=logits) if on_cpu else torch.softmax(logits, dim=-1)
         if empty is not None:  # their softmax is NaN; any other NaN is an overflow, left for the guard
             probs = probs.masked_fill_(empty[b0:b1, None, :, None], 0.0)
         # The window reduction as one batched mat-vec that reads the tile once.
@@ -181,7 +181,7 @@ def window_attention(
         # -inf where not, several times cheaper there than masked_fill_ with a bool mask. Not on a
         # GPU, where masked_fill_ is cheap and the overflow check below would synchronise each tile.
         bias = None
-        if seen is not None and in_place:
+        if seen is not None and on_cpu:
             bias = torch.rsub(seen[b0:b1].view(torch.uint8).float().reciprocal_(), 1.0)
         for g0 in range(0, g, g_tile):
             g1 = min(g, g0 + g_tile)
