@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -14,6 +16,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("kvpolicy")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ``make test`` runs a pytest-xdist worker per core: each worker, and every command it starts,
+    # runs one intra-op thread (two workers of the machine's every thread each ran slower).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
