@@ -262,21 +262,27 @@ def test_prompt_refusal_before_admission():
 
 
 def test_vllm_refuses_such_a_request_before_it_runs():
-    """vLLM's front end (and the engine core's admission) ask ``Policy.prompt_refusal`` with the
-    request's prompt and ``max_tokens``: the request fails alone instead of at an eviction."""
+    """vLLM's front end and the engine core's admission ask ``PolicyPlan.request_refusal`` with
+    the request's prompt and ``max_tokens`` (hence ``Policy.prompt_refusal``): the request fails
+    alone instead of at an eviction."""
     from types import SimpleNamespace
 
-    from kvpolicy.vllm import hooks
+    from kvpolicy.vllm.plans import PolicyPlan
+    from kvpolicy.vllm.settings import Resolved
 
     policy = load_policy(NAME, budget=64)
-    config = SimpleNamespace(additional_config={"kvpolicy": {"resolved": {
-        "policy_yaml": policy.to_yaml(), "source": NAME, "seed": 0}}})
+    config = SimpleNamespace(model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: 2),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(block_size=16))
+    plan = PolicyPlan.build(Resolved(policy.to_yaml(), NAME, 0), config, None)
 
-    def request(prompt: int, max_tokens: int | None):
-        return SimpleNamespace(prompt_token_ids=list(range(prompt)), sampling_params=SimpleNamespace(max_tokens=max_tokens))
+    def refusal(prompt: int, max_tokens: int | None, pool: int | None = None) -> str | None:
+        return plan.request_refusal(prompt, max_tokens, pool, 16, False)
 
-    assert "prompt of 65 tokens does not fit the 64 slots" in hooks._prompt_refusal(config, request(65, 100), None)
-    assert hooks._prompt_refusal(config, request(64, 100), None) is None
-    assert hooks._prompt_refusal(config, request(40, 24), None) is None  # never past the budget: never evicts
-    assert hooks._prompt_refusal(config, request(65, None), None) is not None
-    assert hooks._prompt_refusal(SimpleNamespace(additional_config={}), request(65, 100), None) is None  # no kvpolicy
+    assert "prompt of 65 tokens does not fit the 64 slots" in (refusal(65, 100) or "")
+    assert refusal(64, 100) is None
+    assert refusal(40, 24) is None  # never past the budget: never evicts
+    assert refusal(65, None) is not None
+    interval = policy.schedule.interval  # its peak: the budget and an interval's tokens, in blocks of 16
+    assert refusal(64, 100, pool=(64 + interval) // 16) is None
+    assert f"more than the {(64 + interval) // 16 - 1} the KV pool" in (refusal(64, 100, pool=(64 + interval) // 16 - 1) or "")

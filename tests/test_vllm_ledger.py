@@ -181,7 +181,7 @@ def test_preempted_during_a_replay_keeps_the_points_not_yet_replayed():
 
 def test_peak_slots_and_the_pool_check():
     from kvpolicy.vllm.ledger import peak_slots
-    from kvpolicy.vllm.scheduler import pool_refusal, request_need_blocks
+    from kvpolicy.vllm.plans import pool_refusal, request_need_blocks
 
     snap = load_policy("snapkv", budget=128).schedule  # interval 64
     assert peak_slots(snap, 40, 10_000) == 192 and peak_slots(snap, 300, 10_000) == 320
@@ -210,7 +210,7 @@ def test_would_fire_on_a_replay_looks_past_its_points_without_error():
 
 def test_the_pool_check_counts_every_layers_blocks_under_per_layer_budgets():
     """A block of a per-layer KV-cache group holds one layer: a request needs each layer's blocks."""
-    from kvpolicy.vllm.scheduler import pool_refusal, request_need_blocks
+    from kvpolicy.vllm.plans import pool_refusal, request_need_blocks
     from kvpolicy.vllm.settings import group_schedules
 
     pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)

@@ -327,8 +327,10 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
     monkeypatch.setattr(sched_mod, "_STATE", None)
     requests: dict[str, SimpleNamespace] = {}
     model = SimpleNamespace(get_num_kv_heads=lambda parallel: 2)
-    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
-                                                            model_config=model, parallel_config=None),
+    scheduler = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True,
+                                                                                         block_size=BLOCK),
+                                                            model_config=model,
+                                                            parallel_config=SimpleNamespace(tensor_parallel_size=1)),
                                 requests=requests,  # one KV-cache group for every layer
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))

@@ -7,10 +7,10 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | process | class.method (vllm 0.32) | what kvpolicy adds |
 | --- | --- | --- |
 | front end | ``vllm.engine.arg_utils.EngineArgs.create_engine_config`` | resolve the policy, refuse what cannot run |
-| front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one, or a prompt its policy must keep whole and cannot (``Policy.prompt_refusal``), fails that request (``VLLMValidationError``: HTTP 400) |
+| front end | ``vllm.v1.engine.input_processor.InputProcessor.process_inputs`` | resolve a request's own policy (``extra_args``); a bad one, one the server cannot serve, or a request its policy cannot run (``PolicyPlan.request_refusal``: a prompt it must keep whole and cannot, more blocks than the pool has) fails that request (``VLLMValidationError``: HTTP 400) |
 | engine core | ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` / ``schedule`` / ``update_from_output`` | a ``SlotLedger``; free the blocks past the kept slots when a step that evicts is scheduled; the trace |
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
-| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give (``ModelFacts.missing``), asked once of every rank (``collective_rpc``); the executor kept for the scheduler, which asks the workers for the layer budgets they decided (CAKE) |
+| engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give and their model fingerprints, asked once of every rank (``collective_rpc``), and the executor, kept for the scheduler (``scheduler.Workers``), which asks the workers for the layer budgets they decided (CAKE) |
 | engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, whose prompt its policy cannot keep whole, or whose policy needs a model fact the workers cannot give, fails alone |
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
@@ -129,113 +129,48 @@ def _install_frontend() -> None:
         extra = params.extra_args if isinstance(params, SamplingParams) else None  # PoolingParams carry none
         try:
             resolved_args = settings.resolve_request(extra)
-            if resolved_args is not None and settings.Resolved.from_additional_config(
-                self.vllm_config.additional_config
-            ) is None:
+            plan = _front_plan(self, resolved_args)
+            if resolved_args is not None and plan is None:
                 raise settings.KVPolicyVLLMError(
                     "this server runs without kvpolicy, so requests cannot choose a policy; start it with "
                     '--additional-config \'{"kvpolicy": {"policy": "none"}}\' (no eviction unless a request '
                     "asks) or with a default policy"
                 )
-            tp = self.vllm_config.parallel_config.tensor_parallel_size
-            if resolved_args is not None and tp > 1:  # only split heads can refuse: no policy load per request otherwise
-                own = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
-                shard = settings.shard_refusal(own.policy(), tp)
-                if shard is not None:
-                    raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {shard}")
-            model = None if resolved_args is None else _model_refusal(self.vllm_config, resolved_args)
-            if model is not None:
-                raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {model}")
+            if resolved_args is not None and plan is not None and plan.refusal is not None:
+                raise settings.KVPolicyVLLMError(f"this request's kvpolicy settings: {plan.refusal}")
         except settings.KVPolicyVLLMError as exc:
             raise VLLMValidationError(str(exc), parameter="extra_args.kvpolicy") from None
         request = original(self, request_id, prompt, params, *args, **kwargs)
         if resolved_args is not None:
             # The request's private copy of its params: the caller's object is not changed.
             request.sampling_params.extra_args = resolved_args
-        refusal = (_prompt_refusal(self.vllm_config, request, resolved_args)
-                   or _pool_refusal(self.vllm_config, request, resolved_args))
+        params, prompt = request.sampling_params, request.prompt_token_ids  # contract.ENGINE_CORE_REQUEST: None for
+        if plan is None or params is None or prompt is None:                # pooling, prompt ids None for embeddings
+            return request
+        cache = self.vllm_config.cache_config
+        blocks = cache.num_gpu_blocks  # None until the engine has sized the pool
+        refusal = plan.request_refusal(len(prompt), None if params.max_tokens is None else int(params.max_tokens),
+                                       int(blocks) - 1 if blocks else None, int(cache.block_size),
+                                       bool(cache.enable_prefix_caching))
         if refusal is not None:
             raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
         return request
 
 
-_SCHEDULES: PerPolicy[tuple[str | None, str | None], Any] = PerPolicy()  # front end: by request and server policy YAML
-_MODEL_REFUSALS: PerPolicy[tuple[str | None, str, str | None], str | None] = PerPolicy()  # by policy YAML, model, server's
-
-
-def _model_refusal(vllm_config: Any, resolved_args: Any) -> str | None:
-    """Why a request's own policy cannot serve the model (TriAttention's calibration measured on
-    another; ``settings.model_refusal``), its blocks (``settings.page_refusal``) or the server's
-    KV-cache groups (``settings.layer_group_refusal``), once per distinct policy and server."""
+def _front_plan(processor: Any, resolved_args: Any) -> Any:
+    """A request's ``PolicyPlan`` on the front end's server (its own policy, else the server's;
+    None: the server runs without kvpolicy), planned once per distinct policy and front end."""
     from . import settings
+    from .plans import PolicyPlan, num_layers
 
-    r = settings.request_policy(resolved_args, settings.Resolved(None, "none", 0))
-    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-    key = (r.policy_yaml, str(vllm_config.model_config.model), None if server is None else server.policy_yaml)
-
-    def refusal() -> str | None:
-        policy = r.policy()  # and a page choice whose pages are not the server's KV blocks
-        per_layer = _per_layer_server(vllm_config)
-        return (settings.model_refusal(policy, vllm_config.model_config)
-                or settings.page_refusal(policy, int(vllm_config.cache_config.block_size))
-                or settings.layer_group_refusal(policy, per_layer)
-                or (_layer_split_refusal(vllm_config, policy) if per_layer else None))
-
-    return _MODEL_REFUSALS.get_or_make(key, refusal)
-
-
-def _layer_split_refusal(vllm_config: Any, policy: Any) -> str | None:
-    """Why a request's policy cannot share its budget among the model's layers (None: it can)."""
-    from . import scheduler as sched_mod
-    from . import settings
-
-    try:
-        settings.layer_schedules(policy, sched_mod.num_layers(vllm_config), sched_mod.kv_heads_per_rank(vllm_config))
-    except settings.KVPolicyVLLMError as exc:
-        return str(exc).removeprefix("kvpolicy[vllm]: ")
-    return None
-
-
-def _prompt_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
-    """Why a request's prompt cannot be served by its policy (one that keeps the whole prompt,
-    with a budget too small for it: ``Policy.prompt_refusal``), before it runs."""
-    from . import settings
-
-    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-    params, prompt = request.sampling_params, request.prompt_token_ids
-    if server is None or params is None or prompt is None:
-        return None
-    policy = settings.request_policy(resolved_args, server).policy()
-    new_tokens = None if params.max_tokens is None else int(params.max_tokens)
-    return None if policy is None else policy.prompt_refusal(len(prompt), new_tokens)
-
-
-def _pool_refusal(vllm_config: Any, request: Any, resolved_args: Any) -> str | None:
-    """Why a request cannot fit the KV pool (None: it can, or the pool's size is not known yet)."""
-    from . import scheduler as sched_mod
-    from . import settings
-
-    server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-    blocks = vllm_config.cache_config.num_gpu_blocks
-    params = request.sampling_params  # contract.ENGINE_CORE_REQUEST: None for pooling, prompt ids None for embeddings
-    prompt = request.prompt_token_ids
-    if server is None or not blocks or params is None or prompt is None:
+    config = processor.vllm_config
+    server = settings.Resolved.from_additional_config(config.additional_config)
+    if server is None:
         return None
     r = settings.request_policy(resolved_args, server)
-    key = (r.policy_yaml, server.policy_yaml)
-
-    def schedules_of() -> tuple[list[Any], list[int | None]]:
-        policy = r.policy()
-        heads = sched_mod.kv_heads_per_rank(vllm_config)
-        # Under per-layer budgets a block holds one layer: the request needs each layer's blocks.
-        layers = list(range(sched_mod.num_layers(vllm_config))) if _per_layer_server(vllm_config) else None
-        return (settings.group_schedules(policy, layers, heads),  # select mode: held whole, as `none`
-                settings.group_head_caps(policy, layers, heads))
-
-    schedules, head_caps = _SCHEDULES.get_or_make(key, schedules_of)
-    return sched_mod.pool_refusal(schedules, len(prompt), int(params.max_tokens or 0), int(blocks) - 1,
-                                  int(vllm_config.cache_config.block_size),
-                                  bool(vllm_config.cache_config.enable_prefix_caching), head_caps)
+    plans = processor.__dict__.setdefault("_kvpolicy_plans", PerPolicy())
+    layers = list(range(num_layers(config))) if _per_layer_server(config) else None
+    return plans.get_or_make(r.policy_yaml, lambda: PolicyPlan.build(r, config, layers))
 
 
 def _per_layer_server(vllm_config: Any) -> bool:
@@ -361,11 +296,7 @@ def _install_engine_core() -> None:
     def initialize_from_config(original, self, *args: Any, **kwargs: Any):
         original(self, *args, **kwargs)
         if settings.Resolved.from_additional_config(self.vllm_config.additional_config) is not None:
-            from .worker import missing_facts, model_fingerprint
-
-            sched_mod.set_missing_facts(self.collective_rpc(missing_facts))
-            sched_mod.set_model_fingerprints(self.collective_rpc(model_fingerprint))
-            sched_mod.set_executor(self)  # the scheduler asks the workers for CAKE's layer budgets
+            sched_mod.set_workers(self)  # their missing facts and fingerprints; later, CAKE's layer budgets
 
     @_around(core, "get_kv_cache_configs")
     def get_kv_cache_configs(original, vllm_config, *args: Any, **kwargs: Any):

@@ -1,13 +1,15 @@
-"""A policy as vLLM's scheduler runs it: built once per distinct resolved policy, read by every
-question the scheduler asks of a request's policy.
+"""A policy as a vLLM server runs it: built once per distinct resolved policy, read by every
+question the front end and the scheduler ask of a request's policy.
 
-A request's policy is resolved from its sampling parameters once (``SchedulerEviction.plan``,
-kept on vLLM's ``Request``), and each distinct policy is loaded and planned once per process:
-its evicting schedule, each KV-cache group's schedule and per-head bound, whether its state
-sees every query, whether its layer budgets are decided from the prompt, select mode's budget,
-and why this server cannot serve it. The workers run the same rules on their own side
-(``kvpolicy.vllm.requests.RequestPolicy.load``: ``settings.group_schedules`` and
-``settings.group_head_caps``, the functions used here).
+A request's policy is resolved from its sampling parameters once, and each distinct policy is
+loaded and planned once per front end (``kvpolicy.vllm.hooks``) and once per scheduler
+(``SchedulerEviction.plan``, kept on vLLM's ``Request``): its evicting schedule, each KV-cache
+group's schedule and per-head bound, whether its state sees every query, whether its layer
+budgets are decided from the prompt, select mode's budget, and why this server cannot serve it.
+Both ask one question of a request (``PolicyPlan.request_refusal``); the front end refuses it
+before it is queued, the engine core again for clients that bypass the front end. The workers
+run the same rules on their own side (``kvpolicy.vllm.requests.RequestPolicy.load``:
+``budgets.group_schedules`` and ``budgets.group_head_caps``, the functions used here).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 from ..policy import Policy
 from ..schedule import Schedule
 from .budgets import decides_from_prompt, evicting_schedule, group_head_caps, group_schedules
-from .refusals import layer_group_refusal, model_refusal
+from .ledger import peak_slots
+from .refusals import layer_group_refusal, model_refusal, page_refusal, shard_refusal
 from .settings import Resolved
+from .support import KVPolicyVLLMError
 
 
 @dataclass(frozen=True)
@@ -32,25 +36,96 @@ class PolicyPlan:
     schedule: Schedule | None  # the ledger's schedule (``settings.evicting_schedule``: None for select mode)
     group_schedules: list[Schedule | None]  # each KV-cache group's ([] when the server refuses the policy)
     head_caps: list[int | None]  # each group's per-head bound (None: every head keeps the budget)
-    refusal: str | None  # why this server cannot serve it (a model fact missing, its groups), None: it can
+    refusal: str | None  # why this server cannot serve it (its model, shards, pages or groups), None: it can
     sees_every_query: bool  # its state must see every query of the request's tokens
     from_prompt: bool  # its layer budgets are decided at the request's first eviction (CAKE)
     select_budget: int | None  # select mode: the slots it attends (None: it evicts, or never)
 
     @staticmethod
-    def build(resolved: Resolved, group_layers: list[int] | None, kv_heads: int, server_per_layer: bool,
-              model_config: Any, missing: Mapping[str, str],
+    def build(resolved: Resolved, vllm_config: Any, group_layers: list[int] | None,
+              missing: Mapping[str, str] | None = None,
               fingerprints: Sequence[Mapping[str, Any] | None] = ()) -> PolicyPlan:
-        """Plan ``resolved`` on a server of ``group_layers`` (None: one KV-cache group for every
-        layer) with ``kv_heads`` KV heads per rank, whose workers cannot give the ``missing`` facts
-        and hold models of these ``fingerprints`` (each rank's)."""
+        """Plan ``resolved`` on the server of ``vllm_config``, whose KV-cache groups hold
+        ``group_layers`` (None: one group for every layer), whose workers cannot give the
+        ``missing`` facts and hold models of these ``fingerprints`` (each rank's; the front end
+        knows neither: ``refusals.model_refusal`` then checks what the configuration says)."""
         policy = resolved.policy()
-        groups = layer_group_refusal(policy, server_per_layer)
-        refusal = model_refusal(policy, model_config, missing=missing, fingerprints=fingerprints) or groups
+        kv_heads = kv_heads_per_rank(vllm_config)
+        groups = layer_group_refusal(policy, group_layers is not None)
+        schedules: list[Schedule | None] = []
+        caps: list[int | None] = []
+        if groups is None:
+            try:
+                schedules = group_schedules(policy, group_layers, kv_heads)
+                caps = group_head_caps(policy, group_layers, kv_heads)
+            except KVPolicyVLLMError as exc:  # a budget these layers cannot share
+                groups, schedules = str(exc).removeprefix("kvpolicy[vllm]: "), []
+        refusal = (model_refusal(policy, vllm_config.model_config, missing=missing, fingerprints=fingerprints)
+                   or shard_refusal(policy, int(vllm_config.parallel_config.tensor_parallel_size))
+                   or page_refusal(policy, int(vllm_config.cache_config.block_size)) or groups)
         return PolicyPlan(
-            resolved, policy, evicting_schedule(policy),
-            [] if groups is not None else group_schedules(policy, group_layers, kv_heads),
-            [] if groups is not None else group_head_caps(policy, group_layers, kv_heads),
-            refusal, policy is not None and policy.observes_queries, decides_from_prompt(policy),
+            resolved, policy, evicting_schedule(policy), schedules, caps, refusal,
+            policy is not None and policy.observes_queries, decides_from_prompt(policy),
             policy.budget if policy is not None and policy.mode == "select" else None,
         )
+
+    def request_refusal(self, prompt_len: int, max_tokens: int | None, pool_blocks: int | None, block_size: int,
+                        prefix_caching: bool) -> str | None:
+        """Why one request of this policy cannot run here (None: it can): the server cannot serve
+        its policy (``refusal``), its policy must keep its whole prompt and the budget cannot
+        hold it (``Policy.prompt_refusal``), or it needs more than the ``pool_blocks`` blocks of
+        the KV pool (``pool_refusal``; None: the pool's size is not known yet)."""
+        if self.refusal is not None:
+            return self.refusal
+        if self.policy is not None:
+            prompt = self.policy.prompt_refusal(prompt_len, max_tokens)
+            if prompt is not None:
+                return prompt
+        if pool_blocks is None:
+            return None
+        return pool_refusal(self.group_schedules, prompt_len, max_tokens or 0, pool_blocks, block_size, prefix_caching,
+                            self.head_caps)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, block_size: int,
+                        prefix_caching: bool, head_cap: int | None = None) -> int:  # one KV-cache group
+    """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
+    blocks its first eviction writes the kept slots into (held for one step beside the old ones).
+    ``head_cap``: its policy's per-head bound (``settings.head_cap``)."""
+    blocks = cdiv(peak_slots(schedule, prompt_len, total, head_cap), block_size)
+    if schedule is not None and prefix_caching and total > schedule.budget:
+        blocks += cdiv(schedule.budget if head_cap is None else head_cap, block_size)
+    return blocks
+
+
+def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: int, pool_blocks: int,
+                 block_size: int, prefix_caching: bool, head_caps: list[int | None] | None = None) -> str | None:
+    """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can), with
+    ``schedules`` the request's schedule of each KV-cache group (``settings.group_schedules``:
+    one for all layers, or one per layer, whose blocks each hold one layer) and ``head_caps``
+    its per-head bound in each (``settings.group_head_caps``; None: none anywhere)."""
+    caps = head_caps if head_caps is not None else [None] * len(schedules)
+    need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, cap)
+               for s, cap in zip(schedules, caps, strict=True))
+    if need <= pool_blocks:
+        return None
+    schedule = schedules[0]
+    what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
+            else f"its policy keeps {schedule.budget} slots, but its prompt of {prompt_len} tokens is held whole before "
+                 "the first eviction")
+    return (f"needs {need} KV blocks of {block_size} ({what}), more than the {pool_blocks} the KV pool has; "
+            "shorten it (prompt or max_tokens) or choose a policy that evicts (with compress_prompt for long prompts)")
+
+
+def num_layers(vllm_config: Any) -> int:
+    """The model's attention layers (pipeline parallelism is refused under per-layer budgets)."""
+    return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
+
+
+def kv_heads_per_rank(vllm_config: Any) -> int:
+    """The KV heads of the model each tensor-parallel rank holds (what a per-head bound counts)."""
+    return int(vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config))

@@ -56,15 +56,17 @@ import collections
 import json
 import operator
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
 from .budgets import evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
-from .plans import PolicyPlan
+from .plans import PolicyPlan, cdiv, kv_heads_per_rank, num_layers, request_need_blocks
 from .settings import PerPolicy, Resolved, request_policy
-from .support import KVPolicyVLLMError
+from .support import KVPolicyInvariantError, KVPolicyVLLMError
 from .trace import trace_stem
 
 _IS_NULL = operator.attrgetter("is_null")  # vLLM's KVCacheBlock.is_null
@@ -73,42 +75,40 @@ _IS_NULL = operator.attrgetter("is_null")  # vLLM's KVCacheBlock.is_null
 _STATE: SchedulerEviction | None = None
 
 
-#: The model facts the workers of this engine-core process cannot give (``set_missing_facts``).
-_MISSING_FACTS: dict[str, str] = {}
+@dataclass(frozen=True)
+class Workers:
+    """What the engine core learns of its workers once, when they start evicting (``ask``),
+    before the scheduler exists or any request arrives: the executor, through which the scheduler
+    asks them for the layer budgets they decided (``worker.reported_layer_budgets``); the model
+    facts some rank cannot give, with the first such rank's reason; and each rank's fingerprint
+    of the model's heads it holds (``ModelFingerprint.to_dict``, None: none). With the last two
+    a request whose policy needs a fact the workers lack, or whose calibration was measured on
+    another model, is refused alone (``refusals.model_refusal``)."""
+
+    executor: Any = None
+    missing_facts: Mapping[str, str] = field(default_factory=dict)
+    fingerprints: Sequence[Mapping[str, Any] | None] = ()
+
+    @staticmethod
+    def ask(executor: Any) -> Workers:
+        from .worker import worker_facts
+
+        missing: dict[str, str] = {}
+        fingerprints = []
+        for rank_missing, fingerprint in executor.collective_rpc(worker_facts):  # one answer per rank
+            for fact, why in rank_missing.items():
+                missing.setdefault(fact, why)
+            fingerprints.append(fingerprint)
+        return Workers(executor, missing, fingerprints)
 
 
-def set_missing_facts(per_rank: list[dict[str, str]]) -> None:
-    """The facts missing on any rank (``kvpolicy.vllm.worker.missing_facts`` of each), with the
-    first rank's reason: asked when the workers start evicting, before the scheduler exists."""
-    _MISSING_FACTS.clear()
-    for missing in per_rank:
-        for fact, why in (missing or {}).items():
-            _MISSING_FACTS.setdefault(fact, why)
+#: The workers of this engine-core process (``set_workers``).
+_WORKERS = Workers()
 
 
-#: Each rank's model fingerprint (``set_model_fingerprints``: ``ModelFingerprint.to_dict``, None: none).
-_FINGERPRINTS: list[dict[str, Any] | None] = []
-
-
-def set_model_fingerprints(per_rank: list[dict[str, Any] | None]) -> None:
-    """Each rank's fingerprint of the model's heads it holds (``kvpolicy.vllm.worker.model_fingerprint``):
-    asked when the workers start evicting, before the scheduler exists, so that a request whose
-    calibration was measured on another model is refused alone (``refusals.model_refusal``)."""
-    _FINGERPRINTS[:] = list(per_rank)
-
-
-#: The engine core's executor (``set_executor``): how the scheduler asks the workers for the layer
-#: budgets they decided (``worker.reported_layer_budgets``).
-_EXECUTOR: Any = None
-
-
-def set_executor(executor: Any) -> None:
-    global _EXECUTOR
-    _EXECUTOR = executor
-
-
-def ledger() -> SlotLedger | None:
-    return None if _STATE is None else _STATE.ledger
+def set_workers(executor: Any) -> None:
+    global _WORKERS
+    _WORKERS = Workers.ask(executor)
 
 
 def ledgers() -> list[SlotLedger]:
@@ -118,10 +118,6 @@ def ledgers() -> list[SlotLedger]:
 
 def state() -> SchedulerEviction | None:
     return _STATE
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 #: Where a preempted request's eviction points wait for its recompute (an attribute of vLLM's
@@ -150,8 +146,6 @@ class SchedulerEviction:
                                         f"got {len(groups)} groups of layers {self.group_layers}")
         self.ledgers = [SlotLedger() for _ in groups]
         self.ledger = self.ledgers[0]
-        self.server_per_layer = self.group_layers is not None
-        self.kv_heads = kv_heads_per_rank(scheduler.vllm_config)  # what a per-head bound counts
         self.plans: PerPolicy[str | None, PolicyPlan] = PerPolicy()  # each distinct policy's, by its resolved YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
@@ -168,9 +162,7 @@ class SchedulerEviction:
         self.preempted_after_evicting = 0
         self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
         self.pending_trace: list[Any] = []
-        #: The model facts some worker cannot give (``set_missing_facts``, asked at start-up).
-        self.missing_facts: dict[str, str] = dict(_MISSING_FACTS)
-        self.fingerprints: list[dict[str, Any] | None] = list(_FINGERPRINTS)
+        self.workers = _WORKERS  # asked at start-up, before this scheduler existed
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
         self.awaiting: dict[str, Any] = {}
@@ -182,8 +174,8 @@ class SchedulerEviction:
         if plan is None:
             r = request_policy(request.sampling_params.extra_args, self.resolved)  # raises for unresolved settings
             plan = self.plans.get_or_make(r.policy_yaml, lambda: PolicyPlan.build(
-                r, self.group_layers, self.kv_heads, self.server_per_layer, self.scheduler.vllm_config.model_config,
-                self.missing_facts, self.fingerprints))
+                r, self.scheduler.vllm_config, self.group_layers, self.workers.missing_facts,
+                self.workers.fingerprints))
             request.__dict__[PLAN_ATTR] = plan
         return plan
 
@@ -291,21 +283,15 @@ class SchedulerEviction:
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
         """Refuse, alone, a request the engine cannot serve (``KVPolicyVLLMError``): kvpolicy
-        settings the front end did not resolve, more blocks than the KV pool has, a policy
-        needing a model fact the workers cannot give, or a prompt its policy must keep whole and
-        its budget cannot hold (``Policy.prompt_refusal``)."""
+        settings the front end did not resolve, or what ``PolicyPlan.request_refusal`` refuses
+        (a policy this server cannot serve, a prompt its policy must keep whole and its budget
+        cannot hold, more blocks than the KV pool has)."""
         plan = self.plan(request)  # raises for unresolved settings
-        refusal = plan.refusal
-        if refusal is None and plan.policy is not None:  # a policy keeping the whole prompt, a budget too small for it
-            max_tokens = request.sampling_params.max_tokens
-            refusal = plan.policy.prompt_refusal(int(request.num_prompt_tokens),
-                                                 None if max_tokens is None else int(max_tokens))
-        if refusal is None:
-            pool = self.scheduler.kv_cache_manager.block_pool
-            block_size = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0].block_size
-            refusal = pool_refusal(self._group_schedules(request), int(request.num_prompt_tokens),
-                                   int(request.sampling_params.max_tokens or 0), pool.num_gpu_blocks - 1, block_size,
-                                   self.prefix_caching, plan.head_caps)
+        manager = self.scheduler.kv_cache_manager
+        max_tokens = request.sampling_params.max_tokens
+        refusal = plan.request_refusal(int(request.num_prompt_tokens), None if max_tokens is None else int(max_tokens),
+                                       manager.block_pool.num_gpu_blocks - 1,
+                                       manager.coordinator.single_type_managers[0].block_size, self.prefix_caching)
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
 
@@ -411,11 +397,12 @@ class SchedulerEviction:
         """The layer budgets the workers decided for these awaiting requests' first evictions:
         each group's eviction applied, the blocks past its kept slots freed, and the workers told
         which blocks each group keeps, before another step is scheduled."""
-        if _EXECUTOR is None:
-            raise RuntimeError("kvpolicy: the scheduler cannot ask the workers for layer budgets (no executor)")
+        executor = self.workers.executor
+        if executor is None:
+            raise KVPolicyInvariantError("the scheduler cannot ask the workers for layer budgets (no executor)")
         from .worker import reported_layer_budgets, trim_blocks
 
-        reported = _EXECUTOR.collective_rpc(reported_layer_budgets, args=(req_ids,))[0]  # every rank decides alike
+        reported = executor.collective_rpc(reported_layer_budgets, args=(req_ids,))[0]  # every rank decides alike
         managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         keep: dict[str, list[int]] = {}
         for req_id in req_ids:
@@ -435,7 +422,7 @@ class SchedulerEviction:
                 self._trim(mgr, req_id, held, kept, first=False)
             keep[req_id] = [len(mgr.req_to_blocks.get(req_id, ())) for mgr in managers]
         if keep:
-            _EXECUTOR.collective_rpc(trim_blocks, args=(keep,))
+            executor.collective_rpc(trim_blocks, args=(keep,))
 
     def after_update(self, scheduler_output: Any) -> None:
         """After a step's output came back: the layer budgets decided in it, and the trace record."""
@@ -491,36 +478,6 @@ class SchedulerEviction:
             f.write(json.dumps(record) + "\n")
 
 
-def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, block_size: int,
-                        prefix_caching: bool, head_cap: int | None = None) -> int:  # one KV-cache group
-    """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
-    blocks its first eviction writes the kept slots into (held for one step beside the old ones).
-    ``head_cap``: its policy's per-head bound (``settings.head_cap``)."""
-    blocks = cdiv(peak_slots(schedule, prompt_len, total, head_cap), block_size)
-    if schedule is not None and prefix_caching and total > schedule.budget:
-        blocks += cdiv(schedule.budget if head_cap is None else head_cap, block_size)
-    return blocks
-
-
-def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: int, pool_blocks: int,
-                 block_size: int, prefix_caching: bool, head_caps: list[int | None] | None = None) -> str | None:
-    """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can), with
-    ``schedules`` the request's schedule of each KV-cache group (``settings.group_schedules``:
-    one for all layers, or one per layer, whose blocks each hold one layer) and ``head_caps``
-    its per-head bound in each (``settings.group_head_caps``; None: none anywhere)."""
-    caps = head_caps if head_caps is not None else [None] * len(schedules)
-    need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, cap)
-               for s, cap in zip(schedules, caps, strict=True))
-    if need <= pool_blocks:
-        return None
-    schedule = schedules[0]
-    what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
-            else f"its policy keeps {schedule.budget} slots, but its prompt of {prompt_len} tokens is held whole before "
-                 "the first eviction")
-    return (f"needs {need} KV blocks of {block_size} ({what}), more than the {pool_blocks} the KV pool has; "
-            "shorten it (prompt or max_tokens) or choose a policy that evicts (with compress_prompt for long prompts)")
-
-
 def pool_tokens_needed(vllm_config: Any) -> int | None:
     """Slots the KV pool must hold for one request under the server's policy: its peak for a
     prompt within the budget (longer prompts are checked per request); None: vLLM's own check
@@ -538,16 +495,6 @@ def pool_tokens_needed(vllm_config: Any) -> int | None:
     return max(request_need_blocks(g, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching), cap)
                for g, cap in zip(group_schedules(policy, layers, heads), group_head_caps(policy, layers, heads),
                                  strict=True)) * bs
-
-
-def num_layers(vllm_config: Any) -> int:
-    """The model's attention layers (pipeline parallelism is refused under per-layer budgets)."""
-    return int(vllm_config.model_config.get_num_layers(vllm_config.parallel_config))
-
-
-def kv_heads_per_rank(vllm_config: Any) -> int:
-    """The KV heads of the model each tensor-parallel rank holds (what a per-head bound counts)."""
-    return int(vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config))
 
 
 def init_scheduler(scheduler: Any) -> None:

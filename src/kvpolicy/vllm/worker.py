@@ -493,24 +493,18 @@ def trim_blocks(worker: Any, keep: dict[str, list[int]]) -> None:
         state.trim(keep)
 
 
-def missing_facts(worker: Any) -> dict[str, str]:
-    """The model facts this rank's worker cannot give, with the reason (``ModelFacts.missing``);
-    empty where it does not evict. Called on every rank by the engine core at start-up
-    (``collective_rpc``), so a request needing one is refused alone, before it runs."""
-    state = runner_eviction(worker.model_runner)
-    return {} if state is None else dict(state.model_facts.missing)
-
-
-def model_fingerprint(worker: Any) -> dict[str, Any] | None:
-    """The fingerprint of the model's heads this rank's worker holds (``ModelFacts.model_fingerprint``,
-    as ``ModelFingerprint.to_dict``), None where it has none or does not evict. Called on every rank
-    by the engine core at start-up (``collective_rpc``), so that a request whose calibration was
-    measured on another model is refused alone, before it runs."""
+def worker_facts(worker: Any) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """The model facts this rank's worker cannot give, with the reason (``ModelFacts.missing``),
+    and the fingerprint of the model's heads it holds (``ModelFacts.model_fingerprint``, as
+    ``ModelFingerprint.to_dict``; None where it has none: the missing facts say why); nothing
+    where it does not evict. Called on every rank by the engine core at start-up
+    (``collective_rpc``: ``scheduler.Workers.ask``), so a request needing a fact, or calibrated
+    on another model, is refused alone, before it runs."""
     state = runner_eviction(worker.model_runner)
     if state is None:
-        return None
-    fingerprint, _ = state.model_facts.model_fingerprint()  # where it has none, the missing facts say why
-    return None if fingerprint is None else fingerprint.to_dict()
+        return {}, None
+    fingerprint, _ = state.model_facts.model_fingerprint()
+    return dict(state.model_facts.missing), None if fingerprint is None else fingerprint.to_dict()
 
 
 def active() -> WorkerEviction | None:
