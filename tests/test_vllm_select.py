@@ -19,6 +19,7 @@ import torch
 
 from kvpolicy import EvictingCache, load_policy
 from kvpolicy.attend import attend
+from kvpolicy.selection import page_plan, page_slots
 from kvpolicy.vllm.paged_cache import PagedCache
 from kvpolicy.vllm.requests import StepRequests
 from kvpolicy.vllm.select import BlockSelection
@@ -102,6 +103,20 @@ class Table:
         self.num_blocks_per_row[row_idx] = len(block_ids)
 
 
+def attended_slots(choice, policy, layer: int, held: int) -> torch.Tensor:
+    """``[Hkv, L]`` the slots a decode step holding ``held`` slots reads on ``layer`` under the
+    request's current choice (``BlockSelection.attend``'s rule), ascending: the chosen pages'
+    slots and the tail's (``page_plan`` as of the choice), or the chosen slots and those appended
+    since."""
+    assert choice.chosen_at > 0, "no choice to attend"
+    page, s = policy.chooses_pages, policy.schedule
+    if page is None:
+        since = torch.arange(choice.chosen_at, held)
+        return torch.cat([choice.chosen[layer], since.expand(choice.chosen.shape[1], -1)], dim=-1)
+    k, tail = page_plan(choice.chosen_at, s.budget, s.recent, page)
+    return page_slots(choice.chosen[layer, :, :k], page, tail, held)
+
+
 class Engine:
     """vLLM around one worker: blocks, slot mapping, the attention backend's dense output, and
     the worker's hooks in vLLM's order (``begin_step``; per layer the query capture, the cache
@@ -168,7 +183,7 @@ class Engine:
                         slots = None
                     else:
                         assert choice is not None
-                        slots = self.select.attended(r, layer, a + 1)
+                        slots = attended_slots(choice, self.requests[r].policy.policy(), layer, a + 1)
                     self.decoded[r][(a, layer)] = Decoded(slots, out)
         self.paged.end_step(table)
         self.select.end_step()

@@ -30,7 +30,7 @@ from .. import eviction
 from ..attend import attend
 from ..policy import Policy, eviction_input
 from ..schedule import step_phase
-from ..selection import choose_now, page_bounds, page_plan, page_slots, short_page_read
+from ..selection import choose_now, page_bounds, page_plan, short_page_read
 from .paged import KV, gather_paged, slot_address
 from .paged_cache import PagedCache
 from .refusals import page_refusal, select_refusal
@@ -186,21 +186,6 @@ class BlockSelection:
             chosen=torch.zeros(lyr, hkv, width, dtype=torch.long, device=paged.device),
         )
         return choice
-
-    def attended(self, req_id: str, layer: int, held: int) -> torch.Tensor:
-        """``[Hkv, L]`` the slots a decode step of ``req_id`` holding ``held`` slots attends on
-        ``layer`` under its current choice, ascending (what ``attend`` reads): the chosen pages'
-        slots and the tail, or the chosen slots and those appended since the choice."""
-        c = self.requests[req_id]
-        policy = self.paged.request_policy(req_id).policy
-        if policy is None or c.chosen_at <= 0:
-            raise KVPolicyVLLMError(f"request {req_id} has no choice to attend")
-        page, s = policy.chooses_pages, policy.schedule
-        if page is None:
-            since = torch.arange(c.chosen_at, held, device=c.chosen.device)
-            return torch.cat([c.chosen[layer], since.expand(c.chosen.shape[1], -1)], dim=-1)
-        k, tail = page_plan(c.chosen_at, s.budget, s.recent, page)
-        return page_slots(c.chosen[layer, :, :k], page, tail, held)
 
     # -- during the forward -------------------------------------------------------------------
     def attend(self, layer: int, query: torch.Tensor, output: torch.Tensor, scaling: float,
