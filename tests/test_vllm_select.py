@@ -365,3 +365,32 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
     for computed, cached in ((0, True), (39, True), (40, False), (80, False)):
         short.num_computed_tokens = full.num_computed_tokens = computed
         assert state.caches("short") is cached and state.caches("full")
+
+
+def test_the_engine_core_refuses_alone_a_page_choice_whose_pages_are_not_the_blocks(monkeypatch):
+    """A request handed to the engine core past the front end is asked the front end's question
+    (``PolicyPlan.request_refusal``): Quest by pages of 16 on blocks of 8 is refused by name, at
+    admission, while pages of 8 and the slot-granular quest are admitted."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm import scheduler as sched_mod
+    from kvpolicy.vllm.settings import resolve_request
+
+    monkeypatch.setattr(sched_mod, "_STATE", None)
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=BLOCK),
+                             model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: HKV),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=1000),
+                              coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=BLOCK)]))
+    scheduler = SimpleNamespace(vllm_config=config, requests={}, kv_cache_manager=manager,
+                                kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
+    state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
+
+    def request(settings) -> SimpleNamespace:
+        return SimpleNamespace(request_id="r", num_prompt_tokens=20, sampling_params=SimpleNamespace(
+            extra_args=resolve_request({"kvpolicy": settings}), max_tokens=50))
+
+    with pytest.raises(KVPolicyVLLMError, match=f"request r: .*chooses pages of {2 * BLOCK} slots.*hold {BLOCK}"):
+        state.admit(request({"policy": quest_pages(page=2 * BLOCK)}))
+    state.admit(request({"policy": quest_pages(page=BLOCK)}))
+    state.admit(request({"policy": "quest", "budget": 40, "recent": 8}))

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .settings import PerPolicy
+
+if TYPE_CHECKING:
+    from .plans import PolicyPlan
 
 _INSTALLED = False
 
@@ -157,7 +160,7 @@ def _install_frontend() -> None:
         return request
 
 
-def _front_plan(processor: Any, resolved_args: Any) -> Any:
+def _front_plan(processor: Any, resolved_args: Any) -> PolicyPlan | None:
     """A request's ``PolicyPlan`` on the front end's server (its own policy, else the server's;
     None: the server runs without kvpolicy), planned once per distinct policy and front end."""
     from . import settings
