@@ -52,10 +52,6 @@ points it did and never holds more slots than it did uninterrupted (see ``kvpoli
 
 from __future__ import annotations
 
-import collections
-import json
-import operator
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +63,7 @@ from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_ca
 from .plans import PolicyPlan, cdiv, kv_heads_per_rank, num_layers, request_need_blocks
 from .settings import PerPolicy, Resolved, request_policy
 from .support import KVPolicyInvariantError, KVPolicyVLLMError
-from .trace import trace_stem
-
-_IS_NULL = operator.attrgetter("is_null")  # vLLM's KVCacheBlock.is_null
+from .trace import SchedulerCounts, SchedulerTrace
 
 #: The scheduler state of this engine-core process (one scheduler per engine core), None when inactive.
 _STATE: SchedulerEviction | None = None
@@ -149,19 +143,9 @@ class SchedulerEviction:
         self.plans: PerPolicy[str | None, PolicyPlan] = PerPolicy()  # each distinct policy's, by its resolved YAML
         self.prefix_caching = bool(scheduler.vllm_config.cache_config.enable_prefix_caching)
         _STATE = self
-        self.trace = Path(resolved.trace) / f"{trace_stem('scheduler')}.jsonl" if resolved.trace else None
-        if self.trace is not None:
-            self.trace.parent.mkdir(parents=True, exist_ok=True)
+        self.trace = SchedulerTrace(Path(resolved.trace)) if resolved.trace else None
+        self.counts = SchedulerCounts()
         self.step = 0
-        self.blocks_freed = 0
-        self.blocks_copied = 0  # fresh blocks compaction wrote instead of cached ones
-        self.hits_capped = 0  # prefix-cache hits shortened to keep a query window computed
-        self.prefix_queried = 0  # prompt tokens looked up in the prefix cache (new requests)
-        self.prefix_hit = 0  # of which found there
-        self.preemptions = 0  # requests preempted (with a schedule)
-        self.preempted_after_evicting = 0
-        self.replay_cuts = 0  # steps of a request cut to end at its eviction point (vLLM may ask again)
-        self.pending_trace: list[Any] = []
         self.workers = _WORKERS  # asked at start-up, before this scheduler existed
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
@@ -222,8 +206,8 @@ class SchedulerEviction:
         if plans is not None:
             plans = [p or [] for p in plans]
             request.__dict__[REPLAY_ATTR] = plans
-            self.preemptions += 1
-            self.preempted_after_evicting += any(plans)
+            self.counts.preempted += 1
+            self.counts.preempted_after_evicting += any(plans)
 
     def replay_cap(self, request: Any, computed: int, num_new: int) -> int:
         """``num_new`` tokens scheduled for a request from ``computed``, capped so that a request
@@ -244,7 +228,7 @@ class SchedulerEviction:
         if end is None:
             return num_new
         capped = min(num_new, end - computed)
-        self.replay_cuts += capped < num_new
+        self.counts.replay_cuts += capped < num_new
         return capped
 
     def _select_cap(self, request: Any, computed: int, num_new: int) -> int:
@@ -257,7 +241,7 @@ class SchedulerEviction:
             return num_new
         end = max(int(request.num_prompt_tokens), budget)
         capped = min(num_new, end - computed) if computed < end else 1
-        self.replay_cuts += capped < num_new
+        self.counts.replay_cuts += capped < num_new
         return capped
 
     def counted_slots(self, req_id: str, num_tokens: int, group: int = 0) -> int:
@@ -341,9 +325,9 @@ class SchedulerEviction:
         if cap is not None and hit > cap:
             hit = cap // block_size * block_size
             found = tuple(group[: hit // block_size] for group in found)
-            self.hits_capped += 1
-        self.prefix_queried += int(request.num_tokens)
-        self.prefix_hit += hit
+            self.counts.hits_capped += 1
+        self.counts.prefix_queried += int(request.num_tokens)
+        self.counts.prefix_hit += hit
         return found, hit
 
     # -- each scheduled step ----------------------------------------------------------------
@@ -375,7 +359,7 @@ class SchedulerEviction:
                 self._trim(mgr, req_id, held, kept, first)
             evicted += any_group
         if self.trace is not None:  # written when the step's output is back (at most a few steps in flight)
-            self.pending_trace = [*self.pending_trace[-7:], (scheduler_output, evicted)]
+            self.trace.scheduled(scheduler_output, evicted)
 
     def _trim(self, mgr: Any, req_id: str, held: int, kept: int, first: bool) -> None:
         """A group's blocks of a request that evicted from ``held`` block-table slots to ``kept``."""
@@ -390,8 +374,8 @@ class SchedulerEviction:
             mgr.block_pool.free_blocks(reversed(tail))
         if copied:  # released: each returns to the pool when its last reader lets go
             mgr.block_pool.free_blocks(reversed(copied))
-        self.blocks_freed += len(tail) + len(copied)
-        self.blocks_copied += len(copied)
+        self.counts.blocks_freed += len(tail) + len(copied)
+        self.counts.blocks_copied += len(copied)
 
     def _decide(self, req_ids: list[str]) -> None:
         """The layer budgets the workers decided for these awaiting requests' first evictions:
@@ -430,52 +414,8 @@ class SchedulerEviction:
         if ready:
             self._decide(ready)
         self.step += 1
-        if self.trace is None:
-            return
-        evicted = 0
-        for i, (out, n) in enumerate(self.pending_trace):
-            if out is scheduler_output:
-                evicted = n
-                del self.pending_trace[i]
-                break
-        self._write_trace(scheduler_output, evicted)
-
-    def _write_trace(self, scheduler_output: Any, evicted: int) -> None:
-        assert self.trace is not None
-        sched = self.scheduler
-        managers = sched.kv_cache_manager.coordinator.single_type_managers
-        pool = sched.kv_cache_manager.block_pool
-        # One pass over every group's blocks (distinct blocks: under prefix caching several requests
-        # may hold the same block; a request's count leaves out the null block, which is no block).
-        group_ids: list[set[int]] = []
-        held: collections.Counter[str] = collections.Counter()
-        for m in managers:
-            ids: set[int] = set()
-            for r, blocks in m.req_to_blocks.items():
-                ids.update(map(id, blocks))
-                held[r] += len(blocks) - sum(map(_IS_NULL, blocks))
-            group_ids.append(ids)
-        record = {
-            "step": self.step, "time": time.time(), "running": len(sched.running),
-            "waiting": len(sched.waiting), "free_blocks": pool.get_num_free_blocks(),
-            "total_blocks": pool.num_gpu_blocks - 1, "evicted": evicted,
-            "blocks_freed_total": self.blocks_freed, "blocks_copied_total": self.blocks_copied,
-            "held_blocks": len(set().union(*group_ids)),
-            # per KV-cache group (a layer's, under per-layer budgets): blocks its requests hold
-            "group_blocks": [len(ids) for ids in group_ids],
-            # per running request: blocks held in all its groups
-            "request_blocks": {r: held[r] for r in sched.requests},
-            "requests": len(sched.requests),
-            "resumed": len(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
-            "scheduled_tokens": int(scheduler_output.total_num_scheduled_tokens),
-            "hits_capped_total": self.hits_capped, "prefix_queried_total": self.prefix_queried,
-            "prefix_hit_total": self.prefix_hit,
-            "preempted_total": self.preemptions, "preempted_after_evicting_total": self.preempted_after_evicting,
-            "replay_cuts_total": self.replay_cuts,
-            "async": bool(sched.scheduler_config.async_scheduling),
-        }
-        with open(self.trace, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.trace is not None:
+            self.trace.write(self.scheduler, scheduler_output, self.step, self.counts)
 
 
 def pool_tokens_needed(vllm_config: Any) -> int | None:
