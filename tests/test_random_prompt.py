@@ -277,7 +277,8 @@ def test_vllm_refuses_such_a_request_before_it_runs():
     plan = PolicyPlan.build(Resolved(policy.to_yaml(), NAME, 0), config, None)
 
     def refusal(prompt: int, max_tokens: int | None, pool: int | None = None) -> str | None:
-        return plan.request_refusal(prompt, max_tokens, pool, 16, False)
+        """``pool``: usable blocks (vLLM's count less its null block)."""
+        return plan.request_refusal(prompt, max_tokens, None if pool is None else pool + 1, 16, False)
 
     assert "prompt of 65 tokens does not fit the 64 slots" in (refusal(65, 100) or "")
     assert refusal(64, 100) is None

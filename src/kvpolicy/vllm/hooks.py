@@ -147,13 +147,12 @@ def _install_frontend() -> None:
         if resolved_args is not None:
             # The request's private copy of its params: the caller's object is not changed.
             request.sampling_params.extra_args = resolved_args
-        params, prompt = request.sampling_params, request.prompt_token_ids  # contract.ENGINE_CORE_REQUEST: None for
-        if plan is None or params is None or prompt is None:                # pooling, prompt ids None for embeddings
+        # contract.ENGINE_CORE_REQUEST: params None for pooling, prompt ids None for embeddings
+        params, prompt = request.sampling_params, request.prompt_token_ids
+        if plan is None or params is None or prompt is None:
             return request
-        cache = self.vllm_config.cache_config
-        blocks = cache.num_gpu_blocks  # None until the engine has sized the pool
-        refusal = plan.request_refusal(len(prompt), None if params.max_tokens is None else int(params.max_tokens),
-                                       int(blocks) - 1 if blocks else None, int(cache.block_size),
+        cache = self.vllm_config.cache_config  # num_gpu_blocks: None until the engine has sized the pool
+        refusal = plan.request_refusal(len(prompt), params.max_tokens, cache.num_gpu_blocks, int(cache.block_size),
                                        bool(cache.enable_prefix_caching))
         if refusal is not None:
             raise VLLMValidationError(f"kvpolicy[vllm]: this request {refusal}", parameter="max_tokens")
@@ -172,8 +171,12 @@ def _front_plan(processor: Any, resolved_args: Any) -> PolicyPlan | None:
         return None
     r = settings.request_policy(resolved_args, server)
     plans = processor.__dict__.setdefault("_kvpolicy_plans", PerPolicy())
-    layers = list(range(num_layers(config))) if _per_layer_server(config) else None
-    return plans.get_or_make(r.policy_yaml, lambda: PolicyPlan.build(r, config, layers))
+
+    def build() -> PolicyPlan:  # a KV-cache group per layer under a per-layer server policy
+        layers = list(range(num_layers(config))) if settings.per_layer(server.policy()) else None
+        return PolicyPlan.build(r, config, layers)
+
+    return plans.get_or_make(r.policy_yaml, build)
 
 
 def _per_layer_server(vllm_config: Any) -> bool:

@@ -69,22 +69,24 @@ class PolicyPlan:
             policy.budget if policy is not None and policy.mode == "select" else None,
         )
 
-    def request_refusal(self, prompt_len: int, max_tokens: int | None, pool_blocks: int | None, block_size: int,
+    def request_refusal(self, prompt_len: int, max_tokens: int | None, num_gpu_blocks: int | None, block_size: int,
                         prefix_caching: bool) -> str | None:
         """Why one request of this policy cannot run here (None: it can): the server cannot serve
         its policy (``refusal``), its policy must keep its whole prompt and the budget cannot
-        hold it (``Policy.prompt_refusal``), or it needs more than the ``pool_blocks`` blocks of
-        the KV pool (``pool_refusal``; None: the pool's size is not known yet)."""
+        hold it (``Policy.prompt_refusal``), or it needs more blocks than the KV pool has
+        (``pool_refusal``). ``num_gpu_blocks``: vLLM's count, its null block included (None or 0:
+        the pool is not sized yet, so the pool is not asked)."""
         if self.refusal is not None:
             return self.refusal
+        new_tokens = None if max_tokens is None else int(max_tokens)
         if self.policy is not None:
-            prompt = self.policy.prompt_refusal(prompt_len, max_tokens)
+            prompt = self.policy.prompt_refusal(prompt_len, new_tokens)
             if prompt is not None:
                 return prompt
-        if pool_blocks is None:
+        if not num_gpu_blocks:
             return None
-        return pool_refusal(self.group_schedules, prompt_len, max_tokens or 0, pool_blocks, block_size, prefix_caching,
-                            self.head_caps)
+        return pool_refusal(self.group_schedules, prompt_len, new_tokens or 0, int(num_gpu_blocks) - 1, block_size,
+                            prefix_caching, self.head_caps)  # vLLM's null block holds nothing
 
 
 def cdiv(a: int, b: int) -> int:

@@ -272,9 +272,8 @@ class SchedulerEviction:
         cannot hold, more blocks than the KV pool has)."""
         plan = self.plan(request)  # raises for unresolved settings
         manager = self.scheduler.kv_cache_manager
-        max_tokens = request.sampling_params.max_tokens
-        refusal = plan.request_refusal(int(request.num_prompt_tokens), None if max_tokens is None else int(max_tokens),
-                                       manager.block_pool.num_gpu_blocks - 1,
+        refusal = plan.request_refusal(int(request.num_prompt_tokens), request.sampling_params.max_tokens,
+                                       manager.block_pool.num_gpu_blocks,
                                        manager.coordinator.single_type_managers[0].block_size, self.prefix_caching)
         if refusal is not None:
             raise KVPolicyVLLMError(f"request {request.request_id}: {refusal}")
