@@ -169,7 +169,7 @@ def qwen3_4b_random(folder: Path) -> Path:
 
 def layers_per_block(policy: dict | None, model: str) -> int:
     """How many of a per-layer server's blocks hold what one whole-model block holds: the model's
-    layer count under a per-layer policy (``kvpolicy.vllm.settings.per_layer``), else 1."""
+    layer count under a per-layer policy (``kvpolicy.vllm.budgets.per_layer``), else 1."""
     from kvpolicy.vllm.settings import NO_POLICY
 
     if policy is None or policy["policy"] == NO_POLICY:  # "full": the plugin on, no policy
@@ -177,7 +177,7 @@ def layers_per_block(policy: dict | None, model: str) -> int:
     from transformers import AutoConfig
 
     from kvpolicy import load_policy
-    from kvpolicy.vllm.settings import per_layer
+    from kvpolicy.vllm.budgets import per_layer
 
     source = {k: v for k, v in policy.items() if k != "policy"}
     if not per_layer(load_policy(policy["policy"], **source)):

@@ -378,7 +378,8 @@ def test_vllm_refuses_uneven_budgets_it_cannot_bound(tmp_path):
     per-head counts whose fullest head has a data-free bound in each layer (``duo``:
     ``layer_head_cap``); other uneven budgets are refused by name (a head profile's ``profile``
     allocation, which bounds no head)."""
-    from kvpolicy.vllm.settings import KVPolicyVLLMError, head_cap, resolve
+    from kvpolicy.vllm.budgets import head_cap
+    from kvpolicy.vllm.settings import KVPolicyVLLMError, resolve
 
     for name in ("pyramidkv", "cake", "duo-attention"):
         assert resolve({"policy": name}).policy() is not None

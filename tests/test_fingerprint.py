@@ -218,7 +218,7 @@ def test_vllm_refuses_a_request_whose_calibration_another_rank_model_fails():
     without any (the front end, before the weights load) only the shape is checked."""
     from types import SimpleNamespace
 
-    from kvpolicy.vllm.settings import model_refusal
+    from kvpolicy.vllm.refusals import model_refusal
 
     policy = kvpolicy.load_policy("triattention")
     recorded = policy.config.scorer._calibration.fingerprint

@@ -128,7 +128,8 @@ def test_nested_stages_count():
 def test_vllm_serves_the_policies_that_read_the_model_and_checks_them_against_its_config():
     from types import SimpleNamespace
 
-    from kvpolicy.vllm.settings import model_refusal, resolve
+    from kvpolicy.vllm.refusals import model_refusal
+    from kvpolicy.vllm.settings import resolve
 
     for name in ("criticalkv", "expected-attention", "triattention"):  # a server's policy, or a request's
         assert resolve({"policy": name}, per_request=True).policy().needs_model

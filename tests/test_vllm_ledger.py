@@ -210,8 +210,8 @@ def test_would_fire_on_a_replay_looks_past_its_points_without_error():
 
 def test_the_pool_check_counts_every_layers_blocks_under_per_layer_budgets():
     """A block of a per-layer KV-cache group holds one layer: a request needs each layer's blocks."""
+    from kvpolicy.vllm.budgets import group_schedules
     from kvpolicy.vllm.plans import pool_refusal, request_need_blocks
-    from kvpolicy.vllm.settings import group_schedules
 
     pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)
     per = group_schedules(pyramid, list(range(4)), 2)

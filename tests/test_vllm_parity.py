@@ -35,12 +35,14 @@ from kvpolicy import EvictingCache, load_policy
 from kvpolicy.stages.fingerprint import ModelFingerprint
 from kvpolicy.stages.model_facts import ModelFacts
 from kvpolicy.stages.triattention import QueryCalibration, resolve_calibration_path
+from kvpolicy.vllm.budgets import per_layer
 from kvpolicy.vllm.facts import model_facts
 from kvpolicy.vllm.ledger import kept_held, replay_boundary
 from kvpolicy.vllm.paged_cache import PagedCache
 from kvpolicy.vllm.prompt_budgets import decide_layer_budgets
+from kvpolicy.vllm.refusals import refuse_unservable
 from kvpolicy.vllm.requests import StepRequests
-from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, per_layer, refuse_unservable
+from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved
 
 LAYERS, HKV, HQ, D, BLOCK = 2, 2, 4, 16, 4
 #: Small enough to evict often: every request below evicts at least three times.
@@ -664,7 +666,7 @@ def test_duo_attention_keeps_each_heads_share_in_its_layers_group():
     recent slots, retrieval heads the rest of the layer's budget), the same slots as
     ``EvictingCache`` at every eviction, beside an Ada-KV and a uniform request on the same groups.
     Each group's ledger reserves room for its layer's largest head share
-    (``settings.group_head_caps``: ``DuoAllocation.layer_head_cap``), and the group holds exactly
+    (``budgets.group_head_caps``: ``DuoAllocation.layer_head_cap``), and the group holds exactly
     the blocks of that room and the slots appended since."""
     requests = [Request("a", resolved("duo-attention"), 21, 110, SMOLLM2),
                 Request("b", resolved("duo-attention"), 60, 120, SMOLLM2),  # its prompt compressed once in

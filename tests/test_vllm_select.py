@@ -21,9 +21,10 @@ from kvpolicy import EvictingCache, load_policy
 from kvpolicy.attend import attend
 from kvpolicy.selection import page_plan, page_slots
 from kvpolicy.vllm.paged_cache import PagedCache
+from kvpolicy.vllm.refusals import page_refusal, refuse_unservable
 from kvpolicy.vllm.requests import StepRequests
 from kvpolicy.vllm.select import BlockSelection
-from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved, page_refusal, refuse_unservable
+from kvpolicy.vllm.settings import KVPolicyVLLMError, Resolved
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

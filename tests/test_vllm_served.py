@@ -85,7 +85,8 @@ def test_a_two_tier_policy_is_refused_by_name_at_start_up_per_request_and_in_a_w
     import yaml
 
     from kvpolicy.vllm.paged_cache import PagedCache
-    from kvpolicy.vllm.settings import recall_refusal, resolve_request
+    from kvpolicy.vllm.refusals import recall_refusal
+    from kvpolicy.vllm.settings import resolve_request
 
     server_file = tmp_path / "two-tier.yaml"
     server_file.write_text(yaml.safe_dump(TWO_TIER_SPEC))

@@ -10,16 +10,14 @@ import yaml
 
 from kvpolicy import load_policy
 from kvpolicy.vllm import additional_config
+from kvpolicy.vllm.refusals import check_version, refuse_unservable, shard_refusal
 from kvpolicy.vllm.settings import (
     KVPolicyVLLMError,
     Resolved,
-    check_version,
-    refuse_unservable,
     request_policy,
     requested,
     resolve,
     resolve_request,
-    shard_refusal,
 )
 
 
@@ -239,15 +237,8 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     counts by name."""
     from types import SimpleNamespace
 
-    from kvpolicy.vllm.settings import (
-        decides_from_prompt,
-        group_head_caps,
-        group_schedules,
-        layer_group_refusal,
-        per_layer,
-        per_layer_refusals,
-        shard_refusal,
-    )
+    from kvpolicy.vllm.budgets import decides_from_prompt, group_head_caps, group_schedules, per_layer
+    from kvpolicy.vllm.refusals import layer_group_refusal, per_layer_refusals, shard_refusal
 
     pyramid = load_policy("pyramidkv", budget=96, recent=16, interval=32, window=32)
     assert per_layer(pyramid) and not per_layer(load_policy("snapkv")) and not per_layer(None)
@@ -297,8 +288,61 @@ def test_per_layer_policies_are_served_on_a_group_per_layer_and_refused_elsewher
     assert per_layer_refusals(load_policy("snapkv"), config) == []
 
 
+def _server(tp: int = 1, layers: int = 30, kv_heads: int = 3, block_size: int = 32, prefix_caching: bool = False):
+    """A stand-in for vLLM's config, with what ``PolicyPlan`` reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=prefix_caching),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: kv_heads,
+                                     get_num_layers=lambda parallel: layers))
+
+
+def test_a_plan_lists_every_reason_and_a_server_plan_has_the_groups_its_policy_asks_for():
+    from kvpolicy.vllm.plans import PolicyPlan
+
+    cake = resolve({"policy": "cake"})
+    # On one group for every layer and two ranks, CAKE is refused twice: its budgets are decided
+    # over every head of a layer, and it needs a KV-cache group per layer.
+    plan = PolicyPlan.build(cake, _server(tp=2), None)
+    assert len(plan.refusals) == 2 and plan.refusal == plan.refusals[0]
+    assert "tensor_parallel_size 2" in plan.refusals[0] and "KV-cache group per layer" in plan.refusals[1]
+    assert plan.group_schedules == []
+    # As the server's own policy it gets its group per layer: only the ranks are left.
+    server = PolicyPlan.of_server(cake, _server(tp=2))
+    assert server.refusals == plan.refusals[:1] and len(server.group_schedules) == 30
+    assert PolicyPlan.of_server(cake, _server()).refusal is None
+    with pytest.raises(KVPolicyVLLMError, match="tensor_parallel_size 2"):  # no pool is sized for a refused plan
+        server.pool_tokens(4096, 32, False)
+
+
+def test_a_server_plan_sizes_the_pool_for_its_fullest_layer():
+    from kvpolicy.vllm.plans import PolicyPlan
+
+    def blocks(n: int, size: int) -> int:
+        return -(-n // size)
+
+    pyramid = resolve({"policy": "pyramidkv", "budget": 96, "recent": 16, "interval": 16, "window": 16})
+    policy = pyramid.policy()
+    mean = policy.schedule
+    # Each layer's peak after a prompt within the budget: an interval past the larger of its budget
+    # and that prompt (counting tokens, ``Schedule.capacity_for``), in blocks of 32.
+    assert mean.count == "tokens"
+    peaks = [max(s.budget, mean.budget) + s.interval for s in policy.layer_schedules(30, 3)]
+    assert len(set(peaks)) > 1
+    plan = PolicyPlan.of_server(pyramid, _server())
+    assert plan.pool_tokens(4096, 32, False) == max(blocks(p, 32) for p in peaks) * 32
+    snapkv = PolicyPlan.of_server(resolve({"policy": "snapkv", "budget": 128, "interval": 16}), _server())
+    assert snapkv.pool_tokens(4096, 32, False) == blocks(144, 32) * 32
+    # Under prefix caching a first eviction writes into fresh blocks beside the old ones.
+    assert snapkv.pool_tokens(4096, 32, True) == (blocks(144, 32) + blocks(128, 32)) * 32
+    assert PolicyPlan.of_server(resolve({"policy": "none"}), _server()).pool_tokens(4096, 32, False) is None
+
+
 def test_a_per_layer_split_the_model_cannot_take_is_refused_by_name():
-    from kvpolicy.vllm.settings import KVPolicyVLLMError, layer_schedules
+    from kvpolicy.vllm.budgets import layer_schedules
+    from kvpolicy.vllm.settings import KVPolicyVLLMError
 
     tight = load_policy("pyramidkv", budget=24, recent=16, interval=16, window=16)  # the last layers get <= recent
     with pytest.raises(KVPolicyVLLMError, match="policy 'pyramidkv' cannot share its budget among the model's 30 layers"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .settings import SUPPORTED_VLLM_TEXT, KVPolicyVLLMError
+from .support import SUPPORTED_VLLM_TEXT, KVPolicyVLLMError
 
 __all__ = ["register", "additional_config", "KVPolicyVLLMError", "SUPPORTED_VLLM_TEXT"]
 
@@ -30,7 +30,8 @@ def register() -> None:
     """
     import vllm
 
-    from .settings import SUPPORTED_VLLM, version_tuple
+    from .refusals import version_tuple
+    from .support import SUPPORTED_VLLM
 
     lo, hi = SUPPORTED_VLLM
     if not lo <= version_tuple(vllm.__version__) < hi:
@@ -44,7 +45,7 @@ def register() -> None:
 def _install_refusal_only() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from . import settings
+    from . import refusals, settings
 
     original = EngineArgs.create_engine_config
     if getattr(original, "__kvpolicy_wrapped__", False):
@@ -54,7 +55,7 @@ def _install_refusal_only() -> None:
         if settings.requested(self.additional_config) is not None:
             import vllm
 
-            settings.check_version(vllm.__version__)
+            refusals.check_version(vllm.__version__)
         return original(self, *args, **kwargs)
 
     create_engine_config.__kvpolicy_wrapped__ = True  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
-| worker | ``vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec`` | under a per-layer policy (``settings.per_layer``), each layer's spec of its own (``kvpolicy.vllm.layer_spec``): vLLM builds a KV-cache group, so a block table, per layer |
+| worker | ``vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec`` | under a per-layer policy (``budgets.per_layer``), each layer's spec of its own (``kvpolicy.vllm.layer_spec``): vLLM builds a KV-cache group, so a block table, per layer |
 | worker | ``vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading`` (model loading, when the server uses kvpolicy) | keep each ``o_proj``'s unpacked weight for the model facts before the CPU backend drops it (``kvpolicy.vllm.facts.keep_weight``) |
 | worker | ``build`` of the attention backend's metadata builder (``install_builder``, under per-layer budgets) | each KV-cache group's attention length (``seq_lens``) its own |
 | worker | ``forward`` / ``do_kv_cache_update`` of the ``AttentionImpl`` class of the model's attention layers (``install_backend``, when a runner starts evicting) | capture the window of post-RoPE queries; check the cache layout once; a select-mode request's decode rows attend its chosen blocks (``kvpolicy.vllm.select``; a page choice's through the CPU kernel itself, ``kvpolicy.vllm.block_kernel``); a per-head request's rows each head's own slots |
@@ -107,6 +107,8 @@ def _install_frontend() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from . import contract, settings
+    from .plans import check_config
+    from .refusals import check_version
 
     @_around(EngineArgs, "create_engine_config")
     def create_engine_config(original, self, *args: Any, **kwargs: Any):
@@ -115,12 +117,12 @@ def _install_frontend() -> None:
             return original(self, *args, **kwargs)
         import vllm
 
-        settings.check_version(vllm.__version__)
+        check_version(vllm.__version__)
         resolved = settings.resolve(entry)
         self.additional_config = {**(self.additional_config or {}), settings.KEY: resolved.to_dict()}
         config = original(self, *args, **kwargs)
         contract.check_config(config)  # every attribute the integration reads, by name
-        settings.check_config(config, resolved)
+        check_config(config, resolved)
         return config
 
     from vllm.exceptions import VLLMValidationError
@@ -163,7 +165,7 @@ def _front_plan(processor: Any, resolved_args: Any) -> PolicyPlan | None:
     """A request's ``PolicyPlan`` on the front end's server (its own policy, else the server's;
     None: the server runs without kvpolicy), planned once per distinct policy and front end."""
     from . import settings
-    from .plans import PolicyPlan, num_layers
+    from .plans import PolicyPlan, server_group_layers
 
     config = processor.vllm_config
     server = settings.Resolved.from_additional_config(config.additional_config)
@@ -172,19 +174,18 @@ def _front_plan(processor: Any, resolved_args: Any) -> PolicyPlan | None:
     r = settings.request_policy(resolved_args, server)
     plans = processor.__dict__.setdefault("_kvpolicy_plans", PerPolicy())
 
-    def build() -> PolicyPlan:  # a KV-cache group per layer under a per-layer server policy
-        layers = list(range(num_layers(config))) if settings.per_layer(server.policy()) else None
-        return PolicyPlan.build(r, config, layers)
+    def build() -> PolicyPlan:  # the KV-cache groups are the server policy's
+        return PolicyPlan.build(r, config, server_group_layers(server.policy(), config))
 
     return plans.get_or_make(r.policy_yaml, build)
 
 
 def _per_layer_server(vllm_config: Any) -> bool:
-    """Whether the server's policy keeps per-layer budgets (``settings.per_layer``)."""
-    from . import settings
+    """Whether the server's policy keeps per-layer budgets (``budgets.per_layer``)."""
+    from . import budgets, settings
 
     server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-    return server is not None and settings.per_layer(server.policy())
+    return server is not None and budgets.per_layer(server.policy())
 
 
 def _install_scheduler() -> None:
@@ -277,6 +278,7 @@ def _install_engine_core() -> None:
 
     from . import contract, settings
     from . import scheduler as sched_mod
+    from .plans import PolicyPlan
 
     # Every request enters the engine core here, whichever client sent it: one that does not
     # fit is refused here, alone (vLLM answers it with an error), never inside the engine loop.
@@ -306,7 +308,10 @@ def _install_engine_core() -> None:
 
     @_around(core, "get_kv_cache_configs")
     def get_kv_cache_configs(original, vllm_config, *args: Any, **kwargs: Any):
-        need = sched_mod.pool_tokens_needed(vllm_config)
+        server = settings.Resolved.from_additional_config(vllm_config.additional_config)
+        cc = vllm_config.cache_config
+        need = None if server is None else PolicyPlan.of_server(server, vllm_config).pool_tokens(
+            vllm_config.model_config.max_model_len, int(cc.block_size), bool(cc.enable_prefix_caching))
         mc = vllm_config.model_config
         if need is None or need >= mc.max_model_len:
             return original(vllm_config, *args, **kwargs)

@@ -11,7 +11,7 @@ counts, decided from data the scheduler never sees; all heads of a layer share i
 and vLLM writes a new token at one slot for every head. So after each eviction a request holds,
 in its block table, room for the fullest head any data could give (``head_cap``, from the
 allocation's floor and the layer's total, ``Allocation.head_cap``; under per-layer groups each
-group's own, ``settings.group_head_caps``) but never more than it held: ``held = slots + reserve``,
+group's own, ``budgets.group_head_caps``) but never more than it held: ``held = slots + reserve``,
 where ``slots`` is still the mean count its schedule runs on (what ``EvictingCache`` counts). The
 room is the same for every process, whatever the heads kept.
 
@@ -21,10 +21,10 @@ request that never evicts.
 **Per-layer budgets** (PyramidKV). A server whose layers keep budgets of their own has a KV-cache
 group, so a block table, per layer; the scheduler and every worker then keep one ``SlotLedger``
 per group, each request's entry there on that layer's schedule
-(``kvpolicy.vllm.settings.group_schedules``). The rule is the same: ``Schedule.due`` on the
+(``kvpolicy.vllm.budgets.group_schedules``). The rule is the same: ``Schedule.due`` on the
 group's own slots and budget, as ``EvictingCache`` runs it per layer group.
 
-**Layer budgets decided from the prompt** (CAKE: ``settings.decides_from_prompt``). Every layer
+**Layer budgets decided from the prompt** (CAKE: ``budgets.decides_from_prompt``). Every layer
 runs the policy's own schedule until the request's first eviction, where the workers decide each
 layer's budget from what it holds (``Policy.prompt_schedules``); from then on each group's entry
 runs its layer's schedule (``RequestSlots.layer_schedule``). The workers know it at once; the
@@ -104,7 +104,7 @@ class SlotLedger:
     def track(self, req_id: str, schedule: Schedule | None, head_cap: int | None = None, *,
               from_prompt: bool = False, layer_schedule: Schedule | None = None) -> RequestSlots:
         """Start counting a request (again, after a reset) under ``schedule`` (``head_cap``: its
-        policy's per-head bound, ``kvpolicy.vllm.settings.head_cap``; ``from_prompt``: its layer
+        policy's per-head bound, ``kvpolicy.vllm.budgets.head_cap``; ``from_prompt``: its layer
         budgets are decided at its first eviction, ``layer_schedule`` when already known)."""
         state = self.requests[req_id] = RequestSlots(schedule, head_cap=head_cap, from_prompt=from_prompt,
                                                      layer_schedule=layer_schedule)

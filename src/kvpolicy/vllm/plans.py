@@ -20,9 +20,17 @@ from typing import Any
 
 from ..policy import Policy
 from ..schedule import Schedule
-from .budgets import decides_from_prompt, evicting_schedule, group_head_caps, group_schedules
+from .budgets import decides_from_prompt, evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import peak_slots
-from .refusals import layer_group_refusal, model_refusal, page_refusal, shard_refusal
+from .refusals import (
+    check_version,
+    layer_group_refusal,
+    model_refusal,
+    page_refusal,
+    per_layer_refusals,
+    refusals,
+    shard_refusal,
+)
 from .settings import Resolved
 from .support import KVPolicyVLLMError
 
@@ -33,13 +41,18 @@ class PolicyPlan:
 
     resolved: Resolved
     policy: Policy | None  # None: the policy ``none``, which never evicts
-    schedule: Schedule | None  # the ledger's schedule (``settings.evicting_schedule``: None for select mode)
+    schedule: Schedule | None  # the ledger's schedule (``budgets.evicting_schedule``: None for select mode)
     group_schedules: list[Schedule | None]  # each KV-cache group's ([] when the server refuses the policy)
     head_caps: list[int | None]  # each group's per-head bound (None: every head keeps the budget)
-    refusal: str | None  # why this server cannot serve it (its model, shards, pages or groups), None: it can
+    refusals: tuple[str, ...]  # every reason this server cannot serve it (its model, shards, pages, groups)
     sees_every_query: bool  # its state must see every query of the request's tokens
     from_prompt: bool  # its layer budgets are decided at the request's first eviction (CAKE)
     select_budget: int | None  # select mode: the slots it attends (None: it evicts, or never)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this server cannot serve the policy (the first of ``refusals``; None: it can)."""
+        return self.refusals[0] if self.refusals else None
 
     @staticmethod
     def build(resolved: Resolved, vllm_config: Any, group_layers: list[int] | None,
@@ -60,14 +73,33 @@ class PolicyPlan:
                 caps = group_head_caps(policy, group_layers, kv_heads)
             except KVPolicyVLLMError as exc:  # a budget these layers cannot share
                 groups, schedules = str(exc).removeprefix("kvpolicy[vllm]: "), []
-        refusal = (model_refusal(policy, vllm_config.model_config, missing=missing, fingerprints=fingerprints)
-                   or shard_refusal(policy, int(vllm_config.parallel_config.tensor_parallel_size))
-                   or page_refusal(policy, int(vllm_config.cache_config.block_size)) or groups)
+        reasons = (model_refusal(policy, vllm_config.model_config, missing=missing, fingerprints=fingerprints),
+                   shard_refusal(policy, int(vllm_config.parallel_config.tensor_parallel_size)),
+                   page_refusal(policy, int(vllm_config.cache_config.block_size)), groups)
         return PolicyPlan(
-            resolved, policy, evicting_schedule(policy), schedules, caps, refusal,
+            resolved, policy, evicting_schedule(policy), schedules, caps, tuple(r for r in reasons if r is not None),
             policy is not None and policy.observes_queries, decides_from_prompt(policy),
             policy.budget if policy is not None and policy.mode == "select" else None,
         )
+
+    @staticmethod
+    def of_server(resolved: Resolved, vllm_config: Any) -> PolicyPlan:
+        """``resolved`` planned as the policy a server starts with: its KV-cache groups are the
+        ones that policy asks for (``server_group_layers``)."""
+        return PolicyPlan.build(resolved, vllm_config, server_group_layers(resolved.policy(), vllm_config))
+
+    def pool_tokens(self, max_model_len: int, block_size: int, prefix_caching: bool) -> int | None:
+        """Slots the KV pool must hold for one request as the server's policy (in blocks, of its
+        fullest group): its peak for a prompt within the budget (longer prompts are checked per
+        request); None: it never evicts, so vLLM's own check holds."""
+        s = self.schedule
+        if s is None:
+            return None
+        if self.refusal is not None:
+            raise KVPolicyVLLMError(self.refusal)
+        long = max(max_model_len, s.budget + 1)
+        return max(request_need_blocks(g, s.budget, long, block_size, prefix_caching, cap)
+                   for g, cap in zip(self.group_schedules, self.head_caps, strict=True)) * block_size
 
     def request_refusal(self, prompt_len: int, max_tokens: int | None, num_gpu_blocks: int | None, block_size: int,
                         prefix_caching: bool) -> str | None:
@@ -97,7 +129,7 @@ def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, 
                         prefix_caching: bool, head_cap: int | None = None) -> int:  # one KV-cache group
     """Blocks one request holds at most: its peak slots, plus, under prefix caching, the fresh
     blocks its first eviction writes the kept slots into (held for one step beside the old ones).
-    ``head_cap``: its policy's per-head bound (``settings.head_cap``)."""
+    ``head_cap``: its policy's per-head bound (``budgets.head_cap``)."""
     blocks = cdiv(peak_slots(schedule, prompt_len, total, head_cap), block_size)
     if schedule is not None and prefix_caching and total > schedule.budget:
         blocks += cdiv(schedule.budget if head_cap is None else head_cap, block_size)
@@ -107,9 +139,9 @@ def request_need_blocks(schedule: Schedule | None, prompt_len: int, total: int, 
 def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: int, pool_blocks: int,
                  block_size: int, prefix_caching: bool, head_caps: list[int | None] | None = None) -> str | None:
     """Why a request cannot run in a KV pool of ``pool_blocks`` blocks (None: it can), with
-    ``schedules`` the request's schedule of each KV-cache group (``settings.group_schedules``:
+    ``schedules`` the request's schedule of each KV-cache group (``budgets.group_schedules``:
     one for all layers, or one per layer, whose blocks each hold one layer) and ``head_caps``
-    its per-head bound in each (``settings.group_head_caps``; None: none anywhere)."""
+    its per-head bound in each (``budgets.group_head_caps``; None: none anywhere)."""
     caps = head_caps if head_caps is not None else [None] * len(schedules)
     need = sum(request_need_blocks(s, prompt_len, prompt_len + max_tokens, block_size, prefix_caching, cap)
                for s, cap in zip(schedules, caps, strict=True))
@@ -121,6 +153,25 @@ def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: 
                  "the first eviction")
     return (f"needs {need} KV blocks of {block_size} ({what}), more than the {pool_blocks} the KV pool has; "
             "shorten it (prompt or max_tokens) or choose a policy that evicts (with compress_prompt for long prompts)")
+
+
+def check_config(vllm_config: Any, resolved: Resolved) -> None:
+    """Refuse, with every reason at once, a server configuration that cannot run ``resolved`` as
+    its policy: the engine's (``refusals.refusals``), the plan's, a per-layer policy's."""
+    import vllm
+
+    check_version(vllm.__version__)
+    plan = PolicyPlan.of_server(resolved, vllm_config)
+    reasons = [*refusals(vllm_config), *plan.refusals, *per_layer_refusals(plan.policy, vllm_config)]
+    if reasons:
+        lines = "\n".join(f"  - {r}" for r in reasons)
+        raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")
+
+
+def server_group_layers(policy: Policy | None, vllm_config: Any) -> list[int] | None:
+    """The layer of each KV-cache group of a server started with ``policy``: one group per layer
+    under a per-layer policy (``budgets.per_layer``), else None (one group for every layer)."""
+    return list(range(num_layers(vllm_config))) if per_layer(policy) else None
 
 
 def num_layers(vllm_config: Any) -> int:

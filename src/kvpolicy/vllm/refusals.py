@@ -1,7 +1,7 @@
 """What the vLLM integration refuses, by name and with the reason: a policy it cannot serve
 exactly (``refuse_unservable``, ``recall_refusal``, ``worker_refusal``, ``select_refusal``,
 ``page_refusal``, ``layer_group_refusal``, ``shard_refusal``, ``model_refusal``), a vLLM version (``check_version``) or an engine
-configuration (``refusals``, ``per_layer_refusals``, ``check_config``) it does not support.
+configuration (``refusals``, ``per_layer_refusals``; ``plans.check_config`` gathers them) it does not support.
 Nothing here imports vLLM at import time.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from ..documents import PolicyError
 from ..policy import Policy
 from ..stages.model_facts import ModelFacts
-from .budgets import _bounds_heads, decides_from_prompt, layer_schedules, per_layer
+from .budgets import _bounds_heads, decides_from_prompt, per_layer
 from .support import SUPPORTED_VLLM, SUPPORTED_VLLM_TEXT, KVPolicyVLLMError
 
 
@@ -297,7 +297,8 @@ def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
     """What a server under a per-layer policy (``per_layer``: a KV-cache group per layer) cannot
     run with: prefix caching (a request's groups would hit the prefix cache apart, and a first
     eviction's fresh blocks are implemented for one group), pipeline parallelism (each stage's
-    layers would need their groups of their own: not implemented)."""
+    layers would need their groups of their own: not implemented). A budget the layers cannot
+    share is the plan's refusal (``PolicyPlan.build``)."""
     if not per_layer(policy):
         return []
     assert policy is not None
@@ -309,32 +310,5 @@ def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         out.append(f"policy {policy.name!r} keeps per-layer budgets (a KV-cache group per layer), which is not "
                    "implemented with pipeline parallelism (pipeline_parallel_size must be 1)")
-    elif getattr(vllm_config, "model_config", None) is not None:
-        mc = vllm_config.model_config
-        try:
-            layer_schedules(policy, int(mc.get_num_layers(vllm_config.parallel_config)),
-                            int(mc.get_num_kv_heads(vllm_config.parallel_config)))
-        except KVPolicyVLLMError as exc:
-            out.append(str(exc).removeprefix("kvpolicy[vllm]: "))
     return out
 
-
-def check_config(vllm_config: Any, resolved: Any) -> None:
-    import vllm
-
-    check_version(vllm.__version__)
-    reasons = refusals(vllm_config)
-    policy = resolved.policy()
-    shard = shard_refusal(policy, vllm_config.parallel_config.tensor_parallel_size)
-    if shard is not None:
-        reasons.append(shard)
-    model = model_refusal(policy, vllm_config.model_config)
-    if model is not None:
-        reasons.append(model)
-    page = page_refusal(policy, int(vllm_config.cache_config.block_size))
-    if page is not None:
-        reasons.append(page)
-    reasons += per_layer_refusals(policy, vllm_config)
-    if reasons:
-        lines = "\n".join(f"  - {r}" for r in reasons)
-        raise KVPolicyVLLMError(f"cannot serve policy {resolved.source!r} with this configuration:\n{lines}")

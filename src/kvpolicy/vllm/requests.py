@@ -200,7 +200,7 @@ class RequestPolicy:
     resolved: Resolved
     policy: Policy | None  # None: the request never evicts
     schedule: Schedule | None = None  # this cache's layers' schedule under it (per-layer budgets: its layer's)
-    head_cap: int | None = None  # its per-head bound in this cache's layers (``settings.group_head_caps``)
+    head_cap: int | None = None  # its per-head bound in this cache's layers (``budgets.group_head_caps``)
 
     @property
     def window(self) -> int:
@@ -212,7 +212,7 @@ class RequestPolicy:
              layer: tuple[int, int] | None) -> RequestPolicy:
         """``resolved`` loaded and ``check``ed, with the schedule and per-head bound of the cache's
         layers: every layer's (one KV-cache group), or ``layer = (index, model layers)``'s, a
-        per-layer group's (``settings.group_schedules``, ``settings.group_head_caps``)."""
+        per-layer group's (``budgets.group_schedules``, ``budgets.group_head_caps``)."""
         policy = resolved.policy()
         check(policy)
         groups = None if layer is None else list(range(layer[1]))

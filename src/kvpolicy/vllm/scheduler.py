@@ -26,14 +26,14 @@ other requests from the next scheduled step on, which every worker runs after th
 eviction. So the accounting is the same whether vLLM schedules the next step before this one's
 output is back (async scheduling) or after.
 
-**Per-layer budgets** (``settings.per_layer``: PyramidKV). The server's layers then have a
+**Per-layer budgets** (``budgets.per_layer``: PyramidKV). The server's layers then have a
 KV-cache group each (``kvpolicy.vllm.layer_spec``), and each group a ledger of its own on that
-layer's schedule (``settings.group_schedules``; under per-head counts with that layer's room
-for its fullest head, ``settings.group_head_caps``: DuoAttention's largest head share):
+layer's schedule (``budgets.group_schedules``; under per-head counts with that layer's room
+for its fullest head, ``budgets.group_head_caps``: DuoAttention's largest head share):
 allocations for a group's manager count that group's slots, and a group that evicts gives back
 its own blocks past its kept slots.
 
-**Layer budgets decided from the prompt** (``settings.decides_from_prompt``: CAKE, on a server
+**Layer budgets decided from the prompt** (``budgets.decides_from_prompt``: CAKE, on a server
 with a group per layer). The workers decide a request's layer budgets at its first eviction, from
 its own prompt (``kvpolicy.vllm.paged_cache.decide_layer_budgets``); the scheduler cannot, so that
 eviction leaves its ledger entries awaiting them (``SlotLedger.evicted``), holding every block.
@@ -58,9 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
-from .budgets import evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
-from .plans import PolicyPlan, cdiv, kv_heads_per_rank, num_layers, request_need_blocks
+from .plans import PolicyPlan, cdiv
 from .settings import PerPolicy, Resolved, request_policy
 from .support import KVPolicyInvariantError, KVPolicyVLLMError
 from .trace import SchedulerCounts, SchedulerTrace
@@ -130,7 +129,7 @@ class SchedulerEviction:
         self.resolved = resolved
         # One KV-cache group shared by every layer, or (a server under per-layer budgets,
         # ``kvpolicy.vllm.layer_spec``) a group per layer: group g is layer group_layers[g], and
-        # keeps a ledger of its own, on that layer's schedule (``settings.group_schedules``).
+        # keeps a ledger of its own, on that layer's schedule (``budgets.group_schedules``).
         groups = scheduler.kv_cache_config.kv_cache_groups
         self.group_layers: list[int] | None = None
         if len(groups) > 1:
@@ -164,7 +163,7 @@ class SchedulerEviction:
         return plan
 
     def _group_schedules(self, request: Any) -> list[Schedule | None]:
-        """The schedule of each KV-cache group for the request (``settings.group_schedules``)."""
+        """The schedule of each KV-cache group for the request (``budgets.group_schedules``)."""
         plan = self.plan(request)
         if not plan.group_schedules:  # admitted requests never get here (``admit``)
             raise KVPolicyVLLMError(f"request {request.request_id}: {plan.refusal}")
@@ -281,7 +280,7 @@ class SchedulerEviction:
     # -- prefix caching ---------------------------------------------------------------------
     def copy_blocks(self, req_id: str, num_tokens: int, block_size: int, group: int = 0) -> int:
         """Fresh blocks of KV-cache group ``group`` to allocate with this step's for a request
-        that first evicts after it (prefix caching: one group only, ``settings.per_layer_refusals``)."""
+        that first evicts after it (prefix caching: one group only, ``refusals.per_layer_refusals``)."""
         if not self.prefix_caching or not self._tracked(req_id):
             return 0
         ledger = self.ledgers[group]
@@ -415,25 +414,6 @@ class SchedulerEviction:
         self.step += 1
         if self.trace is not None:
             self.trace.write(self.scheduler, scheduler_output, self.step, self.counts)
-
-
-def pool_tokens_needed(vllm_config: Any) -> int | None:
-    """Slots the KV pool must hold for one request under the server's policy: its peak for a
-    prompt within the budget (longer prompts are checked per request); None: vLLM's own check
-    (the server's policy is ``none``, or kvpolicy is off)."""
-    resolved = Resolved.from_additional_config(vllm_config.additional_config)
-    policy = None if resolved is None else resolved.policy()
-    s = evicting_schedule(policy)
-    if s is None:
-        return None
-    bs = int(vllm_config.cache_config.block_size)
-    long = max(vllm_config.model_config.max_model_len, s.budget + 1)
-    # Under per-layer budgets vLLM checks that every layer's group holds this many: its fullest layer's.
-    layers = list(range(num_layers(vllm_config))) if per_layer(policy) else None
-    heads = kv_heads_per_rank(vllm_config)
-    return max(request_need_blocks(g, s.budget, long, bs, bool(vllm_config.cache_config.enable_prefix_caching), cap)
-               for g, cap in zip(group_schedules(policy, layers, heads), group_head_caps(policy, layers, heads),
-                                 strict=True)) * bs
 
 
 def init_scheduler(scheduler: Any) -> None:

@@ -1,14 +1,14 @@
 """Select mode over vLLM's blocks: each decode step attends only the whole blocks a page-choosing
 policy chose, plus the recent tail; the full cache stays in the pool. Pure torch.
 
-A select-mode request is accounted like the policy ``none`` (``settings.evicting_schedule``: the
+A select-mode request is accounted like the policy ``none`` (``budgets.evicting_schedule``: the
 scheduler and every worker's ledger never evict it, and it holds every token's block). What
 changes is its attention at a decode step: vLLM's attention backend computes the layer's output
 over every slot, and ``BlockSelection.attend`` then replaces the rows of the requests that
 select with attention (``kvpolicy.attend``) over the pages chosen by the transformers path's own
 code (``kvpolicy.eviction.choose``, hence ``kvpolicy.selection.choose_pages`` and the scorer's
 ``score_pages``), read straight from the request's blocks, and the tail. vLLM's blocks are the
-policy's pages: ``settings.page_refusal`` refuses a policy whose page size is not the block size.
+policy's pages: ``refusals.page_refusal`` refuses a policy whose page size is not the block size.
 
 The rule of when a request chooses is the core's, per request (``kvpolicy.selection.choose_now``,
 with ``kvpolicy.schedule.step_phase`` from the request's own prompt length, so a prompt prefilled

@@ -1,8 +1,8 @@
 """Which policy a vLLM server runs, and which each request runs: the settings, resolved once.
 
 What the integration refuses is ``kvpolicy.vllm.refusals``; how a budget is shared over the
-server's KV-cache groups, ``kvpolicy.vllm.budgets`` (both re-exported here, where callers have
-long imported them from).
+server's KV-cache groups, ``kvpolicy.vllm.budgets``; a resolved policy as the server runs it,
+``kvpolicy.vllm.plans``.
 
 Settings come from ``additional_config={"kvpolicy": {...}}`` (``--additional-config`` on
 ``vllm serve``) or, when that key is absent, from the environment:
@@ -43,29 +43,8 @@ from ..config import PolicyError
 from ..loading import load_policy
 from ..policy import Policy
 from ..stages.base import DataFile
-from .budgets import decides_from_prompt as decides_from_prompt
-from .budgets import evicting_schedule as evicting_schedule
-from .budgets import group_head_caps as group_head_caps
-from .budgets import group_schedules as group_schedules
-from .budgets import head_cap as head_cap
-from .budgets import layer_head_caps as layer_head_caps
-from .budgets import layer_schedules as layer_schedules
-from .budgets import per_layer as per_layer
-from .refusals import check_config as check_config
-from .refusals import check_version as check_version
-from .refusals import layer_group_refusal as layer_group_refusal
-from .refusals import model_refusal as model_refusal
-from .refusals import page_refusal as page_refusal
-from .refusals import per_layer_refusals as per_layer_refusals
-from .refusals import recall_refusal as recall_refusal
-from .refusals import refusals as refusals
 from .refusals import refuse_unservable
-from .refusals import select_refusal as select_refusal
-from .refusals import shard_refusal as shard_refusal
-from .refusals import version_tuple as version_tuple
-from .support import SUPPORTED_VLLM as SUPPORTED_VLLM
-from .support import SUPPORTED_VLLM_TEXT as SUPPORTED_VLLM_TEXT
-from .support import KVPolicyVLLMError as KVPolicyVLLMError
+from .support import KVPolicyVLLMError
 
 KEY = "kvpolicy"
 ENV_POLICY = "KVPOLICY_VLLM_POLICY"
