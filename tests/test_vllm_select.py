@@ -349,6 +349,7 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
                                                             parallel_config=SimpleNamespace(tensor_parallel_size=1)),
                                 requests=requests,  # one KV-cache group for every layer
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
+    monkeypatch.setattr(sched_mod, "_WORKERS", (scheduler.vllm_config, sched_mod.Workers()))  # as start-up asks them
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
 
     def request(req_id: str, settings, prompt: int) -> SimpleNamespace:
@@ -385,6 +386,7 @@ def test_the_engine_core_refuses_alone_a_page_choice_whose_pages_are_not_the_blo
                               coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=BLOCK)]))
     scheduler = SimpleNamespace(vllm_config=config, requests={}, kv_cache_manager=manager,
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
+    monkeypatch.setattr(sched_mod, "_WORKERS", (scheduler.vllm_config, sched_mod.Workers()))  # as start-up asks them
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
 
     def request(settings) -> SimpleNamespace:
@@ -395,3 +397,23 @@ def test_the_engine_core_refuses_alone_a_page_choice_whose_pages_are_not_the_blo
         state.admit(request({"policy": quest_pages(page=2 * BLOCK)}))
     state.admit(request({"policy": quest_pages(page=BLOCK)}))
     state.admit(request({"policy": "quest", "budget": 40, "recent": 8}))
+
+
+def test_a_scheduler_takes_only_its_own_engines_workers(monkeypatch):
+    """The workers' answers (missing model facts, fingerprints) are asked when an engine's executor
+    starts; a scheduler built for another engine's configuration, or before any was asked, is
+    refused rather than run on another engine's answers or none."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm import scheduler as sched_mod
+    from kvpolicy.vllm.support import KVPolicyInvariantError
+
+    asked = sched_mod.Workers(None, {"rope": "no rotary embedding"}, ())
+    first, second = SimpleNamespace(), SimpleNamespace()
+    monkeypatch.setattr(sched_mod, "_WORKERS", None)
+    with pytest.raises(KVPolicyInvariantError, match="workers were not asked"):
+        sched_mod.workers_of(first)
+    monkeypatch.setattr(sched_mod, "_WORKERS", (first, asked))
+    assert sched_mod.workers_of(first) is asked
+    with pytest.raises(KVPolicyInvariantError, match="workers were not asked"):
+        sched_mod.workers_of(second)

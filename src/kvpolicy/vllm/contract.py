@@ -57,6 +57,10 @@ CACHE_CONFIG = Contract("vllm.config.CacheConfig", {
     "num_gpu_blocks": "a request longer than the pool is refused",
     "kv_cache_layout": "how each layer's blocks are strided, kvpolicy.vllm.layout",
 })
+EXECUTOR = Contract("vllm.v1.executor.abstract.Executor", {
+    "vllm_config": "the engine whose scheduler takes the workers' answers",
+    "collective_rpc": "one question of every rank: missing model facts, fingerprints, CAKE's budgets",
+})
 MODEL_RUNNER = Contract("vllm.v1.worker.gpu_model_runner.GPUModelRunner", {
     "vllm_config": "the server's settings in the worker",
     "kv_cache_config": "the KV-cache groups and their layers",

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedule import Schedule
+from . import contract
 from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
 from .plans import PolicyPlan, cdiv
 from .settings import PerPolicy, Resolved, request_policy
@@ -95,13 +96,25 @@ class Workers:
         return Workers(executor, missing, fingerprints)
 
 
-#: The workers of this engine-core process (``set_workers``).
-_WORKERS = Workers()
+#: The workers of this engine-core process, with the configuration of the engine they serve
+#: (``set_workers``): a scheduler takes them for that engine only (``workers_of``).
+_WORKERS: tuple[Any, Workers] | None = None
 
 
 def set_workers(executor: Any) -> None:
     global _WORKERS
-    _WORKERS = Workers.ask(executor)
+    contract.check(executor, contract.EXECUTOR)
+    _WORKERS = (executor.vllm_config, Workers.ask(executor))
+
+
+def workers_of(vllm_config: Any) -> Workers:
+    """The workers asked at the start-up of the engine of ``vllm_config``; refused when they were
+    not (its scheduler would take another engine's answers, or none, for requests' model facts)."""
+    if _WORKERS is None or _WORKERS[0] is not vllm_config:
+        raise KVPolicyInvariantError(
+            "the engine's workers were not asked for their model facts before its scheduler was built "
+            "(vLLM's Executor.initialize_from_config did not run for this engine)")
+    return _WORKERS[1]
 
 
 def ledgers() -> list[SlotLedger]:
@@ -145,7 +158,7 @@ class SchedulerEviction:
         self.trace = SchedulerTrace(Path(resolved.trace)) if resolved.trace else None
         self.counts = SchedulerCounts()
         self.step = 0
-        self.workers = _WORKERS  # asked at start-up, before this scheduler existed
+        self.workers = workers_of(scheduler.vllm_config)  # asked at start-up, before this scheduler existed
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
         self.awaiting: dict[str, Any] = {}
