@@ -33,6 +33,7 @@ KVPOLICY = {
                               "attend_heads", "attend_selected", "group_metadata"],
     "paged_cache.PagedCache": ["begin_step", "advance_step", "evict_due"],
     "scheduler.SchedulerEviction": ["counted_slots", "copy_blocks", "replay_cap", "after_schedule", "after_update"],
+    "select.BlockSelection": ["begin_step", "attend", "_choose", "_summarise", "_short_page_keys", "_window"],
 }
 #: vLLM's own parts of a step: the scheduler's, then the model runner's
 VLLM_SCHEDULER = ["schedule", "update_from_output"]
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=64, help="whole-model KV-cache blocks of 32 slots")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--decode-only", action="store_true",
+                        help="time from the step after every prompt is in (as vllm_bench's decode tok/s)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -92,8 +96,10 @@ def main() -> None:
             timers.wrap(cls, name, f"{cls_name}.{name}")
     model = str(smollm2_folder())
     policy = None if args.policy == "vllm" else {"policy": args.policy, "budget": args.budget}
+    if args.prompt + args.new > args.max_model_len:
+        parser.error(f"--prompt {args.prompt} plus --new {args.new} is past --max-model-len {args.max_model_len}")
     extra = {} if policy is None else {"additional_config": {"kvpolicy": policy}}
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, block_size=32,
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len, block_size=32,
               num_gpu_blocks_override=args.blocks * layers_per_block(policy, model), max_num_seqs=args.requests,
               enable_prefix_caching=False, seed=0, **extra)
     core = llm.llm_engine.engine_core.engine_core  # in-process: the engine core itself
@@ -117,12 +123,24 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=[rng.randint(100, 3000) for _ in range(args.prompt)])
                for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.new, ignore_eos=True, temperature=0.0)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
     timers.clear()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    decoding: set[str] = set()  # requests past their prompt: with --decode-only, timing starts once every one is
+    waiting = args.decode_only
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                decoding.add(out.request_id)
+        if waiting and len(decoding) == len(prompts):
+            timers.clear()
+            waiting, start = False, time.perf_counter()
     wall = time.perf_counter() - start
     steps = timers.calls["vllm.schedule"] or 1
-    print(f"{args.policy}: {steps} engine steps, {1000 * wall / steps:.2f} ms per step ({wall:.1f} s)\n")
+    what = "decode steps" if args.decode_only else "engine steps"
+    print(f"{args.policy}: {steps} {what}, {1000 * wall / steps:.2f} ms per step ({wall:.1f} s)\n")
     print("| part | ms per step | calls per step |")
     print("| --- | --- | --- |")
     for label, seconds in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
