@@ -57,7 +57,8 @@ test-oldest: $(OLD_VENV)/.kvpolicy-setup
 # and the modules run on two pytest-xdist workers of one thread each (tests/engine_vllm/conftest.py;
 # `--dist loadscope` keeps a module, and so its shared engine, on one worker): the 71 engine tests
 # took 18 minutes on two quiet cores (2026-12-06; 26 in one process, 37.5 with every engine in
-# vLLM's own processes), about 10 more for the install (CI runs it: .ci/run).
+# vLLM's own processes), 5-10 more for the install (CI runs both, the install in the background
+# while the main suite runs: .ci/run).
 VLLM_VENV := .venv-vllm
 VLLM_VERSION := 0.32.0
 $(VLLM_VENV)/.kvpolicy-setup: pyproject.toml
