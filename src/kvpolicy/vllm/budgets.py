@@ -38,9 +38,8 @@ def layer_schedules(policy: Policy | None, num_layers: int, kv_heads: int) -> li
     """Each layer's schedule under ``policy`` (``Policy.layer_schedules``, as ``EvictingCache``
     builds them: the policy's schedule with the layer's budget); None per layer for a request
     that never evicts (no policy, or select mode)."""
-    if evicting_schedule(policy) is None:
+    if policy is None or evicting_schedule(policy) is None:
         return [None] * num_layers
-    assert policy is not None
     try:
         return list(policy.layer_schedules(num_layers, kv_heads))
     except PolicyError as exc:  # the allocation cannot share this budget among the model's layers

@@ -299,9 +299,8 @@ def per_layer_refusals(policy: Policy | None, vllm_config: Any) -> list[str]:
     eviction's fresh blocks are implemented for one group), pipeline parallelism (each stage's
     layers would need their groups of their own: not implemented). A budget the layers cannot
     share is the plan's refusal (``PolicyPlan.build``)."""
-    if not per_layer(policy):
+    if policy is None or not per_layer(policy):
         return []
-    assert policy is not None
     out = []
     if vllm_config.cache_config.enable_prefix_caching:
         out.append(f"policy {policy.name!r} keeps per-layer budgets (a KV-cache group per layer), which is not "
