@@ -7,6 +7,8 @@ from importlib.resources import files
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpolicy import load_policy
 from kvpolicy.vllm import additional_config
@@ -338,6 +340,32 @@ def test_a_server_plan_sizes_the_pool_for_its_fullest_layer():
     # Under prefix caching a first eviction writes into fresh blocks beside the old ones.
     assert snapkv.pool_tokens(4096, 32, True) == (blocks(144, 32) + blocks(128, 32)) * 32
     assert PolicyPlan.of_server(resolve({"policy": "none"}), _server()).pool_tokens(4096, 32, False) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["snapkv", "h2o", "tova", "vase-attnv", "ada-snapkv", "pyramidkv", "duo-attention"]),
+       budget=st.sampled_from([96, 128, 160]), block_size=st.sampled_from([16, 32]), prefix_caching=st.booleans(),
+       max_model_len=st.integers(200, 3000), data=st.data())
+def test_a_pool_sized_for_the_server_policy_admits_every_request_its_length_allows(
+        name, budget, block_size, prefix_caching, max_model_len, data):
+    """The pool vLLM is asked for (``PolicyPlan.pool_tokens``: every KV-cache group holds that
+    many slots, as vLLM checks at start-up) admits every request ``request_refusal`` is asked of
+    whose prompt is within the budget and whose tokens fit ``max_model_len``: the two agree.
+    (Under prefix caching the engine core asked vLLM for ``max_model_len`` slots when the policy
+    needed more, and a server that started refused such requests: max_model_len 200, snapkv at
+    budget 96, blocks of 16, a request of 113 tokens needing 14 blocks of a pool of 13.)"""
+    from kvpolicy.vllm.plans import PolicyPlan
+
+    resolved = resolve({"policy": name, "budget": budget})
+    config = _server(block_size=block_size, prefix_caching=prefix_caching)
+    plan = PolicyPlan.of_server(resolved, config)
+    tokens = plan.pool_tokens(max_model_len, block_size, prefix_caching)
+    assert tokens is not None and tokens % block_size == 0
+    groups = len(plan.group_schedules)
+    blocks = tokens // block_size * groups + 1  # vLLM's count: each group's, and its null block
+    prompt = data.draw(st.integers(1, budget), label="prompt")
+    new = data.draw(st.integers(1, max_model_len - prompt), label="max_tokens")
+    assert plan.request_refusal(prompt, new, blocks, block_size, prefix_caching) is None
 
 
 def test_a_per_layer_split_the_model_cannot_take_is_refused_by_name():

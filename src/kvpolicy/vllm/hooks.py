@@ -313,10 +313,11 @@ def _install_engine_core() -> None:
         need = None if server is None else PolicyPlan.of_server(server, vllm_config).pool_tokens(
             vllm_config.model_config.max_model_len, int(cc.block_size), bool(cc.enable_prefix_caching))
         mc = vllm_config.model_config
-        if need is None or need >= mc.max_model_len:
+        if need is None:
             return original(vllm_config, *args, **kwargs)
         # vLLM asks the pool to hold one request of max_model_len tokens; under eviction one
-        # request holds at most `need` (replays after preemption included): ask for that.
+        # request holds at most `need` (replays after preemption included), fewer, or more under
+        # prefix caching (a first eviction's fresh blocks beside the old ones): ask for that.
         full = mc.max_model_len
         mc.max_model_len = need
         try:

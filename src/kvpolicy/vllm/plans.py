@@ -89,16 +89,19 @@ class PolicyPlan:
         return PolicyPlan.build(resolved, vllm_config, server_group_layers(resolved.policy(), vllm_config))
 
     def pool_tokens(self, max_model_len: int, block_size: int, prefix_caching: bool) -> int | None:
-        """Slots the KV pool must hold for one request as the server's policy (in blocks, of its
-        fullest group): its peak for a prompt within the budget (longer prompts are checked per
-        request); None: it never evicts, so vLLM's own check holds."""
+        """Slots each KV-cache group of the pool must hold, in whole blocks, for the server's
+        policy to serve any one request of at most ``max_model_len`` tokens whose prompt is
+        within the budget (longer prompts are checked per request: ``request_refusal``): the
+        most such a request holds in its fullest group. Under prefix caching that counts a first
+        eviction's fresh blocks, so it may be more than ``max_model_len``. None: the policy never
+        evicts, so vLLM's own check holds."""
         s = self.schedule
         if s is None:
             return None
         if self.refusal is not None:
             raise KVPolicyVLLMError(self.refusal)
-        long = max(max_model_len, s.budget + 1)
-        return max(request_need_blocks(g, s.budget, long, block_size, prefix_caching, cap)
+        prompt = min(s.budget, max_model_len)  # a request's peak grows with its prompt and its length
+        return max(request_need_blocks(g, prompt, max_model_len, block_size, prefix_caching, cap)
                    for g, cap in zip(self.group_schedules, self.head_caps, strict=True)) * block_size
 
     def request_refusal(self, prompt_len: int, max_tokens: int | None, num_gpu_blocks: int | None, block_size: int,
