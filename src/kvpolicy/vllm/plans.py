@@ -151,9 +151,14 @@ def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: 
     if need <= pool_blocks:
         return None
     schedule = schedules[0]
-    what = ("no eviction: it holds all its prompt and output tokens" if schedule is None
-            else f"its policy keeps {schedule.budget} slots, but its prompt of {prompt_len} tokens is held whole before "
-                 "the first eviction")
+    if schedule is None:
+        what = "no eviction: it holds all its prompt and output tokens"
+    else:  # what makes its peak: the interval, a whole prompt, a first eviction's fresh blocks
+        what = f"its policy keeps {schedule.budget} slots and up to {schedule.interval} more between evictions"
+        if prompt_len > schedule.budget:
+            what += f"; its prompt of {prompt_len} tokens is held whole before the first eviction"
+        if prefix_caching and prompt_len + max_tokens > schedule.budget:
+            what += "; under prefix caching its first eviction writes the kept slots into fresh blocks beside the old ones"
     return (f"needs {need} KV blocks of {block_size} ({what}), more than the {pool_blocks} the KV pool has; "
             "shorten it (prompt or max_tokens) or choose a policy that evicts (with compress_prompt for long prompts)")
 
