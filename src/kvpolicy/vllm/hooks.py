@@ -309,10 +309,9 @@ def _install_engine_core() -> None:
     @_around(core, "get_kv_cache_configs")
     def get_kv_cache_configs(original, vllm_config, *args: Any, **kwargs: Any):
         server = settings.Resolved.from_additional_config(vllm_config.additional_config)
-        cc = vllm_config.cache_config
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
         need = None if server is None else PolicyPlan.of_server(server, vllm_config).pool_tokens(
-            vllm_config.model_config.max_model_len, int(cc.block_size), bool(cc.enable_prefix_caching))
-        mc = vllm_config.model_config
+            mc.max_model_len, int(cc.block_size), bool(cc.enable_prefix_caching))
         if need is None:
             return original(vllm_config, *args, **kwargs)
         # vLLM asks the pool to hold one request of max_model_len tokens; under eviction one
@@ -325,7 +324,7 @@ def _install_engine_core() -> None:
         except ValueError as exc:
             raise settings.KVPolicyVLLMError(
                 f"the KV cache cannot hold one request under the server's policy ({need} slots: "
-                f"its peak, budget plus interval, in blocks{' plus the blocks of a first eviction under prefix caching' if vllm_config.cache_config.enable_prefix_caching else ''}). vLLM said: {exc}"
+                f"its peak, budget plus interval, in blocks{' plus the blocks of a first eviction under prefix caching' if cc.enable_prefix_caching else ''}). vLLM said: {exc}"
             ) from None
         finally:
             mc.max_model_len = full

@@ -23,7 +23,6 @@ from ..schedule import Schedule
 from .budgets import decides_from_prompt, evicting_schedule, group_head_caps, group_schedules, per_layer
 from .ledger import peak_slots
 from .refusals import (
-    check_version,
     layer_group_refusal,
     model_refusal,
     page_refusal,
@@ -165,10 +164,8 @@ def pool_refusal(schedules: list[Schedule | None], prompt_len: int, max_tokens: 
 
 def check_config(vllm_config: Any, resolved: Resolved) -> None:
     """Refuse, with every reason at once, a server configuration that cannot run ``resolved`` as
-    its policy: the engine's (``refusals.refusals``), the plan's, a per-layer policy's."""
-    import vllm
-
-    check_version(vllm.__version__)
+    its policy: the engine's (``refusals.refusals``), the plan's, a per-layer policy's. (The vLLM
+    release is checked before, as the front end resolves the settings: ``refusals.check_version``.)"""
     plan = PolicyPlan.of_server(resolved, vllm_config)
     reasons = [*refusals(vllm_config), *plan.refusals, *per_layer_refusals(plan.policy, vllm_config)]
     if reasons:
