@@ -408,12 +408,18 @@ def test_a_scheduler_takes_only_its_own_engines_workers(monkeypatch):
     from kvpolicy.vllm import scheduler as sched_mod
     from kvpolicy.vllm.support import KVPolicyInvariantError
 
+    def scheduler() -> SimpleNamespace:  # an engine's scheduler, with its own configuration
+        config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=BLOCK))
+        return SimpleNamespace(vllm_config=config, requests={},
+                               kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
+
+    monkeypatch.setattr(sched_mod, "_STATE", None)
     asked = sched_mod.Workers(None, {"rope": "no rotary embedding"}, ())
-    first, second = SimpleNamespace(), SimpleNamespace()
+    first, second = scheduler(), scheduler()
     monkeypatch.setattr(sched_mod, "_WORKERS", None)
     with pytest.raises(KVPolicyInvariantError, match="workers were not asked"):
-        sched_mod.workers_of(first)
-    monkeypatch.setattr(sched_mod, "_WORKERS", (first, asked))
-    assert sched_mod.workers_of(first) is asked
+        sched_mod.SchedulerEviction(first, Resolved(None, "none", 0))
+    monkeypatch.setattr(sched_mod, "_WORKERS", (first.vllm_config, asked))
+    assert sched_mod.SchedulerEviction(first, Resolved(None, "none", 0)).workers is asked
     with pytest.raises(KVPolicyInvariantError, match="workers were not asked"):
-        sched_mod.workers_of(second)
+        sched_mod.SchedulerEviction(second, Resolved(None, "none", 0))
