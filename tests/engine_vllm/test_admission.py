@@ -127,6 +127,20 @@ def test_vllm_alone_refuses_the_same_pool_at_start_up(capfd):
     assert "To serve at least one request with the model's max seq len (2048)" in logged.err + logged.out
 
 
+def test_a_pool_too_small_for_a_first_evictions_fresh_blocks_is_refused_at_start_up(capfd):
+    """Under prefix caching a request's first eviction writes its kept slots into fresh blocks
+    beside its old ones, so on a short max_model_len a request holds more than max_model_len
+    tokens' blocks: snapkv at budget 96 (interval 64), max_model_len 160, a request of 160 tokens
+    holds 7 blocks of 32. The engine core asks vLLM's pool for that peak, and 6 blocks (5 usable),
+    enough for max_model_len, are refused at start-up by name (until 7 December 2026 the server
+    started, then refused such requests one by one)."""
+    with pytest.raises(Exception):  # noqa: B017  (the front end reports a failed engine start)
+        make_llm(tiny_qwen3_folder(), {"policy": "snapkv", "budget": 96}, block_size=BLOCK, max_model_len=160,
+                 enable_prefix_caching=True, num_gpu_blocks_override=6, processes=True)
+    logged = capfd.readouterr()
+    assert "the KV cache cannot hold one request under the server's policy (224 slots" in logged.err + logged.out
+
+
 def _tiny_gpt_neox(folder):
     """A randomly initialised tiny ``GPTNeoXForCausalLM``: its attention has no ``o_proj`` (its
     output projection is ``dense``) and rotates a quarter of each head, so the model facts that
