@@ -255,3 +255,60 @@ def test_a_layer_budget_learned_late_gives_the_ledger_of_one_known_from_the_star
             assert before >= after == k.held
         assert (a.slots, a.reserve, a.evicted_at, a.schedule) == (k.slots, k.reserve, k.evicted_at, k.schedule)
     assert waited is None or late.get("r").schedule == layer
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["snapkv", "ada-snapkv", "pyramidkv", "cake"]), budget=st.sampled_from([96, 128, 160]),
+       prompt=st.integers(1, 300), data=st.data())
+def test_the_schedulers_slot_count_is_each_groups_peak_of_the_slots_it_holds(name, budget, prompt, data):
+    """``SchedulerEviction.counted_slots``, what vLLM's allocation is asked of each KV-cache group
+    at every step: the request's tokens less what the group evicted, capped by its peak
+    (``peak_slots`` of the group's schedule and per-head room, and of a layer schedule decided
+    from the prompt). Its per-request bounds are worked out once; the count must stay this."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm import scheduler as sched_mod
+    from kvpolicy.vllm.budgets import per_layer
+    from kvpolicy.vllm.ledger import peak_slots
+    from kvpolicy.vllm.settings import resolve, resolve_request
+
+    layers = 4
+    resolved = resolve({"policy": name, "budget": budget})
+    grouped = per_layer(resolved.policy())
+    specs = [SimpleNamespace(kvpolicy_layer=i) for i in range(layers)] if grouped else [None]
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=16),
+                             model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: 2,
+                                                          get_num_layers=lambda parallel: layers),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    scheduler = SimpleNamespace(vllm_config=config, requests={},
+                                kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s)
+                                                                                 for s in specs]))
+    saved = sched_mod._STATE, sched_mod._WORKERS
+    sched_mod._WORKERS = (config, sched_mod.Workers())  # as start-up asks them
+    try:
+        state = sched_mod.SchedulerEviction(scheduler, resolved)
+        request = scheduler.requests["r"] = SimpleNamespace(
+            request_id="r", num_prompt_tokens=prompt,
+            sampling_params=SimpleNamespace(extra_args=resolve_request({"kvpolicy": {"policy": name, "budget": budget}})))
+        plan = state.plan(request)
+        assert plan.refusal is None
+        for step in range(3):  # untracked, then tracked with tokens evicted, then a layer budget decided
+            if step == 1:
+                state._track(request)
+            for g, ledger in enumerate(state.ledgers):
+                entry = ledger.requests.get("r")
+                if step >= 1 and entry is not None:
+                    entry.tokens = data.draw(st.integers(prompt, prompt + 400), label="tokens")
+                    entry.slots = data.draw(st.integers(0, entry.tokens), label="slots")
+                if step == 2 and entry is not None and plan.from_prompt:
+                    entry.layer_schedule = entry.schedule.model_copy(
+                        update={"budget": data.draw(st.integers(entry.schedule.recent + 1, 2 * budget), label="layer")})
+                num_tokens = data.draw(st.integers(max(prompt, 0 if entry is None else entry.tokens),
+                                                   prompt + 500), label="num_tokens")
+                slots = num_tokens - (0 if entry is None else entry.offset)
+                expected = peak_slots(plan.group_schedules[g], prompt, slots, plan.head_caps[g])
+                if entry is not None and entry.layer_schedule is not None:
+                    expected = max(expected, peak_slots(entry.layer_schedule, prompt, slots, plan.head_caps[g]))
+                assert state.counted_slots("r", num_tokens, g) == expected
+    finally:
+        sched_mod._STATE, sched_mod._WORKERS = saved

@@ -191,8 +191,8 @@ def test_an_attention_layer_the_worker_cannot_name_is_refused():
 
 def test_a_steps_last_queries_are_each_requests_last_window_tokens_planned_once():
     """``StepRequests.last_queries``: per request its last ``min(scheduled, window)`` tokens, each
-    at ring position ``token % window`` and at its row of the step's flattened tokens; asked again
-    (another KV-cache group of the step), the same plan."""
+    at ring position ``token % window`` and at its row of the step's flattened tokens (None where
+    those are the first rows in order); asked again (another KV-cache group of the step), the same plan."""
     import numpy as np
     import torch
 
@@ -209,6 +209,9 @@ def test_a_steps_last_queries_are_each_requests_last_window_tokens_planned_once(
     assert all(x is y for x, y in zip(again, (take, pos, flat), strict=True))
     take, pos, flat = step.last_queries(np.array([1]), 4, torch.device("cpu"))  # another ring's requests
     assert take.tolist() == [1] and flat.tolist() == [6] and pos.tolist() == [2]
+    decoding = StepRequests(["a", "b"], np.array([1, 1]), np.array([3, 10]), np.array([2, 4]))
+    take, pos, flat = decoding.last_queries(np.array([0, 1]), 4, torch.device("cpu"))
+    assert flat is None and pos.tolist() == [3, 10 % 4]  # the step's first rows, in order
 
 
 def test_two_traces_of_one_process_write_files_of_their_own(tmp_path):
@@ -247,8 +250,7 @@ def test_query_capture_writes_each_query_where_the_ring_reads_it(in_order):
     rows = torch.tensor([ring.row_of["c"], ring.row_of["a"], ring.row_of["a"]])
     pos = torch.tensor([3, 0, 1])
     token_idx = torch.arange(3) if in_order else torch.tensor([4, 0, 2])
-    cap = QueryCapture.plan(ring, rows, pos, token_idx)
-    assert (cap.token_idx is None) is in_order
+    cap = QueryCapture.plan(ring, rows, pos, None if in_order else token_idx)  # as ``last_queries`` plans them
     step = torch.randn(3, 6, 2 * 5, generator=gen)  # [layers, T_step (one padding row past 5), Hq * D]
     for layer in range(3):
         cap.write(layer, step[layer])

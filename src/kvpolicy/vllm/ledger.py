@@ -289,14 +289,17 @@ def peak_slots(schedule: Schedule | None, prompt_len: int, total: int, head_cap:
     """The most slots a request of ``prompt_len`` prompt tokens and ``total`` tokens in all holds
     at once under ``schedule`` (None: no eviction, every token), replays after preemption included
     (``head_cap``: per-head budgets, whose room for the fullest head adds up to ``head_cap - budget``)."""
-    if schedule is None:
-        return total
+    return total if schedule is None else min(peak_bound(schedule, prompt_len, head_cap), total)
+
+
+def peak_bound(schedule: Schedule, prompt_len: int, head_cap: int | None = None) -> int:
+    """``peak_slots`` of a request long enough to reach it: what its length does not change."""
     peak = schedule.capacity_for(prompt_len)
     if schedule.compress_prompt and prompt_len > schedule.budget:
         peak = max(prompt_len, schedule.capacity_for(schedule.budget))
     if head_cap is not None:
         peak += max(0, head_cap - schedule.budget)
-    return min(peak, total)
+    return peak
 
 
 def prefix_hit_cap(schedule: Schedule | None, prompt_len: int) -> int | None:

@@ -179,33 +179,44 @@ class PagedCache:
         self.plan = plan
         self.captures = []
         self.head_attention, self.head_decodes = None, []
-        req_ids, n, before = plan.req_ids, plan.scheduled, plan.computed_before
+        req_ids = plan.req_ids
         if not req_ids:
             return
-        records = [self.record(r) for r in req_ids]  # each made (its policy looked up) when first seen
-        windows = np.array([r.policy.window for r in records], dtype=np.int64)
-        for record, prompt_len in zip(records, plan.prompt_len.tolist(), strict=True):
+        by_window: dict[int, list[int]] = {}  # batch rows by their policy's query window
+        uneven: list[int] = []  # rows whose heads hold different counts
+        observing: list[int] = []  # rows whose policy's state sees every query
+        for i, (req_id, prompt_len) in enumerate(zip(req_ids, plan.prompt_len.tolist(), strict=True)):
+            record = self.record(req_id)  # made (its policy looked up) when first seen
             record.prompt_len = prompt_len
-        self.head_attention = self._plan_head_attention(plan, table)
-        for w in sorted(set(windows.tolist()) - {0}):
-            idx = np.flatnonzero(windows == w)
-            take, pos, flat = plan.last_queries(idx, w, self.device)
+            policy = record.policy.policy
+            if policy is None:
+                continue
+            if policy.schedule.window:
+                by_window.setdefault(policy.schedule.window, []).append(i)
+            if record.uneven:
+                uneven.append(i)
+            if policy.observes_queries:
+                observing.append(i)
+        self.head_attention = self._plan_head_attention(plan, uneven, table)
+        for w, rows in sorted(by_window.items()):
+            take, pos, flat = plan.last_queries(np.array(rows, dtype=np.int64), w, self.device)
             ring = self._ring(w)
-            rows = np.repeat(np.array([ring.row(req_ids[i]) for i in idx], dtype=np.int64), take)
-            self.captures.append(QueryCapture.plan(ring, torch.from_numpy(rows).to(self.device), pos, flat))
-        self._plan_state(req_ids, n, before, table)
+            ring_rows = np.repeat(np.array([ring.row(req_ids[i]) for i in rows], dtype=np.int64), take)
+            self.captures.append(QueryCapture.plan(ring, torch.from_numpy(ring_rows).to(self.device), pos, flat))
+        self._plan_state(plan, observing, table)
 
-    def _plan_state(self, req_ids: list[str], n: np.ndarray, before: np.ndarray, table: BlockTable) -> None:
+    def _plan_state(self, plan: StepRequests, observing: list[int], table: BlockTable) -> None:
+        """Bring the state of the ``observing`` rows up to date before this step's queries push
+        unseen ones out of their window, and plan their long steps (``LongStep``)."""
         self.long_steps = {}
         pending: dict[tuple[str, int], list[tuple[int, str]]] = {}
-        ends = np.cumsum(n)
-        for i, req_id in enumerate(req_ids):
+        ends = np.cumsum(plan.scheduled)
+        for i in observing:
+            req_id = plan.req_ids[i]
             record = self.records[req_id]
             rp = record.policy
-            if rp.policy is None or not rp.policy.observes_queries:
-                continue
-            window, ledger = rp.policy.schedule.window, self.ledger.get(req_id)
-            tokens, done = int(n[i]), int(before[i])
+            window, ledger = evicting_policy(rp).schedule.window, self.ledger.get(req_id)
+            tokens, done = int(plan.scheduled[i]), int(plan.computed_before[i])
             if eviction.must_observe(done - record.observed, tokens, window):
                 pending.setdefault((rp.resolved.policy_yaml or "", ledger.slots), []).append((i, req_id))
             if eviction.is_long_step(tokens, window):
@@ -413,9 +424,9 @@ class PagedCache:
             return Lanes.even(self.layers, self.kv_heads)
         return Lanes(record.head_counts, record.kept.count)
 
-    def _plan_head_attention(self, plan: StepRequests, table: BlockTable) -> HeadAttention | None:
-        """Where each layer's attention of this step's requests with uneven heads reads (None: no such request)."""
-        rows = [i for i, q in enumerate(plan.req_ids) if self.records[q].uneven]
+    def _plan_head_attention(self, plan: StepRequests, rows: list[int], table: BlockTable) -> HeadAttention | None:
+        """Where each layer's attention of this step's requests with uneven heads (batch ``rows``)
+        reads (None: no such request)."""
         self.head_decodes = [i for i in rows if int(plan.scheduled[i]) == 1]
         if not rows:
             return None

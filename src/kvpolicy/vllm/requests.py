@@ -48,10 +48,11 @@ class StepRequests:
     _last_queries: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def last_queries(self, rows: np.ndarray, window: int, device: torch.device
-                     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor | None]:
         """The last ``min(scheduled, window)`` tokens of the requests at batch ``rows``: how many
         each has, then per token its ring position (token ``t`` goes to ``t % window``: a ring
-        keeps the last ``window``) and its row in the step's flattened tokens. Once per step:
+        keeps the last ``window``) and its row in the step's flattened tokens (None where they
+        are the first rows in order, as when every request decodes one token). Once per step:
         every KV-cache group of a per-layer server asks alike."""
         key = (window, rows.tobytes(), device)
         found = self._last_queries.get(key)
@@ -62,8 +63,9 @@ class StepRequests:
             j = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
             flat = np.cumsum(n)[rep] - last + j
             pos = (self.computed_before[rep] + n[rep] - last + j) % window
+            in_order = bool(np.array_equal(flat, np.arange(flat.size)))
             found = self._last_queries[key] = (take, torch.from_numpy(pos).to(device),
-                                               torch.from_numpy(flat).to(device))
+                                               None if in_order else torch.from_numpy(flat).to(device))
         return found
 
 
@@ -77,13 +79,12 @@ class QueryCapture:
     token_idx: torch.Tensor | None  # [T]: their rows in the step's flattened tokens; None: the first T, in order
 
     @classmethod
-    def plan(cls, ring: RequestQueryRing, rows: torch.Tensor, pos: torch.Tensor, token_idx: torch.Tensor
+    def plan(cls, ring: RequestQueryRing, rows: torch.Tensor, pos: torch.Tensor, token_idx: torch.Tensor | None
              ) -> QueryCapture:
-        """Token ``token_idx[i]`` of the step goes to ring row ``rows[i]`` at position ``pos[i]``."""
+        """Token ``token_idx[i]`` (None: ``i``) of the step goes to ring row ``rows[i]`` at position ``pos[i]``."""
         first = rows * (ring.layers * ring.window) + pos  # layer 0's ring row of each query
         dest = first[None, :] + torch.arange(ring.layers, device=first.device)[:, None] * ring.window
-        in_order = bool(torch.equal(token_idx, torch.arange(token_idx.numel(), device=token_idx.device)))
-        return cls(ring.tensor.view(-1, ring.q_heads * ring.head_dim), dest, None if in_order else token_idx)
+        return cls(ring.tensor.view(-1, ring.q_heads * ring.head_dim), dest, token_idx)
 
     def write(self, layer: int, query: torch.Tensor) -> None:
         """Layer ``layer``'s queries of the step (``[T_step, Hq * D]``, rows past the step's tokens ignored)."""

@@ -59,7 +59,7 @@ from typing import Any
 
 from ..schedule import Schedule
 from . import contract
-from .ledger import SlotLedger, compaction, kept_held, peak_slots, prefix_hit_cap, replay_boundary
+from .ledger import SlotLedger, compaction, kept_held, peak_bound, prefix_hit_cap, replay_boundary
 from .plans import PolicyPlan, cdiv
 from .settings import PerPolicy, Resolved, request_policy
 from .support import KVPolicyInvariantError, KVPolicyVLLMError
@@ -133,6 +133,8 @@ REPLAY_ATTR = "_kvpolicy_replay"
 PLAN_ATTR = "_kvpolicy_plan"
 #: Where a request's layer budgets decided from its prompt stay (by KV-cache group), for its replays.
 BUDGETS_ATTR = "_kvpolicy_layer_budgets"
+#: Where a request's peak slots per KV-cache group stay (``counted_slots``; likewise).
+PEAKS_ATTR = "_kvpolicy_peaks"
 
 
 class SchedulerEviction:
@@ -267,14 +269,24 @@ class SchedulerEviction:
         request = self.scheduler.requests.get(req_id)
         if request is None or (entry is not None and entry.awaiting):  # awaiting: it holds every slot until
             return slots                                                # its layer budget is known
-        plan, schedule = self.plan(request), self._group_schedules(request)[group]
-        if schedule is None:
+        bound = self._peak_bounds(request)[group]
+        if bound is None:
             return slots
-        prompt, cap = int(request.num_prompt_tokens), plan.head_caps[group]
-        peak = peak_slots(schedule, prompt, slots, cap)
         if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
-            peak = max(peak, peak_slots(entry.layer_schedule, prompt, slots, cap))
-        return peak
+            cap = self.plan(request).head_caps[group]
+            bound = max(bound, peak_bound(entry.layer_schedule, int(request.num_prompt_tokens), cap))
+        return min(bound, slots)
+
+    def _peak_bounds(self, request: Any) -> list[int | None]:
+        """Each group's ``peak_bound`` for the request (None: that group never evicts it), worked
+        out once per request (kept on it, ``PEAKS_ATTR``): vLLM asks every group twice a step."""
+        bounds = request.__dict__.get(PEAKS_ATTR)
+        if bounds is None:
+            prompt, caps = int(request.num_prompt_tokens), self.plan(request).head_caps
+            bounds = [None if s is None else peak_bound(s, prompt, cap)
+                      for s, cap in zip(self._group_schedules(request), caps, strict=True)]
+            request.__dict__[PEAKS_ATTR] = bounds
+        return bounds
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, request: Any) -> None:
