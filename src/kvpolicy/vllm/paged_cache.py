@@ -187,15 +187,12 @@ class PagedCache:
         observing: list[int] = []  # rows whose policy's state sees every query
         for i, (req_id, prompt_len) in enumerate(zip(req_ids, plan.prompt_len.tolist(), strict=True)):
             record = self.record(req_id)  # made (its policy looked up) when first seen
-            record.prompt_len = prompt_len
-            policy = record.policy.policy
-            if policy is None:
-                continue
-            if policy.schedule.window:
-                by_window.setdefault(policy.schedule.window, []).append(i)
+            record.prompt_len, policy = prompt_len, record.policy.policy
             if record.uneven:
                 uneven.append(i)
-            if policy.observes_queries:
+            if policy is not None and policy.schedule.window:
+                by_window.setdefault(policy.schedule.window, []).append(i)
+            if policy is not None and policy.observes_queries:
                 observing.append(i)
         self.head_attention = self._plan_head_attention(plan, uneven, table)
         for w, rows in sorted(by_window.items()):
