@@ -244,7 +244,7 @@ def _install_scheduler() -> None:
         if state is None:
             return original(self, request_id, num_tokens, *args, **kwargs)
         group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
-        copies = state.copy_blocks(request_id, num_tokens, self.block_size, group) if state.prefix_caching else 0
+        copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
         slots = state.counted_slots(request_id, num_tokens, group)
         return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
 

@@ -187,12 +187,12 @@ class PagedCache:
         observing: list[int] = []  # rows whose policy's state sees every query
         for i, (req_id, prompt_len) in enumerate(zip(req_ids, plan.prompt_len.tolist(), strict=True)):
             record = self.record(req_id)  # made (its policy looked up) when first seen
-            record.prompt_len, policy = prompt_len, record.policy.policy
+            record.prompt_len, rp = prompt_len, record.policy
             if record.uneven:
                 uneven.append(i)
-            if policy is not None and policy.schedule.window:
-                by_window.setdefault(policy.schedule.window, []).append(i)
-            if policy is not None and policy.observes_queries:
+            if rp.window:
+                by_window.setdefault(rp.window, []).append(i)
+            if rp.policy is not None and rp.policy.observes_queries:
                 observing.append(i)
         self.head_attention = self._plan_head_attention(plan, uneven, table)
         for w, rows in sorted(by_window.items()):
@@ -212,7 +212,7 @@ class PagedCache:
             req_id = plan.req_ids[i]
             record = self.records[req_id]
             rp = record.policy
-            window, ledger = evicting_policy(rp).schedule.window, self.ledger.get(req_id)
+            window, ledger = rp.window, self.ledger.get(req_id)
             tokens, done = int(plan.scheduled[i]), int(plan.computed_before[i])
             if eviction.must_observe(done - record.observed, tokens, window):
                 pending.setdefault((rp.resolved.policy_yaml or "", ledger.slots), []).append((i, req_id))
