@@ -121,6 +121,48 @@ def top2_gap(output, i: int) -> float:
     return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
+#: One ``generate()`` reference row: the prompt's ids, the tokens, each token's top-2 logit gap.
+Reference = tuple[list[int], list[int], list[float]]
+
+
+def hf_model(model_dir: str | Path):
+    """The transformers model of ``model_dir`` in float32, as the references decode it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_references(model, policy, prompts: list[list[int]], new: int) -> list[Reference]:
+    """``generate()``'s greedy tokens for ``prompts`` with a fresh ``KVPolicyCache(policy, model)``
+    (``policy`` None: the full cache), and each token's top-2 logit gap.
+
+    The prompts decode as one left-padded batch: a row of it keeps what the row alone keeps
+    (kvpolicy's padded-row promise, ``kvpolicy.hf.padded_rows``), and one decode step of the
+    batch reads the model's weights once for every row, so a batch of three takes about 0.4x the
+    time of its rows one by one on these CPUs (the references are most of the suite's set-ups).
+    In float32 the batch's logits stayed within 6e-5 of the rows' alone and gave their tokens
+    (snapkv and h2o, three prompts, 256 tokens); a tie closer than that is a tie the tests'
+    ``TIE`` already accepts between the engines."""
+    import torch
+
+    from kvpolicy import KVPolicyCache
+
+    if not prompts:
+        return []
+    width = max(len(ids) for ids in prompts)
+    pad = [width - len(ids) for ids in prompts]
+    x = torch.tensor([[0] * p + list(ids) for p, ids in zip(pad, prompts, strict=True)])
+    mask = torch.tensor([[0] * p + [1] * len(ids) for p, ids in zip(pad, prompts, strict=True)])
+    cache = {} if policy is None else {"past_key_values": KVPolicyCache(policy, model)}
+    with torch.no_grad():
+        g = model.generate(x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, pad_token_id=0, **cache)
+    top2 = torch.stack([lg.float().topk(2).values for lg in g.logits], dim=1)  # [R, new, 2]
+    gaps = (top2[..., 0] - top2[..., 1]).tolist()
+    return [(list(ids), g.sequences[r, width:].tolist(), gaps[r]) for r, ids in enumerate(prompts)]
+
+
 def close(llm) -> None:
     """Stop an engine's processes now (the next engine then has the CPUs to itself)."""
     import gc

@@ -16,11 +16,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt, top2_gap  # noqa: E402
+from engine_util import (  # noqa: E402
+    close,
+    first_divergence,
+    greedy,
+    hf_model,
+    hf_references,
+    make_llm,
+    tokens_prompt,
+    top2_gap,
+)
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -55,24 +63,19 @@ def prompts() -> list[list[int]]:
 
 def hf_rows(model_dir, jobs):
     """``KVPolicyCache`` + ``generate()`` for (policy source, prompt ids) pairs, before any engine
-    starts (CPUs are few): prompt ids, tokens, and each step's top-2 logit gap."""
-    from transformers import AutoModelForCausalLM
-
-    from kvpolicy import KVPolicyCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = []
+    starts (CPUs are few): prompt ids, tokens, and each step's top-2 logit gap. A policy's prompts
+    decode as one batch."""
+    model = hf_model(model_dir)
+    by_source: dict[str, list[list[int]]] = {}
     for source, ids in jobs:
+        by_source.setdefault(json.dumps(source, sort_keys=True), []).append(ids)
+    done: dict[str, list] = {}
+    for key, prompts in by_source.items():
+        source = json.loads(key)
         policy = load_policy(source["policy"], **{k: v for k, v in source.items() if k != "policy"})
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
-                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True)
-        top2 = [lg[0].float().topk(2).values for lg in g.logits]
-        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+        done[key] = hf_references(model, policy, prompts, NEW)
     del model
-    return rows
+    return [done[json.dumps(source, sort_keys=True)].pop(0) for source, _ in jobs]
 
 
 def agreed_with_generate(rows, outs, names) -> dict[str, int]:

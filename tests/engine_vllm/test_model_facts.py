@@ -23,6 +23,8 @@ from engine_util import (  # noqa: E402
     first_divergence,
     generate_in_subprocess,
     greedy,
+    hf_model,
+    hf_references,
     make_llm,
     serve_beside_a_refused_request,
     tokens_prompt,
@@ -197,28 +199,13 @@ def model_dir():
 @pytest.fixture(scope="module")
 def hf_refs(model_dir):
     """``KVPolicyCache`` + ``generate()`` (computed before any engine starts: CPUs are few)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvpolicy import KVPolicyCache
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = {}
-    for name, (source, overrides) in POLICIES.items():
-        policy = load_policy(source, **overrides)
-        rows = []
-        for text in PROMPTS:
-            ids = tokenizer(text).input_ids
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                g = model.generate(
-                    x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
-                    max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
-                    return_dict_in_generate=True,
-                )
-            top2 = [lg[0].float().topk(2).values for lg in g.logits]
-            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
-        refs[name] = rows
+    model = hf_model(model_dir)
+    ids = [tokenizer(text).input_ids for text in PROMPTS]
+    refs = {name: hf_references(model, load_policy(source, **overrides), ids, NEW)
+            for name, (source, overrides) in POLICIES.items()}
     del model
     return refs
 

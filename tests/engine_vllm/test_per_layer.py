@@ -13,11 +13,20 @@ per-layer group holds one layer's keys and values of ``BLOCK`` tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt, top2_gap  # noqa: E402
+from engine_util import (  # noqa: E402
+    close,
+    first_divergence,
+    greedy,
+    hf_model,
+    hf_references,
+    make_llm,
+    read_jsonl,
+    tokens_prompt,
+    top2_gap,
+)
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -57,24 +66,12 @@ def hf_refs(model_dir, jobs):
 
 
 def _hf_refs(model_dir, jobs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvpolicy import KVPolicyCache
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = []
-    for name, text in jobs:
-        ids = tokenizer(text).input_ids
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = model.generate(
-                x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(load_policy(name, **OVERRIDES), model),
-                max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True,
-                return_dict_in_generate=True,
-            )
-        top2 = [lg[0].float().topk(2).values for lg in g.logits]
-        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
+    model = hf_model(model_dir)
+    rows = [hf_references(model, load_policy(name, **OVERRIDES), [tokenizer(text).input_ids], NEW)[0]
+            for name, text in jobs]
     config = model.config
     del model
     return rows, config

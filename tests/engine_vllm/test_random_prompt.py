@@ -6,11 +6,10 @@ whose prompt its budget cannot hold is refused before it runs, alone."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -30,23 +29,14 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def refs(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvpolicy import KVPolicyCache
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     out = {}
     for name, (settings, text) in CASES.items():
         policy = load_policy(settings["policy"], **{k: v for k, v in settings.items() if k != "policy"})
-        ids = tokenizer(text).input_ids
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
-                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True)
-        top2 = [lg[0].float().topk(2).values for lg in g.logits]
-        out[name] = (ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2])
+        out[name] = hf_references(model, policy, [tokenizer(text).input_ids], NEW)[0]
     del model
     return out
 

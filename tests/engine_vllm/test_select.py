@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -56,35 +56,15 @@ def model_dir():
 def hf_refs(model_dir):
     """``KVPolicyCache`` + ``generate()`` per policy and prompt (the full cache for ``none``),
     computed before the engine starts: CPUs are few."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvpolicy import KVPolicyCache
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = {}
-    for name, source in POLICIES.items():
-        rows = []
-        for text in PROMPTS:
-            ids = tokenizer(text).input_ids
-            x = torch.tensor([ids])
-            cache = {} if source is None else {"past_key_values": KVPolicyCache(load_policy(source), model)}
-            with torch.no_grad():
-                g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
-                                   do_sample=False, output_logits=True, return_dict_in_generate=True, **cache)
-            top2 = [lg[0].float().topk(2).values for lg in g.logits]
-            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
-        refs[name] = rows
-    rows = []
-    for ids in long_prompts(tokenizer):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            g = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=LONG_NEW, min_new_tokens=LONG_NEW,
-                               do_sample=False, output_logits=True, return_dict_in_generate=True,
-                               past_key_values=KVPolicyCache(load_policy(POLICIES["quest-pages"]), model))
-        top2 = [lg[0].float().topk(2).values for lg in g.logits]
-        rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
-    refs["quest-pages@long"] = rows
+    model = hf_model(model_dir)
+    ids = [tokenizer(text).input_ids for text in PROMPTS]
+    refs = {name: hf_references(model, None if source is None else load_policy(source), ids, NEW)
+            for name, source in POLICIES.items()}
+    refs["quest-pages@long"] = hf_references(model, load_policy(POLICIES["quest-pages"]), long_prompts(tokenizer),
+                                             LONG_NEW)
     del model
     return refs
 

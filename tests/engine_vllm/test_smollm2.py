@@ -8,7 +8,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, generate_in_subprocess, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import (  # noqa: E402
+    close,
+    first_divergence,
+    generate_in_subprocess,
+    greedy,
+    hf_model,
+    hf_references,
+    make_llm,
+    tokens_prompt,
+)
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -41,27 +50,9 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def hf_refs(model_dir, tokenizer):
     """``KVPolicyCache`` + ``generate()`` (computed before any engine starts: CPUs are few)."""
-    from transformers import AutoModelForCausalLM
-
-    from kvpolicy import KVPolicyCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    refs = {}
-    for name in ("snapkv", "streamingllm"):
-        policy = load_policy(name, budget=BUDGET)
-        rows = []
-        for text in PROMPTS:
-            ids = tokenizer(text).input_ids
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                g = model.generate(
-                    x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
-                    max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                    output_logits=True, return_dict_in_generate=True,
-                )
-            top2 = [lg[0].float().topk(2).values for lg in g.logits]
-            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
-        refs[name] = rows
+    model = hf_model(model_dir)
+    ids = [tokenizer(text).input_ids for text in PROMPTS]
+    refs = {name: hf_references(model, load_policy(name, budget=BUDGET), ids, NEW) for name in ("snapkv", "streamingllm")}
     del model
     return refs
 

@@ -7,11 +7,10 @@ query computes its whole prompt)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
+from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -36,27 +35,15 @@ def model_dir():
 @pytest.fixture(scope="module")
 def refs(model_dir):
     """``KVPolicyCache`` + ``generate()`` per policy (computed before any engine starts)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kvpolicy import KVPolicyCache
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for name, policy in (("h2o", load_policy("h2o", budget=BUDGET)), ("h2o-w16", load_policy(H2O_W16)),
-                         ("gkv", load_policy("gkv", budget=BUDGET)),
-                         ("gkv-b64", load_policy("gkv", budget=64, interval=16))):
-        rows = []
-        for text in PROMPTS:
-            ids = tokenizer(text).input_ids
-            x = torch.tensor([ids])
-            with torch.no_grad():
-                g = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=KVPolicyCache(policy, model),
-                                   max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True)
-            top2 = [lg[0].float().topk(2).values for lg in g.logits]
-            rows.append((ids, g.sequences[0, len(ids):].tolist(), [float(t[0] - t[1]) for t in top2]))
-        out[name] = rows
+    model = hf_model(model_dir)
+    ids = [tokenizer(text).input_ids for text in PROMPTS]
+    out = {name: hf_references(model, policy, ids, NEW)
+           for name, policy in (("h2o", load_policy("h2o", budget=BUDGET)), ("h2o-w16", load_policy(H2O_W16)),
+                                ("gkv", load_policy("gkv", budget=BUDGET)),
+                                ("gkv-b64", load_policy("gkv", budget=64, interval=16)))}
     del model
     return out
 
