@@ -19,16 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import (  # noqa: E402
-    close,
-    first_divergence,
-    greedy,
-    hf_model,
-    hf_references,
-    make_llm,
-    tokens_prompt,
-    top2_gap,
-)
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt, top2_gap  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -65,7 +57,7 @@ def hf_rows(model_dir, jobs):
     """``KVPolicyCache`` + ``generate()`` for (policy source, prompt ids) pairs, before any engine
     starts (CPUs are few): prompt ids, tokens, and each step's top-2 logit gap. A policy's prompts
     decode as one batch."""
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     by_source: dict[str, list[list[int]]] = {}
     for source, ids in jobs:
         by_source.setdefault(json.dumps(source, sort_keys=True), []).append(ids)
@@ -73,7 +65,7 @@ def hf_rows(model_dir, jobs):
     for key, prompts in by_source.items():
         source = json.loads(key)
         policy = load_policy(source["policy"], **{k: v for k, v in source.items() if k != "policy"})
-        done[key] = hf_references(model, policy, prompts, NEW)
+        done[key] = engine_util.hf_references(model, policy, prompts, NEW)
     del model
     return [done[json.dumps(source, sort_keys=True)].pop(0) for source, _ in jobs]
 

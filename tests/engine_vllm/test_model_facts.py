@@ -18,13 +18,12 @@ import yaml
 
 pytest.importorskip("vllm")
 
+import engine_util  # noqa: E402
 from engine_util import (  # noqa: E402
     close,
     first_divergence,
     generate_in_subprocess,
     greedy,
-    hf_model,
-    hf_references,
     make_llm,
     serve_beside_a_refused_request,
     tokens_prompt,
@@ -202,9 +201,9 @@ def hf_refs(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    refs = {name: hf_references(model, load_policy(source, **overrides), ids, NEW)
+    refs = {name: engine_util.hf_references(model, load_policy(source, **overrides), ids, NEW)
             for name, (source, overrides) in POLICIES.items()}
     del model
     return refs

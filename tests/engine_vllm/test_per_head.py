@@ -18,17 +18,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import (  # noqa: E402
-    close,
-    first_divergence,
-    greedy,
-    hf_model,
-    hf_references,
-    make_llm,
-    read_jsonl,
-    tokens_prompt,
-    top2_gap,
-)
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, read_jsonl, tokens_prompt, top2_gap  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -55,8 +46,8 @@ def hf_refs(model_dir, name):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = hf_model(model_dir)
-    rows = hf_references(model, load_policy(name, **OVERRIDES), [tokenizer(text).input_ids for text in PROMPTS], NEW)
+    model = engine_util.hf_model(model_dir)
+    rows = engine_util.hf_references(model, load_policy(name, **OVERRIDES), [tokenizer(text).input_ids for text in PROMPTS], NEW)
     del model
     return rows
 

@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -32,11 +33,11 @@ def refs(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     out = {}
     for name, (settings, text) in CASES.items():
         policy = load_policy(settings["policy"], **{k: v for k, v in settings.items() if k != "policy"})
-        out[name] = hf_references(model, policy, [tokenizer(text).input_ids], NEW)[0]
+        out[name] = engine_util.hf_references(model, policy, [tokenizer(text).input_ids], NEW)[0]
     del model
     return out
 

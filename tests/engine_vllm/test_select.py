@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 
@@ -59,11 +60,11 @@ def hf_refs(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    refs = {name: hf_references(model, None if source is None else load_policy(source), ids, NEW)
+    refs = {name: engine_util.hf_references(model, None if source is None else load_policy(source), ids, NEW)
             for name, source in POLICIES.items()}
-    refs["quest-pages@long"] = hf_references(model, load_policy(POLICIES["quest-pages"]), long_prompts(tokenizer),
+    refs["quest-pages@long"] = engine_util.hf_references(model, load_policy(POLICIES["quest-pages"]), long_prompts(tokenizer),
                                              LONG_NEW)
     del model
     return refs

@@ -8,16 +8,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine_util import (  # noqa: E402
-    close,
-    first_divergence,
-    generate_in_subprocess,
-    greedy,
-    hf_model,
-    hf_references,
-    make_llm,
-    tokens_prompt,
-)
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, generate_in_subprocess, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -50,9 +42,9 @@ def tokenizer(model_dir):
 @pytest.fixture(scope="module")
 def hf_refs(model_dir, tokenizer):
     """``KVPolicyCache`` + ``generate()`` (computed before any engine starts: CPUs are few)."""
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    refs = {name: hf_references(model, load_policy(name, budget=BUDGET), ids, NEW) for name in ("snapkv", "streamingllm")}
+    refs = {name: engine_util.hf_references(model, load_policy(name, budget=BUDGET), ids, NEW) for name in ("snapkv", "streamingllm")}
     del model
     return refs
 

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engine_util import close, first_divergence, greedy, hf_model, hf_references, make_llm, tokens_prompt  # noqa: E402
+import engine_util  # noqa: E402
+from engine_util import close, first_divergence, greedy, make_llm, tokens_prompt  # noqa: E402
 
 from kvpolicy import load_policy  # noqa: E402
 from kvpolicy.vllm.models import smollm2_folder  # noqa: E402
@@ -38,9 +39,9 @@ def refs(model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = hf_model(model_dir)
+    model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    out = {name: hf_references(model, policy, ids, NEW)
+    out = {name: engine_util.hf_references(model, policy, ids, NEW)
            for name, policy in (("h2o", load_policy("h2o", budget=BUDGET)), ("h2o-w16", load_policy(H2O_W16)),
                                 ("gkv", load_policy("gkv", budget=BUDGET)),
                                 ("gkv-b64", load_policy("gkv", budget=64, interval=16)))}
