@@ -11,6 +11,11 @@ rows against each other (run them one after the other)::
     .venv-vllm/bin/python benchmarks/vllm_step_time.py snapkv --blocks 64
     .venv-vllm/bin/python benchmarks/vllm_step_time.py pyramidkv --blocks 64
 
+A line above the table says what the steps carried: tokens through the model (a request
+preempted for lack of blocks is recomputed, prompt and tokens so far), vLLM's preemptions,
+requests running per step and the share of the pool in use; two policies' steps compare only
+where those are alike.
+
 ``--blocks`` counts whole-model blocks, as ``vllm_bench.py``'s does (a per-layer policy's pool
 gets one block per layer for each: the same bytes).
 """
@@ -66,6 +71,46 @@ class Timers:
         self.calls.clear()
 
 
+class Load:
+    """What the steps carried: tokens through the model (recomputes after preemption included),
+    vLLM's preemptions, requests running and KV blocks in use, summed over the timed steps."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.tokens = self.preemptions = self.running = self.blocks_used = self.steps = 0
+        self.pool = 0
+
+    def watch(self, scheduler_cls: Any) -> None:
+        load = self
+        schedule, preempt = scheduler_cls.schedule, scheduler_cls._preempt_request
+
+        @functools.wraps(schedule)
+        def counted_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = schedule(self, *args, **kwargs)
+            pool = self.kv_cache_manager.block_pool
+            load.steps += 1
+            load.tokens += out.total_num_scheduled_tokens
+            load.running += len(self.running)
+            load.pool = pool.num_gpu_blocks
+            load.blocks_used += pool.num_gpu_blocks - pool.get_num_free_blocks()
+            return out
+
+        @functools.wraps(preempt)
+        def counted_preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+            load.preemptions += 1
+            return preempt(self, *args, **kwargs)
+
+        scheduler_cls.schedule, scheduler_cls._preempt_request = counted_schedule, counted_preempt
+
+    def summary(self) -> str:
+        steps = self.steps or 1
+        return (f"{self.tokens} tokens through the model ({self.tokens / steps:.1f} per step, recomputes included), "
+                f"{self.preemptions} preemptions, {self.running / steps:.2f} requests running per step, "
+                f"{100 * self.blocks_used / steps / max(self.pool, 1):.0f} % of the {self.pool} blocks in use")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("policy", help="a built-in policy (budget --budget), or 'vllm' for no kvpolicy")
@@ -103,6 +148,8 @@ def main() -> None:
               num_gpu_blocks_override=args.blocks * layers_per_block(policy, model), max_num_seqs=args.requests,
               enable_prefix_caching=False, seed=0, **extra)
     core = llm.llm_engine.engine_core.engine_core  # in-process: the engine core itself
+    load = Load()  # wrapped first: the timers' schedule then times it with the count inside
+    load.watch(type(core.scheduler))
     for name in VLLM_SCHEDULER:
         timers.wrap(type(core.scheduler), name, f"vllm.{name}")
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -127,6 +174,7 @@ def main() -> None:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     timers.clear()
+    load.clear()
     start = time.perf_counter()
     decoding: set[str] = set()  # requests past their prompt: with --decode-only, timing starts once every one is
     waiting = args.decode_only
@@ -136,11 +184,13 @@ def main() -> None:
                 decoding.add(out.request_id)
         if waiting and len(decoding) == len(prompts):
             timers.clear()
+            load.clear()
             waiting, start = False, time.perf_counter()
     wall = time.perf_counter() - start
     steps = timers.calls["vllm.schedule"] or 1
     what = "decode steps" if args.decode_only else "engine steps"
-    print(f"{args.policy}: {steps} {what}, {1000 * wall / steps:.2f} ms per step ({wall:.1f} s)\n")
+    print(f"{args.policy}: {steps} {what}, {1000 * wall / steps:.2f} ms per step ({wall:.1f} s)")
+    print(f"{load.summary()}\n")
     print("| part | ms per step | calls per step |")
     print("| --- | --- | --- |")
     for label, seconds in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
