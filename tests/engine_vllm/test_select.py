@@ -64,8 +64,8 @@ def hf_refs(model_dir):
     ids = [tokenizer(text).input_ids for text in PROMPTS]
     refs = {name: engine_util.hf_references(model, None if source is None else load_policy(source), ids, NEW)
             for name, source in POLICIES.items()}
-    refs["quest-pages@long"] = engine_util.hf_references(model, load_policy(POLICIES["quest-pages"]), long_prompts(tokenizer),
-                                             LONG_NEW)
+    quest_pages = load_policy(POLICIES["quest-pages"])
+    refs["quest-pages@long"] = engine_util.hf_references(model, quest_pages, long_prompts(tokenizer), LONG_NEW)
     del model
     return refs
 
