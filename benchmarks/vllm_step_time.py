@@ -73,14 +73,15 @@ class Timers:
 
 class Load:
     """What the steps carried: tokens through the model (recomputes after preemption included),
-    vLLM's preemptions, requests running and KV blocks in use, summed over the timed steps."""
+    vLLM's preemptions (and the tokens each victim had computed: its recompute), requests
+    running and KV blocks in use, summed over the timed steps."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.tokens = self.preemptions = self.running = self.blocks_used = self.steps = 0
-        self.pool = 0
+        self.tokens = self.running = self.blocks_used = self.steps = self.pool = 0
+        self.victims: list[int] = []  # tokens each preempted request had computed
 
     def watch(self, scheduler_cls: Any) -> None:
         load = self
@@ -98,16 +99,18 @@ class Load:
             return out
 
         @functools.wraps(preempt)
-        def counted_preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
-            load.preemptions += 1
-            return preempt(self, *args, **kwargs)
+        def counted_preempt(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            load.victims.append(int(request.num_computed_tokens))
+            return preempt(self, request, *args, **kwargs)
 
         scheduler_cls.schedule, scheduler_cls._preempt_request = counted_schedule, counted_preempt
 
     def summary(self) -> str:
         steps = self.steps or 1
+        victims = sorted(self.victims)
+        median = f" (their computed tokens: median {victims[len(victims) // 2]}, most {victims[-1]})" if victims else ""
         return (f"{self.tokens} tokens through the model ({self.tokens / steps:.1f} per step, recomputes included), "
-                f"{self.preemptions} preemptions, {self.running / steps:.2f} requests running per step, "
+                f"{len(victims)} preemptions{median}, {self.running / steps:.2f} requests running per step, "
                 f"{100 * self.blocks_used / steps / max(self.pool, 1):.0f} % of the {self.pool} blocks in use")
 
 
