@@ -39,7 +39,7 @@ def batches(tokenizer: Any) -> list[tuple[str, Any, list[list[int]], int]]:
 
     long = json.loads((ENGINE_TESTS.parent / "fixtures" / "long_prompts.json").read_text())["prompts"]
     out: list[tuple[str, Any, list[list[int]], int]] = []
-    for name in ("snapkv", "streamingllm"):
+    for name in test_smollm2.REFERENCE_POLICIES:
         out.append((f"smollm2/{name}", load_policy(name, budget=test_smollm2.BUDGET), ids(test_smollm2.PROMPTS),
                     test_smollm2.NEW))
     for name, source in test_select.POLICIES.items():
@@ -47,16 +47,13 @@ def batches(tokenizer: Any) -> list[tuple[str, Any, list[list[int]], int]]:
                     test_select.NEW))
     out.append(("select/quest-pages@long", load_policy(test_select.POLICIES["quest-pages"]), long,
                 test_select.LONG_NEW))
-    for name in ("ada-vase-attnv", "ada-snapkv"):
+    for name in test_per_head.POLICY_NAMES:
         out.append((f"per_head/{name}", load_policy(name, **test_per_head.OVERRIDES), ids(test_per_head.PROMPTS),
                     test_per_head.NEW))
     for name, (source, overrides) in test_model_facts.POLICIES.items():
         out.append((f"model_facts/{name}", load_policy(source, **overrides), ids(test_model_facts.PROMPTS),
                     test_model_facts.NEW))
-    stateful = {"h2o": load_policy("h2o", budget=test_stateful.BUDGET), "h2o-w16": load_policy(test_stateful.H2O_W16),
-                "gkv": load_policy("gkv", budget=test_stateful.BUDGET),
-                "gkv-b64": load_policy("gkv", budget=64, interval=16)}
-    for name, policy in stateful.items():
+    for name, policy in test_stateful.reference_policies().items():
         out.append((f"stateful/{name}", policy, ids(test_stateful.PROMPTS), test_stateful.NEW))
     import test_chunked_prefill
 

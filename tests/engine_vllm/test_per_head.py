@@ -27,6 +27,7 @@ BUDGET = 96
 NEW = 256
 BLOCK = 32
 TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
+POLICY_NAMES = ["ada-vase-attnv", "ada-snapkv"]  # each served, and compared with generate(), at OVERRIDES
 OVERRIDES = {"budget": BUDGET, "recent": 16, "interval": 32, "window": 32}
 PROMPTS = [
     "Write a long story about a dragon who learns to code. Once upon a time",
@@ -52,7 +53,7 @@ def hf_refs(model_dir, name):
     return rows
 
 
-@pytest.mark.parametrize("name", ["ada-vase-attnv", "ada-snapkv"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_per_head_budgets_give_generates_tokens(name, model_dir, tmp_path, monkeypatch):
     refs = hf_refs(model_dir, name)
     monkeypatch.setenv("KVPOLICY_VLLM_TRACE_SAVES", "1000")  # every eviction's inputs, read back below

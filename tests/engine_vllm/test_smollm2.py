@@ -25,6 +25,7 @@ SHORT = ["The capital of France is", "def fibonacci(n):", "Three colours of the 
 TIE = 1e-4  # two top logits this close are a kernel rounding tie, not a disagreement
 # Small blocks: budget 128 spans 4 blocks, an eviction at 192 slots compacts across 6 and frees 2.
 BLOCK = 32
+REFERENCE_POLICIES = ("snapkv", "streamingllm")  # compared with generate() at BUDGET
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def hf_refs(model_dir, tokenizer):
     """``KVPolicyCache`` + ``generate()`` (computed before any engine starts: CPUs are few)."""
     model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    refs = {name: engine_util.hf_references(model, load_policy(name, budget=BUDGET), ids, NEW) for name in ("snapkv", "streamingllm")}
+    refs = {name: engine_util.hf_references(model, load_policy(name, budget=BUDGET), ids, NEW)
+            for name in REFERENCE_POLICIES}
     del model
     return refs
 

@@ -33,6 +33,12 @@ def model_dir():
     return smollm2_folder()
 
 
+def reference_policies() -> dict:
+    """The policies whose ``generate()`` references this module compares with, by name."""
+    return {"h2o": load_policy("h2o", budget=BUDGET), "h2o-w16": load_policy(H2O_W16),
+            "gkv": load_policy("gkv", budget=BUDGET), "gkv-b64": load_policy("gkv", budget=64, interval=16)}
+
+
 @pytest.fixture(scope="module")
 def refs(model_dir):
     """``KVPolicyCache`` + ``generate()`` per policy (computed before any engine starts)."""
@@ -41,10 +47,7 @@ def refs(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = engine_util.hf_model(model_dir)
     ids = [tokenizer(text).input_ids for text in PROMPTS]
-    out = {name: engine_util.hf_references(model, policy, ids, NEW)
-           for name, policy in (("h2o", load_policy("h2o", budget=BUDGET)), ("h2o-w16", load_policy(H2O_W16)),
-                                ("gkv", load_policy("gkv", budget=BUDGET)),
-                                ("gkv-b64", load_policy("gkv", budget=64, interval=16)))}
+    out = {name: engine_util.hf_references(model, policy, ids, NEW) for name, policy in reference_policies().items()}
     del model
     return out
 
