@@ -97,12 +97,28 @@ def test_the_scheduler_and_each_groups_manager_are_checked():
                                      "block_pool": complete(contract.BLOCK_POOL)})
         return SimpleNamespace(**{**vars(complete(contract.SCHEDULER)), "kv_cache_manager": manager})
 
-    group = complete(contract.SINGLE_TYPE_MANAGER)
+    class Manager(SimpleNamespace):
+        def get_num_blocks_to_allocate(self, request_id, num_tokens, *counts, apply_admission_cap=False):
+            raise AssertionError("the check must not call it")
+
+    def manager():
+        return Manager(**vars(complete(contract.SINGLE_TYPE_MANAGER)))
+
+    group = manager()
     contract.check_scheduler(scheduler(group, group))
-    renamed = complete(contract.SINGLE_TYPE_MANAGER)
+    renamed = manager()
     del renamed.kv_cache_group_id
     with pytest.raises(KVPolicyVLLMError, match="SingleTypeKVCacheManager .*'kv_cache_group_id'"):
         contract.check_scheduler(scheduler(group, renamed))
+
+    class Unmarked(Manager):  # a vLLM whose admission check no longer says so
+        def get_num_blocks_to_allocate(self, request_id, num_tokens, *counts):
+            raise AssertionError("the check must not call it")
+
+    unmarked = Unmarked(**vars(complete(contract.SINGLE_TYPE_MANAGER)))
+    with pytest.raises(KVPolicyVLLMError, match=r"get_num_blocks_to_allocate .*no parameter 'apply_admission_cap' "
+                                                r"\(read for: marks vLLM's admission check"):
+        contract.check_scheduler(scheduler(group, unmarked))
 
 
 def test_the_contract_names_the_version_the_makefile_installs():
@@ -212,3 +228,6 @@ def test_vllm_classes_and_objects_pass_the_contract(monkeypatch):
     contract.check(KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec), contract.KV_CACHE_GROUP)
     builder = CPUAttentionBackend.get_builder_cls()
     assert contract.has(builder, "build") and CPUAttentionBackend.get_impl_cls() is CPUAttentionBackendImpl
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    contract.check_parameters(FullAttentionManager.get_num_blocks_to_allocate, contract.BLOCKS_TO_ALLOCATE)

@@ -280,7 +280,7 @@ def test_the_schedulers_slot_count_is_each_groups_peak_of_the_slots_it_holds(nam
                              model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: 2,
                                                           get_num_layers=lambda parallel: layers),
                              parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
-    scheduler = SimpleNamespace(vllm_config=config, requests={},
+    scheduler = SimpleNamespace(vllm_config=config, requests={}, policy=SimpleNamespace(value="fcfs"),
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s)
                                                                                  for s in specs]))
     saved = sched_mod._STATE, sched_mod._WORKERS
@@ -310,5 +310,52 @@ def test_the_schedulers_slot_count_is_each_groups_peak_of_the_slots_it_holds(nam
                 if entry is not None and entry.layer_schedule is not None:
                     expected = max(expected, peak_slots(entry.layer_schedule, prompt, slots, plan.head_caps[g]))
                 assert state.counted_slots("r", num_tokens, g) == expected
+    finally:
+        sched_mod._STATE, sched_mod._WORKERS = saved
+
+
+@pytest.mark.parametrize("order", ["fcfs", "priority"])
+def test_admission_keeps_room_for_every_admitted_requests_peak_under_first_come_first_served(order):
+    """``SchedulerEviction.admission_reserve``, added to vLLM's check that a waiting request fits
+    (which counts its sequence so far): each running request's room to its peak (``snapkv`` at
+    128: 128 + 64 slots, 6 blocks of 32; a request of 10 + 40 tokens never holds more than 50, 2
+    blocks), less the blocks it holds, and the waiting request's own room past what the check
+    counts for it; nothing for a request that never evicts; nothing at all under priority
+    scheduling, where vLLM admits and preempts by priority."""
+    from types import SimpleNamespace
+
+    from kvpolicy.vllm import scheduler as sched_mod
+    from kvpolicy.vllm.settings import resolve, resolve_request
+
+    resolved = resolve({"policy": "snapkv", "budget": 128})
+    config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=32),
+                             model_config=SimpleNamespace(get_num_kv_heads=lambda parallel: 2),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+    def request(req_id, prompt, max_tokens, settings=None):
+        extra = None if settings is None else resolve_request({"kvpolicy": settings})
+        return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt,
+                               sampling_params=SimpleNamespace(extra_args=extra, max_tokens=max_tokens))
+
+    running = [request("grown", 32, 500), request("full", 32, 500), request("plain", 32, 500, "none"),
+               request("short", 10, 40)]
+    waiting = [request("new", 32, 500), request("tiny", 20, 10)]
+    held = {"grown": 4, "full": 6, "plain": 9, "short": 1}
+    scheduler = SimpleNamespace(vllm_config=config, requests={r.request_id: r for r in running + waiting},
+                                running=running, policy=SimpleNamespace(value=order),
+                                kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
+    manager = SimpleNamespace(kv_cache_group_id=0, block_size=32,
+                              req_to_blocks={r: list(range(n)) for r, n in held.items()})
+    saved = sched_mod._STATE, sched_mod._WORKERS
+    sched_mod._WORKERS = (config, sched_mod.Workers())  # as start-up asks them
+    try:
+        state = sched_mod.SchedulerEviction(scheduler, resolved)
+        fcfs = order == "fcfs"
+        others = (6 - 4) + (6 - 6) + 0 + (2 - 1)
+        # its prompt counted as 1 block: 5 more to its peak; 20 + 10 tokens fit the 1 block counted
+        assert state.admission_reserve(manager, "new", 1) == (others + 5 if fcfs else 0)
+        assert state.admission_reserve(manager, "tiny", 1) == (others if fcfs else 0)
+        running.pop(0)  # the grown request finished: its room goes with it
+        assert state.admission_reserve(manager, "new", 1) == (1 + 5 if fcfs else 0)
     finally:
         sched_mod._STATE, sched_mod._WORKERS = saved

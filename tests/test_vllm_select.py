@@ -347,7 +347,7 @@ def test_a_select_request_computes_each_selected_token_alone_and_caches_only_den
                                                                                          block_size=BLOCK),
                                                             model_config=model,
                                                             parallel_config=SimpleNamespace(tensor_parallel_size=1)),
-                                requests=requests,  # one KV-cache group for every layer
+                                requests=requests, policy=SimpleNamespace(value="fcfs"),  # one KV-cache group for every layer
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
     monkeypatch.setattr(sched_mod, "_WORKERS", (scheduler.vllm_config, sched_mod.Workers()))  # as start-up asks them
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
@@ -384,7 +384,7 @@ def test_the_engine_core_refuses_alone_a_page_choice_whose_pages_are_not_the_blo
                              parallel_config=SimpleNamespace(tensor_parallel_size=1))
     manager = SimpleNamespace(block_pool=SimpleNamespace(num_gpu_blocks=1000),
                               coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=BLOCK)]))
-    scheduler = SimpleNamespace(vllm_config=config, requests={}, kv_cache_manager=manager,
+    scheduler = SimpleNamespace(vllm_config=config, requests={}, kv_cache_manager=manager, policy=SimpleNamespace(value="fcfs"),
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
     monkeypatch.setattr(sched_mod, "_WORKERS", (scheduler.vllm_config, sched_mod.Workers()))  # as start-up asks them
     state = sched_mod.SchedulerEviction(scheduler, Resolved(None, "none", 0))
@@ -410,7 +410,7 @@ def test_a_scheduler_takes_only_its_own_engines_workers(monkeypatch):
 
     def scheduler() -> SimpleNamespace:  # an engine's scheduler, with its own configuration
         config = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=BLOCK))
-        return SimpleNamespace(vllm_config=config, requests={},
+        return SimpleNamespace(vllm_config=config, requests={}, policy=SimpleNamespace(value="fcfs"),
                                kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=None)]))
 
     monkeypatch.setattr(sched_mod, "_STATE", None)

@@ -135,6 +135,28 @@ def test_requests_preempted_after_evicting_finish_and_leak_no_block(tmp_path):
     assert last["running"] == 0 and last["held_blocks"] == 0 and last["free_blocks"] == last["total_blocks"]
 
 
+def test_first_come_first_served_admits_a_request_only_where_every_peak_fits(tmp_path):
+    """10 requests at once over 10 blocks (9 usable), first come first served: vLLM alone admits
+    as many as their prompts fit (a block each), then preempts the last admitted as they grow to
+    their peaks (budget 32 + interval 16: 2 blocks each) and recomputes it from its prompt.
+    kvpolicy's admission also counts every admitted request's room to its peak
+    (``SchedulerEviction.admission_reserve``): the others wait, none is preempted, every request
+    gets its tokens, and the running requests' peaks fit the pool at every step."""
+    llm = make_llm(tiny_qwen3_folder(), {**POLICY, "trace": str(tmp_path)}, block_size=BLOCK, max_num_seqs=12,
+                   num_gpu_blocks_override=10, max_model_len=288)
+    rng = random.Random(3)
+    reqs = [([rng.randint(3, 4000) for _ in range(rng.randint(10, 30))], rng.randint(150, 200)) for _ in range(10)]
+    try:
+        outs = llm.generate([tokens_prompt(ids) for ids, _ in reqs], [greedy(n) for _, n in reqs], use_tqdm=False)
+    finally:
+        close(llm)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in reqs]
+    steps = read_jsonl(tmp_path, "scheduler-")
+    assert steps[-1]["preempted_total"] == 0 and sum(s["resumed"] for s in steps) == 0
+    assert max(s["waiting"] for s in steps) > 0  # the pool could not hold every request's peak at once
+    assert all(2 * s["running"] <= s["total_blocks"] for s in steps)
+
+
 def test_chunked_prefill_equals_one_shot_prefill(tmp_path):
     """Prompts of 100-300 tokens prefilled in chunks of at most 64 tokens, beside decoding
     requests, with prompt compression on (the step that completes a prompt evicts it to the

@@ -111,7 +111,8 @@ SCHEDULER = Contract("vllm.v1.core.sched.scheduler.Scheduler", {
     "kv_cache_config": "the KV-cache groups, one per layer under per-layer budgets",
     "kv_cache_manager": "each group's blocks, freed past the kept slots",
     "requests": "each request's policy, replay points and budgets", "waiting": "the trace's queue lengths",
-    "running": "the trace's queue lengths",
+    "running": "the trace's queue lengths, and the room admission reserves for their peaks",
+    "policy": "admission keeps room for every admitted request's peak under first-come-first-served only",
 })
 KV_CACHE_MANAGER = Contract("vllm.v1.core.kv_cache_manager.KVCacheManager", {
     "coordinator": "each KV-cache group's manager",
@@ -125,6 +126,10 @@ SINGLE_TYPE_MANAGER = Contract("vllm.v1.core.single_type_kv_cache_manager.Single
     "req_to_blocks": "a request's blocks, trimmed past its kept slots",
     "block_pool": "blocks freed by eviction return to the pool", "block_size": "slots per block",
     "kv_cache_group_id": "each group counts its own layer's slots",
+})
+#: Parameters of a vLLM method that kvpolicy's wrapper reads (``check_parameters``).
+BLOCKS_TO_ALLOCATE = Contract("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate", {
+    "apply_admission_cap": "marks vLLM's admission check, which also counts the running requests' room to their peaks",
 })
 BLOCK_POOL = Contract("vllm.v1.core.block_pool.BlockPool", {"free_blocks": "freed blocks return to the pool"})
 # Per-step objects, checked on their classes (declared fields); a Request when the first arrives.
@@ -195,6 +200,19 @@ def check(obj: Any, contract: Contract) -> None:
         )
 
 
+def check_parameters(func: Any, contract: Contract) -> None:
+    """Refuse a vLLM method (``func``) that lacks a parameter kvpolicy's wrapper of it reads."""
+    params = inspect.signature(func).parameters
+    absent = [name for name in contract.reads if name not in params]
+    if absent:
+        reasons = "; ".join(f"{name!r} (read for: {contract.reads[name]})" for name in absent)
+        raise KVPolicyVLLMError(
+            f"{contract.owner} (vLLM {installed_version()}) has no parameter {reasons}: kvpolicy[vllm] is written "
+            f"against vLLM {CONTRACT_VLLM} (supported {SUPPORTED_VLLM_TEXT}) and refuses to run without it rather "
+            "than serve with it missing"
+        )
+
+
 def check_once(obj: Any, contract: Contract) -> None:
     """``check`` for objects first seen after start-up (a ``Request`` declares no fields): once per class."""
     if (type(obj), contract.owner) not in _CHECKED:
@@ -244,3 +262,5 @@ def check_scheduler(scheduler: Any) -> None:
     check(manager.block_pool, BLOCK_POOL)
     check(manager.coordinator, KV_CACHE_COORDINATOR)
     check_all((m, SINGLE_TYPE_MANAGER) for m in manager.coordinator.single_type_managers)
+    for m in manager.coordinator.single_type_managers:
+        check_parameters(type(m).get_num_blocks_to_allocate, BLOCKS_TO_ALLOCATE)

@@ -12,7 +12,7 @@ exists only when ``additional_config["kvpolicy"]`` was resolved by the front end
 | engine core | ``Scheduler._preempt_request`` / ``_reserve_prefill_lookahead`` | keep a preempted request's eviction points; cap its recompute's steps at them |
 | engine core | ``vllm.v1.executor.abstract.Executor.initialize_from_config`` | once the workers start evicting: the model facts they cannot give and their model fingerprints, asked once of every rank (``collective_rpc``), and the executor, kept for the scheduler (``scheduler.Workers``), which asks the workers for the layer budgets they decided (CAKE) |
 | engine core | ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` | a request whose kvpolicy settings were not resolved by the front end, that cannot fit the KV pool, whose prompt its policy cannot keep whole, or whose policy needs a model fact the workers cannot give, fails alone |
-| engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching) |
+| engine core | ``vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate`` / ``allocate_new_blocks`` / ``free`` / ``pop_blocks_for_free`` | allocate for slots held, not tokens seen (and the fresh blocks of a first eviction under prefix caching); admission keeps room for every admitted request's peak |
 | engine core | ``SingleTypeKVCacheManager.cache_blocks`` / ``FullAttentionManager.cache_blocks``, ``KVCacheManager.get_computed_blocks`` | never cache the blocks of a request that has evicted; shorten a prefix hit that would skip queries its first eviction needs |
 | worker | ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache`` / ``_update_states`` / ``_prepare_inputs`` / ``execute_model`` / ``sample_tokens`` (``CPUModelRunner`` inherits them) | the per-rank state; attention length and slot mapping by slots; eviction after the forward; seeded generators held out of discarded samples |
 | worker | ``vllm.model_executor.layers.attention.attention.Attention.get_kv_cache_spec`` | under a per-layer policy (``budgets.per_layer``), each layer's spec of its own (``kvpolicy.vllm.layer_spec``): vLLM builds a KV-cache group, so a block table, per layer |
@@ -237,7 +237,9 @@ def _install_scheduler() -> None:
 
     # For a full-attention manager only `num_tokens` sizes the allocation: the other counts
     # vLLM passes serve sliding windows (skipped tokens) and speculative decoding (the main
-    # model's tokens), both refused at start-up.
+    # model's tokens), both refused at start-up. `apply_admission_cap` marks vLLM's check that a
+    # waiting request's whole sequence fits (it only compares the count with the free blocks):
+    # there every admitted request's room to its peak counts too (`admission_reserve`).
     @_around(base, "get_num_blocks_to_allocate", "allocate_new_blocks")
     def counted(original, self, request_id, num_tokens, *args: Any, **kwargs: Any):
         state = sched_mod.state()
@@ -246,7 +248,10 @@ def _install_scheduler() -> None:
         group = int(self.kv_cache_group_id)  # under per-layer budgets each group counts its own layer's slots
         copies = state.copy_blocks(request_id, num_tokens, self.block_size, group)
         slots = state.counted_slots(request_id, num_tokens, group)
-        return original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
+        blocks = original(self, request_id, slots + copies * self.block_size, *args, **kwargs)
+        if kwargs.get("apply_admission_cap"):
+            blocks += state.admission_reserve(self, request_id, blocks)
+        return blocks
 
     @_around(stm.FullAttentionManager, "cache_blocks")
     @_around(base, "cache_blocks")  # first: a subclass that inherits it keeps the one wrapper

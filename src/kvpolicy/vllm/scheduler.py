@@ -44,6 +44,12 @@ past the kept slots, and tells the workers which blocks each group keeps (``work
 before it schedules another step; their block tables then match its own again. The budgets stay
 on the vLLM ``Request`` (``BUDGETS_ATTR``): a recompute after preemption replays them.
 
+**Admission keeps room for every admitted request's peak** (``admission_reserve``, under
+first-come-first-served scheduling): vLLM's check that a waiting request's whole sequence fits the
+free blocks also counts what it and each running request may still take before they evict again
+(bounded, and reached within an interval). A request admitted into that room would be the first
+preempted (the last admitted) when they grow, and recomputed from its prompt.
+
 **Preemption replays evictions.** A preempted request keeps its eviction points
 (``SlotLedger.replay_plan``, kept on the vLLM ``Request``); when vLLM recomputes it, each step's
 tokens for it are capped to end at the next point (``replay_cap``), so it evicts at exactly the
@@ -161,6 +167,9 @@ class SchedulerEviction:
         self.counts = SchedulerCounts()
         self.step = 0
         self.workers = workers_of(scheduler.vllm_config)  # asked at start-up, before this scheduler existed
+        # Admission keeps room for every admitted request's peak (``admission_reserve``) under
+        # first-come-first-served scheduling only.
+        self.reserves_peaks = scheduler.policy.value == "fcfs"
         #: Requests whose first eviction's layer budgets the workers decide (``decides_from_prompt``),
         #: by id: the scheduler output of the step that evicts, until the budgets are back.
         self.awaiting: dict[str, Any] = {}
@@ -267,15 +276,48 @@ class SchedulerEviction:
         entry = self.ledgers[group].requests.get(req_id)
         slots = num_tokens if entry is None else num_tokens - entry.offset
         request = self.scheduler.requests.get(req_id)
-        if request is None or (entry is not None and entry.awaiting):  # awaiting: it holds every slot until
-            return slots                                                # its layer budget is known
+        bound = None if request is None else self._peak(request, group)
+        return slots if bound is None else min(bound, slots)
+
+    def _peak(self, request: Any, group: int) -> int | None:
+        """The most slots of KV-cache group ``group`` the request holds at once (``peak_bound``);
+        None: no bound (it never evicts there, or it awaits the layer budget its first eviction
+        decides, holding every slot until then)."""
+        entry = self.ledgers[group].requests.get(request.request_id)
+        if entry is not None and entry.awaiting:
+            return None
         bound = self._peak_bounds(request)[group]
-        if bound is None:
-            return slots
-        if entry is not None and entry.layer_schedule is not None:  # a layer budget decided from its prompt
+        if bound is not None and entry is not None and entry.layer_schedule is not None:  # decided from its prompt
             cap = self.plan(request).head_caps[group]
             bound = max(bound, peak_bound(entry.layer_schedule, int(request.num_prompt_tokens), cap))
-        return min(bound, slots)
+        return bound
+
+    def admission_reserve(self, manager: Any, req_id: str, counted: int) -> int:
+        """Blocks of ``manager``'s KV-cache group that vLLM's check that the waiting request
+        ``req_id`` fits (which counts ``counted`` blocks for its sequence so far) must also find
+        free: the room of each running request and of ``req_id`` to its peak (or to its whole
+        length, if shorter), less the blocks each holds or is counted. Requests without a bound (no
+        eviction, select mode) count nothing, as vLLM counts nothing for growth; under priority
+        scheduling nothing counts (vLLM admits and preempts by priority: its choice)."""
+        if not self.reserves_peaks:
+            return 0
+        group, size = int(manager.kv_cache_group_id), int(manager.block_size)
+        held = manager.req_to_blocks
+
+        def room(request: Any, blocks: int) -> int:
+            peak = self._peak(request, group)
+            if peak is None:
+                return 0
+            longest = request.sampling_params.max_tokens
+            if longest is not None:
+                peak = min(peak, int(request.num_prompt_tokens) + int(longest))
+            return max(0, cdiv(peak, size) - blocks)
+
+        reserve = sum(room(r, len(held.get(r.request_id, ()))) for r in self.scheduler.running if r.request_id != req_id)
+        waiting = self.scheduler.requests.get(req_id)
+        if waiting is not None:
+            reserve += room(waiting, len(held.get(req_id, ())) + counted)
+        return reserve
 
     def _peak_bounds(self, request: Any) -> list[int | None]:
         """Each group's ``peak_bound`` for the request (None: that group never evicts it), worked
