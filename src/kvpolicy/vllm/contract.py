@@ -129,7 +129,7 @@ SINGLE_TYPE_MANAGER = Contract("vllm.v1.core.single_type_kv_cache_manager.Single
 })
 #: Parameters of a vLLM method that kvpolicy's wrapper reads (``check_parameters``).
 BLOCKS_TO_ALLOCATE = Contract("vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager.get_num_blocks_to_allocate", {
-    "apply_admission_cap": "marks vLLM's admission check, which also counts the running requests' room to their peaks",
+    "apply_admission_cap": "marks vLLM's admission check, which also counts every admitted request's room to its peak",
 })
 BLOCK_POOL = Contract("vllm.v1.core.block_pool.BlockPool", {"free_blocks": "freed blocks return to the pool"})
 # Per-step objects, checked on their classes (declared fields); a Request when the first arrives.
@@ -191,13 +191,7 @@ def check(obj: Any, contract: Contract) -> None:
     absent = missing(obj, contract)
     if absent:
         cls = obj if isinstance(obj, type) else type(obj)
-        reasons = "; ".join(f"{name!r} (read for: {contract.reads[name]})" for name in absent)
-        here = f"{cls.__module__}.{cls.__qualname__}, vLLM {installed_version()}"
-        raise KVPolicyVLLMError(
-            f"{contract.owner} ({here}) has no attribute {reasons}: kvpolicy[vllm] is written against vLLM "
-            f"{CONTRACT_VLLM} (supported {SUPPORTED_VLLM_TEXT}) and refuses to run without it rather than serve "
-            "with it missing"
-        )
+        raise _refusal(contract, f"{cls.__module__}.{cls.__qualname__}, ", "attribute", absent)
 
 
 def check_parameters(func: Any, contract: Contract) -> None:
@@ -205,12 +199,16 @@ def check_parameters(func: Any, contract: Contract) -> None:
     params = inspect.signature(func).parameters
     absent = [name for name in contract.reads if name not in params]
     if absent:
-        reasons = "; ".join(f"{name!r} (read for: {contract.reads[name]})" for name in absent)
-        raise KVPolicyVLLMError(
-            f"{contract.owner} (vLLM {installed_version()}) has no parameter {reasons}: kvpolicy[vllm] is written "
-            f"against vLLM {CONTRACT_VLLM} (supported {SUPPORTED_VLLM_TEXT}) and refuses to run without it rather "
-            "than serve with it missing"
-        )
+        raise _refusal(contract, "", "parameter", absent)
+
+
+def _refusal(contract: Contract, where: str, kind: str, absent: list[str]) -> KVPolicyVLLMError:
+    reasons = "; ".join(f"{name!r} (read for: {contract.reads[name]})" for name in absent)
+    return KVPolicyVLLMError(
+        f"{contract.owner} ({where}vLLM {installed_version()}) has no {kind} {reasons}: kvpolicy[vllm] is written "
+        f"against vLLM {CONTRACT_VLLM} (supported {SUPPORTED_VLLM_TEXT}) and refuses to run without it rather than "
+        "serve with it missing"
+    )
 
 
 def check_once(obj: Any, contract: Contract) -> None:
